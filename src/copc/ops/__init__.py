@@ -1,0 +1,1 @@
+"""Pure tensor maths of copc: estimators, ratios, losses (torch only; see docs/algorithms.md)."""

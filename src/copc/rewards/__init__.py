@@ -1,0 +1,1 @@
+"""copc.rewards."""
