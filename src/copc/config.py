@@ -1,0 +1,331 @@
+"""Generic machinery for configs: nested frozen dataclasses <-> dicts, YAML files and CLI overrides.
+
+Every component owns a frozen dataclass config (STYLE.md, point 7): each field has a default, a
+one-line doc under it, and ``__post_init__`` checks ranges and says how to fix a bad value. This module
+knows nothing about any particular component. It turns plain data (a YAML file, ``key.sub=value``
+overrides) into those dataclasses, checking every value against the field's annotation:
+
+- ``bool`` accepts only true/false (not 0/1); ``int`` rejects bools; ``float`` accepts ints and the
+  strings ``inf``/``-inf``/``nan``; ``str``; ``Literal[...]`` (the valid choices are listed on error);
+- ``X | None`` / ``Optional[X]`` and other unions (first member that accepts the value wins);
+- ``tuple[X, ...]``, ``tuple[X, Y]``, ``list[X]``, ``dict[str, X]``;
+- nested dataclasses (a mapping, merged over the current or default section).
+
+Any problem raises :class:`ConfigError` with a one-line message that names the key, its section and
+what to do (the CLI prints it without a traceback). Annotations are resolved with
+``typing.get_type_hints``, so configs may use ``from __future__ import annotations``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal, TypeAlias, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+#: Plain data a config turns into and comes from (what YAML and JSON can hold).
+ConfigValue: TypeAlias = Union[  # noqa: UP007 (a recursive alias needs the subscript form)
+    bool, int, float, str, list["ConfigValue"], dict[str, "ConfigValue"], None
+]
+
+
+class ConfigError(ValueError):
+    """A config value, key or file is wrong; the message is one line that says how to fix it."""
+
+
+def _join(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _section_name(section: str) -> str:
+    return f"section '{section}'" if section else "the top-level config"
+
+
+def _unknown_key(key: str, section: str, valid: Sequence[str]) -> ConfigError:
+    hint = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    did_you_mean = f" (did you mean '{hint[0]}'?)" if hint else ""
+    return ConfigError(
+        f"unknown key '{key}' in {_section_name(section)}{did_you_mean}; valid keys: {', '.join(valid)}"
+    )
+
+
+def _field_types(cls: type) -> dict[str, object]:
+    """Resolved annotations of the init fields of dataclass ``cls`` (works with postponed annotations)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _describe(tp: object) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _is_dataclass_type(tp: object) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value: object, tp: object, where: str) -> object:
+    """Check ``value`` against annotation ``tp`` and convert it (lists -> tuples, int -> float ...)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is typing.Any or tp is object:
+        return value
+    if origin is Literal:
+        for choice in args:
+            if value == choice and type(value) is type(choice):
+                return choice
+        choices = ", ".join(repr(c) for c in args)
+        raise ConfigError(f"{where}: {value!r} is not a valid choice; valid choices: {choices}")
+    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for member in args:
+            if member is type(None):
+                continue
+            try:
+                return _coerce(value, member, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(f"{where}: {value!r} does not fit {_describe(tp)} ({'; '.join(errors)})")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected null, got {value!r}")
+    if origin in (tuple, list):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise ConfigError(f"{where}: expected a list ({_describe(tp)}), got {value!r}")
+        items = list(value)
+        if origin is list:
+            member = args[0] if args else typing.Any
+            return [_coerce(v, member, f"{where}[{i}]") for i, v in enumerate(items)]
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(items))
+        if args and len(args) != len(items):
+            raise ConfigError(f"{where}: expected {len(args)} items ({_describe(tp)}), got {len(items)}")
+        if not args:
+            return tuple(items)
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(items, args, strict=True)))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping ({_describe(tp)}), got {value!r}")
+        key_tp, val_tp = args if args else (typing.Any, typing.Any)
+        return {
+            _coerce(k, key_tp, where): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()
+        }
+    if _is_dataclass_type(tp):
+        if dataclasses.is_dataclass(value) and isinstance(value, tp):  # type: ignore[arg-type]
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping for section '{where}', got {value!r}")
+        return _build(tp, value, where)  # type: ignore[arg-type]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in tp)
+            raise ConfigError(f"{where}: {value!r} is not a valid choice; valid choices: {choices}") from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "infinity", "nan"):
+            return float(value.strip().lower().replace("infinity", "inf"))
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r} (quote it)")
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    raise ConfigError(f"{where}: unsupported annotation {_describe(tp)} in a config class")
+
+
+def _construct(cls: type[T], kwargs: Mapping[str, object], section: str) -> T:
+    """Call ``cls(**kwargs)``; a range check failing in ``__post_init__`` becomes a one-line ConfigError."""
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        message = " ".join(str(err).split())
+        raise ConfigError(f"{_section_name(section)} ({cls.__name__}): {message}") from None
+
+
+def _build(cls: type[T], data: Mapping[str, object], section: str, base: T | None = None) -> T:
+    """Build ``cls`` from ``data``, starting from ``base`` (or the defaults) for keys not given."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{_section_name(section)} must be a mapping, got {data!r}")
+    hints = _field_types(cls)
+    kwargs: dict[str, object] = {}
+    for key, value in data.items():
+        if not isinstance(key, str) or key not in hints:
+            raise _unknown_key(str(key), section, list(hints))
+        tp = hints[key]
+        where = _join(section, key)
+        current = getattr(base, key) if base is not None else None
+        if isinstance(value, Mapping) and _is_dataclass_type(current.__class__) and isinstance(
+            current, _plain_dataclass_types(tp)
+        ):
+            kwargs[key] = _build(type(current), value, where, base=current)
+        else:
+            kwargs[key] = _coerce(value, tp, where)
+    if base is not None:
+        return _replace(base, kwargs, section)
+    return _construct(cls, kwargs, section)
+
+
+def _plain_dataclass_types(tp: object) -> tuple[type, ...]:
+    """The dataclass types an annotation admits (``X``, ``X | None`` ...), for merging a mapping."""
+    if _is_dataclass_type(tp):
+        return (tp,)  # type: ignore[return-value]
+    return tuple(a for a in typing.get_args(tp) if _is_dataclass_type(a))
+
+
+def _replace(cfg: T, changes: Mapping[str, object], section: str) -> T:
+    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}  # type: ignore[arg-type]
+    kwargs.update(changes)
+    return _construct(type(cfg), kwargs, section)
+
+
+def from_dict(cls: type[T], data: Mapping[str, object] | None) -> T:
+    """Build config ``cls`` from plain data; keys not given keep their defaults.
+
+    Raises:
+        ConfigError: unknown key (with the valid keys and a close match), wrongly typed value, or a
+            value the dataclass's ``__post_init__`` rejects.
+    """
+    if not _is_dataclass_type(cls):
+        raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
+    return _build(cls, data or {}, "")
+
+
+def to_dict(cfg: object) -> dict[str, ConfigValue]:
+    """Plain, YAML/JSON-ready data for a config dataclass (tuples become lists, enums their value)."""
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise TypeError(f"to_dict needs a dataclass instance, got {cfg!r}")
+    out = _plain(cfg)
+    assert isinstance(out, dict)
+    return out
+
+
+def _plain(value: object) -> ConfigValue:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"config value {value!r} of type {type(value).__name__} cannot be written to YAML")
+
+
+def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
+    """Read a YAML file (a mapping of sections) into config ``cls``."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        first = " ".join(str(err).split())
+        raise ConfigError(f"config file {path} is not valid YAML: {first}") from None
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
+    try:
+        return from_dict(cls, data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def dump_yaml(cfg: object, path: str | os.PathLike[str]) -> Path:
+    """Write ``cfg`` as YAML (atomically: a temp file, then ``os.replace``); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True))
+    os.replace(tmp, path)
+    return path
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    """Split ``"a.b=value"`` into ``(["a", "b"], parsed value)``; the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} must look like key.sub=value (for example trainer.lr=1e-5)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML (e.g. an unbalanced bracket): keep the text as written
+    if isinstance(value, str) and _looks_like_float(value):
+        value = float(value)  # YAML 1.1 reads "1e-5" as a string; people mean a number
+    return key.split("."), value
+
+
+def _looks_like_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _override_one(cfg: T, path: list[str], value: object, section: str) -> T:
+    hints = _field_types(type(cfg))
+    key = path[0]
+    if key not in hints:
+        raise _unknown_key(key, section, list(hints))
+    where = _join(section, key)
+    current = getattr(cfg, key)
+    if len(path) > 1:
+        if not (dataclasses.is_dataclass(current) and not isinstance(current, type)):
+            raise ConfigError(f"'{where}' is a value, not a section: write {where}=VALUE")
+        return _replace(cfg, {key: _override_one(current, path[1:], value, where)}, section)
+    if isinstance(value, Mapping) and dataclasses.is_dataclass(current) and not isinstance(current, type):
+        new: object = _build(type(current), value, where, base=current)
+    else:
+        new = _coerce(value, hints[key], where)
+    return _replace(cfg, {key: new}, section)
+
+
+def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
+    """Return ``cfg`` with each ``"key.sub=value"`` applied in order (values parsed as YAML).
+
+    Example: ``apply_overrides(cfg, ["trainer.lr=1e-5", "method=copc", "staleness.mode=bounded"])``.
+    """
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise TypeError(f"apply_overrides needs a dataclass instance, got {cfg!r}")
+    for text in overrides:
+        path, value = parse_override(text)
+        try:
+            cfg = _override_one(cfg, path, value, "")
+        except ConfigError as err:
+            raise ConfigError(f"override {text!r}: {err}") from None
+    return cfg

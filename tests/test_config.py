@@ -1,0 +1,175 @@
+"""Config machinery: dict/YAML round trips, overrides, type checks and one-line errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from copc.config import ConfigError, apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
+
+
+@dataclass(frozen=True)
+class OptimCfg:
+    lr: float = 1e-5
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}; try 1e-5")
+
+
+@dataclass(frozen=True)
+class StaleCfg:
+    mode: Literal["fixed_lag", "bounded"] = "bounded"
+    """Staleness policy."""
+    staleness: int = 8
+    """Lag bound."""
+
+    def __post_init__(self) -> None:
+        if self.staleness < 0:
+            raise ValueError(
+                f"staleness must be >= 0, got {self.staleness};\n use 0 for synchronous training"
+            )
+
+
+@dataclass(frozen=True)
+class RootCfg:
+    method: Literal["ppo", "copc"] = "copc"
+    """Preset."""
+    seed: int = 0
+    """Seed."""
+    verbose: bool = False
+    """Chatty logs."""
+    window: float | None = None
+    """Optional window."""
+    tags: tuple[str, ...] = ()
+    """Free tags."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Named weights."""
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    """Optimizer section."""
+    staleness: StaleCfg = field(default_factory=StaleCfg)
+    """Staleness section."""
+
+
+def test_defaults_and_round_trip(tmp_path):
+    cfg = RootCfg(window=math.inf, tags=("a", "b"), weights={"x": 0.5})
+    assert from_dict(RootCfg, to_dict(cfg)) == cfg
+    path = dump_yaml(cfg, tmp_path / "c.yaml")
+    assert load_yaml(RootCfg, path) == cfg
+    assert from_dict(RootCfg, None) == RootCfg()
+    assert to_dict(cfg)["optim"] == {"lr": 1e-5, "betas": [0.9, 0.999]}
+
+
+def test_partial_nested_section_keeps_other_defaults():
+    cfg = from_dict(RootCfg, {"staleness": {"staleness": 16}})
+    assert cfg.staleness == StaleCfg(mode="bounded", staleness=16)
+    assert cfg.optim == OptimCfg()
+
+
+def test_overrides_parse_and_type_check():
+    cfg = apply_overrides(
+        RootCfg(),
+        [
+            "optim.lr=1e-4",  # YAML 1.1 reads 1e-4 as a string; parse_override makes it a number
+            "staleness.mode=fixed_lag",
+            "seed=3",
+            "verbose=true",
+            "window=inf",
+            "tags=[x, y]",
+            "optim.betas=[0.8, 0.9]",
+            "weights={a: 1}",
+        ],
+    )
+    assert cfg.optim.lr == pytest.approx(1e-4)
+    assert cfg.staleness.mode == "fixed_lag"
+    assert cfg.seed == 3 and cfg.verbose is True
+    assert cfg.window == math.inf
+    assert cfg.tags == ("x", "y")
+    assert cfg.optim.betas == (0.8, 0.9)
+    assert cfg.weights == {"a": 1.0} and isinstance(cfg.weights["a"], float)
+    assert apply_overrides(cfg, ["window=null"]).window is None
+    # a whole section as a mapping merges over the current values
+    merged = apply_overrides(cfg, ["staleness={staleness: 12}"])
+    assert merged.staleness == StaleCfg(mode="fixed_lag", staleness=12)
+
+
+def _one_line(err: pytest.ExceptionInfo[ConfigError]) -> str:
+    text = str(err.value)
+    assert "\n" not in text
+    return text
+
+
+def test_unknown_key_names_section_valid_keys_and_hint():
+    with pytest.raises(ConfigError) as err:
+        from_dict(RootCfg, {"optim": {"lrr": 1.0}})
+    text = _one_line(err)
+    assert "'lrr'" in text and "section 'optim'" in text and "did you mean 'lr'" in text
+    assert "valid keys: lr, betas" in text
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RootCfg(), ["methd=ppo"])
+    text = _one_line(err)
+    assert "top-level" in text and "did you mean 'method'" in text
+
+
+def test_literal_lists_choices():
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RootCfg(), ["method=grpo"])
+    text = _one_line(err)
+    assert "'grpo'" in text and "'ppo', 'copc'" in text
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("seed=1.5", "expected an integer"),
+        ("seed=true", "expected an integer"),
+        ("verbose=1", "expected true or false"),
+        ("optim.lr=fast", "expected a number"),
+        ("optim.betas=[0.9]", "expected 2 items"),
+        ("tags=3", "expected a list"),
+        ("optim=3", "expected a mapping"),
+        ("optim.lr.x=1", "is a value, not a section"),
+        ("seed", "must look like key.sub=value"),
+    ],
+)
+def test_wrong_types_fail_in_one_line(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RootCfg(), [override])
+    assert fragment in _one_line(err)
+
+
+def test_post_init_range_error_is_surfaced_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RootCfg(), ["staleness.staleness=-1"])
+    text = _one_line(err)
+    assert "staleness must be >= 0" in text and "use 0 for synchronous" in text
+    with pytest.raises(ConfigError) as err:
+        from_dict(RootCfg, {"optim": {"lr": 0}})
+    assert "lr must be > 0" in _one_line(err)
+
+
+def test_yaml_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: {lr: 1e-5\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml(RootCfg, bad)
+    assert "not valid YAML" in _one_line(err)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_yaml(RootCfg, bad)
+    bad.write_text("staleness: {mod: bounded}\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml(RootCfg, bad)
+    assert str(bad) in _one_line(err) and "did you mean 'mode'" in str(err.value)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_yaml(RootCfg, tmp_path / "missing.yaml")
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
