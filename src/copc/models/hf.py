@@ -1,0 +1,223 @@
+"""Any Hugging Face causal LM as the policy, a value model on the same backbone, and token log-probs.
+
+Alignment (spec/algorithms.md section 0). For a sequence ``x_0 .. x_{T-1}`` the quantities of token
+``t`` are about the state *before* it, ``s_t = x_{<t}``:
+
+- ``token_logprobs(...)[:, t] = log pi(x_t | x_{<t})`` = log_softmax(logits[:, t-1] / temperature)[x_t];
+- ``ValueModel(...)[:, t] = V(s_t)`` = head(hidden[:, t-1]).
+
+Position 0 (and, in a left-padded row, the first real token) has no prefix: both are defined as 0
+there, as are positions after right padding. Prompts are never empty, so an action token is
+never at position 0 and that value is never used. The head's output at the *last* position,
+V(s_{T}) (the state after the final token), is what ``truncation = bootstrap`` needs; get it with
+``ValueModel.forward(..., shift=False)``, which returns the unshifted per-position outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+VALUE_META_FILE = "value_head.json"
+
+
+def load_policy(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    gguf_file: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local folder (or a hub name where the hub is reachable).
+
+    Args:
+        path: folder written by ``save_pretrained`` (the tiny model's included) or a hub name.
+        dtype: parameter dtype (log-probs are computed in float32 whatever this is).
+        device: where to put the model.
+        gguf_file: name of a GGUF file inside ``path`` to load instead of safetensors (needs ``gguf``).
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode. A tokenizer without a pad token gets its EOS
+        token as pad (batched generation pads on the left).
+    """
+    kwargs: dict[str, str] = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except OSError as err:
+        raise OSError(
+            f"could not load a causal LM from {path!r}: {err}. Pass a folder written by save_pretrained "
+            "(e.g. the tiny model: copc.models.build_tiny_model(...).save_pretrained(dir)) or a hub name "
+            "on a machine that can reach the hub."
+        ) from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to's argument wrongly
+    return model.eval(), tokenizer
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip padding: ``cumsum(mask) - 1``, clamped at 0 on (left) pad positions.
+
+    Args:
+        attention_mask: ``[B, T]`` bool or int, True/1 on real tokens.
+
+    Returns:
+        ``[B, T] int64``; the first real token of every row has position 0, whichever side is padded.
+    """
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log pi(x_t | x_{<t}) for every token, with the sampler's temperature transform, in float32.
+
+    ``logp[:, t] = (l_{t-1}[x_t] / tau) - logsumexp(l_{t-1} / tau)`` where ``l_{t-1}`` are the model's
+    float32 logits at position t-1 and tau the temperature; ``logp[:, 0] = 0``. This is the full
+    (untruncated) distribution: it equals the engine's behaviour log-prob when top-k = 0 and top-p = 1.
+    Gradients flow (the trainer uses it for logp); wrap in ``torch.no_grad()`` for logp_old.
+
+    Args:
+        model: a causal LM.
+        input_ids: ``[B, T] int64``.
+        attention_mask: ``[B, T]`` bool/int, True on real tokens (left or right padding both work).
+        temperature: tau > 0, the same value the engine sampled with.
+
+    Returns:
+        ``[B, T] float32``; 0 on each row's first real token (no prefix) and on padding.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (got {temperature}); use the sampler's temperature")
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+            "must both be [B, T]"
+        )
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    logits_prev = out.logits[:, :-1].float() / temperature  # [B, T-1, V], predicts tokens 1..T-1
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    picked = logits_prev.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits_prev, dim=-1)
+    return _shift_right(picked, attention_mask)
+
+
+def _shift_right(prev: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Place ``prev[:, t-1]`` at t; 0 where token t has no real predecessor (t = 0, first real token).
+
+    Args:
+        prev: ``[B, T-1]`` float32, quantities computed at positions 0..T-2.
+        attention_mask: ``[B, T]``, True on real tokens.
+    """
+    mask = attention_mask.bool()
+    has_prefix = mask[:, 1:] & mask[:, :-1]
+    shifted = torch.where(has_prefix, prev, torch.zeros_like(prev))
+    return torch.cat([prev.new_zeros(prev.shape[0], 1), shifted], dim=1)
+
+
+def _base_model(policy: PreTrainedModel) -> PreTrainedModel:
+    """The transformer under a causal LM's output layer (``policy.model`` for Llama/Qwen)."""
+    base = getattr(policy, policy.base_model_prefix, None)
+    if not isinstance(base, PreTrainedModel):
+        raise TypeError(
+            f"{type(policy).__name__} has no base model at .{policy.base_model_prefix}; "
+            "pass a causal LM built by AutoModelForCausalLM"
+        )
+    return base
+
+
+class ValueModel(nn.Module):
+    """Critic: the policy's backbone (no LM head) plus ``Linear(hidden, 1)``, values in float32.
+
+    ``values[:, t] = V(s_t) = head(h[:, t-1])`` (state before token t), ``values[:, 0] = 0`` (module
+    docstring). The head is float32 whatever the backbone dtype, initialised small (weights
+    N(0, head_init_std^2), bias 0) so early value estimates are near 0 and do not swamp GAE.
+    """
+
+    def __init__(self, backbone: PreTrainedModel, *, head_init_std: float = 1e-3) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = int(backbone.config.hidden_size)
+        self.head = nn.Linear(hidden, 1, dtype=torch.float32)
+        nn.init.normal_(self.head.weight, std=head_init_std)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: PreTrainedModel, *, head_init_std: float = 1e-3) -> ValueModel:
+        """A critic whose backbone is a deep copy of the policy's (weights shared at init, not after)."""
+        import copy
+
+        return cls(copy.deepcopy(_base_model(policy)), head_init_std=head_init_std)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, head_init_std: float = 1e-3
+    ) -> ValueModel:
+        """Load a critic saved by :meth:`save_pretrained`, or start one from any causal-LM checkpoint.
+
+        If ``path`` has no ``value_head.safetensors`` (a policy checkpoint) the head is freshly
+        initialised; the backbone weights are loaded either way.
+        """
+        backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        model = cls(backbone, head_init_std=head_init_std)
+        head_path = Path(path) / VALUE_HEAD_FILE
+        if head_path.exists():
+            model.head.load_state_dict(load_file(str(head_path)))
+        return model
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the backbone with ``save_pretrained`` and the head as ``value_head.safetensors``."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(path)
+        save_file({k: v.detach().contiguous() for k, v in self.head.state_dict().items()}, str(path / VALUE_HEAD_FILE))
+        meta = {"hidden_size": self.head.in_features, "alignment": "values[:, t] = head(h[:, t-1])"}
+        (path / VALUE_META_FILE).write_text(json.dumps(meta, indent=2))
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, shift: bool = True
+    ) -> torch.Tensor:
+        """Values per token.
+
+        Args:
+            input_ids: ``[B, T] int64``.
+            attention_mask: ``[B, T]`` bool/int, True on real tokens.
+            shift: True (default): ``[:, t] = V(s_t)``, the state before token t, 0 on each row's
+                first real token and on padding.
+                False: ``[:, t] = head(h[:, t])``, the state after token t (the last real position gives
+                the bootstrap value V(s_{T+1})).
+
+        Returns:
+            ``[B, T] float32``.
+        """
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask.long(),
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+        raw = self.head(out.last_hidden_state.float()).squeeze(-1)  # [B, T]
+        if not shift:
+            return raw
+        return _shift_right(raw[:, :-1], attention_mask)
