@@ -1,0 +1,194 @@
+"""Staleness policies, as small pure functions (no I/O, no threads), and realized-staleness statistics.
+
+Versions and steps (spec/algorithms.md, section 1). The trainer starts at version 0 (the warm start).
+Training step ``n`` (0-based) runs with the weights of version ``n`` and publishes version ``n + 1``,
+so "the step index" and "the trainer version when the batch is consumed" are the same number ``n``.
+Every generated token carries the version ``v_t`` that sampled it.
+
+Two modes share one admission formula and differ in which stored trajectories a step may consume:
+
+- ``fixed_lag`` (controlled sweeps, reproducible): step ``n`` consumes trajectories of version exactly
+  ``source_version(n) = max(0, n - s)``. The first ``s`` steps have no version ``n - s < 0``, so the warm
+  start (version 0) supplies the first ``s + 1`` batches, as a FIFO of ``s`` batches pre-filled at
+  version 0 would. A multi-version trajectory (partial rollout) is filed under ``min_t v_t``.
+- ``bounded`` (AReaL-style, throughput): any stored trajectory may be consumed, oldest first
+  (smallest ``min_t v_t``, then arrival); nothing is dropped for age. The lag is bounded by pacing
+  generation: with current version ``i``, batch size ``B`` and ``N_r`` trajectories requested so far
+  (the new request would be the ``N_r``-th, 0-based), the request is admitted only if
+
+      floor(N_r / B) <= i + s.
+
+  Request ``N_r`` belongs to batch ``j = floor(N_r / B)``, consumed at step ``j``; it is sampled by a
+  version ``>= i``, so its lag is at most ``j - i <= s``. This is AReaL's ``floor((N_r - 1)/B) <= i + η``
+  with ``N_r`` counting the new request itself. ``s = 0`` admits exactly one batch per version
+  (synchronous). A trajectory finishing out of order can still be consumed a step or two late; that
+  lag above ``s`` is not hidden: :func:`realized_staleness` reports it per token.
+
+The same formula paces ``fixed_lag`` generation: admitted requests of batch ``j`` are those a worker
+holding version ``max(0, j - s)`` produces, and :func:`fixed_lag_quota` says how many trajectories each
+version must generate (``(s + 1)·B`` for version 0, ``B`` after).
+
+Realized staleness of a trajectory consumed at version ``n`` (PACE's split, spec section 1):
+``s_max = n - min_t v_t`` (what AReaL/BRACE/DORA bound), ``s_gen = max_t v_t - min_t v_t`` (spread
+inside one partial rollout), ``s_wait = n - max_t v_t``. Per-token staleness is ``n - v_t``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from copc.types import Trajectory
+
+StalenessMode = Literal["fixed_lag", "bounded"]
+STALENESS_MODES: tuple[str, ...] = ("fixed_lag", "bounded")
+
+
+@dataclass(frozen=True)
+class StalenessConfig:
+    """How stale the data a training step consumes may be."""
+
+    mode: StalenessMode = "bounded"
+    """fixed_lag: step n consumes version exactly max(0, n - s); bounded: lag <= s by admission control."""
+    staleness: int = 8
+    """s: the lag (fixed_lag) or the lag bound (bounded), in trainer versions; 0 = synchronous."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in STALENESS_MODES:
+            raise ValueError(f"staleness.mode must be one of {', '.join(STALENESS_MODES)}, got {self.mode!r}")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(
+                f"staleness.staleness must be an integer >= 0 (0 = synchronous), got {self.staleness!r}"
+            )
+
+
+def admits_request(*, version: int, batch_size: int, num_requested: int, staleness: int) -> bool:
+    """Whether a new generation request may start now: ``floor(N_r / B) <= i + s``.
+
+    Args:
+        version: ``i``, the latest trainer version (the weights a new request would use, at the oldest).
+        batch_size: ``B``, trajectories consumed per training step.
+        num_requested: ``N_r``, trajectories requested so far (0-based index of the new request).
+        staleness: ``s`` >= 0.
+    """
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be > 0, got {batch_size}")
+    if staleness < 0 or version < 0 or num_requested < 0:
+        raise ValueError(
+            f"version, num_requested and staleness must be >= 0, got {version}, {num_requested}, {staleness}"
+        )
+    return num_requested // batch_size <= version + staleness
+
+
+def request_capacity(*, version: int, batch_size: int, num_requested: int, staleness: int) -> int:
+    """How many more requests :func:`admits_request` would admit at ``version``: ``B·(i+s+1) − N_r``, >= 0."""
+    if not admits_request(
+        version=version, batch_size=batch_size, num_requested=num_requested, staleness=staleness
+    ):
+        return 0
+    return batch_size * (version + staleness + 1) - num_requested
+
+
+def source_version(step: int, staleness: int) -> int:
+    """The version a ``fixed_lag`` training step consumes: ``max(0, step - s)``."""
+    if step < 0 or staleness < 0:
+        raise ValueError(f"step and staleness must be >= 0, got {step}, {staleness}")
+    return max(0, step - staleness)
+
+
+def fixed_lag_quota(version: int, staleness: int, batch_size: int) -> int:
+    """Trajectories version ``v`` must generate under ``fixed_lag``: ``(s+1)·B`` for v = 0, else ``B``."""
+    if version < 0 or staleness < 0 or batch_size <= 0:
+        raise ValueError(f"need version >= 0, staleness >= 0, batch_size > 0; got {version}, {staleness}, {batch_size}")
+    return batch_size * (staleness + 1) if version == 0 else batch_size
+
+
+def eligible(mode: StalenessMode, *, step: int, staleness: int, min_version: int) -> bool:
+    """Whether a trajectory filed under ``min_version`` may be consumed at ``step``.
+
+    fixed_lag: ``min_version == source_version(step, s)``; bounded: always (oldest first is the
+    caller's order; the bound comes from admission control, nothing is refused for age).
+    """
+    if mode == "fixed_lag":
+        return min_version == source_version(step, staleness)
+    return True
+
+
+def expired(mode: StalenessMode, *, step: int, staleness: int, min_version: int) -> bool:
+    """Whether a stored trajectory can never be consumed at ``step`` or later (fixed_lag only).
+
+    A fixed_lag step ``n`` consumes version ``max(0, n - s)``, non-decreasing in ``n``; a trajectory of an
+    older version is unreachable. The buffer counts such trajectories as dropped (``unscheduled``): this
+    is a scheduling error of the producer (too many of a version), not a drop for age.
+    """
+    return mode == "fixed_lag" and min_version < source_version(step, staleness)
+
+
+@dataclass(frozen=True)
+class StalenessStats:
+    """Realized staleness of one batch consumed at trainer version ``n`` (all python floats/ints).
+
+    ``token_*`` are over sampled tokens (``n - v_t``); ``max_*`` / ``gen_*`` / ``wait_*`` are per
+    trajectory (``s_max``, ``s_gen``, ``s_wait``) averaged or maxed over the batch. ``histogram[k]`` is
+    the number of sampled tokens with staleness ``k`` (``k = 0..max``).
+    """
+
+    token_mean: float
+    token_max: int
+    s_max_mean: float
+    s_max_max: int
+    s_gen_mean: float
+    s_gen_max: int
+    s_wait_mean: float
+    s_wait_max: int
+    num_tokens: int
+    histogram: tuple[int, ...]
+
+    def token_values(self) -> torch.Tensor:
+        """Per-token staleness values ``[N] int64`` rebuilt from the histogram (for TensorBoard)."""
+        counts = torch.tensor(self.histogram, dtype=torch.int64)
+        return torch.repeat_interleave(torch.arange(len(self.histogram), dtype=torch.int64), counts)
+
+
+def realized_staleness(trajectories: Sequence[Trajectory], version: int) -> StalenessStats:
+    """Per-token and per-trajectory staleness of a batch consumed at trainer version ``n = version``.
+
+    Only sampled tokens count (``action_mask`` True). A trajectory with no sampled token contributes
+    nothing. Negative staleness (a token from a version newer than ``n``) is a bookkeeping bug upstream
+    and raises.
+    """
+    lags, s_max, s_gen, s_wait = [], [], [], []
+    for traj in trajectories:
+        versions_T = traj.policy_version[traj.action_mask]
+        if versions_T.numel() == 0:
+            continue
+        lag_T = version - versions_T
+        lags.append(lag_T)
+        v_min, v_max = int(versions_T.min()), int(versions_T.max())
+        s_max.append(version - v_min)
+        s_gen.append(v_max - v_min)
+        s_wait.append(version - v_max)
+    if not lags:
+        return StalenessStats(0.0, 0, 0.0, 0, 0.0, 0, 0.0, 0, 0, ())
+    lag_N = torch.cat(lags).to(torch.int64)
+    if int(lag_N.min()) < 0:
+        raise ValueError(
+            f"a token was sampled by version {version - int(lag_N.min())}, newer than the consuming "
+            f"trainer version {version}: policy_version tags or the step counter are wrong upstream"
+        )
+    histogram = torch.bincount(lag_N).tolist()
+    return StalenessStats(
+        token_mean=float(lag_N.double().mean()),
+        token_max=int(lag_N.max()),
+        s_max_mean=sum(s_max) / len(s_max),
+        s_max_max=max(s_max),
+        s_gen_mean=sum(s_gen) / len(s_gen),
+        s_gen_max=max(s_gen),
+        s_wait_mean=sum(s_wait) / len(s_wait),
+        s_wait_max=max(s_wait),
+        num_tokens=int(lag_N.numel()),
+        histogram=tuple(int(c) for c in histogram),
+    )
