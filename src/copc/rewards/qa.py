@@ -1,0 +1,73 @@
+"""Question-answering rewards: SQuAD-normalised exact match and token F1 (Search-R1's reward).
+
+Normalisation (Rajpurkar et al. 2016, the official SQuAD v1.1 evaluation script): lowercase, drop
+punctuation, drop the articles "a", "an", "the", squeeze whitespace. Both metrics take the maximum over
+the gold answers.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lowercase, punctuation and articles removed, whitespace squeezed.
+
+    ``"The  Eiffel-Tower!"`` -> ``"eiffeltower"``; ``"an apple"`` -> ``"apple"``.
+    """
+    lowered = text.lower()
+    no_punct = "".join(ch for ch in lowered if ch not in _PUNCTUATION)
+    no_articles = _ARTICLES.sub(" ", no_punct)
+    return " ".join(no_articles.split())
+
+
+def _as_golds(golds: str | Sequence[str]) -> list[str]:
+    gold_list = [golds] if isinstance(golds, str) else list(golds)
+    if not gold_list:
+        raise ValueError("QA reward: the list of gold answers is empty; give at least one gold answer per question")
+    return gold_list
+
+
+def exact_match(pred: str | None, golds: str | Sequence[str]) -> float:
+    """1.0 when ``normalize_answer(pred)`` equals that of any gold answer, else 0.0 (0.0 for None)."""
+    gold_list = _as_golds(golds)
+    if pred is None:
+        return 0.0
+    normalized = normalize_answer(pred)
+    return float(any(normalized == normalize_answer(gold) for gold in gold_list))
+
+
+def _f1_one(pred_tokens: list[str], gold_tokens: list[str]) -> float:
+    """Token F1 = 2 P R / (P + R), P = overlap / |pred|, R = overlap / |gold| (overlap as multisets).
+
+    Two empty answers match (1.0); one empty against a non-empty one scores 0.0 (SQuAD v2 convention).
+    """
+    if not pred_tokens or not gold_tokens:
+        return float(pred_tokens == gold_tokens)
+    overlap = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(pred_tokens), overlap / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1(pred: str | None, golds: str | Sequence[str]) -> float:
+    """Maximum over gold answers of the token F1 between normalised prediction and gold (0.0 for None)."""
+    gold_list = _as_golds(golds)
+    if pred is None:
+        return 0.0
+    pred_tokens = normalize_answer(pred).split()
+    return max(_f1_one(pred_tokens, normalize_answer(gold).split()) for gold in gold_list)
+
+
+def extract_answer_tag(text: str) -> str | None:
+    """Content of the last complete ``<answer>...</answer>`` span, stripped; None when there is none."""
+    matches = _ANSWER_TAG.findall(text)
+    return matches[-1].strip() if matches else None

@@ -1,0 +1,138 @@
+"""Maths rewards: answer extraction, exact numeric check, math-verify in a killable worker."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import pytest
+
+from copc.rewards.math import SLEEP_HOOK_PREFIX, MathVerifier, RewardResult, extract_answer, numeric_equal
+
+TIMEOUT_S = 2.0
+# Killing and replacing the worker happens after the timeout; the reply itself is immediate, so half a
+# second covers scheduling noise on a loaded 2-vCPU machine.
+SLACK_S = 0.5
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (r"so the answer is \boxed{42}.", "42"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),  # nested braces are kept whole
+        (r"\boxed{\{1, \{2\}\}}", r"\{1, \{2\}\}"),  # escaped braces count as braces, still balanced
+        (r"first \boxed{1} then \boxed{2}", "2"),  # last one wins
+        (r"\boxed{1} <answer>7</answer>", "7"),  # the one that closes last wins
+        (r"<answer>7</answer> then \boxed{8}", "8"),
+        (r"<answer>\boxed{5}</answer>", "5"),  # a box inside the tag gives its content
+        ("<answer> 3 </answer> <answer>4</answer>", "4"),
+        (r"\boxed {x = 3}", "x = 3"),
+        (r"\fbox{9}", "9"),
+        (r"unclosed \boxed{\frac{1}{2}", None),  # unbalanced: not an answer
+        ("<answer>no close", None),
+        (r"\boxed{}", None),  # empty is no answer
+        ("no answer at all", None),
+    ],
+)
+def test_extract_answer(text: str, expected: str | None) -> None:
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold", "equal"),
+    [
+        ("42", "42", True),
+        ("42.0", "42", True),
+        ("1,000", "1000", True),
+        ("1/2", "0.5", True),
+        ("-3", "-3.000", True),
+        ("1e3", "1000", True),
+        ("$12$", "12", True),
+        ("0.1", "1/10", True),  # exact rationals: no float rounding (0.1 is not 0.1000000000000000055)
+        ("0.3333333", "1/3", False),  # exact, so a rounded decimal is not equal
+        ("41", "42", False),
+        ("forty-two", "42", False),
+        ("", "42", False),
+        (None, "42", False),
+        ("3/0", "3", False),
+    ],
+)
+def test_numeric_equal(pred: str | None, gold: str, equal: bool) -> None:
+    assert numeric_equal(pred, gold) is equal
+
+
+@pytest.fixture(scope="module")
+def verifier() -> MathVerifier:
+    with MathVerifier(timeout_s=TIMEOUT_S, allow_test_hooks=True) as v:
+        yield v
+
+
+@pytest.mark.parametrize(
+    ("response", "gold", "expected"),
+    [
+        (r"so \boxed{\frac{1}{2}}", "0.5", RewardResult(1.0, "correct", r"\frac{1}{2}")),
+        (r"\boxed{0.5}", r"\frac{1}{2}", RewardResult(1.0, "correct", "0.5")),
+        (r"\boxed{(x+1)^2}", "x^2+2x+1", RewardResult(1.0, "correct", "(x+1)^2")),
+        (r"\boxed{2^{1/2}}", r"\sqrt{2}", RewardResult(1.0, "correct", "2^{1/2}")),
+        ("<answer>42</answer>", "42", RewardResult(1.0, "correct", "42")),
+        (r"\boxed{41}", "42", RewardResult(0.0, "wrong", "41")),
+        (r"\boxed{1} ... \boxed{42}", "42", RewardResult(1.0, "correct", "42")),
+        (r"\boxed{42} ... \boxed{1}", "42", RewardResult(0.0, "wrong", "1")),
+        ("I think it is 42", "42", RewardResult(0.0, "no_answer", None)),
+    ],
+)
+def test_math_verifier_golden(verifier: MathVerifier, response: str, gold: str, expected: RewardResult) -> None:
+    assert verifier.score(response, gold) == expected
+
+
+def test_pathological_answer_times_out_and_worker_is_replaced(verifier: MathVerifier) -> None:
+    """sympy never finishes 9^(9^(9^9)) (checked: > 60 s with math-verify's own timeout off)."""
+    start = time.monotonic()
+    result = verifier.score(r"\boxed{9^{9^{9^{9}}}}", "10")
+    elapsed = time.monotonic() - start
+    assert result == RewardResult(0.0, "timeout", "9^{9^{9^{9}}}")
+    assert elapsed < TIMEOUT_S + SLACK_S, elapsed
+    assert verifier.score(r"\boxed{7}", "7").reason == "correct"  # a fresh worker answers
+
+
+def test_sleep_hook_times_out_deterministically(verifier: MathVerifier) -> None:
+    before = verifier.num_timeouts
+    start = time.monotonic()
+    result = verifier.score(r"\boxed{1}", f"{SLEEP_HOOK_PREFIX}30")
+    assert result.reason == "timeout" and time.monotonic() - start < TIMEOUT_S + SLACK_S
+    assert verifier.num_timeouts == before + 1
+    assert verifier.score(r"\boxed{3}", "3").reward == 1.0
+
+
+def test_sleep_hook_is_ignored_unless_allowed() -> None:
+    """Without allow_test_hooks the prefix is just a (wrong) gold answer: no sleep."""
+    with MathVerifier(timeout_s=TIMEOUT_S) as plain:
+        assert plain.score(r"\boxed{1}", f"{SLEEP_HOOK_PREFIX}30").reason == "wrong"
+
+
+def test_concurrent_callers_get_their_own_answers(verifier: MathVerifier) -> None:
+    results: dict[int, RewardResult] = {}
+
+    def work(i: int) -> None:
+        results[i] = verifier.score(rf"\boxed{{{i}}}", str(i if i % 2 else i + 1))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {i: r.reason for i, r in results.items()} == {i: "correct" if i % 2 else "wrong" for i in range(6)}
+
+
+def test_pickle_round_trip_starts_its_own_worker(verifier: MathVerifier) -> None:
+    copy = pickle.loads(pickle.dumps(verifier))
+    try:
+        assert copy.timeout_s == TIMEOUT_S and copy.score(r"\boxed{2}", "2").reward == 1.0
+    finally:
+        copy.close()
+
+
+def test_bad_timeout_says_how_to_fix() -> None:
+    with pytest.raises(ValueError, match=r"timeout_s=0 must be in \(0, 600\]"):
+        MathVerifier(timeout_s=0)
