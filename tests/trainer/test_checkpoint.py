@@ -1,0 +1,216 @@
+"""Atomic checkpoints: round trips (model, optimizer, RNG, buffer), rotation, corruption, SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from copc.runtime.buffer import TrajectoryBuffer
+from copc.runtime.staleness import StalenessConfig
+from copc.trainer.checkpoint import (
+    CheckpointError,
+    capture_rng_state,
+    checkpoint_root,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    restore_rng_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from copc.types import Prompt, StopReason, Trajectory
+
+
+def _draws() -> tuple[float, float, list[float]]:
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def test_rng_state_resume_round_trip(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    _draws()
+    save_checkpoint(tmp_path, 5, {"rng": capture_rng_state()})
+    expected = [_draws() for _ in range(3)]
+    _draws()  # move every generator on before resuming
+    loaded = load_latest(tmp_path)
+    assert loaded is not None
+    step, payload = loaded
+    assert step == 5 and payload["step"] == 5
+    restore_rng_state(payload["rng"])  # type: ignore[arg-type]
+    assert [_draws() for _ in range(3)] == expected
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 4, generator=gen)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_model_and_optimizer_resume_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, opt, 0)
+    save_checkpoint(tmp_path, 1, {"policy": model.state_dict(), "optim": opt.state_dict(), "version": 1})
+    _train_step(model, opt, 1)
+
+    resumed = torch.nn.Linear(4, 2)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    loaded = load_latest(tmp_path)
+    assert loaded is not None
+    _, payload = loaded
+    resumed.load_state_dict(payload["policy"])  # type: ignore[arg-type]
+    resumed_opt.load_state_dict(payload["optim"])  # type: ignore[arg-type]
+    _train_step(resumed, resumed_opt, 1)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)  # same ops, same order on CPU: bit-identical
+
+
+def test_buffer_state_survives(tmp_path):
+    buf = TrajectoryBuffer(StalenessConfig(mode="fixed_lag", staleness=1), batch_size=1)
+    prompt = Prompt(id="q", text="2+2", answers=("4",))
+    buf.admit(0, [prompt, Prompt(id="r", text="1+1", answers=("2",))])
+    version_L = torch.tensor([-1, 0, 0])
+    buf.put(
+        [
+            Trajectory(
+                prompt_id="r",
+                token_ids=torch.tensor([5, 6, 7]),
+                prompt_len=1,
+                action_mask=version_L >= 0,
+                logp_behav=torch.tensor([0.0, -0.5, -0.25]),
+                policy_version=version_L,
+                reward=1.0,
+                token_rewards=torch.tensor([0.0, 0.0, 1.0]),
+                stop_reason=StopReason.ANSWER,
+            )
+        ]
+    )
+    save_checkpoint(tmp_path, 0, {"buffer": buf.state_dict(), "config": {"staleness": {"staleness": 1}}})
+    loaded = load_latest(tmp_path)
+    assert loaded is not None
+    restored = TrajectoryBuffer(StalenessConfig(mode="fixed_lag", staleness=1), batch_size=1)
+    restored.load_state_dict(loaded[1]["buffer"])  # type: ignore[arg-type]
+    assert restored.take_requeued() == [prompt]
+    batch = restored.get_batch(0)
+    assert batch is not None and batch[0].prompt_id == "r" and batch[0].reward == 1.0
+    assert loaded[1]["config"] == {"staleness": {"staleness": 1}}
+
+
+def test_rotation_keeps_last_k_and_latest(tmp_path):
+    for step in range(6):
+        save_checkpoint(tmp_path, step, {"x": torch.tensor([step])}, keep=2)
+    assert list_checkpoints(tmp_path) == [4, 5]
+    assert (checkpoint_root(tmp_path) / "latest").read_text().strip() == "step_00000005"
+    assert not list(checkpoint_root(tmp_path).glob(".tmp-*"))
+    # re-saving an existing step (after a resume) replaces it
+    save_checkpoint(tmp_path, 5, {"x": torch.tensor([50])}, keep=2)
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and int(loaded[1]["x"][0]) == 50  # type: ignore[index]
+
+
+def test_load_latest_ignores_partial_and_corrupt(tmp_path):
+    assert load_latest(tmp_path) is None
+    save_checkpoint(tmp_path, 1, {"x": torch.tensor([1])}, keep=5)
+    newest = save_checkpoint(tmp_path, 2, {"x": torch.tensor([2])}, keep=5)
+    root = checkpoint_root(tmp_path)
+    # a killed writer's temp dir with a newer step: ignored
+    half = root / ".tmp-step_00000003-deadbeef"
+    half.mkdir()
+    (half / "state.pt").write_bytes(b"half")
+    assert load_latest(tmp_path)[0] == 2  # type: ignore[index]
+    # corrupt the newest checkpoint: the pointer's target fails verification, fall back to step 1
+    state = newest / "state.pt"
+    state.write_bytes(state.read_bytes()[:-3] + b"xyz")
+    with pytest.raises(CheckpointError, match="sha256"):
+        verify_checkpoint(newest)
+    with pytest.raises(CheckpointError):
+        load_checkpoint(newest)
+    assert load_latest(tmp_path)[0] == 1  # type: ignore[index]
+    # a garbage pointer is ignored too
+    (root / "latest").write_text("../../etc\n")
+    assert load_latest(tmp_path)[0] == 1  # type: ignore[index]
+
+
+def test_payload_must_be_plain_data(tmp_path):
+    with pytest.raises(CheckpointError, match=r"payload\['rng'\]\['np'\] is a numpy.ndarray; convert it to a tensor"):
+        save_checkpoint(tmp_path, 0, {"rng": {"np": np.zeros(3)}})
+    assert load_latest(tmp_path) is None  # nothing was written
+    # a file that is not a torch payload at all fails with a clear error, not a pickle traceback
+    path = save_checkpoint(tmp_path, 0, {"x": 1})
+    (path / "state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot load"):
+        load_checkpoint(path, verify=False)
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from copc.trainer.checkpoint import load_latest, save_checkpoint
+    run_dir = sys.argv[1]
+    loaded = load_latest(run_dir)
+    step = 0 if loaded is None else loaded[0] + 1
+    print("ready", flush=True)
+    while True:
+        # ~4 MB per checkpoint so a kill often lands mid-write; content is a function of the step
+        payload = {"weights": torch.full((1_000_000,), float(step)), "version": step, "tag": f"s{step}"}
+        save_checkpoint(run_dir, step, payload, keep=2)
+        step += 1
+    """
+)
+
+
+def test_sigkill_at_random_times_never_leaves_a_loadable_partial_checkpoint(tmp_path):
+    """Kill a process that writes checkpoints in a loop, at random moments, several times; after each
+    kill load_latest returns a complete checkpoint whose content matches its step, and steps never
+    go backwards across restarts (the writer resumes from load_latest)."""
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    run_dir = tmp_path / "run"
+    rng = random.Random(1234)
+    last_step = -1
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for _ in range(4):
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(run_dir)], stdout=subprocess.PIPE, env=env, text=True
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.05, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        loaded = load_latest(run_dir)
+        if loaded is None:  # killed before the first save completed
+            assert last_step == -1
+            continue
+        step, payload = loaded
+        weights = payload["weights"]
+        assert isinstance(weights, torch.Tensor) and weights.shape == (1_000_000,)
+        assert bool((weights == float(step)).all())
+        assert payload["version"] == step and payload["tag"] == f"s{step}" and payload["step"] == step
+        assert step >= last_step
+        last_step = step
+        # the protocol's invariant: every step_* directory on disk is complete, and latest names one
+        for other in list_checkpoints(run_dir):
+            assert verify_checkpoint(checkpoint_root(run_dir) / f"step_{other:08d}") == other
+        assert len(list_checkpoints(run_dir)) <= 3  # keep=2, plus at most one being pruned
+    assert last_step >= 1, "the writer never completed two checkpoints; the test exercised nothing"
+
+
+def test_keep_must_be_positive(tmp_path: Path):
+    with pytest.raises(ValueError, match="keep"):
+        save_checkpoint(tmp_path, 0, {}, keep=0)
