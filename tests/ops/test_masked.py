@@ -28,12 +28,6 @@ def test_masked_whiten_zero_mean_unit_variance_and_zero_outside() -> None:
     assert out[0, 2].item() == 0.0 and out[1, 1].item() == 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="masked.py bug reported to the lead: masked_var/masked_whiten compute (values - mean) ** 2 "
-    "before masking, so d/dx of a NaN/inf at a masked position is 0 * nan = nan and poisons every "
-    "gradient. Fix: sanitise with zero_where_not(mask, values) first.",
-)
 def test_nan_at_masked_positions_gives_finite_zero_gradient() -> None:
     x = X.clone().requires_grad_(True)
     masked_whiten(x, M).pow(2).sum().backward()

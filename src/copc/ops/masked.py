@@ -55,6 +55,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True) -> torch.Tensor:
     """Variance over all masked-in positions (Bessel-corrected by default); 0 with fewer than 2 tokens."""
+    values = zero_where_not(mask, values)  # a NaN at a masked position must not reach the gradient
     mean = masked_mean(values, mask)
     count = mask.sum().to(values.dtype)
     sq = masked_sum((values - mean) ** 2, mask)
@@ -71,6 +72,7 @@ def masked_whiten(
     result is 0 at masked-out positions. ``shift_mean=False`` only rescales.
     """
     check_mask("mask", mask, values)
+    values = zero_where_not(mask, values)  # NaN-safe forward *and* backward at masked positions
     mean = masked_mean(values, mask)
     var = masked_var(values, mask)
     centred = values - mean if shift_mean else values
