@@ -1,0 +1,299 @@
+"""One metrics namespace, defined once, and a tracker that writes it to JSONL and TensorBoard.
+
+Every metric a run logs is named here, with a one-line doc (STYLE.md, point 12). Code logs with the
+constants (``tracking.LOSS_POLICY``), never with string literals, so a renamed metric is a one-line
+change and a typo is an ``AttributeError``. Families whose members are only known at run time
+(``buffer/dropped_<reason>``, ``eval/accuracy/<task>``) are declared by prefix in :data:`PREFIXES`.
+
+The run always writes ``metrics.jsonl`` (one JSON object per step: ``{"step": n, "time": unix_s,
+name: value, ...}``, flushed per line; a resumed run appends). TensorBoard mirrors the scalars (and the
+staleness histogram) when ``torch.utils.tensorboard`` is importable. Plots read the JSONL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Protocol
+
+import torch
+
+# ---------------------------------------------------------------------------------- the namespace
+LOSS_POLICY = "loss/policy"
+LOSS_VALUE = "loss/value"
+LOSS_ENTROPY = "loss/entropy"
+LOSS_KL = "loss/kl"
+RATIO_MASK_FRAC = "ratio/mask_frac"
+RATIO_CLIP_FRAC_LOW = "ratio/clip_frac_low"
+RATIO_CLIP_FRAC_HIGH = "ratio/clip_frac_high"
+RATIO_PPO_CLIP_FRAC = "ratio/ppo_clip_frac"
+RATIO_ESS_TOKEN = "ratio/ess_token"
+RATIO_ESS_SEQ = "ratio/ess_seq"
+RATIO_MEAN_ABS_LOG_W = "ratio/mean_abs_log_w"
+RATIO_APPROX_KL = "ratio/approx_kl"
+STALENESS_MEAN = "staleness/mean"
+STALENESS_MAX = "staleness/max"
+STALENESS_SEQ_MAX_MEAN = "staleness/s_max_mean"
+STALENESS_GEN_MEAN = "staleness/s_gen_mean"
+STALENESS_WAIT_MEAN = "staleness/s_wait_mean"
+STALENESS_HIST = "staleness/hist"
+CRITIC_EXPLAINED_VAR = "critic/explained_var"
+CRITIC_VALUE_BIAS_GAP = "critic/value_bias_gap"
+CRITIC_VALUE_BIAS = "critic/value_bias"
+CRITIC_VALUE_MEAN = "critic/value_mean"
+CRITIC_VALUE_CLIP_FRAC = "critic/value_clip_frac"
+ADV_MEAN = "adv/mean"
+ADV_STD = "adv/std"
+GRAD_ACTOR_NORM = "grad/actor_norm"
+GRAD_CRITIC_NORM = "grad/critic_norm"
+PERF_TOKENS_PER_S = "perf/tokens_per_s"
+TIME_GENERATE = "time/generate"
+TIME_WAIT = "time/wait"
+TIME_TRAIN = "time/train"
+TIME_STEP = "time/step"
+REWARD_MEAN = "reward/mean"
+REWARD_STD = "reward/std"
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_AVG_AT_K = "eval/avg_at_k"
+EVAL_PASS_AT_K = "eval/pass_at_k"
+ROLLOUT_TOOL_USE_RATE = "rollout/tool_use_rate"
+ROLLOUT_TOOL_ERROR_RATE = "rollout/tool_error_rate"
+ROLLOUT_RESPONSE_LEN = "rollout/response_len"
+ROLLOUT_TRUNCATED_FRAC = "rollout/truncated_frac"
+ROLLOUT_ACCURACY = "rollout/accuracy"
+BUFFER_SIZE = "buffer/size"
+BUFFER_IN_FLIGHT = "buffer/in_flight"
+BUFFER_CONSUMED = "buffer/consumed"
+BUFFER_OVER_BOUND = "buffer/over_bound"
+BUFFER_REQUEUED = "buffer/requeued"
+BUFFER_DROPPED = "buffer/dropped"
+TRAIN_VERSION = "train/version"
+TRAIN_LR_ACTOR = "train/lr_actor"
+TRAIN_LR_CRITIC = "train/lr_critic"
+TRAIN_ACTOR_FROZEN = "train/actor_frozen"
+TRAIN_TOKENS = "train/tokens"
+
+#: Every metric name with its one-line meaning (units in brackets). Tokens are sampled (policy) tokens.
+METRICS: dict[str, str] = {
+    LOSS_POLICY: "actor loss (masked clipped surrogate, token-mean over the global minibatch count)",
+    LOSS_VALUE: "critic loss 1/2 max((V-G)^2, (clip(V)-G)^2), token-mean",
+    LOSS_ENTROPY: "mean policy entropy over sampled tokens [nats]",
+    LOSS_KL: "KL to the reference policy, token-mean",
+    RATIO_MASK_FRAC: "fraction of sampled tokens the policy channel masks out (M_t = 0)",
+    RATIO_CLIP_FRAC_LOW: "fraction of tokens whose advantage-channel weight is clipped at 1 - eps_A^-",
+    RATIO_CLIP_FRAC_HIGH: "fraction of tokens whose advantage-channel weight is clipped at 1 + eps_A^+",
+    RATIO_PPO_CLIP_FRAC: "fraction of tokens where the PPO trust-region clip is active",
+    RATIO_ESS_TOKEN: "token ESS of the behaviour ratio w: (sum w)^2 / (N sum w^2), in (0, 1]",
+    RATIO_ESS_SEQ: "sequence ESS of W_i = exp(sum_t log w_it), normalised to (0, 1]",
+    RATIO_MEAN_ABS_LOG_W: "mean |log w| = |old - mu| over sampled tokens",
+    RATIO_APPROX_KL: "approximate KL(pi_old || pi_theta) after the actor update",
+    STALENESS_MEAN: "mean per-token staleness n - v_t of the consumed batch [versions]",
+    STALENESS_MAX: "max per-token staleness of the consumed batch [versions]",
+    STALENESS_SEQ_MAX_MEAN: "mean over trajectories of s_max = n - min_t v_t [versions]",
+    STALENESS_GEN_MEAN: "mean over trajectories of s_gen = max_t v_t - min_t v_t [versions]",
+    STALENESS_WAIT_MEAN: "mean over trajectories of s_wait = n - max_t v_t [versions]",
+    STALENESS_HIST: "histogram of per-token staleness (TensorBoard only; JSONL keeps the counts)",
+    CRITIC_EXPLAINED_VAR: "1 - Var(G - V) / Var(G) over sampled tokens, pre-update values",
+    CRITIC_VALUE_BIAS_GAP: "g_pi = |mean V(s_1) - E_pi[R]| (BRACE eq. 7, self-normalised IS)",
+    CRITIC_VALUE_BIAS: "b = E_pi[R] - E_mu[R] (BRACE eq. 7)",
+    CRITIC_VALUE_MEAN: "mean pre-update critic value over sampled tokens",
+    CRITIC_VALUE_CLIP_FRAC: "fraction of tokens where value clipping is active",
+    ADV_MEAN: "mean advantage before whitening",
+    ADV_STD: "std of advantages before whitening",
+    GRAD_ACTOR_NORM: "actor gradient norm before clipping",
+    GRAD_CRITIC_NORM: "critic gradient norm before clipping",
+    PERF_TOKENS_PER_S: "trained tokens (all tokens of the batch) per second of step wall time",
+    TIME_GENERATE: "seconds the step spent generating (sync) or the producer spent on its batch [s]",
+    TIME_WAIT: "seconds the trainer waited for the buffer [s]",
+    TIME_TRAIN: "seconds of the training update (forward, backward, optimizer) [s]",
+    TIME_STEP: "wall seconds of the whole step [s]",
+    REWARD_MEAN: "mean episode reward of the consumed batch",
+    REWARD_STD: "std of episode rewards of the consumed batch",
+    EVAL_ACCURACY: "greedy accuracy on the held-out eval prompts",
+    EVAL_AVG_AT_K: "avg@k on the eval prompts: mean correctness of k samples",
+    EVAL_PASS_AT_K: "unbiased pass@k on the eval prompts",
+    ROLLOUT_TOOL_USE_RATE: "fraction of trajectories that called a tool at least once",
+    ROLLOUT_TOOL_ERROR_RATE: "tool errors per tool call",
+    ROLLOUT_RESPONSE_LEN: "mean number of sampled tokens per trajectory",
+    ROLLOUT_TRUNCATED_FRAC: "fraction of trajectories cut by a budget (max tokens/turns/context)",
+    ROLLOUT_ACCURACY: "fraction of trajectories of the batch graded correct",
+    BUFFER_SIZE: "trajectories stored in the buffer after the step took its batch",
+    BUFFER_IN_FLIGHT: "generation requests admitted but not finished",
+    BUFFER_CONSUMED: "trajectories consumed by the trainer so far (cumulative)",
+    BUFFER_OVER_BOUND: "trajectories consumed with lag > s in bounded mode (cumulative; not dropped)",
+    BUFFER_REQUEUED: "in-flight prompts requeued on resume (cumulative)",
+    BUFFER_DROPPED: "trajectories dropped for any reason (cumulative; never for age)",
+    TRAIN_VERSION: "policy version after the step",
+    TRAIN_LR_ACTOR: "actor learning rate",
+    TRAIN_LR_CRITIC: "critic learning rate",
+    TRAIN_ACTOR_FROZEN: "1 while the critic warms up and the actor is frozen",
+    TRAIN_TOKENS: "sampled tokens in the consumed batch",
+}
+
+#: Families named at run time: ``prefix + suffix``, e.g. ``buffer/dropped_timeout``, ``eval/accuracy/arith``.
+PREFIXES: dict[str, str] = {
+    "buffer/dropped_": "trajectories dropped for the named reason (cumulative)",
+    "eval/": "per-benchmark eval metrics: eval/<metric>/<task>",
+    "time/": "other named timings [s]",
+    "rollout/": "task-specific rollout counters (means over the batch)",
+}
+
+
+def is_known(name: str) -> bool:
+    """Whether ``name`` is in :data:`METRICS` or starts with one of :data:`PREFIXES`."""
+    return name in METRICS or any(name.startswith(p) for p in PREFIXES)
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, float]]:
+    """All records of a ``metrics.jsonl`` (a ``RUN_DIR`` is accepted too); a torn last line is skipped."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    records = []
+    with path.open() as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash: the step is simply re-logged after resume
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+class SummaryWriterLike(Protocol):
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None: ...
+    def add_histogram(self, tag: str, values: torch.Tensor, global_step: int) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Tracker:
+    """Appends one JSON line per :meth:`log` call to ``run_dir/metrics.jsonl`` and mirrors to TensorBoard.
+
+    Args:
+        run_dir: the run directory (created if needed).
+        tensorboard: mirror scalars to ``run_dir/tensorboard`` (skipped with a warning if unavailable).
+        strict: raise on a metric name not in the namespace (default: warn once per name).
+        resume_step: when resuming from the checkpoint of this step, drop records with ``step >=
+            resume_step`` first (they belong to steps the resumed run will redo), then append.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        tensorboard: bool = True,
+        strict: bool = False,
+        resume_step: int | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.strict = strict
+        self._warned: set[str] = set()
+        if resume_step is not None and self.path.exists():
+            self._truncate_from(resume_step)
+        self._file: IO[str] | None = self.path.open("a")
+        self._tb: SummaryWriterLike | None = self._open_tensorboard() if tensorboard else None
+
+    def _truncate_from(self, step: int) -> None:
+        kept = [r for r in read_metrics(self.path) if int(r.get("step", -1)) < step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        with tmp.open("w") as handle:
+            for record in kept:
+                handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path)
+
+    def _open_tensorboard(self) -> SummaryWriterLike | None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:  # tensorboard is a core dependency, but keep JSONL working without it
+            warnings.warn(f"TensorBoard mirror off ({err}); metrics.jsonl is still written", stacklevel=3)
+            return None
+        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))  # type: ignore[no-any-return]
+
+    def _check(self, name: str) -> None:
+        if is_known(name):
+            return
+        message = (
+            f"metric {name!r} is not in copc.experiments.tracking.METRICS; add it there with a one-line "
+            "doc (one namespace, defined once)"
+        )
+        if self.strict:
+            raise KeyError(message)
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(message, stacklevel=3)
+
+    def log(
+        self,
+        step: int,
+        metrics: Mapping[str, float | int | bool | torch.Tensor],
+        *,
+        histograms: Mapping[str, torch.Tensor | Sequence[float]] | None = None,
+    ) -> dict[str, float]:
+        """Write one record for ``step``; returns it. Tensors must be scalars (``.item()`` happens here,
+        never in the losses). Histograms go to TensorBoard; JSONL keeps their values as a list."""
+        if self._file is None:
+            raise RuntimeError("Tracker is closed")
+        record: dict[str, float] = {}
+        for name, value in metrics.items():
+            self._check(name)
+            record[name] = _scalar(name, value)
+        line: dict[str, object] = {"step": int(step), "time": time.time(), **record}
+        for name, values in (histograms or {}).items():
+            self._check(name)
+            tensor = torch.as_tensor(values).detach().flatten().cpu()
+            line[name] = tensor.tolist()
+            if self._tb is not None and tensor.numel() > 0:
+                self._tb.add_histogram(name, tensor.double(), int(step))
+        self._file.write(json.dumps(line, allow_nan=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, value in record.items():
+                if math.isfinite(value):
+                    self._tb.add_scalar(name, value, int(step))
+            self._tb.flush()
+        return record
+
+    def records(self) -> Iterator[dict[str, float]]:
+        """Records written so far (re-read from disk)."""
+        return iter(read_metrics(self.path))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _scalar(name: str, value: float | int | bool | torch.Tensor) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach().item())
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__}")

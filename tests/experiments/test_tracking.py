@@ -1,0 +1,77 @@
+"""Metrics namespace and Tracker: JSONL records, resume, TensorBoard mirror, strictness."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from copc.experiments import tracking
+from copc.experiments.tracking import METRICS, Tracker, is_known, read_metrics
+
+
+def test_namespace_is_defined_once_and_documented():
+    constants = {v for k, v in vars(tracking).items() if k.isupper() and isinstance(v, str) and "/" in v}
+    assert constants == set(METRICS)  # every constant documented, every documented name a constant
+    assert all(doc.strip() and "\n" not in doc for doc in METRICS.values())
+    for name in (
+        "loss/policy", "loss/value", "ratio/mask_frac", "ratio/clip_frac_low", "ratio/clip_frac_high",
+        "ratio/ess_token", "ratio/ess_seq", "ratio/mean_abs_log_w", "staleness/mean", "staleness/max",
+        "critic/explained_var", "critic/value_bias_gap", "grad/actor_norm", "grad/critic_norm",
+        "perf/tokens_per_s", "time/generate", "time/wait", "time/train", "time/step", "reward/mean",
+        "eval/accuracy", "rollout/tool_use_rate", "buffer/dropped",
+    ):  # fmt: skip
+        assert name in METRICS
+    assert is_known("buffer/dropped_timeout") and is_known("eval/accuracy/arith_tool")
+    assert not is_known("loss/polcy")
+
+
+def test_jsonl_records_and_resume_truncation(tmp_path):
+    with Tracker(tmp_path, tensorboard=False, strict=True) as tracker:
+        for step in range(4):
+            tracker.log(step, {tracking.LOSS_POLICY: torch.tensor(0.5 * step), tracking.REWARD_MEAN: step})
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert records[2][tracking.LOSS_POLICY] == 1.0 and records[3][tracking.REWARD_MEAN] == 3.0
+    # a crash cut the last line in half: skipped on read
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 4, "loss/po')
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 4
+    # resume from the checkpoint of step 2: steps >= 2 are redone, so their old records go
+    with Tracker(tmp_path, tensorboard=False, resume_step=2) as tracker:
+        tracker.log(2, {tracking.REWARD_MEAN: 20.0})
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[-1][tracking.REWARD_MEAN] == 20.0
+
+
+def test_unknown_names_and_bad_values(tmp_path):
+    with Tracker(tmp_path, tensorboard=False, strict=True) as tracker:
+        with pytest.raises(KeyError, match=r"not in copc\.experiments\.tracking\.METRICS"):
+            tracker.log(0, {"loss/polcy": 1.0})
+        with pytest.raises(ValueError, match="must be a scalar"):
+            tracker.log(0, {tracking.LOSS_VALUE: torch.ones(2)})
+    with Tracker(tmp_path, tensorboard=False) as tracker, pytest.warns(UserWarning, match="custom/x"):
+        tracker.log(0, {"custom/x": 1.0})
+    with pytest.raises(RuntimeError, match="closed"):
+        tracker.log(1, {})
+
+
+def test_tensorboard_mirror_and_histogram(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with Tracker(tmp_path, strict=True) as tracker:
+        for step in range(3):
+            tracker.log(
+                step,
+                {tracking.STALENESS_MEAN: 1.5 + step},
+                histograms={tracking.STALENESS_HIST: torch.tensor([0, 1, 1, 2 + step])},
+            )
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0})
+    events.Reload()
+    scalars = events.Scalars(tracking.STALENESS_MEAN)
+    assert [(e.step, e.value) for e in scalars] == [(0, 1.5), (1, 2.5), (2, 3.5)]
+    assert len(events.Histograms(tracking.STALENESS_HIST)) == 3
+    line = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert line[tracking.STALENESS_HIST] == [0, 1, 1, 2]
