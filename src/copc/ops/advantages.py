@@ -1,0 +1,525 @@
+"""The advantage channel: GAE, V-trace, COPC clipped-ratio TD sums, BRACE, group advantages.
+
+Notation: ``B`` sequences, ``T`` token positions, ``action_mask: [B, T] bool`` True on tokens the policy
+sampled (prompt and tool-output tokens False). ``values[b, t]`` is the pre-update ``V(s_t)`` of the state
+before token ``t``; ``log_rho = logp_old - logp_behav`` (so ``w = pi_old / mu``). All inputs float32.
+
+Every recursion runs over action tokens only and *bridges* tool-output spans: the value after the last
+action token of a turn is the value at the first action token of the next turn (verl multi-turn GAE,
+SAO skip-observation). Discounting and every horizon (lam, k, k_A) count action tokens only. The value
+after a row's last action token is 0 (terminal) or ``bootstrap_value[b]`` (``truncation = bootstrap``).
+Rewards, values and log-ratios at non-action positions are ignored (fold rewards first with
+:func:`fold_rewards`); outputs are exactly 0 there. Weights are detached; ratios come from a log-ratio
+clamped to +-20, in float32.
+
+Implementation: each row's action tokens are compacted to the left (scatter by ``cumsum`` index), so a
+bridged recursion becomes a plain recursion over a dense ``[B, T]`` array, solved loop-free by a
+discounted reverse cumulative sum (blocked matrix scan for ``gamma * lam < 1``). Only the ratio-product
+trace paths (V-trace, BRACE, ``clipped_td(trace="vtrace")``) scan over T with batch-vectorised steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal, NamedTuple
+
+import torch
+
+from copc.ops.importance import LOG_RATIO_CLAMP
+from copc.ops.masked import check_bt, check_mask
+
+__all__ = [
+    "BraceOutput",
+    "ClippedTDOutput",
+    "GAEOutput",
+    "GroupMode",
+    "TraceKind",
+    "VTraceOutput",
+    "brace",
+    "broadcast_to_tokens",
+    "clipped_td",
+    "discounted_reverse_cumsum",
+    "fold_rewards",
+    "gae",
+    "group_advantages",
+    "vtrace",
+]
+
+TraceKind = Literal["none", "vtrace", "brace"]
+GroupMode = Literal["grpo", "drgrpo", "rloo"]
+_CHUNK = 64  # block length of the matrix scan: powers g^0..g^64 never overflow, any g in [0, 1]
+
+
+class GAEOutput(NamedTuple):
+    advantages: torch.Tensor  # [B, T] float32, 0 off action tokens
+    returns: torch.Tensor  # [B, T] float32 critic target G = A + V, 0 off action tokens
+
+
+class VTraceOutput(NamedTuple):
+    vs: torch.Tensor  # [B, T] float32 value targets, 0 off action tokens
+    pg_advantages: torch.Tensor  # [B, T] float32, 0 off action tokens
+
+
+class ClippedTDOutput(NamedTuple):
+    advantages: torch.Tensor  # [B, T] float32 (not whitened), 0 off action tokens
+    returns: torch.Tensor  # [B, T] float32 critic target G = V + D, 0 off action tokens
+
+
+class BraceOutput(NamedTuple):
+    advantages: torch.Tensor  # [B, T] float32, 0 off action tokens
+    returns: torch.Tensor  # [B, T] float32 V_targ, 0 off action tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Scans
+
+
+def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
+    """``y_t = sum_{u >= t} discount^(u - t) x_u`` along the last dim of ``x: [B, T]``, loop-free.
+
+    ``discount == 1``: ``flip(cumsum(flip(x)))``. Otherwise a two-level blocked scan: inside blocks of
+    64, ``y = x @ M^T`` with ``M[j, u] = g^(u - j)`` (u >= j); across blocks the block heads obey the
+    same recursion with factor ``g^64`` (a second, small matrix). Every power is <= 1, so nothing
+    overflows for any ``g`` in [0, 1]; accuracy stays at float32 rounding for T = 4096.
+    """
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"discount must lie in [0, 1] (gamma * lam), got {discount}")
+    if discount == 1.0:
+        return torch.flip(torch.cumsum(torch.flip(x, dims=[-1]), dim=-1), dims=[-1])
+    batch, length = x.shape
+    n_blocks = max(1, -(-length // _CHUNK))
+    padded = torch.nn.functional.pad(x, (0, n_blocks * _CHUNK - length)).view(batch, n_blocks, _CHUNK)
+    idx = torch.arange(_CHUNK, dtype=torch.float64, device=x.device)
+    lag = idx[None, :] - idx[:, None]  # lag[j, u] = u - j
+    intra = torch.where(lag >= 0, discount ** lag.clamp(min=0), 0.0).to(x.dtype)
+    local = padded @ intra.T  # local[b, c, j] = sum_{u >= j in block c} g^(u-j) x_u
+    bidx = torch.arange(n_blocks, dtype=torch.float64, device=x.device)
+    blag = bidx[None, :] - bidx[:, None]
+    inter = torch.where(blag >= 0, (discount**_CHUNK) ** blag.clamp(min=0), 0.0).to(x.dtype)
+    heads = local[:, :, 0] @ inter.T  # y at each block's first position
+    next_heads = torch.nn.functional.pad(heads[:, 1:], (0, 1))  # y at the next block's head, 0 past T
+    to_next = (discount ** (_CHUNK - idx)).to(x.dtype)  # g^(64 - j): from position j to the next head
+    y = local + to_next[None, None, :] * next_heads[:, :, None]
+    return y.reshape(batch, n_blocks * _CHUNK)[:, :length]
+
+
+def _reverse_linear_scan(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``y_t = x_t + coef_t * y_{t+1}``, ``y_T = x_T``: a loop over T with batch-vectorised steps.
+
+    Only for the ratio-product traces, where ``coef`` varies per token (a zero trace cuts the sum
+    exactly). Entries past a row's last action token must have ``x = 0``.
+    """
+    cols: list[torch.Tensor] = []
+    carry = torch.zeros_like(x[:, 0])
+    for t in range(x.shape[1] - 1, -1, -1):
+        carry = x[:, t] + coef[:, t] * carry
+        cols.append(carry)
+    return torch.stack(cols[::-1], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compaction of action tokens (the bridge over tool-output spans)
+
+
+class _Compact(NamedTuple):
+    pos: torch.Tensor  # [B, T] long: compact index of each action token (clamped >= 0)
+    dest: torch.Tensor  # [B, T] long: scatter destination (T for non-action tokens)
+    valid: torch.Tensor  # [B, T] bool: compact index < number of action tokens of the row
+    last: torch.Tensor  # [B, T] bool: the compact slot of each row's last action token
+    n_actions: torch.Tensor  # [B] long
+
+
+def _compaction(action_mask: torch.Tensor) -> _Compact:
+    length = action_mask.shape[1]
+    cum = action_mask.long().cumsum(dim=1)
+    count = cum[:, -1]
+    pos = (cum - 1).clamp(min=0)
+    dest = torch.where(action_mask, pos, torch.full_like(pos, length))
+    slots = torch.arange(length, device=action_mask.device)[None, :]
+    return _Compact(pos, dest, slots < count[:, None], slots == (count[:, None] - 1), count)
+
+
+def _pack(x: torch.Tensor, action_mask: torch.Tensor, cp: _Compact) -> torch.Tensor:
+    """Action-token entries of ``x`` moved left in order; 0 in the padding (NaN-safe)."""
+    clean = torch.where(action_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    wide = torch.nn.functional.pad(torch.zeros_like(clean), (0, 1))
+    return wide.scatter(1, cp.dest, clean)[:, :-1]
+
+
+def _unpack(xc: torch.Tensor, action_mask: torch.Tensor, cp: _Compact) -> torch.Tensor:
+    """Inverse of :func:`_pack`: compact entries back to their token positions, exactly 0 elsewhere."""
+    back = xc.gather(1, cp.pos)
+    return torch.where(action_mask, back, torch.zeros((), dtype=back.dtype, device=back.device))
+
+
+def _shift_left(xc: torch.Tensor) -> torch.Tensor:
+    """``y_j = x_{j+1}``, 0 past the end (the value of the next action token)."""
+    return torch.nn.functional.pad(xc[:, 1:], (0, 1))
+
+
+class _Packed(NamedTuple):
+    cp: _Compact
+    reward: torch.Tensor  # [B, T] compact r
+    value: torch.Tensor  # [B, T] compact V(s_j)
+    value_next: torch.Tensor  # [B, T] compact V(s_{j+1}) (bootstrap or 0 after the last token)
+    delta: torch.Tensor  # [B, T] compact delta_j = r_j + gamma V(s_{j+1}) - V(s_j)
+    weight: torch.Tensor | None  # [B, T] compact w_j = exp(clamp(log_rho)), detached; 1 in padding
+
+
+def _check_float(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32 (cast with .float() before the advantage channel), got {tensor.dtype}")
+
+
+def _prepare(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    gamma: float,
+    log_rho: torch.Tensor | None = None,
+    bootstrap_value: torch.Tensor | None = None,
+) -> _Packed:
+    """Check inputs, compact action tokens and build the bridged TD residuals."""
+    check_bt("rewards", rewards)
+    _check_float("rewards", rewards)
+    check_bt("values", values, rewards)
+    _check_float("values", values)
+    check_mask("action_mask", action_mask, rewards)
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+    cp = _compaction(action_mask)
+    reward = _pack(rewards, action_mask, cp)
+    value = _pack(values, action_mask, cp)
+    tail = torch.zeros_like(value)
+    if bootstrap_value is not None:
+        if bootstrap_value.shape != rewards.shape[:1]:
+            raise ValueError(f"bootstrap_value must be [B] = {tuple(rewards.shape[:1])}, got {tuple(bootstrap_value.shape)}")
+        _check_float("bootstrap_value", bootstrap_value)
+        boot = torch.where(cp.n_actions > 0, bootstrap_value, torch.zeros_like(bootstrap_value))
+        tail = torch.where(cp.last, boot[:, None], tail)
+    value_next = torch.where(cp.last, tail, _shift_left(value))
+    delta = reward + gamma * value_next - value
+    weight = None
+    if log_rho is not None:
+        check_bt("log_rho", log_rho, rewards)
+        _check_float("log_rho", log_rho)
+        log_w = _pack(log_rho.detach(), action_mask, cp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        weight = torch.exp(log_w)
+    return _Packed(cp, reward, value, value_next, delta, weight)
+
+
+def _check_lambda(name: str, lam: float) -> None:
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"{name} must lie in [0, 1], got {lam}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Estimators
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    bootstrap_value: torch.Tensor | None = None,
+) -> GAEOutput:
+    """Generalised advantage estimation over action tokens, bridging tool spans (spec section 2).
+
+    ::
+
+        delta_t = r_t + gamma V(s_{t+1}) - V(s_t)       (V(s_{T+1}) = 0 or bootstrap_value)
+        A_t     = delta_t + gamma lam A_{t+1},  A_{T+1} = 0
+        G_t     = A_t + V(s_t)
+
+    Args:
+        rewards: ``[B, T] float32`` (already folded onto action tokens).
+        values: ``[B, T] float32`` pre-update ``V(s_t)``.
+        action_mask: ``[B, T] bool``.
+        gamma, lam: discount and GAE lambda in [0, 1].
+        bootstrap_value: optional ``[B] float32`` ``V(s_{T+1})`` of truncated rows.
+
+    Returns: ``GAEOutput(advantages, returns)``, both ``[B, T] float32``, 0 off action tokens.
+    """
+    _check_lambda("lam", lam)
+    pk = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    adv = discounted_reverse_cumsum(pk.delta, gamma * lam)
+    return GAEOutput(_unpack(adv, action_mask, pk.cp), _unpack(adv + pk.value, action_mask, pk.cp))
+
+
+def vtrace(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    log_rho: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    rho_bar: float,
+    c_bar: float,
+    pg_rho_bar: float,
+    bootstrap_value: torch.Tensor | None = None,
+) -> VTraceOutput:
+    """V-trace targets and policy-gradient advantages (IMPALA, arXiv 1802.01561; spec section 4).
+
+    ::
+
+        rho_t = min(rho_bar, w_t),   c_t = lam min(c_bar, w_t),   w_t = exp(clamp(log_rho_t))
+        v_s - V(s_s) = rho_s delta_s + gamma c_s (v_{s+1} - V(s_{s+1})),   v_{T+1} = V(s_{T+1})
+        A^pg_s = min(pg_rho_bar, w_s) (r_s + gamma v_{s+1} - V(s_s))
+
+    Args: as :func:`gae`, plus ``log_rho: [B, T] float32`` ``= logp_old - logp_behav`` (detached).
+
+    Returns: ``VTraceOutput(vs, pg_advantages)``, ``[B, T] float32``, 0 off action tokens.
+    """
+    _check_lambda("lam", lam)
+    pk = _prepare(rewards, values, action_mask, gamma=gamma, log_rho=log_rho, bootstrap_value=bootstrap_value)
+    assert pk.weight is not None
+    rho = pk.weight.clamp(max=rho_bar)
+    trace = lam * pk.weight.clamp(max=c_bar)
+    excess = _reverse_linear_scan(rho * pk.delta, gamma * trace)  # v_s - V(s_s)
+    pg = pk.weight.clamp(max=pg_rho_bar) * (pk.delta + gamma * _shift_left(excess))
+    cp = pk.cp
+    return VTraceOutput(_unpack(pk.value + excess, action_mask, cp), _unpack(pg, action_mask, cp))
+
+
+def _windowed(x: torch.Tensor, discount: float, window: int | None) -> torch.Tensor:
+    """``sum_{u=t}^{t+k-1} discount^(u-t) x_u`` (``k = window``; ``None`` = to the end), loop-free.
+
+    Difference of discounted reverse cumulative sums: ``S_t - discount^k S_{t+k}``.
+    """
+    total = discounted_reverse_cumsum(x, discount)
+    if window is None or window >= x.shape[1]:
+        return total
+    later = torch.nn.functional.pad(total[:, window:], (0, window))
+    return total - (discount**window) * later
+
+
+def clipped_td(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    log_rho: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam_critic: float,
+    lam_actor: float,
+    low: float,
+    high: float,
+    trace: TraceKind = "none",
+    trace_low: float | None = None,
+    trace_high: float | None = None,
+    advantage_window: int | None = None,
+    weight_own_residual: bool = False,
+    bootstrap_value: torch.Tensor | None = None,
+) -> ClippedTDOutput:
+    """COPC's two-sided clipped-ratio weighted TD sums (spec 9.3, variants 9.4). [RECONSTRUCTED]
+
+    ::
+
+        rho~_t = clip(w_t, low, high)                       (low, high bound the ratio, e.g. 0.8, 1.2)
+        D_t = rho~_t delta_t + gamma lam_c c_t D_{t+1}      G_t = V(s_t) + D_t
+        E_t = rho~_t delta_t + gamma lam_a c_t E_{t+1}
+        A_t = delta_t + gamma lam_a E_{t+1}                 (own residual not reweighted; default)
+        A_t = E_t                                           (weight_own_residual=True)
+
+    ``trace="none"``: ``c_t = 1`` (loop-free). With ``advantage_window = k_A`` the clip weight applies
+    only to residuals ``u < t + k_A`` (weight 1 beyond): ``D_t = GAE_t + sum_{u<t+k_A} (gl)^(u-t)
+    (rho~_u - 1) delta_u``, as differences of cumulative sums. ``trace="vtrace"``: ``c_t =
+    clip(w_t, trace_low, trace_high)`` (warns unless ``trace_low <= low`` and ``trace_high <= high``).
+    ``trace="brace"``: D and E are BRACE targets (:func:`brace`) with ``rho = rho~``, ``c = lam *
+    clip(w, trace_low, trace_high)`` and ``k = advantage_window`` (required). Advantages are not whitened.
+
+    Returns: ``ClippedTDOutput(advantages, returns)``, ``[B, T] float32``, 0 off action tokens.
+    """
+    _check_lambda("lam_critic", lam_critic)
+    _check_lambda("lam_actor", lam_actor)
+    if not low <= high:
+        raise ValueError(f"clipped_td needs low <= high (e.g. 0.8, 1.2), got low={low}, high={high}")
+    if advantage_window is not None and advantage_window < 0:
+        raise ValueError(f"advantage_window must be >= 0 or None (infinite), got {advantage_window}")
+    pk = _prepare(rewards, values, action_mask, gamma=gamma, log_rho=log_rho, bootstrap_value=bootstrap_value)
+    assert pk.weight is not None
+    rho = pk.weight.clamp(min=low, max=high)
+    if trace == "none":
+        d_c, e_c = _clipped_no_trace(pk.delta, rho, gamma, lam_critic, lam_actor, advantage_window)
+    elif trace in ("vtrace", "brace"):
+        if trace_low is None or trace_high is None:
+            raise ValueError(f"trace={trace!r} needs trace_low and trace_high (bounds on the ratio)")
+        if not (trace_low <= low and trace_high <= high):
+            warnings.warn(
+                f"trace bounds [{trace_low}, {trace_high}] are not inside the advantage clip [{low}, {high}]: "
+                "c_t can exceed rho~_t (spec 9.4 asks trace_low <= low and trace_high <= high)",
+                stacklevel=2,
+            )
+        c = pk.weight.clamp(min=trace_low, max=trace_high)
+        if trace == "vtrace":
+            if advantage_window is not None:
+                raise ValueError("advantage_window needs trace='none' (c_t = 1) or 'brace'; got trace='vtrace'")
+            d_c = _reverse_linear_scan(rho * pk.delta, gamma * lam_critic * c)
+            e_c = _reverse_linear_scan(rho * pk.delta, gamma * lam_actor * c)
+        else:
+            if advantage_window is None:
+                raise ValueError("trace='brace' needs advantage_window = k (e.g. 100)")
+            d_c = _brace_excess(pk, rho, lam_critic * c, gamma, advantage_window)
+            e_c = _brace_excess(pk, rho, lam_actor * c, gamma, advantage_window)
+    else:
+        raise ValueError(f"unknown trace {trace!r}; valid: none, vtrace, brace")
+    adv = e_c if weight_own_residual else pk.delta + gamma * lam_actor * _shift_left(e_c)
+    cp = pk.cp
+    return ClippedTDOutput(_unpack(adv, action_mask, cp), _unpack(pk.value + d_c, action_mask, cp))
+
+
+def _clipped_no_trace(
+    delta: torch.Tensor, rho: torch.Tensor, gamma: float, lam_c: float, lam_a: float, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """D and E with ``c_t = 1``: ``GAE + windowed sum of (rho~ - 1) delta`` (exact when window is None)."""
+    extra = (rho - 1.0) * delta
+    d_c = discounted_reverse_cumsum(delta, gamma * lam_c) + _windowed(extra, gamma * lam_c, window)
+    if lam_a == lam_c:
+        return d_c, d_c
+    e_c = discounted_reverse_cumsum(delta, gamma * lam_a) + _windowed(extra, gamma * lam_a, window)
+    return d_c, e_c
+
+
+def _brace_excess(pk: _Packed, rho: torch.Tensor, trace: torch.Tensor, gamma: float, k: int) -> torch.Tensor:
+    """BRACE ``V_targ(s_s) - V(s_s)`` on compact arrays (spec 10.2), ``j = min(s + k, T)``::
+
+        sum_{t=s}^{j-1} gamma^(t-s) P(s,t) rho_t delta_t + P(s,j) sum_{t=j}^{T} gamma^(t-s) delta_t
+
+    with ``P(s,t) = prod_{i=s}^{t-1} c_i`` (``c`` includes lambda); the unweighted tail telescopes to the
+    Monte-Carlo return ``gamma^(T-s) R - gamma^(j-s) V(s_j)``. For ``k >= T`` it is the V-trace
+    recursion with the last token's rho set to 1; otherwise a loop over the k window offsets.
+    """
+    valid, last, length = pk.cp.valid, pk.cp.last, pk.delta.shape[1]
+    mc = discounted_reverse_cumsum(pk.delta, gamma)  # sum_{t>=j} gamma^(t-j) delta_t
+    if k >= length - 1:
+        rho_last_one = torch.where(last, torch.ones_like(rho), rho)
+        return _reverse_linear_scan(rho_last_one * pk.delta, gamma * trace)
+    slots = torch.arange(length, device=rho.device)[None, :]
+    n_last = pk.cp.n_actions[:, None] - 1
+    span = torch.minimum(slots + k, n_last).clamp(min=0) - slots  # j - s (<= 0 in the padding)
+    weighted = rho * pk.delta
+    acc = torch.zeros_like(weighted)
+    prod = torch.ones_like(weighted)
+    for m in range(k):
+        active = span > m
+        shifted_w = torch.nn.functional.pad(weighted[:, m:], (0, m))
+        shifted_c = torch.nn.functional.pad(trace[:, m:], (0, m))
+        acc = acc + torch.where(active, (gamma**m) * prod * shifted_w, 0.0)
+        prod = torch.where(active, prod * shifted_c, prod)
+    j_idx = (slots + span.clamp(min=0)).clamp(max=length - 1)
+    tail = prod * gamma ** span.clamp(min=0).to(rho.dtype) * mc.gather(1, j_idx)
+    return torch.where(valid, acc + tail, 0.0)
+
+
+def brace(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    log_rho: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    rho_bar: float,
+    c_bar: float,
+    k: int,
+    bootstrap_value: torch.Tensor | None = None,
+) -> BraceOutput:
+    """BRACE capped, Monte-Carlo-anchored targets (arXiv 2609.09783; spec 10.2).
+
+    ::
+
+        rho_t = min(rho_bar, w_t),  c_i = lam min(c_bar, w_i),  j = min(s + k, T)
+        V_targ(s_s) = V(s_s) + sum_{t=s}^{j-1} gamma^(t-s) (prod_{i=s}^{t-1} c_i) rho_t delta_t
+                      + prod_{i=s}^{j-1} c_i [gamma^(T-s) R - gamma^(j-s) V(s_j)]
+        A_s = r_s + gamma V_targ(s_{s+1}) - V(s_s),   V_targ(s_{T+1}) = V(s_{T+1}) (0 if terminal)
+
+    ``k`` counts action tokens; ``k = 0`` gives the Monte-Carlo target ``gamma^(T-s) R``; ``k >= T``
+    gives V-trace with ``rho_T := 1``. With ``bootstrap_value``, ``R`` becomes ``R + gamma V(s_{T+1})``.
+
+    Returns: ``BraceOutput(advantages, returns)``, ``[B, T] float32``, 0 off action tokens.
+    """
+    _check_lambda("lam", lam)
+    if k < 0:
+        raise ValueError(f"brace horizon k must be >= 0 (BRACE default 100), got {k}")
+    pk = _prepare(rewards, values, log_rho=log_rho, action_mask=action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    assert pk.weight is not None
+    excess = _brace_excess(pk, pk.weight.clamp(max=rho_bar), lam * pk.weight.clamp(max=c_bar), gamma, k)
+    adv = pk.delta + gamma * _shift_left(excess)
+    cp = pk.cp
+    return BraceOutput(_unpack(adv, action_mask, cp), _unpack(pk.value + excess, action_mask, cp))
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards and group baselines
+
+
+def fold_rewards(token_rewards: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Move every reward onto an action token (spec section 0). ``[B, T] float32`` in and out.
+
+    A reward on a non-action token is added to the nearest *preceding* action token; one before the
+    first action token goes to the first action token; a row without action tokens drops its rewards.
+    """
+    check_bt("token_rewards", token_rewards)
+    _check_float("token_rewards", token_rewards)
+    check_mask("action_mask", action_mask, token_rewards)
+    length = token_rewards.shape[1]
+    slots = torch.arange(length, device=token_rewards.device).expand_as(action_mask)
+    last_action = torch.where(action_mask, slots, torch.full_like(slots, -1)).cummax(dim=1).values
+    first_action = action_mask.long().argmax(dim=1, keepdim=True).expand_as(slots)
+    target = torch.where(last_action >= 0, last_action, first_action)
+    has_action = action_mask.any(dim=1, keepdim=True)
+    kept = torch.where(has_action, token_rewards, torch.zeros_like(token_rewards))
+    folded = torch.zeros_like(kept).scatter_add(1, target, kept)
+    return torch.where(action_mask, folded, torch.zeros_like(folded))
+
+
+def group_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, *, mode: GroupMode, eps: float = 1e-6
+) -> torch.Tensor:
+    """Per-sequence group-relative advantages. ``scores: [B] float32``, ``group_ids: [B]`` integer.
+
+    ::
+
+        grpo:    (R_i - mean_g) / (std_g + eps)     (Bessel-corrected std, as torch.std / verl)
+        drgrpo:  R_i - mean_g                       (Dr. GRPO: no std division)
+        rloo:    R_i - (sum_g - R_i) / (n_g - 1)    (leave-one-out mean)
+
+    A group of one sequence has no baseline: its advantage is 0 in every mode. Returns ``[B] float32``.
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be [B], got shape {tuple(scores.shape)}")
+    _check_float("scores", scores)
+    if group_ids.shape != scores.shape or group_ids.is_floating_point():
+        raise ValueError(f"group_ids must be an integer [B] tensor like scores, got {group_ids.dtype} {tuple(group_ids.shape)}")
+    if mode not in ("grpo", "drgrpo", "rloo"):
+        raise ValueError(f"unknown group advantage mode {mode!r}; valid: grpo, drgrpo, rloo")
+    uniq, inverse = torch.unique(group_ids, return_inverse=True)
+    zeros = torch.zeros(uniq.numel(), dtype=scores.dtype, device=scores.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(scores))
+    total = zeros.index_add(0, inverse, scores)
+    n_i, sum_i = count[inverse], total[inverse]
+    mean_i = sum_i / n_i
+    centred = scores - mean_i
+    single = n_i < 2
+    if mode == "drgrpo":
+        adv = centred
+    elif mode == "rloo":
+        adv = scores - (sum_i - scores) / (n_i - 1).clamp(min=1)
+    else:
+        sq = zeros.index_add(0, inverse, centred * centred)
+        std_i = torch.sqrt(sq[inverse] / (n_i - 1).clamp(min=1))
+        adv = centred / (std_i + eps)
+    return torch.where(single, torch.zeros_like(adv), adv)
+
+
+def broadcast_to_tokens(per_seq: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """``per_seq: [B]`` copied onto every action token of its row; exactly 0 elsewhere. ``[B, T]``."""
+    check_mask("action_mask", action_mask)
+    if per_seq.shape != action_mask.shape[:1]:
+        raise ValueError(f"per_seq must be [B] = {tuple(action_mask.shape[:1])}, got {tuple(per_seq.shape)}")
+    return torch.where(action_mask, per_seq[:, None], torch.zeros((), dtype=per_seq.dtype))
