@@ -1,0 +1,360 @@
+"""Batched sampling from an HF causal LM with a KV cache, per-token behaviour log-probs and versions.
+
+The loop is written here (not ``model.generate``) so that the log-prob recorded for every sampled
+token is computed from the *exact* distribution the token was drawn from:
+
+    l = logits(prefix) / tau                                  (float32, tau = temperature > 0)
+    keep_k(v) = l[v] >= (k-th largest l)      if top_k > 0    (ties at the threshold are kept)
+    p_k = softmax(l restricted to keep_k)
+    keep_p(v) = sum of p_k over tokens ranked strictly before v (descending p_k) < top_p
+    log mu(v) = l[v] - logsumexp(l over keep_k & keep_p)      (-inf outside the kept set)
+
+so with ``top_k = 0`` and ``top_p = 1`` the behaviour log-prob is ``log_softmax(l)``, the same number
+``copc.models.token_logprobs(..., temperature=tau)`` gives in a teacher-forced pass. The sampled token
+is the inverse CDF (in vocabulary order) of ``mu`` at a uniform draw; each row draws its uniforms from
+its own seed when ``seeds`` are given, so a row's tokens do not depend on which other rows share the
+batch.
+
+Batches are left-padded; ``position_ids`` count real tokens only, so a padded row sees exactly the
+positions and keys it would see alone. Rows that finish are dropped from the KV cache, so the step
+cost follows the number of rows still generating.
+
+A row stops at EOS (the EOS token is kept in its ids, not in its text), when the decoded text of the
+tokens generated in this call ends with one of its stop strings (the stop string is kept), or at its
+token budget.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from copc.models.hf import position_ids_from_mask
+
+
+class FinishReason(str, Enum):
+    """Why one row of a :meth:`Engine.generate` call stopped."""
+
+    STOP = "stop"  # the text of this call ends with a stop string
+    EOS = "eos"  # the model sampled an end-of-sequence token
+    LENGTH = "length"  # the row's max_new_tokens ran out
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are drawn (see the module docstring for the exact distribution)."""
+
+    temperature: float = 1.0
+    """tau > 0: logits are divided by it before softmax. Greedy decoding is ``top_k=1``."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 keeps every token."""
+    top_k: int = 0
+    """Keep the k most likely tokens (ties kept); 0 keeps every token."""
+    max_new_tokens: int = 64
+    """Most tokens generated per row per call (a per-row override can only be given per call)."""
+    stop_strings: tuple[str, ...] = ()
+    """A row stops when the text it generated in this call ends with one of these (kept in the text)."""
+    ignore_eos: bool = False
+    """Keep sampling after EOS (benchmarks only: fixed lengths)."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (got {self.temperature}); for greedy use top_k=1")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p}); 1 disables nucleus sampling")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (got {self.top_k}); 0 disables top-k")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if not isinstance(self.stop_strings, tuple) or any(not s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be a tuple of non-empty strings (got {self.stop_strings!r})")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One row's output.
+
+    Attributes:
+        token_ids: ``[N] int64``, the sampled tokens (an EOS that ended the row included).
+        logp: ``[N] float32``, log mu(token | prefix) under the distribution it was sampled from.
+        version: weight version that sampled every token of this call.
+        text: decoded text of ``token_ids`` (a final EOS excluded, special tokens otherwise kept).
+        finish: why the row stopped.
+        stop_string: the stop string the text ends with, when ``finish`` is STOP.
+    """
+
+    token_ids: torch.Tensor
+    logp: torch.Tensor
+    version: int
+    text: str
+    finish: FinishReason
+    stop_string: str | None = None
+
+
+def truncated_logprobs(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """log mu over the vocabulary after temperature, top-k and top-p (module docstring formulas).
+
+    Args:
+        logits: ``[N, V]`` any float dtype.
+        temperature: tau > 0.
+        top_k: 0 = off, else keep tokens whose scaled logit >= the k-th largest.
+        top_p: in (0, 1]; 1 = off.
+
+    Returns:
+        ``[N, V] float32``, renormalised over the kept tokens, ``-inf`` elsewhere (at least the most
+        likely token is always kept).
+    """
+    scaled = logits.float() / temperature
+    neg_inf = torch.full_like(scaled, float("-inf"))
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = torch.where(scaled >= kth, scaled, neg_inf)
+    if top_p < 1.0:
+        probs = torch.softmax(scaled, dim=-1)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep_sorted = mass_before < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        scaled = torch.where(keep, scaled, neg_inf)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def sample_inverse_cdf(logp: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token whose CDF interval (vocabulary order) contains ``u``: first v with cdf(v) > u * cdf(V-1).
+
+    The CDF is accumulated in float64. The first v where the CDF rises has probability > 0, so an
+    excluded token is never drawn; when rounding puts ``u * cdf(V-1)`` at the very top, the last
+    token with probability > 0 is taken (the interval that ``u -> 1`` belongs to).
+
+    Args:
+        logp: ``[N, V] float32`` log-probabilities (``-inf`` = excluded).
+        uniforms: ``[N]`` in [0, 1).
+
+    Returns:
+        ``[N] int64``.
+    """
+    probs = logp.double().exp()
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    first_above = (cdf <= target).sum(dim=-1)
+    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).long().argmax(dim=-1)
+    return torch.minimum(first_above, last_positive)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(int(i) for i in source)
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id; set one (tokenizer.eos_token = ...) before sampling")
+    return ids
+
+
+class Engine:
+    """Samples from a causal LM; owns the model it is given and the version of its weights."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, version: int = 0) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self._version = int(version)
+        self._eos = _eos_ids(model, tokenizer)
+        self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self._eos)
+        params = inspect.signature(model.forward).parameters
+        # transformers >= 5.2x names the KV cache `cache`; older releases and remote code `past_key_values`.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._device = next(model.parameters()).device
+
+    @property
+    def version(self) -> int:
+        """Version of the weights currently loaded; stamped on every token sampled with them."""
+        return self._version
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self._eos)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Replace the weights and advance the version (to ``version``, default ``self.version + 1``).
+
+        Every parameter must be present except tied copies (e.g. ``lm_head.weight`` tied to the input
+        embedding). ``version`` must be larger than the current one, so a token's version always names
+        one set of weights.
+        """
+        new_version = self._version + 1 if version is None else int(version)
+        if new_version <= self._version:
+            raise ValueError(
+                f"version must increase: engine is at {self._version}, got {new_version}; "
+                "pass the trainer's step count after the update (or omit it for version + 1)"
+            )
+        result = self.model.load_state_dict(dict(state_dict), strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or ())
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise KeyError(
+                f"state_dict does not match the engine's model: missing {missing[:5]}, unexpected "
+                f"{result.unexpected_keys[:5]}; publish the full policy state_dict()"
+            )
+        self._version = new_version
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        config: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
+        generator: torch.Generator | None = None,
+        max_new_tokens: Sequence[int] | None = None,
+        stop_strings: Sequence[tuple[str, ...]] | None = None,
+    ) -> list[Generation]:
+        """Sample a continuation of every prompt, all rows in one batch.
+
+        Args:
+            prompts: token ids per row (non-empty; no padding).
+            config: sampling settings.
+            seeds: one seed per row: row i's draws come from ``torch.Generator().manual_seed(seeds[i])``
+                and do not depend on the rest of the batch. Otherwise all draws come from ``generator``
+                (or torch's global RNG when it is None).
+            max_new_tokens: per-row budgets overriding ``config.max_new_tokens`` (each >= 1).
+            stop_strings: per-row stop strings overriding ``config.stop_strings``.
+
+        Returns:
+            One :class:`Generation` per prompt, in order.
+        """
+        n = len(prompts)
+        if n == 0:
+            return []
+        budgets = self._per_row(max_new_tokens, config.max_new_tokens, n, "max_new_tokens")
+        stops = list(stop_strings) if stop_strings is not None else [config.stop_strings] * n
+        if len(stops) != n:
+            raise ValueError(f"stop_strings has {len(stops)} rows, prompts has {n}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
+        uniforms = self._uniforms(n, max(budgets), seeds, generator)
+        rows = _Rows(n)
+        self._decode_loop(prompts, config, budgets, stops, uniforms, rows)
+        return [self._finish_row(rows, i) for i in range(n)]
+
+    @staticmethod
+    def _per_row(values: Sequence[int] | None, default: int, n: int, name: str) -> list[int]:
+        out = list(values) if values is not None else [default] * n
+        if len(out) != n or any(v < 1 for v in out):
+            raise ValueError(f"{name} needs {n} values, each >= 1 (got {out})")
+        return out
+
+    def _uniforms(
+        self, n: int, steps: int, seeds: Sequence[int] | None, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """``[n, steps] float64`` draws in [0, 1): row i, step s uses ``u[i, s]``."""
+        if seeds is None:
+            return torch.rand(n, steps, generator=generator, dtype=torch.float64)
+        if len(seeds) != n:
+            raise ValueError(f"seeds has {len(seeds)} values, prompts has {n}")
+        return torch.stack(
+            [torch.rand(steps, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64) for s in seeds]
+        )
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: object) -> tuple:
+        kwargs = {self._cache_kw: cache} if cache is not None else {}
+        out = self.model(
+            input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
+        )
+        new_cache = out["cache"] if "cache" in out else out["past_key_values"]
+        return out.logits[:, -1], new_cache
+
+    def _decode_loop(
+        self,
+        prompts: Sequence[Sequence[int]],
+        config: SamplingConfig,
+        budgets: list[int],
+        stops: list[tuple[str, ...]],
+        uniforms: torch.Tensor,
+        rows: _Rows,
+    ) -> None:
+        """Prefill the left-padded batch, then one token per step for the rows still active."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p) :] = True
+        ids, mask = ids.to(self._device), mask.to(self._device)
+        pos = position_ids_from_mask(mask)
+        logits, cache = self._forward(ids, mask, pos, None)
+        active = list(range(len(prompts)))  # original row index of each batch row
+        next_pos = pos[:, -1:] + 1
+        for step in range(max(budgets)):
+            logp = truncated_logprobs(logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+            u = uniforms[active, step].to(self._device)
+            tokens = sample_inverse_cdf(logp, u)
+            token_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            keep = []
+            for b, (i, token, lp) in enumerate(zip(active, tokens.tolist(), token_logp.tolist(), strict=True)):
+                rows.ids[i].append(token)
+                rows.logp[i].append(lp)
+                if not self._row_done(rows, i, budgets[i], stops[i], config):
+                    keep.append(b)
+            if not keep:
+                return
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=self._device)
+                cache.batch_select_indices(index)
+                tokens, mask, next_pos = tokens[index], mask[index], next_pos[index]
+                active = [active[b] for b in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            logits, cache = self._forward(tokens.unsqueeze(-1), mask, next_pos, cache)
+            next_pos = next_pos + 1
+
+    def _row_done(self, rows: _Rows, i: int, budget: int, stops: tuple[str, ...], config: SamplingConfig) -> bool:
+        """Whether row i is finished after its latest token; records the reason."""
+        token_ids = rows.ids[i]
+        if token_ids[-1] in self._eos and not config.ignore_eos:
+            rows.finish[i] = FinishReason.EOS
+            return True
+        if stops:
+            # A stop string of c characters spans at most c tokens (+ a few for merged/partial bytes).
+            window = max(len(s) for s in stops) + 4
+            tail = self._decode(token_ids[-window:])
+            for stop in stops:
+                if tail.endswith(stop):
+                    rows.finish[i], rows.stop[i] = FinishReason.STOP, stop
+                    return True
+        if len(token_ids) >= budget:
+            rows.finish[i] = FinishReason.LENGTH
+            return True
+        return False
+
+    def _decode(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        assert isinstance(text, str)
+        return text
+
+    def _finish_row(self, rows: _Rows, i: int) -> Generation:
+        token_ids = rows.ids[i]
+        text_ids = token_ids[:-1] if rows.finish[i] is FinishReason.EOS else token_ids
+        return Generation(
+            token_ids=torch.tensor(token_ids, dtype=torch.long),
+            logp=torch.tensor(rows.logp[i], dtype=torch.float32),
+            version=self._version,
+            text=self._decode(text_ids),
+            finish=rows.finish[i],
+            stop_string=rows.stop[i],
+        )
+
+
+class _Rows:
+    """Per-row accumulators of one generate call."""
+
+    def __init__(self, n: int) -> None:
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.logp: list[list[float]] = [[] for _ in range(n)]
+        self.finish: list[FinishReason] = [FinishReason.LENGTH] * n
+        self.stop: list[str | None] = [None] * n
