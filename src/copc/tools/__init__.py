@@ -1,5 +1,6 @@
 """copc.tools: the Python sandbox and the BM25 retriever that the agentic tasks call."""
 
+from copc.tools.retriever import BM25Retriever, Hit
 from copc.tools.sandbox import (
     PythonSandbox,
     SandboxConfig,
@@ -9,6 +10,8 @@ from copc.tools.sandbox import (
 )
 
 __all__ = [
+    "BM25Retriever",
+    "Hit",
     "PythonSandbox",
     "SandboxConfig",
     "SandboxResult",
