@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from copc.experiments import tracking as m
-from copc.experiments.plots import FIGURES, curves_for, plot_runs, seed_group, series, smooth
+from copc.experiments.plots import FIGURES, curves_for, plot_run, plot_runs, seed_group, series, smooth
 from copc.experiments.tracking import Tracker, read_metrics
 
 
@@ -61,10 +61,10 @@ def test_seed_mean_and_band(tmp_path):
 def test_plot_files_for_one_run_and_overlay(tmp_path):
     run = tmp_path / "copc_seed0"
     write_run(run, 1.0)
-    written = plot_runs([run])
+    written = plot_run(run)
     assert sorted(p.name for p in written) == sorted(FIGURES)
     for path in written:
-        assert path.parent == run and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.parent == run / "plots" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 5_000  # a drawn figure, not an empty canvas
     other = tmp_path / "copc_seed1"
     write_run(other, 2.0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +18,8 @@ def test_namespace_is_defined_once_and_documented():
     assert constants == set(METRICS)  # every constant documented, every documented name a constant
     assert all(doc.strip() and "\n" not in doc for doc in METRICS.values())
     for name in (
-        "loss/policy", "loss/value", "ratio/mask_frac", "ratio/clip_frac_low", "ratio/clip_frac_high",
-        "ratio/ess_token", "ratio/ess_seq", "ratio/mean_abs_log_w", "staleness/mean", "staleness/max",
+        "loss/policy", "loss/value", "ratio/mask_frac", "ratio/clip_low_frac", "ratio/clip_high_frac",
+        "ratio/ess_tok", "ratio/ess_seq", "ratio/mean_abs_log", "staleness/mean", "staleness/max",
         "critic/explained_var", "critic/value_bias_gap", "grad/actor_norm", "grad/critic_norm",
         "perf/tokens_per_s", "time/generate", "time/wait", "time/train", "time/step", "reward/mean",
         "eval/accuracy", "rollout/tool_use_rate", "buffer/dropped",
@@ -25,6 +27,26 @@ def test_namespace_is_defined_once_and_documented():
         assert name in METRICS
     assert is_known("buffer/dropped_timeout") and is_known("eval/accuracy/arith_tool")
     assert not is_known("loss/polcy")
+
+
+def test_ops_diagnostics_use_the_namespace():
+    """The ops return stats dicts keyed by metric names; they cannot import this module (imports point
+    down), so check here that every key they emit is declared."""
+    from copc.ops.importance import importance_diagnostics
+
+    log_w = torch.tensor([[0.1, -0.2, 0.0]])
+    mask = torch.tensor([[True, True, False]])
+    stats = importance_diagnostics(log_w, mask, clip_low=0.8, clip_high=1.2, keep_mask=mask)
+    unknown = sorted(k for k in stats if k not in METRICS)
+    assert not unknown, f"ops.importance emits names missing from METRICS: {unknown}"
+    # and every metric-like string literal in the ops modules (policy/value loss stats ...)
+    import copc.ops
+
+    pattern = re.compile(r'"((?:loss|ratio|policy|value|critic|adv|staleness|grad)/[a-z0-9_@]+)"')
+    for path in Path(copc.ops.__file__).parent.glob("*.py"):
+        names = set(pattern.findall(path.read_text()))
+        missing = sorted(n for n in names if not is_known(n))
+        assert not missing, f"{path.name} emits metric names missing from METRICS: {missing}"
 
 
 def test_jsonl_records_and_resume_truncation(tmp_path):
@@ -68,7 +90,7 @@ def test_tensorboard_mirror_and_histogram(tmp_path):
                 {tracking.STALENESS_MEAN: 1.5 + step},
                 histograms={tracking.STALENESS_HIST: torch.tensor([0, 1, 1, 2 + step])},
             )
-    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0})
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0, "scalars": 0})
     events.Reload()
     scalars = events.Scalars(tracking.STALENESS_MEAN)
     assert [(e.step, e.value) for e in scalars] == [(0, 1.5), (1, 2.5), (2, 3.5)]

@@ -45,6 +45,9 @@ FIGURES: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
     "critic.png": ("Critic", (("explained variance", (m.CRITIC_EXPLAINED_VAR,)),)),
 }
 
+#: A run's own figures go to ``RUN_DIR/plots``.
+PLOTS_DIR = "plots"
+
 _SEED_RE = re.compile(r"[-_.]?seed[-_]?\d+$")
 
 
@@ -124,8 +127,8 @@ def plot_runs(
     mean_seeds: bool = False,
     smooth_window: int = 1,
 ) -> list[Path]:
-    """Draw the four figures for ``run_dirs`` into ``out_dir`` (default: the single run's directory);
-    returns the PNG paths. Panels without data say so instead of failing."""
+    """Draw the four figures for ``run_dirs`` into ``out_dir`` (default: ``RUN_DIR/plots`` of the single
+    run); returns the PNG paths. Panels without data say so instead of failing."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,7 +139,7 @@ def plot_runs(
     if out_dir is None:
         if len(run_dirs) != 1:
             raise ValueError("several runs: say where the overlay goes (out_dir / --out)")
-        out_dir = run_dirs[0]
+        out_dir = Path(run_dirs[0]) / PLOTS_DIR
     runs = {}
     for run_dir in run_dirs:
         path = Path(run_dir) / "metrics.jsonl"
@@ -159,6 +162,11 @@ def plot_runs(
         os.replace(tmp, target)
         written.append(target)
     return written
+
+
+def plot_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The figures of one run, into ``RUN_DIR/plots`` by default (what ``copc train`` calls at the end)."""
+    return plot_runs([run_dir], out_dir)
 
 
 def _draw_panel(

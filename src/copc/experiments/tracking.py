@@ -25,34 +25,49 @@ from typing import IO, Protocol
 import torch
 
 # ---------------------------------------------------------------------------------- the namespace
+# Names emitted by the ops diagnostics (copc.ops.importance / policy_losses / value_losses return
+# dicts with these keys; ops cannot import this module, so the strings are repeated there and a
+# test here checks the two agree).
 LOSS_POLICY = "loss/policy"
 LOSS_VALUE = "loss/value"
 LOSS_ENTROPY = "loss/entropy"
 LOSS_KL = "loss/kl"
 RATIO_MASK_FRAC = "ratio/mask_frac"
-RATIO_CLIP_FRAC_LOW = "ratio/clip_frac_low"
-RATIO_CLIP_FRAC_HIGH = "ratio/clip_frac_high"
-RATIO_PPO_CLIP_FRAC = "ratio/ppo_clip_frac"
-RATIO_ESS_TOKEN = "ratio/ess_token"
+RATIO_CLIP_FRAC_LOW = "ratio/clip_low_frac"
+RATIO_CLIP_FRAC_HIGH = "ratio/clip_high_frac"
+RATIO_ESS_TOKEN = "ratio/ess_tok"
 RATIO_ESS_SEQ = "ratio/ess_seq"
-RATIO_MEAN_ABS_LOG_W = "ratio/mean_abs_log_w"
-RATIO_APPROX_KL = "ratio/approx_kl"
+RATIO_ESS_SEQ_SNIS = "ratio/ess_seq_snis"
+RATIO_MEAN_ABS_LOG_W = "ratio/mean_abs_log"
+RATIO_KL_K1 = "ratio/kl_k1"
+RATIO_KL_K2 = "ratio/kl_k2"
+RATIO_KL_K3 = "ratio/kl_k3"
+POLICY_MASK_FRAC = "policy/mask_frac"
+POLICY_WEIGHT_MEAN = "policy/weight_mean"
+POLICY_CLIP_FRAC_LOW = "policy/clip_frac_low"
+POLICY_CLIP_FRAC_HIGH = "policy/clip_frac_high"
+POLICY_DUAL_CLIP_FRAC = "policy/dual_clip_frac"
+POLICY_APPROX_KL = "policy/approx_kl"
+VALUE_CLIP_FRAC = "value/clip_frac"
+VALUE_MEAN_ABS_ERR = "value/mean_abs_err"
+VALUE_EXPLAINED_VAR = "value/explained_var"
 STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
-STALENESS_SEQ_MAX_MEAN = "staleness/s_max_mean"
-STALENESS_GEN_MEAN = "staleness/s_gen_mean"
-STALENESS_WAIT_MEAN = "staleness/s_wait_mean"
+STALENESS_SEQ_MAX_MEAN = "staleness/seq_max_mean"
+STALENESS_SEQ_GEN_MEAN = "staleness/seq_gen_mean"
+STALENESS_SEQ_WAIT_MEAN = "staleness/seq_wait_mean"
 STALENESS_HIST = "staleness/hist"
 CRITIC_EXPLAINED_VAR = "critic/explained_var"
 CRITIC_VALUE_BIAS_GAP = "critic/value_bias_gap"
 CRITIC_VALUE_BIAS = "critic/value_bias"
-CRITIC_VALUE_MEAN = "critic/value_mean"
-CRITIC_VALUE_CLIP_FRAC = "critic/value_clip_frac"
+CRITIC_VALUES_MEAN = "critic/values_mean"
+CRITIC_RETURNS_MEAN = "critic/returns_mean"
 ADV_MEAN = "adv/mean"
 ADV_STD = "adv/std"
 GRAD_ACTOR_NORM = "grad/actor_norm"
 GRAD_CRITIC_NORM = "grad/critic_norm"
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
+PERF_TRAIN_TOKENS_PER_S = "perf/train_tokens_per_s"
 TIME_GENERATE = "time/generate"
 TIME_WAIT = "time/wait"
 TIME_TRAIN = "time/train"
@@ -60,13 +75,18 @@ TIME_STEP = "time/step"
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
 EVAL_ACCURACY = "eval/accuracy"
-EVAL_AVG_AT_K = "eval/avg_at_k"
+EVAL_GREEDY_ACCURACY = "eval/greedy_accuracy"
 EVAL_PASS_AT_K = "eval/pass_at_k"
+EVAL_TOOL_USE_RATE = "eval/tool_use_rate"
 ROLLOUT_TOOL_USE_RATE = "rollout/tool_use_rate"
-ROLLOUT_TOOL_ERROR_RATE = "rollout/tool_error_rate"
-ROLLOUT_RESPONSE_LEN = "rollout/response_len"
+ROLLOUT_TOOL_CALLS = "rollout/tool_calls"
+ROLLOUT_RESPONSE_TOKENS = "rollout/response_tokens"
 ROLLOUT_TRUNCATED_FRAC = "rollout/truncated_frac"
 ROLLOUT_ACCURACY = "rollout/accuracy"
+ROLLOUT_VERSION = "rollout/version"
+BATCH_SEQUENCES = "batch/sequences"
+BATCH_ACTION_TOKENS = "batch/action_tokens"
+BATCH_TRUNCATED_FRAC = "batch/truncated_frac"
 BUFFER_SIZE = "buffer/size"
 BUFFER_IN_FLIGHT = "buffer/in_flight"
 BUFFER_CONSUMED = "buffer/consumed"
@@ -74,10 +94,7 @@ BUFFER_OVER_BOUND = "buffer/over_bound"
 BUFFER_REQUEUED = "buffer/requeued"
 BUFFER_DROPPED = "buffer/dropped"
 TRAIN_VERSION = "train/version"
-TRAIN_LR_ACTOR = "train/lr_actor"
-TRAIN_LR_CRITIC = "train/lr_critic"
 TRAIN_ACTOR_FROZEN = "train/actor_frozen"
-TRAIN_TOKENS = "train/tokens"
 
 #: Every metric name with its one-line meaning (units in brackets). Tokens are sampled (policy) tokens.
 METRICS: dict[str, str] = {
@@ -85,44 +102,61 @@ METRICS: dict[str, str] = {
     LOSS_VALUE: "critic loss 1/2 max((V-G)^2, (clip(V)-G)^2), token-mean",
     LOSS_ENTROPY: "mean policy entropy over sampled tokens [nats]",
     LOSS_KL: "KL to the reference policy, token-mean",
-    RATIO_MASK_FRAC: "fraction of sampled tokens the policy channel masks out (M_t = 0)",
-    RATIO_CLIP_FRAC_LOW: "fraction of tokens whose advantage-channel weight is clipped at 1 - eps_A^-",
-    RATIO_CLIP_FRAC_HIGH: "fraction of tokens whose advantage-channel weight is clipped at 1 + eps_A^+",
-    RATIO_PPO_CLIP_FRAC: "fraction of tokens where the PPO trust-region clip is active",
+    RATIO_MASK_FRAC: "fraction of sampled tokens outside the behaviour-ratio mask band (M_t = 0)",
+    RATIO_CLIP_FRAC_LOW: "fraction of tokens whose behaviour ratio w is clipped at 1 - eps_A^- (advantage channel)",
+    RATIO_CLIP_FRAC_HIGH: "fraction of tokens whose behaviour ratio w is clipped at 1 + eps_A^+ (advantage channel)",
     RATIO_ESS_TOKEN: "token ESS of the behaviour ratio w: (sum w)^2 / (N sum w^2), in (0, 1]",
     RATIO_ESS_SEQ: "sequence ESS of W_i = exp(sum_t log w_it), normalised to (0, 1]",
+    RATIO_ESS_SEQ_SNIS: "ESS of the self-normalised sequence weights used for the value-bias estimate",
     RATIO_MEAN_ABS_LOG_W: "mean |log w| = |old - mu| over sampled tokens",
-    RATIO_APPROX_KL: "approximate KL(pi_old || pi_theta) after the actor update",
+    RATIO_KL_K1: "KL(mu || pi_old) estimate k1 = -log w, token mean",
+    RATIO_KL_K2: "KL estimate k2 = (log w)^2 / 2, token mean",
+    RATIO_KL_K3: "KL estimate k3 = w - 1 - log w, token mean",
+    POLICY_MASK_FRAC: "fraction of sampled tokens the actor loss masks out (policy channel)",
+    POLICY_WEIGHT_MEAN: "mean per-token weight omega_t multiplying the actor term",
+    POLICY_CLIP_FRAC_LOW: "fraction of tokens where the PPO clip is active at 1 - eps_low",
+    POLICY_CLIP_FRAC_HIGH: "fraction of tokens where the PPO clip is active at 1 + eps_high",
+    POLICY_DUAL_CLIP_FRAC: "fraction of tokens where the dual clip (c_dual) is active",
+    POLICY_APPROX_KL: "approximate KL(pi_old || pi_theta) during the actor update",
+    VALUE_CLIP_FRAC: "fraction of tokens where value clipping is active",
+    VALUE_MEAN_ABS_ERR: "mean |V - G| over sampled tokens in the critic update",
+    VALUE_EXPLAINED_VAR: "explained variance of the critic inside the value loss (per minibatch)",
     STALENESS_MEAN: "mean per-token staleness n - v_t of the consumed batch [versions]",
     STALENESS_MAX: "max per-token staleness of the consumed batch [versions]",
     STALENESS_SEQ_MAX_MEAN: "mean over trajectories of s_max = n - min_t v_t [versions]",
-    STALENESS_GEN_MEAN: "mean over trajectories of s_gen = max_t v_t - min_t v_t [versions]",
-    STALENESS_WAIT_MEAN: "mean over trajectories of s_wait = n - max_t v_t [versions]",
-    STALENESS_HIST: "histogram of per-token staleness (TensorBoard only; JSONL keeps the counts)",
+    STALENESS_SEQ_GEN_MEAN: "mean over trajectories of s_gen = max_t v_t - min_t v_t [versions]",
+    STALENESS_SEQ_WAIT_MEAN: "mean over trajectories of s_wait = n - max_t v_t [versions]",
+    STALENESS_HIST: "per-token staleness values (TensorBoard histogram; JSONL keeps the list)",
     CRITIC_EXPLAINED_VAR: "1 - Var(G - V) / Var(G) over sampled tokens, pre-update values",
     CRITIC_VALUE_BIAS_GAP: "g_pi = |mean V(s_1) - E_pi[R]| (BRACE eq. 7, self-normalised IS)",
     CRITIC_VALUE_BIAS: "b = E_pi[R] - E_mu[R] (BRACE eq. 7)",
-    CRITIC_VALUE_MEAN: "mean pre-update critic value over sampled tokens",
-    CRITIC_VALUE_CLIP_FRAC: "fraction of tokens where value clipping is active",
+    CRITIC_VALUES_MEAN: "mean pre-update critic value over sampled tokens",
+    CRITIC_RETURNS_MEAN: "mean critic target G over sampled tokens",
     ADV_MEAN: "mean advantage before whitening",
     ADV_STD: "std of advantages before whitening",
     GRAD_ACTOR_NORM: "actor gradient norm before clipping",
     GRAD_CRITIC_NORM: "critic gradient norm before clipping",
-    PERF_TOKENS_PER_S: "trained tokens (all tokens of the batch) per second of step wall time",
-    TIME_GENERATE: "seconds the step spent generating (sync) or the producer spent on its batch [s]",
-    TIME_WAIT: "seconds the trainer waited for the buffer [s]",
+    PERF_TOKENS_PER_S: "tokens of the batch per second of step wall time",
+    PERF_TRAIN_TOKENS_PER_S: "tokens of the batch per second of training time (excludes generation, wait)",
+    TIME_GENERATE: "seconds spent generating the consumed batch (in whichever process) [s]",
+    TIME_WAIT: "seconds the trainer waited for its batch [s]",
     TIME_TRAIN: "seconds of the training update (forward, backward, optimizer) [s]",
     TIME_STEP: "wall seconds of the whole step [s]",
     REWARD_MEAN: "mean episode reward of the consumed batch",
     REWARD_STD: "std of episode rewards of the consumed batch",
-    EVAL_ACCURACY: "greedy accuracy on the held-out eval prompts",
-    EVAL_AVG_AT_K: "avg@k on the eval prompts: mean correctness of k samples",
-    EVAL_PASS_AT_K: "unbiased pass@k on the eval prompts",
+    EVAL_ACCURACY: "eval accuracy on held-out prompts (avg@k at the rollout temperature)",
+    EVAL_GREEDY_ACCURACY: "greedy (temperature 0) accuracy on held-out prompts",
+    EVAL_PASS_AT_K: "unbiased pass@k on held-out prompts",
+    EVAL_TOOL_USE_RATE: "fraction of eval episodes that called a tool",
     ROLLOUT_TOOL_USE_RATE: "fraction of trajectories that called a tool at least once",
-    ROLLOUT_TOOL_ERROR_RATE: "tool errors per tool call",
-    ROLLOUT_RESPONSE_LEN: "mean number of sampled tokens per trajectory",
+    ROLLOUT_TOOL_CALLS: "mean tool calls per trajectory",
+    ROLLOUT_RESPONSE_TOKENS: "mean number of sampled tokens per trajectory",
     ROLLOUT_TRUNCATED_FRAC: "fraction of trajectories cut by a budget (max tokens/turns/context)",
     ROLLOUT_ACCURACY: "fraction of trajectories of the batch graded correct",
+    ROLLOUT_VERSION: "policy version that generated the consumed batch (oldest token)",
+    BATCH_SEQUENCES: "sequences in the training batch",
+    BATCH_ACTION_TOKENS: "sampled tokens in the training batch",
+    BATCH_TRUNCATED_FRAC: "fraction of truncated sequences in the training batch",
     BUFFER_SIZE: "trajectories stored in the buffer after the step took its batch",
     BUFFER_IN_FLIGHT: "generation requests admitted but not finished",
     BUFFER_CONSUMED: "trajectories consumed by the trainer so far (cumulative)",
@@ -130,18 +164,16 @@ METRICS: dict[str, str] = {
     BUFFER_REQUEUED: "in-flight prompts requeued on resume (cumulative)",
     BUFFER_DROPPED: "trajectories dropped for any reason (cumulative; never for age)",
     TRAIN_VERSION: "policy version after the step",
-    TRAIN_LR_ACTOR: "actor learning rate",
-    TRAIN_LR_CRITIC: "critic learning rate",
     TRAIN_ACTOR_FROZEN: "1 while the critic warms up and the actor is frozen",
-    TRAIN_TOKENS: "sampled tokens in the consumed batch",
 }
 
 #: Families named at run time: ``prefix + suffix``, e.g. ``buffer/dropped_timeout``, ``eval/accuracy/arith``.
 PREFIXES: dict[str, str] = {
     "buffer/dropped_": "trajectories dropped for the named reason (cumulative)",
-    "eval/": "per-benchmark eval metrics: eval/<metric>/<task>",
+    "eval/": "per-benchmark and per-k eval metrics: eval/<metric>/<task>, eval/pass@<k>, eval/avg@<k>",
     "time/": "other named timings [s]",
     "rollout/": "task-specific rollout counters (means over the batch)",
+    "train/lr_": "learning rate of the named optimizer (train/lr_actor, train/lr_critic)",
 }
 
 
@@ -170,6 +202,10 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, float]]:
     return records
 
 
+#: TensorBoard event files go to ``run_dir/tb``.
+TENSORBOARD_DIR = "tb"
+
+
 class SummaryWriterLike(Protocol):
     def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None: ...
     def add_histogram(self, tag: str, values: torch.Tensor, global_step: int) -> None: ...
@@ -182,7 +218,7 @@ class Tracker:
 
     Args:
         run_dir: the run directory (created if needed).
-        tensorboard: mirror scalars to ``run_dir/tensorboard`` (skipped with a warning if unavailable).
+        tensorboard: mirror scalars to ``run_dir/tb`` (skipped with a warning if unavailable).
         strict: raise on a metric name not in the namespace (default: warn once per name).
         resume_step: when resuming from the checkpoint of this step, drop records with ``step >=
             resume_step`` first (they belong to steps the resumed run will redo), then append.
@@ -222,7 +258,7 @@ class Tracker:
         except ImportError as err:  # tensorboard is a core dependency, but keep JSONL working without it
             warnings.warn(f"TensorBoard mirror off ({err}); metrics.jsonl is still written", stacklevel=3)
             return None
-        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))  # type: ignore[no-any-return]
+        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))  # type: ignore[no-any-return]
 
     def _check(self, name: str) -> None:
         if is_known(name):
