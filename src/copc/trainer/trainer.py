@@ -1,0 +1,494 @@
+"""One actor-critic training step on a batch of (possibly stale) trajectories (spec sections 2, 3, 9.5).
+
+Notation: ``B`` trajectories, ``T`` tokens; ``mu`` = behaviour log-probs recorded by the sampler,
+``old`` = the policy at the start of this step (no-grad forward), ``cur`` = the policy being optimised.
+
+One step, in order:
+
+1. no-grad forwards: ``old_t = log pi_old(a_t | s_t)`` (only when the method needs it; otherwise
+   ``old := mu``, async PPO 3a) and the critic's ``V_t = V(s_t)`` (when the method has a critic);
+2. rewards folded onto policy tokens, behaviour log-ratio ``log w_t = clamp(old_t - mu_t, +-20)``;
+3. the advantage channel: ``advantages`` (whitened once over the whole batch when the method says so)
+   and critic targets ``returns``;
+4. ``K_critic`` epochs over critic minibatches (clipped value loss against ``V_old``);
+5. unless in critic warm-up: ``ppo_epochs`` passes over ``actor_minibatches`` minibatches of the
+   policy channel's loss (+ optional k3 KL to a reference, - entropy bonus), each optimizer step
+   accumulating micro-batches that all divide by the minibatch's **global** token count;
+6. ``version += 1``: the new weights are what a driver publishes next.
+
+Truncated trajectories (``truncation``): ``terminal`` (V after the last token = 0), ``bootstrap``
+(V after the last token := the pre-update critic's value at the last position), or ``mask`` (the rows
+leave the actor and critic losses).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
+from copc.methods import MethodConfig
+from copc.models.hf import position_ids_from_mask, token_logprobs
+from copc.ops.importance import log_ratio
+from copc.ops.masked import masked_mean, masked_var, zero_where_not
+from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
+
+__all__ = ["ActorCriticTrainer", "StepTensors", "TrainerConfig"]
+
+Truncation = Literal["terminal", "bootstrap", "mask"]
+TRUNCATION_MODES: tuple[str, ...] = ("terminal", "bootstrap", "mask")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Optimisation settings of :class:`ActorCriticTrainer` (the method's maths lives in the method)."""
+
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """adamw (default) or plain sgd (linear in the gradient: used by the accumulation-invariance test)."""
+    actor_lr: float = 1e-5
+    """Learning rate of the policy."""
+    critic_lr: float = 1e-4
+    """Learning rate of the value model."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (both models)."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    max_grad_norm: float = 1.0
+    """Actor gradient-norm clip (<= 0 disables clipping; the norm is still logged)."""
+    critic_max_grad_norm: float = 1.0
+    """Critic gradient-norm clip (<= 0 disables clipping)."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward; gradients of a minibatch are accumulated over its micro-batches."""
+    actor_minibatches: int = 0
+    """Actor optimizer steps per epoch; 0 = the method preset's (policy.minibatches)."""
+    critic_updates: int = 0
+    """Critic epochs K_critic per step; 0 = the method preset's (critic.updates_per_step)."""
+    critic_minibatches: int = 1
+    """Critic optimizer steps per critic epoch."""
+    ppo_epochs: int = 1
+    """Passes over the actor minibatches per step."""
+    critic_warmup_steps: int = -1
+    """First steps during which only the critic trains (actor frozen, version advances); -1 = preset's."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL(pi || pi_ref) loss on action tokens; needs a reference model when > 0."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the actor loss)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are computed under the same transform as sampling (spec 14)."""
+    truncation: Truncation = "terminal"
+    """How truncated episodes end: terminal | bootstrap | mask (spec section 0)."""
+    shuffle: bool = True
+    """Shuffle rows into minibatches (seeded by (seed, step, epoch))."""
+    seed: int = 0
+    """Seed of the minibatch shuffles."""
+
+    def __post_init__(self) -> None:
+        for name in ("actor_lr", "critic_lr", "temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("micro_batch_size", "critic_minibatches", "ppo_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.critic_warmup_steps < -1:
+            raise ValueError(f"trainer.critic_warmup_steps must be >= 0 (or -1 = preset), got {self.critic_warmup_steps}")
+        for name in ("actor_minibatches", "critic_updates", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("kl_coef", "entropy_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"trainer.optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.truncation not in TRUNCATION_MODES:
+            raise ValueError(
+                f"trainer.truncation must be one of {', '.join(TRUNCATION_MODES)}, got {self.truncation!r}"
+            )
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """Per-token constants of one step, computed once before any update (all ``[B, T]`` float32).
+
+    Attributes:
+        logp_old: log pi_old(a_t | s_t) (= ``logp_behav`` when the method skips the old forward).
+        values_old: pre-update V(s_t); 0 without a critic.
+        log_w: behaviour log-ratio ``clamp(old - mu)``, 0 off the action mask.
+        advantages: the advantage channel's output (whitened when the method whitens).
+        returns: critic targets.
+        loss_mask: ``[B, T] bool``, the action tokens that enter the losses (truncation = mask drops rows).
+    """
+
+    logp_old: torch.Tensor
+    values_old: torch.Tensor
+    log_w: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+def _trim(index: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """Length of the longest row among ``index`` (rows are right-padded, so columns past it are padding)."""
+    return max(1, int(attention_mask[index].sum(dim=-1).max()))
+
+
+class ActorCriticTrainer:
+    """Owns the policy, the critic and their optimizers; :meth:`step` runs one training step.
+
+    Args:
+        policy: a causal LM (HF ``PreTrainedModel``) being trained.
+        critic: the value model (``values [B, T]`` = V of the state before token t), or None when the
+            method has no critic.
+        method: the two channel configs (``copc.methods.get_method(name)`` or built directly).
+        config: optimisation settings.
+        reference: frozen reference policy for the KL loss (needed iff ``config.kl_coef > 0``).
+    """
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        critic: nn.Module | None,
+        method: MethodConfig,
+        config: TrainerConfig,
+        *,
+        reference: nn.Module | None = None,
+    ) -> None:
+        if method.needs_critic and critic is None:
+            raise ValueError(f"method {method.name!r} needs a critic: pass a value model")
+        if config.kl_coef > 0 and reference is None:
+            raise ValueError("trainer.kl_coef > 0 needs a reference policy; pass reference= or set kl_coef=0")
+        self.policy, self.critic, self.reference = policy, critic if method.needs_critic else None, reference
+        self.method, self.config = method, config
+        self.actor_optimizer = _optimizer(policy, config, config.actor_lr)
+        self.critic_optimizer = _optimizer(self.critic, config, config.critic_lr) if self.critic is not None else None
+        self.version = 0
+        self.steps_done = 0
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, object]:
+        """Everything needed to continue training exactly (weights, optimizers, counters)."""
+        return {
+            "policy": self.policy.state_dict(),
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "actor_optimizer": self.actor_optimizer.state_dict(),
+            "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer else None,
+            "version": self.version,
+            "steps_done": self.steps_done,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.policy.load_state_dict(state["policy"])  # type: ignore[arg-type]
+        if self.critic is not None and state.get("critic") is not None:
+            self.critic.load_state_dict(state["critic"])  # type: ignore[arg-type]
+        self.actor_optimizer.load_state_dict(state["actor_optimizer"])  # type: ignore[arg-type]
+        if self.critic_optimizer is not None and state.get("critic_optimizer") is not None:
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])  # type: ignore[arg-type]
+        self.version = int(state["version"])  # type: ignore[call-overload]
+        self.steps_done = int(state["steps_done"])  # type: ignore[call-overload]
+
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """Detached policy weights to publish as :attr:`version`."""
+        return {k: v.detach() for k, v in self.policy.state_dict().items()}
+
+    # ------------------------------------------------------------------ forwards
+    def _logp(self, model: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
+        length = _trim(index, batch.attention_mask)
+        return token_logprobs(
+            model,  # type: ignore[arg-type]  # any causal LM module; typed as PreTrainedModel upstream
+            batch.input_ids[index, :length],
+            batch.attention_mask[index, :length],
+            temperature=self.config.temperature,
+        )
+
+    def _values(self, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
+        assert self.critic is not None
+        length = _trim(index, batch.attention_mask)
+        return self.critic(batch.input_ids[index, :length], batch.attention_mask[index, :length])
+
+    @torch.no_grad()
+    def _full(self, fn: object, batch: TrainBatch) -> torch.Tensor:
+        """Run ``fn(batch, rows)`` micro-batch by micro-batch and stitch a ``[B, T]`` result."""
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        for rows in micro_batches(torch.arange(batch.batch_size), self.config.micro_batch_size):
+            piece = fn(batch, rows)  # type: ignore[operator]
+            out[rows, : piece.shape[1]] = piece.float()
+        return out
+
+    def prepare(self, batch: TrainBatch) -> StepTensors:
+        """Steps 1-3 of the algorithm: no-grad forwards, behaviour ratios, the advantage channel."""
+        action_mask = batch.action_mask
+        if self.method.needs_old_forward:
+            logp_old = zero_where_not(action_mask, self._full(lambda b, r: self._logp(self.policy, b, r), batch))
+        else:
+            logp_old = batch.logp_behav  # async PPO 3a: the behaviour policy stands in for "old"
+        values_old = (
+            zero_where_not(action_mask, self._full(self._values, batch))
+            if self.critic is not None
+            else torch.zeros_like(batch.logp_behav)
+        )
+        log_w = log_ratio(logp_old, batch.logp_behav, action_mask)
+        loss_mask = action_mask
+        bootstrap = None
+        if self.config.truncation == "mask":
+            loss_mask = action_mask & ~batch.truncated[:, None]
+        elif self.config.truncation == "bootstrap" and self.critic is not None:
+            bootstrap = torch.where(batch.truncated, self._last_values(batch), 0.0)
+        adv = compute_advantages(
+            self.method.advantage,
+            rewards=batch.token_rewards,
+            values=values_old if self.critic is not None else None,
+            log_w=log_w,
+            action_mask=action_mask,
+            scores=batch.scores,
+            group_ids=batch.group_ids,
+            bootstrap_value=bootstrap,
+        )
+        self._adv_stats = adv.stats
+        return StepTensors(
+            logp_old=logp_old.detach(),
+            values_old=values_old.detach(),
+            log_w=log_w.detach(),
+            advantages=zero_where_not(loss_mask, adv.advantages.detach()),
+            returns=zero_where_not(loss_mask, adv.returns.detach()),
+            loss_mask=loss_mask,
+        )
+
+    @torch.no_grad()
+    def _last_values(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B] float32``: the pre-update V of the state after each row's last token (the head's
+        unshifted output at the last real position; ``truncation = bootstrap``)."""
+        assert self.critic is not None
+        last = batch.attention_mask.sum(dim=-1) - 1
+        out = torch.zeros(batch.batch_size, dtype=torch.float32)
+        for rows in micro_batches(torch.arange(batch.batch_size), self.config.micro_batch_size):
+            length = _trim(rows, batch.attention_mask)
+            raw = self.critic(batch.input_ids[rows, :length], batch.attention_mask[rows, :length], shift=False)
+            out[rows] = raw.float().gather(1, last[rows, None]).squeeze(1)
+        return out
+
+    # ------------------------------------------------------------------ updates
+    def _generator(self, salt: int) -> torch.Generator | None:
+        if not self.config.shuffle:
+            return None
+        return torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.steps_done * 1_009 + salt)
+
+    def _minibatches(self, mask: torch.Tensor, count: int, salt: int) -> list[Minibatch]:
+        return split_minibatches(mask, count, generator=self._generator(salt))
+
+    def _critic_updates(self, batch: TrainBatch, st: StepTensors) -> dict[str, float]:
+        assert self.critic is not None and self.critic_optimizer is not None
+        critic_cfg = self.method.critic
+        assert critic_cfg is not None  # a trainer with a critic has a method with a CriticConfig
+        epochs = self.config.critic_updates or critic_cfg.updates_per_step
+        losses, norms = [], []
+        stats_acc: dict[str, float] = {}
+        for epoch in range(epochs):
+            for mb in self._minibatches(st.loss_mask, self.config.critic_minibatches, salt=1 + epoch):
+                self.critic_optimizer.zero_grad(set_to_none=True)
+                for rows in micro_batches(mb.index, self.config.micro_batch_size):
+                    length = _trim(rows, batch.attention_mask)
+                    res = value_loss(
+                        critic_cfg,
+                        values=self._values(batch, rows).float(),
+                        values_old=st.values_old[rows, :length],
+                        returns=st.returns[rows, :length],
+                        action_mask=st.loss_mask[rows, :length],
+                        num_tokens=mb.num_tokens,
+                        num_seqs=mb.num_seqs,
+                    )
+                    res.loss.backward()
+                    losses.append(float(res.loss.detach()))
+                    _accumulate(stats_acc, res.stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
+                norms.append(_clip(self.critic, self.config.critic_max_grad_norm))
+                self.critic_optimizer.step()
+        updates = max(1, epochs * self.config.critic_minibatches)
+        out = {k: v / updates for k, v in stats_acc.items()}
+        out["loss/value"] = sum(losses) / updates
+        out["grad/critic_norm"] = sum(norms) / max(len(norms), 1)
+        return out
+
+    def _actor_loss(self, batch: TrainBatch, st: StepTensors, rows: torch.Tensor, mb: Minibatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        length = _trim(rows, batch.attention_mask)
+        mask = st.loss_mask[rows, :length]
+        logp, entropy = self._logp_entropy(self.policy, batch, rows)
+        res = policy_loss(
+            self.method.policy,
+            logp=logp,
+            logp_old=st.logp_old[rows, :length] if self.method.needs_old_forward else None,
+            logp_behav=batch.logp_behav[rows, :length],
+            advantages=st.advantages[rows, :length],
+            action_mask=mask,
+            num_tokens=mb.num_tokens,
+            num_seqs=mb.num_seqs,
+        )
+        loss, stats = res.loss, dict(res.stats)
+        if self.config.kl_coef > 0:
+            assert self.reference is not None
+            with torch.no_grad():
+                logp_ref = self._logp(self.reference, batch, rows)
+            # k3 estimator of KL(pi || ref): exp(ref - cur) - (ref - cur) - 1 >= 0, on action tokens.
+            diff = (logp_ref - logp).clamp(-20.0, 20.0)
+            kl = zero_where_not(mask, torch.exp(diff) - diff - 1.0)
+            loss = loss + self.config.kl_coef * kl.sum() / max(mb.num_tokens, 1)
+            stats["kl_ref"] = kl.sum().detach() / max(mb.num_tokens, 1)
+        if entropy is not None:
+            ent = zero_where_not(mask, entropy).sum() / max(mb.num_tokens, 1)
+            loss = loss - self.config.entropy_coef * ent
+            stats["entropy"] = ent.detach()
+        return loss, stats
+
+    def _logp_entropy(self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (with grad) and, when the entropy bonus is on, per-token entropies ``[b, t] float32``."""
+        if self.config.entropy_coef == 0:
+            return self._logp(model, batch, rows), None
+        length = _trim(rows, batch.attention_mask)
+        return logprobs_and_entropy(
+            model,
+            batch.input_ids[rows, :length],
+            batch.attention_mask[rows, :length],
+            temperature=self.config.temperature,
+        )
+
+    def _actor_updates(self, batch: TrainBatch, st: StepTensors) -> dict[str, float]:
+        count = self.config.actor_minibatches or self.method.policy.minibatches
+        stats_acc: dict[str, float] = {}
+        losses, norms = [], []
+        for epoch in range(self.config.ppo_epochs):
+            for mb in self._minibatches(st.loss_mask, count, salt=100 + epoch):
+                mb = self._actor_denominator(batch, st, mb)
+                self.actor_optimizer.zero_grad(set_to_none=True)
+                for rows in micro_batches(mb.index, self.config.micro_batch_size):
+                    loss, stats = self._actor_loss(batch, st, rows, mb)
+                    loss.backward()
+                    losses.append(float(loss.detach()))
+                    _accumulate(stats_acc, stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
+                norms.append(_clip(self.policy, self.config.max_grad_norm))
+                self.actor_optimizer.step()
+        updates = max(1, self.config.ppo_epochs * count)
+        out = {k: v / updates for k, v in stats_acc.items()}
+        out["loss/policy"] = sum(losses) / updates
+        out["grad/actor_norm"] = sum(norms) / max(len(norms), 1)
+        return out
+
+    @property
+    def warmup_steps(self) -> int:
+        """Critic warm-up steps: the config's when set (>= 0), else the method preset's."""
+        if self.config.critic_warmup_steps >= 0:
+            return self.config.critic_warmup_steps
+        return self.method.critic.warmup_steps if self.method.critic is not None else 0
+
+    def _actor_denominator(self, batch: TrainBatch, st: StepTensors, mb: Minibatch) -> Minibatch:
+        """The minibatch with its GLOBAL actor denominator (``policy.denominator``: all or kept tokens)."""
+        idx = mb.index
+        tokens = count_loss_tokens(
+            self.method.policy,
+            logp_old=st.logp_old[idx] if self.method.needs_old_forward else None,
+            logp_behav=batch.logp_behav[idx],
+            action_mask=st.loss_mask[idx],
+        )
+        return Minibatch(index=idx, num_tokens=int(tokens), num_seqs=mb.num_seqs)
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One training step (module docstring); returns its metrics and advances :attr:`version`."""
+        start = time.perf_counter()
+        self.policy.train()
+        st = self.prepare(batch)
+        metrics = diagnostics(batch, st)
+        metrics.update({k: float(v) for k, v in self._adv_stats.items()})
+        if self.critic is not None:
+            self.critic.train()
+            metrics.update(self._critic_updates(batch, st))
+        if self.steps_done >= self.warmup_steps:
+            metrics.update(self._actor_updates(batch, st))
+        self.version += 1
+        self.steps_done += 1
+        elapsed = time.perf_counter() - start
+        metrics["time/train"] = elapsed
+        metrics["perf/train_tokens_per_s"] = int(batch.attention_mask.sum()) / max(elapsed, 1e-9)
+        return metrics
+
+
+def logprobs_and_entropy(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (as :func:`copc.models.hf.token_logprobs`) and entropies ``H(pi(. | x_<t))``, one forward.
+
+    ``entropy[:, t] = -sum_v p_v log p_v`` of the tempered distribution that predicts token t (computed
+    from position t-1's logits), 0 where token t has no real predecessor. Both ``[B, T] float32``.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    logprobs = torch.log_softmax(out.logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
+    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(dim=-1)
+    has_prefix = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    zero = picked.new_zeros(picked.shape[0], 1)
+    return (
+        torch.cat([zero, zero_where_not(has_prefix, picked)], dim=1),
+        torch.cat([zero, zero_where_not(has_prefix, entropy)], dim=1),
+    )
+
+
+def _optimizer(model: nn.Module, config: TrainerConfig, lr: float) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, eps=config.adam_eps)
+
+
+def _clip(model: nn.Module, max_norm: float) -> float:
+    """Clip the gradient norm when ``max_norm > 0``; return the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    limit = max_norm if max_norm > 0 else math.inf
+    return float(torch.nn.utils.clip_grad_norm_(params, limit))
+
+
+def _accumulate(acc: dict[str, float], stats: dict[str, torch.Tensor], *, weight: float) -> None:
+    for key, value in stats.items():
+        acc[key] = acc.get(key, 0.0) + weight * float(value)
+
+
+@torch.no_grad()
+def diagnostics(batch: TrainBatch, st: StepTensors) -> dict[str, float]:
+    """Step-start diagnostics of the batch (spec 9.5, step 6), before any update.
+
+    - ``critic/explained_var = 1 - Var(G - V_old) / Var(G)`` over loss tokens;
+    - ``critic/value_bias`` ``b = E_pi[R] - E_mu[R]`` and ``critic/value_bias_gap`` ``g = |v1 - E_pi[R]|``
+      (BRACE eq. 7) with ``E_pi[R] = sum_i W_i R_i / sum_i W_i``, ``W_i = exp(sum_t log w_it)`` (self-
+      normalised, computed as a softmax in log space) and ``v1`` the batch mean of V at each row's first
+      action token;
+    - realized staleness is computed by the driver, which knows the consuming version.
+    """
+    mask = st.loss_mask
+    rows = mask.any(dim=-1)
+    out: dict[str, float] = {
+        "reward/mean": float(batch.scores.mean()),
+        "batch/action_tokens": float(batch.num_action_tokens),
+        "batch/sequences": float(batch.batch_size),
+        "batch/truncated_frac": float(batch.truncated.float().mean()),
+    }
+    var_g = masked_var(st.returns, mask)
+    var_res = masked_var(st.returns - st.values_old, mask)
+    out["critic/explained_var"] = float(1.0 - var_res / var_g) if float(var_g) > 0 else 0.0
+    out["critic/values_mean"] = float(masked_mean(st.values_old, mask))
+    out["critic/returns_mean"] = float(masked_mean(st.returns, mask))
+    if bool(rows.any()):
+        seq_log_w = zero_where_not(batch.action_mask, st.log_w).sum(dim=-1)[rows]
+        weights = torch.softmax(seq_log_w.double(), dim=0)
+        scores = batch.scores[rows].double()
+        e_pi = float((weights * scores).sum())
+        first = batch.action_mask.float().argmax(dim=-1)[rows]
+        v1 = float(st.values_old[rows].gather(1, first[:, None]).mean())
+        out["critic/value_bias"] = e_pi - float(scores.mean())
+        out["critic/value_bias_gap"] = abs(v1 - e_pi)
+    return out
