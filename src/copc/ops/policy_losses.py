@@ -67,6 +67,8 @@ class PolicyLossOutput(NamedTuple):
     per_token: torch.Tensor
     #: detached scalar diagnostics over this micro-batch's action tokens (``policy/...`` namespace).
     stats: dict[str, torch.Tensor]
+    #: ``[B, T]`` bool, action tokens that survived the correction mask (the ``"kept"`` denominator).
+    keep: torch.Tensor
 
 
 class SurrogateTerms(NamedTuple):
@@ -266,7 +268,7 @@ def weighted_ppo_loss(
         num_seqs=num_seqs,
         norm_length=norm_length,
     )
-    return PolicyLossOutput(loss, per_token, _policy_stats(log_u, terms, omega, keep_, action_mask))
+    return PolicyLossOutput(loss, per_token, _policy_stats(log_u, terms, omega, keep_, action_mask), keep_)
 
 
 def ppo_clip_loss(
@@ -568,7 +570,7 @@ def dis_loss(
         norm_length=norm_length,
     )
     weight = zero_where_not(keep, r.detach())
-    return PolicyLossOutput(loss, per_token, _policy_stats(None, None, weight, keep, action_mask))
+    return PolicyLossOutput(loss, per_token, _policy_stats(None, None, weight, keep, action_mask), keep)
 
 
 def pg_loss(
@@ -594,4 +596,4 @@ def pg_loss(
         per_token, action_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
     )
     ones = zero_where_not(action_mask, torch.ones_like(adv))
-    return PolicyLossOutput(loss, per_token, _policy_stats(None, None, ones, action_mask, action_mask))
+    return PolicyLossOutput(loss, per_token, _policy_stats(None, None, ones, action_mask, action_mask), action_mask)

@@ -1,0 +1,207 @@
+"""Named method presets: each is a policy channel + an advantage channel + an optional critic.
+
+Presets are plain frozen configs (spec/algorithms.md sections 2-10, table 9.6; docs/algorithms.md has
+the formulas as implemented). Get one by name and override any field with ``dataclasses.replace``::
+
+    from dataclasses import replace
+    from copc.methods import get_method
+
+    m = get_method("copc")
+    m = replace(m, policy=replace(m.policy, mask_low=0.2, mask_high=5.0),
+                advantage=replace(m.advantage, advantage_window=100))
+
+Every replaced config is re-validated (``__post_init__``), so an invalid combination fails at once.
+``get_method("copcc")`` fails with the valid names and a "did you mean 'copc'?" hint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from copc.channels import AdvantageChannelConfig, CriticConfig, PolicyChannelConfig
+from copc.ops.registry import Registry
+
+__all__ = ["METHODS", "MethodConfig", "get_method", "method_names"]
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """A complete update rule: what the actor minimises, how advantages/targets are built, the critic."""
+
+    name: str
+    """Preset name (free text once overridden)."""
+    policy: PolicyChannelConfig = field(default_factory=PolicyChannelConfig)
+    """Actor loss (policy channel)."""
+    advantage: AdvantageChannelConfig = field(default_factory=AdvantageChannelConfig)
+    """Advantage / critic-target estimator (advantage channel)."""
+    critic: CriticConfig | None = field(default_factory=CriticConfig)
+    """Critic loss and schedule; None for critic-free (group-normalised) methods."""
+    doc: str = ""
+    """One paragraph: what the preset reproduces and from where."""
+
+    def __post_init__(self) -> None:
+        if self.advantage.needs_critic and self.critic is None:
+            raise ValueError(
+                f"method {self.name!r}: advantage.estimator={self.advantage.estimator!r} reads values; "
+                "give a CriticConfig or use estimator='group'"
+            )
+        if not self.advantage.needs_critic and self.critic is not None:
+            raise ValueError(
+                f"method {self.name!r}: advantage.estimator={self.advantage.estimator!r} does not use a critic; "
+                "set critic=None"
+            )
+
+    @property
+    def needs_old_forward(self) -> bool:
+        """True if the step needs ``logp_old`` (one no-grad actor forward): for the loss or the ratio ``w``."""
+        return self.policy.needs_old_forward or self.advantage.needs_old_forward
+
+    @property
+    def needs_critic(self) -> bool:
+        """True if a value model is trained and its pre-update values are computed each step."""
+        return self.critic is not None
+
+
+METHODS: Registry[Callable[[], MethodConfig]] = Registry("method")
+
+
+def get_method(name: str) -> MethodConfig:
+    """The preset called ``name``; fails with the valid names (and a close match) on a typo."""
+    return METHODS.get(name)()
+
+
+def method_names() -> tuple[str, ...]:
+    """All preset names, sorted."""
+    return METHODS.names()
+
+
+# Shared pieces. PPO clip 0.2 / 0.28 (DAPO, BRACE, 9.6) unless the source says otherwise; gamma =
+# lambda = 1 (verl, AReaL, BRACE); value clip 0.5 (verl, BRACE); critic warm-up 5 steps (BRACE).
+_GAE = AdvantageChannelConfig(estimator="gae", gamma=1.0, lam_critic=1.0, lam_actor=1.0)
+_GROUP = AdvantageChannelConfig(estimator="group", group_mode="grpo", whiten=False)
+_CRITIC = CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=1, warmup_steps=5)
+
+
+@METHODS.register("ppo")
+def _ppo() -> MethodConfig:
+    return MethodConfig(
+        "ppo",
+        PolicyChannelConfig(objective="ppo", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=4),
+        _GAE,
+        _CRITIC,
+        "Synchronous PPO + GAE with a value model (spec 2; verl compute_policy_loss_vanilla, dual clip 3).",
+    )
+
+
+@METHODS.register("async_ppo")
+def _async_ppo() -> MethodConfig:
+    return MethodConfig(
+        "async_ppo",
+        PolicyChannelConfig(objective="bypass_ppo", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=4),
+        _GAE,
+        _CRITIC,
+        "Async PPO 3a: clip on exp(cur - mu), no old forward, GAE on stale data (spec 3a; verl bypass).",
+    )
+
+
+@METHODS.register("async_ppo_recompute")
+def _async_ppo_recompute() -> MethodConfig:
+    return MethodConfig(
+        "async_ppo_recompute",
+        PolicyChannelConfig(objective="ppo", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=4),
+        _GAE,
+        _CRITIC,
+        "Async PPO 3b: old recomputed at the step start, clip on exp(cur - old), mu never used (spec 3b).",
+    )
+
+
+@METHODS.register("vtrace")
+def _vtrace() -> MethodConfig:
+    return MethodConfig(
+        "vtrace",
+        PolicyChannelConfig(objective="pg", minibatches=1),
+        AdvantageChannelConfig(estimator="vtrace", rho_bar=1.0, c_bar=1.0, pg_rho_bar=1.0, whiten=True),
+        CriticConfig(loss="mse", clip_eps=None, updates_per_step=1, warmup_steps=5),
+        "IMPALA V-trace with pi = old: -sg(A_pg) log pi, critic 1/2 (vs - V)^2, one minibatch (spec 4).",
+    )
+
+
+@METHODS.register("dapo")
+def _dapo() -> MethodConfig:
+    return MethodConfig(
+        "dapo",
+        PolicyChannelConfig(objective="ppo", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=16),
+        _GROUP,
+        None,
+        "DAPO: clip-higher 0.2/0.28, group z-scores, token-mean, 16 minibatches; dynamic sampling and "
+        "overlong shaping live in the rollout/reward side (spec 5; verl adds dual clip 3).",
+    )
+
+
+@METHODS.register("sao")
+def _sao() -> MethodConfig:
+    return MethodConfig(
+        "sao",
+        PolicyChannelConfig(objective="dis", mask_low=0.7, mask_high=6.0, minibatches=4),
+        _GAE,
+        CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=2, warmup_steps=10),
+        "SAO: DIS -M r A with r = cur/mu in (0.7, 6) strict, skip-observation GAE, K_critic = 2 (spec 6). "
+        "Length-adaptive lambda_actor is not implemented (lambda_a = 1).",
+    )
+
+
+@METHODS.register("areal")
+def _areal() -> MethodConfig:
+    return MethodConfig(
+        "areal",
+        PolicyChannelConfig(objective="decoupled", clip_low=0.2, clip_high=0.2, weight_cap=5.0, cap_mode="mask", minibatches=4),
+        _GAE,
+        _CRITIC,
+        "AReaL paper's decoupled objective: exp(old - mu) (masked above 5) times PPO clip 0.2 on cur/old, "
+        "4 minibatches (spec 7). Not AReaL-code's rejection_sampling=None (no weight).",
+    )
+
+
+@METHODS.register("icepop")
+def _icepop() -> MethodConfig:
+    return MethodConfig(
+        "icepop",
+        PolicyChannelConfig(
+            objective="icepop", mask_low=0.5, mask_high=5.0, mask_source="step_start", loss_agg="seq-mean-token-mean", minibatches=4
+        ),
+        _GROUP,
+        None,
+        "IcePop (Ring-1T): k = old/mu kept in [0.5, 5] times PPO clip, group advantages, "
+        "seq-mean-token-mean (spec 8); mask_source='current' gives BRACE's cur/mu baseline.",
+    )
+
+
+@METHODS.register("brace")
+def _brace() -> MethodConfig:
+    return MethodConfig(
+        "brace",
+        PolicyChannelConfig(objective="ppo", clip_low=0.2, clip_high=0.28, minibatches=1),
+        AdvantageChannelConfig(estimator="brace", rho_bar=1.2, c_bar=1.1, brace_k=100, whiten=True),
+        CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=1, warmup_steps=5),
+        "BRACE: k = 100 capped, MC-anchored critic targets (rho_bar 1.2, c_bar 1.1), PPO clip 0.2/0.28, "
+        "1 minibatch, value clip 0.5 (spec 10.2).",
+    )
+
+
+@METHODS.register("copc")
+def _copc() -> MethodConfig:
+    return MethodConfig(
+        "copc",
+        PolicyChannelConfig(
+            objective="copc", clip_low=0.2, clip_high=0.28, mask_low=0.5, mask_high=2.0,
+            weight_mode="masked_is", mask_source="step_start", minibatches=4,
+        ),
+        AdvantageChannelConfig(
+            estimator="clipped_td", ratio_low=0.8, ratio_high=1.2, trace="none", advantage_window=None, whiten=True
+        ),
+        CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=1, warmup_steps=5),
+        "COPC [RECONSTRUCTED, spec 9.3]: omega = M w with M = 1[0.5 <= old/mu <= 2] on PPO clip 0.2/0.28; "
+        "advantages and targets from TD residuals weighted by clip(old/mu, 0.8, 1.2), k_A = inf.",
+    )
+
