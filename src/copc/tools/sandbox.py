@@ -51,10 +51,10 @@ def report(obj):
 def fail(msg):
     report({"setup_error": msg})
     os._exit(125)
+libc = ctypes.CDLL(None, use_errno=True)
 try:
     os.chdir(p["workdir"])
     if p["tmpfs_dirs"]:
-        libc = ctypes.CDLL(None, use_errno=True)
         opts = ("size=%dk,mode=1777" % p["tmpfs_kb"]).encode()
         for d in p["tmpfs_dirs"]:
             if os.path.isdir(d) and libc.mount(b"tmpfs", d.encode(), b"tmpfs", 6, opts) != 0:
@@ -76,6 +76,11 @@ if pid == 0:
             os.setgroups([])
             os.setgid(p["gid"])
             os.setuid(p["uid"])
+        else:
+            # Still uid 0 (root in a user namespace, or drop_privileges=False): SECBIT_NOROOT and its
+            # lock (PR_SET_SECUREBITS = 28, bits 1 | 2) make execve grant no capabilities to uid 0.
+            libc.prctl(28, 3, 0, 0, 0)
+        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot raise privileges
         os.execve(p["python"], p["argv"], env)
     except BaseException as e:
         report({"setup_error": "%s: %s" % (type(e).__name__, e)})
@@ -504,14 +509,35 @@ class PythonSandbox:
 # What is actually in force here: measured by running a probe through the real pipeline.
 
 _PROBE = r"""
-import json, os, resource, socket
-caps = [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")]
-unprivileged = os.getuid() != 0 and int(caps[0], 16) == 0
+import json, os, resource, socket, time
+status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
+no_caps = int(status["CapEff"].split()[0], 16) == 0 and int(status["CapPrm"].split()[0], 16) == 0
+uid_map = [l.split() for l in open("/proc/self/uid_map")]
+host_uid = next(int(h) + os.getuid() - int(i) for i, h, n in map(lambda r: r[:3], uid_map)
+                if int(i) <= os.getuid() < int(i) + int(n))
 names = [n for _, n in socket.if_nameindex()]
 def lim(name, want):
     return resource.getrlimit(getattr(resource, name))[0] == want
+def fork_capped(limit):
+    # Fork sleeping children until fork fails; the limit holds when it fails at or before `limit`.
+    children, capped = [], False
+    for _ in range(limit + 4):
+        try:
+            pid = os.fork()
+        except OSError:
+            capped = True
+            break
+        if pid == 0:
+            time.sleep(5)
+            os._exit(0)
+        children.append(pid)
+    for pid in children:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    return capped
 print(json.dumps({
-    "unprivileged_uid": unprivileged,
+    "unprivileged_uid": host_uid != 0 and os.getuid() != 0,
+    "no_capabilities": no_caps and host_uid != 0,
     "network_namespace": names == ["lo"],
     "pid_namespace": not os.path.exists("/proc/%d" % __PARENT_PID__),
     "private_tmp": not os.path.exists("__MARKER__"),
@@ -519,7 +545,7 @@ print(json.dumps({
     "rlimit_cpu": lim("RLIMIT_CPU", __CPU__),
     "rlimit_as": lim("RLIMIT_AS", __AS__),
     "rlimit_fsize": lim("RLIMIT_FSIZE", __FSIZE__),
-    "rlimit_nproc": lim("RLIMIT_NPROC", __NPROC__) and unprivileged,
+    "rlimit_nproc": lim("RLIMIT_NPROC", __NPROC__) and fork_capped(__NPROC__),
 }))
 """
 
@@ -531,10 +557,12 @@ def active_protections(config: SandboxConfig | None = None) -> dict[str, bool]:
     """Run a probe in the sandbox once per config and report which protections hold, by name.
 
     Keys: ``wall_timeout`` and ``output_cap`` (enforced by the caller: always True), ``clean_environment``,
-    ``rlimit_cpu``, ``rlimit_as``, ``rlimit_fsize``, ``rlimit_nproc`` (True only when the code runs
-    without privileges, otherwise the kernel ignores it), ``unprivileged_uid``, ``network_namespace``
-    (False also when ``network=True``), ``pid_namespace``, ``private_tmp`` (a file the caller made in
-    /tmp is invisible to the code). A probe that fails reports every kernel protection as False.
+    ``rlimit_cpu``, ``rlimit_as``, ``rlimit_fsize`` (the limit is set), ``rlimit_nproc`` (measured:
+    forking past ``max_procs`` fails; the kernel ignores it for host root), ``unprivileged_uid`` (the
+    code's uid is not root, on the host nor in its namespace), ``no_capabilities`` (no capabilities and
+    not host root), ``network_namespace`` (only loopback; False also when ``network=True``),
+    ``pid_namespace`` (the caller's pid is invisible), ``private_tmp`` (a file the caller made in /tmp is
+    invisible). A probe that fails reports every kernel protection as False.
     """
     config = config or SandboxConfig()
     with _PROTECTIONS_LOCK:
@@ -552,6 +580,7 @@ def active_protections(config: SandboxConfig | None = None) -> dict[str, bool]:
         result = PythonSandbox(config).run(source)
     keys = (
         "unprivileged_uid",
+        "no_capabilities",
         "network_namespace",
         "pid_namespace",
         "private_tmp",
