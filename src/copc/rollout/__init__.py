@@ -8,12 +8,14 @@ from copc.rollout.engine import (
     sample_inverse_cdf,
     truncated_logprobs,
 )
+from copc.rollout.episode import run_episodes
 
 __all__ = [
     "Engine",
     "FinishReason",
     "Generation",
     "SamplingConfig",
+    "run_episodes",
     "sample_inverse_cdf",
     "truncated_logprobs",
 ]

@@ -1,0 +1,246 @@
+"""The multi-turn tool loop: many episodes advanced together, one batched engine call per turn.
+
+Each episode's token sequence is built by appending, never by re-tokenising text, so the ids of a
+:class:`~copc.types.Trajectory` are exactly what the model saw:
+
+    prompt   = tokenizer(env.initial_text())              (special tokens added, e.g. BOS)
+    turn k   = the tokens the engine sampled               action_mask True, logp_behav, version
+    obs k    = tokenizer(observation, no special tokens)   action_mask False, logp 0, version -1
+
+One round: every unfinished episode generates its next turn in the same ``Engine.generate`` call (stop
+strings from its env, its own token budget). Then, per episode:
+
+- the turn used up the generated-token budget (``max_total_tokens``) or the context window without
+  stopping on its own -> ``env.finish(MAX_TOKENS | CONTEXT_LIMIT)``;
+- otherwise ``env.step(turn_text)`` (also after EOS: the env grades or rejects a turn that ended with
+  end-of-sequence). ``done`` -> the episode ends with StopReason.ANSWER ("the environment said done").
+  Not done after an EOS turn -> ``env.finish(EOS)``. Otherwise the observation is appended (cut at
+  the context window), and the episode ends with ``env.finish(...)`` if the turn budget, the token
+  budget or the context window is now exhausted, else it goes on to the next round.
+
+Rewards: a ``step`` reward lands on the last token of the turn that produced it; a ``finish`` reward
+on the last token of the trajectory (the trainer folds rewards onto policy tokens, spec section 0);
+``reward`` is their sum. ``info`` holds the env's counters (an env reports running totals, so the
+latest value of each key wins) plus the loop's own: ``policy_turns``, ``gen_tokens``, ``obs_tokens``,
+``env_errors``.
+
+An exception raised by ``env.step`` or ``env.finish`` ends that episode only: reward 0, ``env_errors``
+= 1, stop reason EOS (copc.types has no error reason; the ``env_errors`` counter marks it), and the
+traceback is logged. Other episodes carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from copc.rollout.engine import Engine, FinishReason, Generation, SamplingConfig
+from copc.types import Env, EnvStep, StopReason, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Episode:
+    """Mutable state of one running episode (lists grow token by token)."""
+
+    index: int
+    env: Env
+    ids: list[int]
+    prompt_len: int
+    mask: list[bool] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    version: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
+    turns: int = 0
+    generated: int = 0
+    stop: StopReason | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        self.mask, self.logp, self.version, self.rewards = [False] * n, [0.0] * n, [-1] * n, [0.0] * n
+        self.info = {"policy_turns": 0.0, "gen_tokens": 0.0, "obs_tokens": 0.0, "env_errors": 0.0}
+
+    def add_turn(self, gen: Generation) -> None:
+        tokens = gen.token_ids.tolist()
+        self.ids += tokens
+        self.mask += [True] * len(tokens)
+        self.logp += gen.logp.tolist()
+        self.version += [gen.version] * len(tokens)
+        self.rewards += [0.0] * len(tokens)
+        self.turns += 1
+        self.generated += len(tokens)
+        self.info["policy_turns"] += 1
+        self.info["gen_tokens"] += len(tokens)
+
+    def add_observation(self, tokens: list[int]) -> None:
+        self.ids += tokens
+        self.mask += [False] * len(tokens)
+        self.logp += [0.0] * len(tokens)
+        self.version += [-1] * len(tokens)
+        self.rewards += [0.0] * len(tokens)
+        self.info["obs_tokens"] += len(tokens)
+
+    def add_reward(self, result: EnvStep) -> None:
+        """Put the env's reward on the latest token and take its counters (running totals)."""
+        self.rewards[-1] += float(result.reward)
+        self.reward += float(result.reward)
+        self.info.update({k: float(v) for k, v in result.info.items()})
+
+
+def _turn_seed(seed: int, episode: int, turn: int) -> int:
+    """Independent 63-bit seed per (run seed, episode, turn): same seed -> same trajectories."""
+    return int(np.random.SeedSequence([seed, episode, turn]).generate_state(1, dtype=np.uint64)[0]) >> 1
+
+
+def _check_limits(max_turns: int, max_new_tokens_per_turn: int, max_total_tokens: int, context_limit: int) -> None:
+    for name, value in (
+        ("max_turns", max_turns),
+        ("max_new_tokens_per_turn", max_new_tokens_per_turn),
+        ("max_total_tokens", max_total_tokens),
+        ("context_limit", context_limit),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1 (got {value})")
+
+
+def run_episodes(
+    engine: Engine,
+    envs: Sequence[Env],
+    *,
+    max_turns: int,
+    max_new_tokens_per_turn: int,
+    max_total_tokens: int,
+    context_limit: int,
+    group_ids: Sequence[int] | None = None,
+    prompt_ids: Sequence[str] | None = None,
+    sampling: SamplingConfig | None = None,
+    seed: int | None = None,
+) -> list[Trajectory]:
+    """Run every env to the end, batching all active episodes in each engine call (module docstring).
+
+    Args:
+        engine: the sampler; every sampled token is stamped with ``engine.version`` at sampling time.
+        envs: fresh single-use environments, one per episode.
+        max_turns: policy turns per episode.
+        max_new_tokens_per_turn: tokens one turn may generate.
+        max_total_tokens: tokens the policy may generate over the whole episode.
+        context_limit: most tokens (prompt + turns + observations) a trajectory may hold.
+        group_ids: ``Trajectory.group`` per episode (default 0).
+        prompt_ids: ``Trajectory.prompt_id`` per episode (default: the episode's index as a string).
+        sampling: temperature / top-k / top-p (its ``max_new_tokens`` and ``stop_strings`` are replaced
+            per episode by the budgets above and the env's stop strings). Default: plain sampling at 1.
+        seed: with a seed, episode i's turn k draws from its own generator seeded by (seed, i, k), so the
+            same seed gives the same trajectories whatever the batch composition; None uses torch's
+            global RNG.
+
+    Returns:
+        One :class:`Trajectory` per env, in order.
+    """
+    _check_limits(max_turns, max_new_tokens_per_turn, max_total_tokens, context_limit)
+    n = len(envs)
+    for name, values in (("group_ids", group_ids), ("prompt_ids", prompt_ids)):
+        if values is not None and len(values) != n:
+            raise ValueError(f"{name} has {len(values)} entries for {n} envs; give one per env")
+    sampling = sampling or SamplingConfig()
+    episodes = [_start(engine, i, env, context_limit) for i, env in enumerate(envs)]
+    while active := [ep for ep in episodes if ep.stop is None]:
+        budgets = [
+            min(max_new_tokens_per_turn, max_total_tokens - ep.generated, context_limit - len(ep.ids)) for ep in active
+        ]
+        gens = engine.generate(
+            [ep.ids for ep in active],
+            sampling,
+            seeds=None if seed is None else [_turn_seed(seed, ep.index, ep.turns) for ep in active],
+            max_new_tokens=budgets,
+            stop_strings=[tuple(ep.env.stop_strings) for ep in active],
+        )
+        for ep, gen in zip(active, gens, strict=True):
+            ep.add_turn(gen)
+            _after_turn(engine, ep, gen, max_turns=max_turns, max_total_tokens=max_total_tokens, context_limit=context_limit)
+    return [_to_trajectory(ep, group_ids, prompt_ids) for ep in episodes]
+
+
+def _start(engine: Engine, index: int, env: Env, context_limit: int) -> _Episode:
+    ids = list(engine.tokenizer(env.initial_text(), add_special_tokens=True)["input_ids"])
+    if not ids:
+        raise ValueError(f"env {index} has an empty prompt and the tokenizer adds no BOS: give it prompt text")
+    ep = _Episode(index=index, env=env, ids=ids, prompt_len=len(ids))
+    if len(ids) >= context_limit:  # no room to generate a single token
+        _end_by_loop(ep, StopReason.CONTEXT_LIMIT)
+    return ep
+
+
+def _after_turn(
+    engine: Engine, ep: _Episode, gen: Generation, *, max_turns: int, max_total_tokens: int, context_limit: int
+) -> None:
+    """Step the env with the turn just generated (or end the episode) and append the observation."""
+    if gen.finish is FinishReason.LENGTH and ep.generated >= max_total_tokens:
+        return _end_by_loop(ep, StopReason.MAX_TOKENS)
+    if gen.finish is FinishReason.LENGTH and len(ep.ids) >= context_limit:
+        return _end_by_loop(ep, StopReason.CONTEXT_LIMIT)
+    result = _call_env(ep, lambda: ep.env.step(gen.text))
+    if result is None:
+        return None
+    ep.add_reward(result)
+    if result.done:
+        ep.stop = StopReason.ANSWER
+        return None
+    if gen.finish is FinishReason.EOS:
+        return _end_by_loop(ep, StopReason.EOS)
+    if result.observation:
+        obs = list(engine.tokenizer(result.observation, add_special_tokens=False)["input_ids"])
+        ep.add_observation(obs[: max(context_limit - len(ep.ids), 0)])
+    if ep.turns >= max_turns:
+        return _end_by_loop(ep, StopReason.MAX_TURNS)
+    if ep.generated >= max_total_tokens:
+        return _end_by_loop(ep, StopReason.MAX_TOKENS)
+    if len(ep.ids) >= context_limit:
+        return _end_by_loop(ep, StopReason.CONTEXT_LIMIT)
+    return None
+
+
+def _end_by_loop(ep: _Episode, reason: StopReason) -> None:
+    """The loop stops the episode: ``env.finish(reason)`` grades it."""
+    result = _call_env(ep, lambda: ep.env.finish(reason))
+    if result is not None:
+        ep.add_reward(result)
+        ep.stop = reason
+
+
+def _call_env(ep: _Episode, call: Callable[[], EnvStep]) -> EnvStep | None:
+    """Run an env method; on an exception end the episode (reward 0, ``env_errors`` = 1) and return None."""
+    try:
+        result = call()
+        if not isinstance(result, EnvStep):
+            raise TypeError(f"env returned {type(result).__name__}, expected EnvStep")
+        return result
+    except Exception:
+        logger.exception("env of episode %d raised; the episode ends with reward 0", ep.index)
+        ep.rewards = [0.0] * len(ep.ids)
+        ep.reward = 0.0
+        ep.info["env_errors"] += 1
+        ep.stop = StopReason.EOS
+        return None
+
+
+def _to_trajectory(ep: _Episode, group_ids: Sequence[int] | None, prompt_ids: Sequence[str] | None) -> Trajectory:
+    return Trajectory(
+        prompt_id=prompt_ids[ep.index] if prompt_ids is not None else str(ep.index),
+        token_ids=torch.tensor(ep.ids, dtype=torch.long),
+        prompt_len=ep.prompt_len,
+        action_mask=torch.tensor(ep.mask, dtype=torch.bool),
+        logp_behav=torch.tensor(ep.logp, dtype=torch.float32),
+        policy_version=torch.tensor(ep.version, dtype=torch.long),
+        reward=ep.reward,
+        token_rewards=torch.tensor(ep.rewards, dtype=torch.float32),
+        stop_reason=ep.stop if ep.stop is not None else StopReason.EOS,
+        info=dict(ep.info),
+        group=group_ids[ep.index] if group_ids is not None else 0,
+    )
