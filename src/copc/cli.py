@@ -1,28 +1,167 @@
-"""The ``copc`` command line: ``copc train | eval | sft | lab | plot | bench``."""
+"""The ``copc`` command line: ``copc train | eval | sft | lab | plot | bench``.
+
+    copc train [--config FILE.yaml] [key.sub=value ...]   train (no arguments: the embedded default)
+    copc eval --checkpoint RUN_DIR|HF_DIR [--task NAME]   avg@k, unbiased pass@k, greedy accuracy
+    copc sft --task NAME                                  build the warm-started tiny policy
+    copc lab explain|sweep ...                            exact bias/variance lab on small MDPs
+    copc plot RUN_DIR... [--out DIR] [--mean-seeds]       redraw one run, or overlay several
+    copc bench NAME [ARGS...]                             run benchmarks/NAME.py
+
+Subcommands are wired lazily: each one imports its module only when it runs, so ``copc --version`` and
+``copc plot`` do not load models. A bad config fails in one line that names the valid choices (a
+:class:`copc.config.ConfigError` is printed, never a traceback).
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import subprocess
 import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from copc.config import ConfigError
+
+#: subcommand -> (module, function taking the remaining argv and returning an exit code, one-line help)
+DELEGATED: dict[str, tuple[str, str, str]] = {
+    "train": (
+        "copc.train",
+        "train_cli",
+        "train a policy: copc train [--config FILE.yaml] [key.sub=value ...]",
+    ),
+    "eval": ("copc.train", "eval_cli", "evaluate a checkpoint: avg@k, unbiased pass@k, greedy accuracy"),
+    "sft": ("copc.tasks.sft", "sft_cli", "build the warm-started tiny policy for a built-in task"),
+    "lab": ("copc.lab.cli", "lab_cli", "exact bias/variance decomposition on small MDPs"),
+}
+LOCAL = {
+    "plot": "redraw a run's plots, or overlay several runs: copc plot RUN_DIR... [--out DIR]",
+    "bench": "run a benchmark script: copc bench NAME [ARGS...] (benchmarks/NAME.py)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="copc", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="copc",
+        description="Asynchronous RL post-training with Coupled Off-Policy Correction.",
+        epilog="\n".join(f"  {name:<6} {text}" for name, text in _help_lines()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="copc [--version] {train,eval,sft,lab,plot,bench} ...",
+    )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.add_subparsers(dest="command")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.version:
-        from copc import __version__
+def _help_lines() -> list[tuple[str, str]]:
+    return [(name, spec[2]) for name, spec in DELEGATED.items()] + list(LOCAL.items())
 
-        print(__version__)
-        return 0
-    parser.print_help()
+
+def build_plot_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="copc plot", description=LOCAL["plot"])
+    parser.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots for one run)")
+    parser.add_argument(
+        "--mean-seeds",
+        action="store_true",
+        help="average runs named *seedN into one curve with a min-max band",
+    )
+    parser.add_argument("--smooth", type=int, default=1, help="trailing moving-average window (points)")
+    return parser
+
+
+def plot_cli(argv: Sequence[str]) -> int:
+    """``copc plot RUN_DIR... [--out DIR] [--mean-seeds] [--smooth N]``."""
+    args = build_plot_parser().parse_args(list(argv))
+    from copc.experiments.plots import plot_runs
+
+    out = args.out
+    if out is None and len(args.runs) > 1:
+        out = "plots-overlay"
+    try:
+        written = plot_runs(args.runs, out, mean_seeds=args.mean_seeds, smooth_window=args.smooth)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"copc plot: error: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
     return 0
+
+
+def find_benchmark(name: str) -> Path | None:
+    """``benchmarks/NAME.py`` in the current directory or in the source checkout copc runs from."""
+    file_name = name if name.endswith(".py") else f"{name}.py"
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        candidate = root / "benchmarks" / file_name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def bench_cli(argv: Sequence[str]) -> int:
+    """``copc bench NAME [ARGS...]``: run ``benchmarks/NAME.py`` with ARGS in a fresh interpreter."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: copc bench NAME [ARGS...]   (e.g. copc bench step_time)")
+        return 0 if argv else 2
+    script = find_benchmark(argv[0])
+    if script is None:
+        print(
+            f"copc bench: error: no benchmarks/{argv[0]}.py here or in the copc checkout; "
+            "run it from the repository root",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.call([sys.executable, str(script), *argv[1:]])
+
+
+def _delegate(name: str) -> Callable[[list[str]], int] | None:
+    module_name, function_name, _ = DELEGATED[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (err.name == module_name or module_name.startswith(err.name + ".")):
+            print(f"copc {name}: not available in this install ({module_name} is missing)", file=sys.stderr)
+            return None
+        raise
+    function: Callable[[list[str]], int] = getattr(module, function_name)
+    return function
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0].startswith("-"):
+        args = parser.parse_args(argv)
+        if args.version:
+            from copc import __version__
+
+            print(__version__)
+            return 0
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    try:
+        if command in DELEGATED:
+            function = _delegate(command)
+            return 2 if function is None else int(function(rest) or 0)
+        if command == "plot":
+            return plot_cli(rest)
+        if command == "bench":
+            return bench_cli(rest)
+    except ConfigError as err:
+        print(f"copc {command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"copc {command}: interrupted", file=sys.stderr)
+        return 130
+    names = [*DELEGATED, *LOCAL]
+    hint = difflib.get_close_matches(command, names, n=1)
+    did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+    print(
+        f"copc: error: unknown command {command!r}{did_you_mean}; valid commands: {', '.join(names)}",
+        file=sys.stderr,
+    )
+    return 2
 
 
 if __name__ == "__main__":
