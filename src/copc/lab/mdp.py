@@ -278,8 +278,14 @@ def behaviour_at_kl(
     return pi_logits + 0.5 * (lo + hi) * delta
 
 
-def gradient_path(mdp: TokenMDP, logits0: torch.Tensor, *, steps: int, lr: float) -> torch.Tensor:
+def gradient_path(
+    mdp: TokenMDP, logits0: torch.Tensor, *, steps: int, lr: float, normalize: bool = False
+) -> torch.Tensor:
     """Exact policy-gradient ascent ``theta_{k+1} = theta_k + lr · grad J(theta_k)``.
+
+    ``normalize=True`` takes steps of fixed length ``lr`` along the exact gradient
+    (``lr · g/||g||``), so that "s steps of staleness" means the same parameter distance whatever the
+    reward scale of the family.
 
     Returns the whole path ``[steps + 1, S, K]``: with ``pi = path[-1]``, ``mu = path[-1 - s]`` is pi as
     it was ``s`` gradient steps earlier (the staleness of a fixed-lag asynchronous trainer).
@@ -288,7 +294,10 @@ def gradient_path(mdp: TokenMDP, logits0: torch.Tensor, *, steps: int, lr: float
         raise ValueError(f"need steps >= 0 and a finite lr > 0, got steps={steps}, lr={lr}")
     path = [logits0.detach().clone()]
     for _ in range(steps):
-        path.append(path[-1] + lr * true_gradient(mdp, path[-1]))
+        g = true_gradient(mdp, path[-1])
+        if normalize:
+            g = g / g.norm().clamp(min=1e-300)
+        path.append(path[-1] + lr * g)
     return torch.stack(path)
 
 

@@ -1,0 +1,232 @@
+"""Joint sweep of the two channels (mask band x advantage clip) at several staleness levels (spec 9.6).
+
+For each reward family, seed and staleness ``s`` the lab builds an exact policy-gradient path
+(normalised steps of length ``step_size`` from random logits), takes ``pi = path[-1]`` and
+``mu = path[-1 - s]`` (pi as it was s updates earlier), and decomposes the COPC update
+(``masked_is`` policy channel with band ``[1/c, c]`` x ``clipped_td`` advantage channel with clip
+``[max(0, 1 - eps_A), 1 + eps_A]``) for every grid cell. Figures are relative to the true gradient:
+``relative_mse = E||ĝ_N - g*||² / ||g*||²``, ``relative_bias = ||E ĝ - g*|| / ||g*||``,
+``relative_var = tr Cov[ĝ]/(N ||g*||²)`` and ``cosine = cos(E ĝ, g*)``.
+
+Coupling analysis (per family and staleness, seeds averaged): the best ``eps_A`` for every band (does
+it depend on the band?), and sign reversals (moving ``eps_A`` between two adjacent grid values lowers
+the MSE under one band and raises it under another, by more than ``REVERSAL_TOL`` relative).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from copc.lab.channels import AdvantageChannel, Correction, PolicyChannel
+from copc.lab.exact import Critic, decompose
+from copc.lab.mdp import REWARD_FAMILIES, gradient_path, make_mdp, random_logits
+
+INF = math.inf
+REVERSAL_TOL = 0.02
+METRICS: tuple[str, ...] = ("relative_mse", "relative_bias", "relative_var", "cosine")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The grid and the MDPs of ``copc lab sweep``; defaults run in about a minute on one core."""
+
+    families: tuple[str, ...] = REWARD_FAMILIES
+    """Reward families (see :func:`copc.lab.mdp.make_mdp`)."""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """Seeds of the reward and of the initial logits."""
+    horizon: int = 6
+    """H tokens per sequence."""
+    vocab: int = 3
+    """K symbols."""
+    staleness: tuple[int, ...] = (2, 4, 8)
+    """s: gradient steps between mu and pi."""
+    path_steps: int = 20
+    """Length of the exact gradient path; pi is its last point."""
+    step_size: float = 0.5
+    """Euclidean length of each (normalised) gradient step in logit space."""
+    init_scale: float = 0.5
+    """Std of the random initial logits."""
+    mask_bands: tuple[float, ...] = (1.1, 1.25, 1.5, 2.0, 3.0, 5.0, INF)
+    """c of the mask band [1/c, c] (inf = no mask)."""
+    adv_clips: tuple[float, ...] = (0.0, 0.1, 0.2, 0.5, 1.0, INF)
+    """eps_A of the advantage clip [max(0, 1 - eps_A), 1 + eps_A] (0 = stale GAE, inf = full ratio)."""
+    batch_size: int = 64
+    """N trajectories per update (MSE = bias² + tr Cov / N)."""
+    lam: float = 1.0
+    """lambda of the advantage channel."""
+    critic_noise: float = 0.0
+    """Std of the per-state critic error around V^mu (0 = exact V^mu)."""
+    critic_draws: int = 1
+    """Enumerated critic-noise draws (>= 2 with noise)."""
+
+    def __post_init__(self) -> None:
+        bad = [f for f in self.families if f not in REWARD_FAMILIES]
+        if bad:
+            raise ValueError(f"unknown reward families {bad}; valid: {', '.join(REWARD_FAMILIES)}")
+        if not self.staleness or max(self.staleness) > self.path_steps or min(self.staleness) < 0:
+            raise ValueError(f"staleness levels must lie in [0, path_steps={self.path_steps}]")
+        if any(c < 1 for c in self.mask_bands) or any(e < 0 for e in self.adv_clips):
+            raise ValueError("mask bands need c >= 1 and advantage clips eps_A >= 0")
+        if self.batch_size < 1 or self.step_size <= 0:
+            raise ValueError("batch_size must be >= 1 and step_size > 0")
+        if self.critic_noise > 0 and self.critic_draws < 2:
+            raise ValueError("a noisy critic needs critic_draws >= 2 (e.g. 4)")
+
+    def correction(self, band: float, clip: float) -> Correction:
+        """masked_is on ``[1/c, c]`` x clipped_td on ``[max(0, 1 - eps), 1 + eps]``."""
+        low = 0.0 if band == INF else 1.0 / band
+        policy = PolicyChannel(kind="masked_is", mask_low=low, mask_high=band)
+        adv = AdvantageChannel(kind="clipped_td", lam=self.lam, clip_low=max(0.0, 1.0 - clip), clip_high=1.0 + clip)
+        return Correction(policy, adv)
+
+    def critic(self) -> Critic:
+        if self.critic_noise == 0:
+            return Critic(base="mu")
+        return Critic(base="mu", noise_std=self.critic_noise, draws=self.critic_draws)
+
+
+def _json_float(x: float) -> float | str:
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def run_grid(cfg: SweepConfig) -> list[dict[str, float | str | int]]:
+    """Every (family, seed, staleness, band, clip) cell with its exact figures."""
+    cells: list[dict[str, float | str | int]] = []
+    for family in cfg.families:
+        for seed in cfg.seeds:
+            mdp = make_mdp(family, cfg.horizon, cfg.vocab, seed=seed)
+            init = random_logits(mdp, scale=cfg.init_scale, seed=seed + 100)
+            path = gradient_path(mdp, init, steps=cfg.path_steps, lr=cfg.step_size, normalize=True)
+            pi = path[-1]
+            for s in cfg.staleness:
+                mu = path[-1 - s]
+                for band in cfg.mask_bands:
+                    for clip in cfg.adv_clips:
+                        d = decompose(mdp, pi, mu, cfg.correction(band, clip), cfg.critic(), batch_size=cfg.batch_size)
+                        summ = d.summary()
+                        g2 = summ["g_star_norm"] ** 2
+                        cell: dict[str, float | str | int] = {
+                            "family": family,
+                            "seed": seed,
+                            "staleness": s,
+                            "mask_band": _json_float(band),
+                            "adv_clip": _json_float(clip),
+                            "relative_bias": summ["bias_norm"] / summ["g_star_norm"],
+                            "relative_var": summ["var_trace"] / (cfg.batch_size * g2),
+                        }
+                        cell.update({k: _json_float(v) for k, v in summ.items()})
+                        cells.append(cell)
+    return cells
+
+
+def _as_float(x: float | str | int) -> float:
+    return float(x)
+
+
+def mean_grid(
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: int, metric: str, batch: int
+) -> torch.Tensor:
+    """Seed-mean of ``metric`` as a ``[bands, clips]`` grid; ``relative_mse``/``relative_var`` at ``batch``."""
+    grid = torch.zeros(len(cfg.mask_bands), len(cfg.adv_clips), dtype=torch.float64)
+    count = torch.zeros_like(grid)
+    bands = [_json_float(c) for c in cfg.mask_bands]
+    clips = [_json_float(e) for e in cfg.adv_clips]
+    for cell in cells:
+        if cell["family"] != family or cell["staleness"] != staleness:
+            continue
+        i, j = bands.index(cell["mask_band"]), clips.index(cell["adv_clip"])
+        g2 = _as_float(cell["g_star_norm"]) ** 2
+        var = _as_float(cell["var_trace"]) / batch
+        if metric == "relative_mse":
+            value = (_as_float(cell["bias_norm"]) ** 2 + var) / g2
+        elif metric == "relative_var":
+            value = var / g2
+        else:
+            value = _as_float(cell[metric])
+        grid[i, j] += value
+        count[i, j] += 1
+    return grid / count.clamp(min=1)
+
+
+def coupling_analysis(
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, batch: int
+) -> list[dict[str, object]]:
+    """Best eps_A per band and sign reversals of the eps_A effect across bands (relative MSE)."""
+    out: list[dict[str, object]] = []
+    for family in cfg.families:
+        for s in cfg.staleness:
+            grid = mean_grid(cells, cfg, family, s, "relative_mse", batch)
+            best = [cfg.adv_clips[int(j)] for j in grid.argmin(dim=1)]
+            reversals = []
+            for j in range(len(cfg.adv_clips) - 1):
+                delta = (grid[:, j + 1] - grid[:, j]) / grid[:, j]
+                up = [cfg.mask_bands[i] for i in range(len(delta)) if delta[i] > REVERSAL_TOL]
+                down = [cfg.mask_bands[i] for i in range(len(delta)) if delta[i] < -REVERSAL_TOL]
+                if up and down:
+                    reversals.append(
+                        {
+                            "adv_clip_from": _json_float(cfg.adv_clips[j]),
+                            "adv_clip_to": _json_float(cfg.adv_clips[j + 1]),
+                            "helps_under_bands": [_json_float(c) for c in down],
+                            "hurts_under_bands": [_json_float(c) for c in up],
+                        }
+                    )
+            out.append(
+                {
+                    "family": family,
+                    "staleness": s,
+                    "batch_size": batch,
+                    "best_adv_clip_by_band": {str(_json_float(c)): _json_float(e) for c, e in zip(cfg.mask_bands, best, strict=True)},
+                    "best_clip_depends_on_band": len(set(best)) > 1,
+                    "sign_reversals": reversals,
+                    "best_cell": _best_cell(grid, cfg),
+                }
+            )
+    return out
+
+
+def _best_cell(grid: torch.Tensor, cfg: SweepConfig) -> dict[str, float | str]:
+    flat = int(grid.argmin())
+    i, j = divmod(flat, grid.shape[1])
+    return {
+        "mask_band": _json_float(cfg.mask_bands[i]),
+        "adv_clip": _json_float(cfg.adv_clips[j]),
+        "relative_mse": float(grid[i, j]),
+    }
+
+
+def _rounded(x: object) -> object:
+    """Floats to 6 significant digits (keeps the JSON small; the figures are far coarser)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def run_sweep(cfg: SweepConfig, out_dir: Path, *, analysis_batches: tuple[int, ...] = (8, 64, 512)) -> dict[str, object]:
+    """Run the grid, write ``lab_sweep.json`` and the heatmaps into ``out_dir``; return the JSON dict."""
+    from copc.lab.plots import draw_heatmaps
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    cells = run_grid(cfg)
+    elapsed = time.perf_counter() - start
+    config = {k: ([_json_float(x) for x in v] if isinstance(v, tuple) and k in ("mask_bands", "adv_clips") else v) for k, v in asdict(cfg).items()}
+    result: dict[str, object] = {
+        "config": config,
+        "seconds": elapsed,
+        "cells": cells,
+        "analysis": {str(n): coupling_analysis(cells, cfg, n) for n in sorted({*analysis_batches, cfg.batch_size})},
+    }
+    (out_dir / "lab_sweep.json").write_text(json.dumps(_rounded(result)))
+    result["figures"] = [str(p) for p in draw_heatmaps(cells, cfg, out_dir)]
+    return result

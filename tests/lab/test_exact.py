@@ -1,0 +1,266 @@
+"""Exact two-channel decomposition: identities, reductions, and agreement with Monte-Carlo sampling.
+
+Tolerances: the channels run in float32 inside ``copc.ops`` (the trainer's dtype), so figures that pass
+through them carry relative round-off ~1e-7; identities that are algebraic on the same float64 tensors
+hold to ~1e-15. Monte-Carlo checks use k = 4 standard errors computed from the EXACT covariance (not
+estimated): for a mean of 4,000 bounded i.i.d. terms the CLT is accurate, and P(|z| > 4) ~ 6e-5 per
+check, so the ~40 checks below have a family-wise false-alarm rate < 0.3 % (seeds are fixed anyway,
+so a pass is reproducible; a bug that moves a figure by more than ~4 SE fails).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from copc.lab.channels import (
+    ADVANTAGE_CHANNELS,
+    POLICY_CHANNELS,
+    AdvantageChannel,
+    Correction,
+    PolicyChannel,
+    _per_token_loss,
+    update_coefficients,
+)
+from copc.lab.exact import (
+    Critic,
+    batch_terms,
+    conditional_mean,
+    decompose,
+    enumerate_terms,
+    per_trajectory_gradients,
+    weighted_gradient,
+)
+from copc.lab.mdp import (
+    exact_values,
+    gradient_path,
+    make_mdp,
+    prefix_states,
+    random_logits,
+    sample_sequences,
+    token_logp,
+)
+from lab.oracle import clipped_td_loop, gae_loop, vtrace_loop
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """Dense-reward MDP (H=4, K=3), pi 12 exact gradient steps in, mu = pi 6 steps earlier."""
+    mdp = make_mdp("dense", 4, 3, seed=0)
+    path = gradient_path(mdp, random_logits(mdp, scale=0.5, seed=1), steps=12, lr=8.0)
+    return mdp, path[-1], path[-7]
+
+
+def _corr(policy: str, advantage: str, **kw) -> Correction:
+    pol = PolicyChannel(kind=policy, mask_low=0.7, mask_high=1.3)
+    adv = AdvantageChannel(kind=advantage, lam=0.9, clip_low=0.8, clip_high=1.2, rho_bar=1.2, c_bar=1.0)
+    return Correction(pol, adv)
+
+
+def _dense_cov(mdp, pi, terms, prob):
+    g = per_trajectory_gradients(pi, terms.seqs, terms.states, terms.coef)
+    mean = (prob[:, None] * g).sum(dim=0)
+    centred = g - mean
+    return mean, (prob[:, None] * centred).T @ centred
+
+
+def test_advantages_through_ops_match_the_spec_loops(setup):
+    # Â of every enumerated row vs the per-token Python loops of the spec (float32 ops: abs 2e-6 on
+    # values of size <= ~2).
+    mdp, pi, mu = setup
+    critic = Critic(base="mu", noise_std=0.1, draws=2, seed=3)
+    for kind in ADVANTAGE_CHANNELS:
+        terms, _ = enumerate_terms(mdp, pi, mu, _corr("none", kind), critic)
+        logp = token_logp(pi, terms.seqs, terms.states)
+        log_rho = logp - token_logp(mu, terms.seqs, terms.states)
+        rewards = torch.zeros_like(logp)
+        rewards[:, -1] = mdp.reward_of(terms.seqs)
+        # the critic values, rebuilt as batch_terms does (V^mu + the draw's noise)
+        draw = torch.arange(2).repeat(mdp.num_sequences)
+        values = exact_values(mdp, mu).state_v[terms.states] + critic.noise(mdp.num_states)[draw[:, None], terms.states]
+        if kind == "gae":
+            want = gae_loop(rewards, values, gamma=1.0, lam=0.9)[0]
+        elif kind == "vtrace":
+            want = vtrace_loop(rewards, values, log_rho, gamma=1.0, lam=0.9, rho_bar=1.2, c_bar=1.0, pg_rho_bar=1.0)[1]
+        else:
+            want = clipped_td_loop(
+                rewards, values, log_rho, gamma=1.0, lam_critic=0.9, lam_actor=0.9, low=0.8, high=1.2
+            )[0]
+        torch.testing.assert_close(terms.adv, want, rtol=0, atol=2e-6, msg=kind)
+
+
+@pytest.mark.parametrize("policy", POLICY_CHANNELS)
+def test_analytic_update_equals_autograd_of_the_ops_loss(setup, policy):
+    # Per-row ĝ from the per-token coefficients x tabular score == -grad_theta of the row's summed ops
+    # loss, with the log-probs computed from theta by log_softmax (float32 inside the loss: rel 1e-6).
+    mdp, pi, mu = setup
+    corr = _corr(policy, "clipped_td")
+    terms, _ = enumerate_terms(mdp, pi, mu, corr, Critic())
+    # omega · Â == coefficient of the loss at the actual Â (homogeneity of every loss in Â)
+    logp = token_logp(pi, terms.seqs, terms.states)
+    logp_mu = token_logp(mu, terms.seqs, terms.states)
+    coef = update_coefficients(corr.policy, logp, logp_mu, terms.adv.float(), torch.ones_like(logp, dtype=torch.bool))
+    torch.testing.assert_close(coef, terms.coef, rtol=1e-6, atol=1e-9)
+    dense = per_trajectory_gradients(pi, terms.seqs, terms.states, terms.coef)
+    mask = torch.ones(1, mdp.horizon, dtype=torch.bool)
+    for b in range(0, len(terms.seqs), 7):
+        theta = pi.clone().requires_grad_(True)
+        row_logp = token_logp(theta, terms.seqs[b : b + 1], terms.states[b : b + 1])
+        loss = _per_token_loss(corr.policy, row_logp, logp_mu[b : b + 1], terms.adv[b : b + 1].float(), mask).sum()
+        (grad,) = torch.autograd.grad(-loss, theta)
+        torch.testing.assert_close(dense[b], grad.reshape(-1), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy", POLICY_CHANNELS)
+@pytest.mark.parametrize("advantage", ADVANTAGE_CHANNELS)
+def test_bias_terms_sum_to_the_bias(setup, policy, advantage):
+    # state + policy + advantage + cross == E[ĝ] - g*: exact algebra on the same float64 tensors.
+    mdp, pi, mu = setup
+    d = decompose(mdp, pi, mu, _corr(policy, advantage), Critic(noise_std=0.05, draws=3))
+    total = d.state_term + d.policy_term + d.advantage_term + d.cross_term
+    torch.testing.assert_close(total, d.bias, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("policy", ["none", "ppo_clip", "masked_is"])
+def test_variance_split_matches_dense_covariance(setup, policy):
+    # tr Cov[ĝ] from the dense [B, P] per-row gradients == amp + tok (per-step law of total variance and
+    # orthogonal time blocks); float64 on both sides, rel 1e-10.
+    mdp, pi, mu = setup
+    corr = _corr(policy, "clipped_td")
+    critic = Critic(noise_std=0.1, draws=3, seed=1)
+    d = decompose(mdp, pi, mu, corr, critic)
+    terms, prob = enumerate_terms(mdp, pi, mu, corr, critic)
+    mean, cov = _dense_cov(mdp, pi, terms, prob)
+    torch.testing.assert_close(mean.reshape(d.mean_update.shape), d.mean_update, rtol=0, atol=1e-15)
+    assert d.var_trace == pytest.approx(float(cov.trace()), rel=1e-10)
+    assert d.var_amp > 0 and d.var_tok > 0
+
+
+def test_squared_weight_term_is_omega_squared_times_advantage_variance(setup):
+    # For masked_is, omega is a function of (s_t, a_t), so amp = sum_t E[omega² Var(Â|h_t) ||grad||²];
+    # computed here with an independent per-prefix loop (dictionary of prefixes).
+    mdp, pi, mu = setup
+    corr = _corr("masked_is", "clipped_td")
+    critic = Critic(noise_std=0.2, draws=2, seed=5)
+    d = decompose(mdp, pi, mu, corr, critic)
+    terms, prob = enumerate_terms(mdp, pi, mu, corr, critic)
+    amp = 0.0
+    for t in range(mdp.horizon):
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for b in range(len(prob)):
+            groups.setdefault(tuple(terms.seqs[b, : t + 1].tolist()), []).append(b)
+        for rows in groups.values():
+            p = prob[rows]
+            a = terms.adv[rows, t]
+            var = float((p * (a - (p * a).sum() / p.sum()) ** 2).sum() / p.sum())
+            om, s2 = float(terms.omega[rows[0], t]), float(terms.score_sq[rows[0], t])
+            amp += float(p.sum()) * om**2 * var * s2
+    assert d.var_amp == pytest.approx(amp, rel=1e-10)
+
+
+def test_on_policy_reinforce_with_any_baseline_is_unbiased(setup):
+    # mu = pi, omega = 1, GAE(lambda = 1, gamma = 1): Â_t = R - V(s_t), and a baseline that depends only
+    # on the state (even a noisy one) adds no bias: E[ĝ] = g*, every bias term 0 (float32 Â: atol 1e-8
+    # on entries of size ~1e-2).
+    mdp, pi, _ = setup
+    corr = Correction(PolicyChannel(kind="none"), AdvantageChannel(kind="gae", lam=1.0))
+    for critic in (Critic(base="pi"), Critic(base="mu", noise_std=0.3, draws=4)):
+        d = decompose(mdp, pi, pi, corr, critic)
+        torch.testing.assert_close(d.mean_update, d.g_star, rtol=0, atol=1e-8)
+        assert d.kl == 0.0 and d.mask_rate == 0.0
+    with_noise = decompose(mdp, pi, pi, corr, Critic(base="pi", noise_std=0.3, draws=4))
+    exact = decompose(mdp, pi, pi, corr, Critic(base="pi"))
+    assert with_noise.var_amp > exact.var_amp  # the noisy baseline only adds variance
+
+
+def test_exact_critic_and_full_is_leave_only_the_state_term(setup):
+    # Critic V^pi with no clip and per-token IS weights: Â has E[Â|h_t] = A^pi only for the last token,
+    # but the policy channel error vanishes: omega = w exactly (masked_is with an infinite band).
+    mdp, pi, mu = setup
+    corr = Correction(
+        PolicyChannel(kind="masked_is", mask_low=0.0, mask_high=float("inf")),
+        AdvantageChannel(kind="gae", lam=1.0),
+    )
+    d = decompose(mdp, pi, mu, corr, Critic(base="pi"))
+    assert float(d.policy_term.abs().max()) < 1e-7 * float(d.g_star.abs().max()) + 1e-12
+    assert float(d.state_term.norm()) > 0  # d^mu != d^pi: no token-level weight removes it
+
+
+def _mc_rows(mdp, pi, mu, corr, critic, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = sample_sequences(mdp, mu, n, generator=gen)
+    j = critic.draws if critic.noise_std > 0 else 1
+    draw = torch.randint(j, (n,), generator=gen)
+    return batch_terms(mdp, pi, mu, seqs, draw, corr, critic)
+
+
+@pytest.mark.parametrize(
+    ("policy", "advantage", "critic"),
+    [
+        ("masked_is", "clipped_td", Critic(base="mu", noise_std=0.2, draws=4, seed=2)),
+        ("ppo_clip", "gae", Critic(base="mu")),
+        ("decoupled", "vtrace", Critic(base="pi", noise_std=0.1, draws=3, seed=4)),
+    ],
+)
+def test_exact_figures_match_monte_carlo(setup, policy, advantage, critic):
+    mdp, pi, mu = setup
+    corr = _corr(policy, advantage)
+    n = 4000
+    d = decompose(mdp, pi, mu, corr, critic, batch_size=n)
+    terms, prob = enumerate_terms(mdp, pi, mu, corr, critic)
+    mean, cov = _dense_cov(mdp, pi, terms, prob)
+    sample = _mc_rows(mdp, pi, mu, corr, critic, n, seed=11)
+
+    # 1. Mean update by autograd of the ops loss on the sampled batch: -grad (sum of losses) / n.
+    theta = pi.clone().requires_grad_(True)
+    states = prefix_states(sample.seqs, mdp.vocab)
+    logp = token_logp(theta, sample.seqs, states)
+    logp_mu = token_logp(mu, sample.seqs, states)
+    mask = torch.ones(logp.shape, dtype=torch.bool)
+    loss = _per_token_loss(corr.policy, logp, logp_mu, sample.adv.float(), mask).sum() / n
+    (g_mc,) = torch.autograd.grad(-loss, theta)
+    gen = torch.Generator().manual_seed(0)
+    directions = [d.g_star, d.mean_update, *[torch.randn(d.g_star.shape, generator=gen, dtype=torch.float64) for _ in range(3)]]
+    for v in directions:
+        v = v.reshape(-1)
+        se = float(v @ cov @ v / n) ** 0.5
+        assert abs(float(v @ (g_mc.reshape(-1) - d.mean_update.reshape(-1)))) <= 4 * se
+
+    # 2. Each bias term: sample means of its per-row integrand vs the exact vector, along g*.
+    rows = per_trajectory_gradients
+    e_w, e_a = sample.omega - sample.w, sample.adv - sample.adv_true
+    exact_e_w, exact_e_a = terms.omega - terms.w, terms.adv - terms.adv_true
+    for name, mc_coef, ex_coef, exact in [
+        ("policy", e_w * sample.adv_true, exact_e_w * terms.adv_true, d.policy_term),
+        ("advantage", sample.w * e_a, terms.w * exact_e_a, d.advantage_term),
+        ("cross", e_w * e_a, exact_e_w * exact_e_a, d.cross_term),
+    ]:
+        per_row = rows(pi, sample.seqs, sample.states, mc_coef) @ d.g_star.reshape(-1)
+        ex_rows = rows(pi, terms.seqs, terms.states, ex_coef) @ d.g_star.reshape(-1)
+        ex_mean = float((prob * ex_rows).sum())
+        assert ex_mean == pytest.approx(float((exact * d.g_star).sum()), rel=1e-9, abs=1e-15), name
+        sd = float((prob * (ex_rows - ex_mean) ** 2).sum()) ** 0.5
+        assert abs(float(per_row.mean()) - ex_mean) <= 4 * sd / n**0.5 + 1e-15, name
+
+    # 3. Variance: Y = ||ĝ - E ĝ||² has E[Y] = tr Cov exactly; its exact spread gives the SE.
+    y_mc = (rows(pi, sample.seqs, sample.states, sample.coef) - mean).pow(2).sum(dim=1)
+    y_ex = (rows(pi, terms.seqs, terms.states, terms.coef) - mean).pow(2).sum(dim=1)
+    sd_y = float((prob * (y_ex - d.var_trace) ** 2).sum()) ** 0.5
+    assert abs(float(y_mc.mean()) - d.var_trace) <= 4 * sd_y / n**0.5
+
+
+def test_conditional_mean_golden():
+    # two blocks of two rows: E[x | block] = (0.1·1 + 0.3·3)/0.4 = 2.5 and (0.2·5 + 0.4·7)/0.6 = 19/3.
+    x = torch.tensor([1.0, 3.0, 5.0, 7.0], dtype=torch.float64)
+    p = torch.tensor([0.1, 0.3, 0.2, 0.4], dtype=torch.float64)
+    got = conditional_mean(x, p, 2)
+    torch.testing.assert_close(got, torch.tensor([2.5, 2.5, 19 / 3, 19 / 3], dtype=torch.float64))
+
+
+def test_weighted_gradient_golden():
+    # one row, H=1, K=2, pi(.|root) = (1/2, 1/2), token 1 with coefficient 2 and probability 1:
+    # 2·(onehot(1) - pi) = (-1, 1).
+    logits = torch.zeros(1, 2, dtype=torch.float64)
+    seqs = torch.tensor([[1]])
+    got = weighted_gradient(logits, seqs, torch.zeros_like(seqs), torch.tensor([[2.0]], dtype=torch.float64), torch.ones(1, dtype=torch.float64))
+    torch.testing.assert_close(got, torch.tensor([[-1.0, 1.0]], dtype=torch.float64))
