@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from copc.config import ConfigError, apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
+from copc.config import ConfigError, ConfigValue, apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
 
 
 @dataclass(frozen=True)
@@ -173,3 +173,25 @@ def test_yaml_file_errors(tmp_path):
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+@dataclass(frozen=True)
+class TaskCfg:
+    options: dict[str, ConfigValue] = field(default_factory=dict)
+    """Free-form task options (plain data)."""
+    limit: int | str = 1
+    """A union that is not Optional."""
+
+
+def test_plain_data_dict_fields_and_entry_overrides(tmp_path):
+    cfg = from_dict(TaskCfg, {"options": {"hard": True, "levels": [1, {"depth": 2}]}})
+    assert cfg.options == {"hard": True, "levels": [1, {"depth": 2}]}
+    cfg = apply_overrides(cfg, ["options.hard=false", "options.sub.k=1e-3", "options.name=x"])
+    assert cfg.options == {"hard": False, "levels": [1, {"depth": 2}], "sub": {"k": 0.001}, "name": "x"}
+    assert load_yaml(TaskCfg, dump_yaml(cfg, tmp_path / "t.yaml")) == cfg
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(cfg, ["options.hard.x=1"])
+    assert "not a mapping" in _one_line(err)
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(cfg, ["limit=[1]"])
+    assert "does not fit int | str" in _one_line(err)

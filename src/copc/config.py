@@ -65,8 +65,13 @@ def _field_types(cls: type) -> dict[str, object]:
 
 
 def _describe(tp: object) -> str:
+    if tp == ConfigValue:
+        return "plain data (a number, string, boolean, list or mapping)"
     if isinstance(tp, type):
         return tp.__name__
+    origin = typing.get_origin(tp)
+    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        return " | ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
     return str(tp).replace("typing.", "")
 
 
@@ -76,6 +81,8 @@ def _is_dataclass_type(tp: object) -> bool:
 
 def _coerce(value: object, tp: object, where: str) -> object:
     """Check ``value`` against annotation ``tp`` and convert it (lists -> tuples, int -> float ...)."""
+    if isinstance(tp, typing.ForwardRef):  # the recursive ConfigValue alias; anything else: unchecked
+        tp = ConfigValue if tp.__forward_arg__ == "ConfigValue" else typing.Any
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is typing.Any or tp is object:
@@ -89,15 +96,15 @@ def _coerce(value: object, tp: object, where: str) -> object:
     if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
         if value is None and type(None) in args:
             return None
-        errors = []
-        for member in args:
-            if member is type(None):
-                continue
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:  # Optional[X]: X's own message is the precise one
+            return _coerce(value, members[0], where)
+        for member in members:
             try:
                 return _coerce(value, member, where)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(f"{where}: {value!r} does not fit {_describe(tp)} ({'; '.join(errors)})")
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} does not fit {_describe(tp)}")
     if tp is type(None):
         if value is None:
             return None
@@ -120,9 +127,7 @@ def _coerce(value: object, tp: object, where: str) -> object:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping ({_describe(tp)}), got {value!r}")
         key_tp, val_tp = args if args else (typing.Any, typing.Any)
-        return {
-            _coerce(k, key_tp, where): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()
-        }
+        return {_coerce(k, key_tp, where): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
     if _is_dataclass_type(tp):
         if dataclasses.is_dataclass(value) and isinstance(value, tp):  # type: ignore[arg-type]
             return value
@@ -183,8 +188,10 @@ def _build(cls: type[T], data: Mapping[str, object], section: str, base: T | Non
         tp = hints[key]
         where = _join(section, key)
         current = getattr(base, key) if base is not None else None
-        if isinstance(value, Mapping) and _is_dataclass_type(current.__class__) and isinstance(
-            current, _plain_dataclass_types(tp)
+        if (
+            isinstance(value, Mapping)
+            and _is_dataclass_type(current.__class__)
+            and isinstance(current, _plain_dataclass_types(tp))
         ):
             kwargs[key] = _build(type(current), value, where, base=current)
         else:
@@ -304,6 +311,8 @@ def _override_one(cfg: T, path: list[str], value: object, section: str) -> T:
         raise _unknown_key(key, section, list(hints))
     where = _join(section, key)
     current = getattr(cfg, key)
+    if len(path) > 1 and isinstance(current, Mapping):  # a dict field: set (or add) one entry
+        return _replace(cfg, {key: _coerce(_set_entry(current, path[1:], value), hints[key], where)}, section)
     if len(path) > 1:
         if not (dataclasses.is_dataclass(current) and not isinstance(current, type)):
             raise ConfigError(f"'{where}' is a value, not a section: write {where}=VALUE")
@@ -313,6 +322,19 @@ def _override_one(cfg: T, path: list[str], value: object, section: str) -> T:
     else:
         new = _coerce(value, hints[key], where)
     return _replace(cfg, {key: new}, section)
+
+
+def _set_entry(mapping: Mapping[str, object], path: list[str], value: object) -> dict[str, object]:
+    """A copy of ``mapping`` with ``mapping[p0][p1]... = value`` (missing levels become mappings)."""
+    out = dict(mapping)
+    if len(path) == 1:
+        out[path[0]] = value
+        return out
+    inner = out.get(path[0], {})
+    if not isinstance(inner, Mapping):
+        raise ConfigError(f"'{path[0]}' holds {inner!r}, not a mapping: cannot set {'.'.join(path)}")
+    out[path[0]] = _set_entry(inner, path[1:], value)
+    return out
 
 
 def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
