@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypedDict
 
 import torch
 
@@ -163,7 +163,20 @@ class PolicyChannelConfig:
         return POLICY_OBJECTIVES.get(self.objective).needs_old
 
 
-def _agg(cfg: PolicyChannelConfig, x: PolicyInputs) -> dict[str, object]:
+class _AggKw(TypedDict):
+    loss_agg: LossAgg
+    num_tokens: torch.Tensor | float | None
+    num_seqs: torch.Tensor | float | None
+    norm_length: float | None
+
+
+class _ClipKw(TypedDict):
+    clip_low: float
+    clip_high: float
+    dual_clip_c: float | None
+
+
+def _agg(cfg: PolicyChannelConfig, x: PolicyInputs) -> _AggKw:
     return {"loss_agg": cfg.loss_agg, "num_tokens": x.num_tokens, "num_seqs": x.num_seqs, "norm_length": cfg.norm_length}
 
 
@@ -186,20 +199,20 @@ def _objective(name: str, *, needs_old: bool, doc: str, current_mask: Callable[[
     return decorate
 
 
-def _clip(cfg: PolicyChannelConfig) -> dict[str, float | None]:
+def _clip(cfg: PolicyChannelConfig) -> _ClipKw:
     return {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "dual_clip_c": cfg.dual_clip_c}
 
 
 @_objective("ppo", needs_old=True, doc="PPO clip on u = exp(cur - old) (sync PPO; async 3b)")
 def _ppo(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
     old = _req(x.logp_old, "logp_old", "ppo")
-    return pl.ppo_clip_loss(x.logp, old, x.advantages, x.action_mask, **_clip(cfg), **_agg(cfg, x))  # type: ignore[arg-type]
+    return pl.ppo_clip_loss(x.logp, old, x.advantages, x.action_mask, **_clip(cfg), **_agg(cfg, x))
 
 
 @_objective("bypass_ppo", needs_old=False, doc="PPO clip on r = exp(cur - mu) (async PPO 3a)")
 def _bypass(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
     mu = _req(x.logp_behav, "logp_behav", "bypass_ppo")
-    return pl.bypass_ppo_loss(x.logp, mu, x.advantages, x.action_mask, **_clip(cfg), **_agg(cfg, x))  # type: ignore[arg-type]
+    return pl.bypass_ppo_loss(x.logp, mu, x.advantages, x.action_mask, **_clip(cfg), **_agg(cfg, x))
 
 
 @_objective("decoupled", needs_old=True, doc="AReaL: w = old/mu (masked above weight_cap) times PPO clip on cur/old")
@@ -207,14 +220,14 @@ def _decoupled(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput
     old, mu = _req(x.logp_old, "logp_old", "decoupled"), _req(x.logp_behav, "logp_behav", "decoupled")
     return pl.decoupled_ppo_loss(
         x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, cap_mode=cfg.cap_mode,
-        denominator=cfg.denominator, **_clip(cfg), **_agg(cfg, x),  # type: ignore[arg-type]
+        denominator=cfg.denominator, **_clip(cfg), **_agg(cfg, x),
     )
 
 
 @_objective("tis", needs_old=True, doc="min(old/mu, weight_cap) times PPO clip on cur/old (TIS)")
 def _tis(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
     old, mu = _req(x.logp_old, "logp_old", "tis"), _req(x.logp_behav, "logp_behav", "tis")
-    return pl.tis_ppo_loss(x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, **_clip(cfg), **_agg(cfg, x))  # type: ignore[arg-type]
+    return pl.tis_ppo_loss(x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, **_clip(cfg), **_agg(cfg, x))
 
 
 def _moves_with_source(cfg: PolicyChannelConfig) -> bool:
@@ -226,7 +239,7 @@ def _icepop(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
     old, mu = _req(x.logp_old, "logp_old", "icepop"), _req(x.logp_behav, "logp_behav", "icepop")
     return pl.icepop_loss(
         x.logp, old, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
-        ratio_source=cfg.mask_source, denominator=cfg.denominator, **_clip(cfg), **_agg(cfg, x),  # type: ignore[arg-type]
+        ratio_source=cfg.mask_source, denominator=cfg.denominator, **_clip(cfg), **_agg(cfg, x),
     )
 
 
@@ -236,7 +249,7 @@ def _copc(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
     return pl.copc_policy_loss(
         x.logp, old, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
         weight_mode=cfg.weight_mode, mask_source=cfg.mask_source, denominator=cfg.denominator,
-        **_clip(cfg), **_agg(cfg, x),  # type: ignore[arg-type]
+        **_clip(cfg), **_agg(cfg, x),
     )
 
 
@@ -245,13 +258,13 @@ def _dis(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
     mu = _req(x.logp_behav, "logp_behav", "dis")
     return pl.dis_loss(
         x.logp, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
-        denominator=cfg.denominator, **_agg(cfg, x),  # type: ignore[arg-type]
+        denominator=cfg.denominator, **_agg(cfg, x),
     )
 
 
 @_objective("pg", needs_old=False, doc="-sg(A) * cur (V-trace: A = pg_advantages, rho^pg inside)")
 def _pg(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
-    return pl.pg_loss(x.logp, x.advantages, x.action_mask, **_agg(cfg, x))  # type: ignore[arg-type]
+    return pl.pg_loss(x.logp, x.advantages, x.action_mask, **_agg(cfg, x))
 
 
 def policy_loss(
