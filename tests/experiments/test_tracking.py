@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from copc.experiments import tracking
-from copc.experiments.tracking import METRICS, Tracker, is_known, read_metrics
+from copc.experiments.tracking import METRICS, Tracker, histogram_record, is_known, read_metrics
 
 
 def test_namespace_is_defined_once_and_documented():
@@ -96,4 +96,11 @@ def test_tensorboard_mirror_and_histogram(tmp_path):
     assert [(e.step, e.value) for e in scalars] == [(0, 1.5), (1, 2.5), (2, 3.5)]
     assert len(events.Histograms(tracking.STALENESS_HIST)) == 3
     line = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert line[tracking.STALENESS_HIST] == [0, 1, 1, 2]
+    assert line[tracking.STALENESS_HIST] == {"counts": [1, 2, 1]}  # values 0, 1, 1, 2
+
+
+def test_histogram_record_forms():
+    assert histogram_record(torch.tensor([3, 0, 3])) == {"counts": [1, 0, 0, 2]}
+    assert histogram_record(torch.tensor([2.0, 1.0])) == {"counts": [0, 1, 1]}
+    assert histogram_record(torch.tensor([-1.0, 0.5, 2.0])) == {"n": 3, "min": -1.0, "max": 2.0, "mean": 0.5}
+    assert histogram_record(torch.tensor([], dtype=torch.int64)) == {"counts": []}

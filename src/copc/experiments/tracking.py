@@ -126,7 +126,7 @@ METRICS: dict[str, str] = {
     STALENESS_SEQ_MAX_MEAN: "mean over trajectories of s_max = n - min_t v_t [versions]",
     STALENESS_SEQ_GEN_MEAN: "mean over trajectories of s_gen = max_t v_t - min_t v_t [versions]",
     STALENESS_SEQ_WAIT_MEAN: "mean over trajectories of s_wait = n - max_t v_t [versions]",
-    STALENESS_HIST: "per-token staleness values (TensorBoard histogram; JSONL keeps the list)",
+    STALENESS_HIST: "per-token staleness (TensorBoard histogram; JSONL keeps {counts: [c_0, c_1, ...]})",
     CRITIC_EXPLAINED_VAR: "1 - Var(G - V) / Var(G) over sampled tokens, pre-update values",
     CRITIC_VALUE_BIAS_GAP: "g_pi = |mean V(s_1) - E_pi[R]| (BRACE eq. 7, self-normalised IS)",
     CRITIC_VALUE_BIAS: "b = E_pi[R] - E_mu[R] (BRACE eq. 7)",
@@ -281,7 +281,7 @@ class Tracker:
         histograms: Mapping[str, torch.Tensor | Sequence[float]] | None = None,
     ) -> dict[str, float]:
         """Write one record for ``step``; returns it. Tensors must be scalars (``.item()`` happens here,
-        never in the losses). Histograms go to TensorBoard; JSONL keeps their values as a list."""
+        never in the losses). Histograms go to TensorBoard; JSONL keeps :func:`histogram_record` of them."""
         if self._file is None:
             raise RuntimeError("Tracker is closed")
         record: dict[str, float] = {}
@@ -292,7 +292,7 @@ class Tracker:
         for name, values in (histograms or {}).items():
             self._check(name)
             tensor = torch.as_tensor(values).detach().flatten().cpu()
-            line[name] = tensor.tolist()
+            line[name] = histogram_record(tensor)
             if self._tb is not None and tensor.numel() > 0:
                 self._tb.add_histogram(name, tensor.double(), int(step))
         self._file.write(json.dumps(line, allow_nan=True) + "\n")
@@ -323,6 +323,24 @@ class Tracker:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def histogram_record(values: torch.Tensor) -> dict[str, object]:
+    """Compact JSONL form of a histogram's values ``[N]``: for small non-negative integers (staleness)
+    the exact counts ``{"counts": [c_0, c_1, ...]}`` (``c_k`` = number of values equal to k); otherwise
+    ``{"n", "min", "max", "mean"}``."""
+    if values.numel() == 0:
+        return {"counts": []}
+    integral = not values.is_floating_point() or bool((values == values.round()).all())
+    if integral and int(values.min()) >= 0 and int(values.max()) < 100_000:
+        return {"counts": torch.bincount(values.long()).tolist()}
+    as_double = values.double()
+    return {
+        "n": int(values.numel()),
+        "min": float(as_double.min()),
+        "max": float(as_double.max()),
+        "mean": float(as_double.mean()),
+    }
 
 
 def _scalar(name: str, value: float | int | bool | torch.Tensor) -> float:
