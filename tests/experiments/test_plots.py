@@ -36,6 +36,7 @@ def test_series_last_record_of_a_step_wins():
 def test_seed_group_and_smooth():
     assert seed_group("/x/ppo_s16_seed0") == "ppo_s16" == seed_group("/y/ppo_s16-seed12")
     assert seed_group("/x/copc") == "copc"
+    assert seed_group("runs/20261129-201500-copc-arith_tool-s8-seed1") == "copc-arith_tool-s8"
     # trailing mean of window 2: [1, (1+3)/2, (3+5)/2]
     assert smooth(np.array([1.0, 3.0, 5.0]), 2).tolist() == [1.0, 2.0, 4.0]
 

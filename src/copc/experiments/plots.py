@@ -8,7 +8,8 @@ Four figures, each a row of panels over training steps:
 - ``critic.png``: ``critic/explained_var``.
 
 Several runs are overlaid, one line each. With ``mean_seeds=True`` runs whose directory names differ
-only by a ``seed<N>`` suffix (``ppo_s16_seed0``, ``ppo_s16_seed1`` ...) are one curve: the mean over
+only by a ``seed<N>`` suffix (``ppo_s16_seed0``, ``ppo_s16_seed1`` ...; a leading time stamp as in
+``20261129-201500-copc-arith_tool-s8-seed0`` is ignored too) are one curve: the mean over
 seeds at the steps every seed logged, with a band from the lowest to the highest seed.
 """
 
@@ -49,6 +50,7 @@ FIGURES: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
 PLOTS_DIR = "plots"
 
 _SEED_RE = re.compile(r"[-_.]?seed[-_]?\d+$")
+_STAMP_RE = re.compile(r"^\d{8}-\d{6}[-_]")  # copc train's default run names start with a time stamp
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,10 @@ def series(records: Sequence[dict[str, float]], name: str) -> tuple[np.ndarray, 
 
 
 def seed_group(run_dir: str | os.PathLike[str]) -> str:
-    """Label shared by seeds of one configuration: the directory name without its ``seed<N>`` suffix."""
+    """Label shared by seeds of one configuration: the directory name without its ``seed<N>`` suffix
+    and without the leading ``YYYYmmdd-HHMMSS-`` stamp of default run names."""
     name = Path(run_dir).resolve().name
-    return _SEED_RE.sub("", name) or name
+    return _STAMP_RE.sub("", _SEED_RE.sub("", name)) or name
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
