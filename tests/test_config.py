@@ -9,6 +9,7 @@ from typing import Literal
 import pytest
 
 from copc.config import ConfigError, ConfigValue, apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
+from copc.types import StopReason
 
 
 @dataclass(frozen=True)
@@ -195,3 +196,17 @@ def test_plain_data_dict_fields_and_entry_overrides(tmp_path):
     with pytest.raises(ConfigError) as err:
         apply_overrides(cfg, ["limit=[1]"])
     assert "does not fit int | str" in _one_line(err)
+
+
+@dataclass(frozen=True)
+class EnumCfg:
+    stop: StopReason = StopReason.EOS
+    """An enum field."""
+
+
+def test_enum_fields():
+    cfg = apply_overrides(EnumCfg(), ["stop=answer"])
+    assert cfg.stop is StopReason.ANSWER and to_dict(cfg) == {"stop": "answer"}
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(EnumCfg(), ["stop=done"])
+    assert "valid choices: 'answer', 'eos'" in _one_line(err)

@@ -84,50 +84,14 @@ def _coerce(value: object, tp: object, where: str) -> object:
     if isinstance(tp, typing.ForwardRef):  # the recursive ConfigValue alias; anything else: unchecked
         tp = ConfigValue if tp.__forward_arg__ == "ConfigValue" else typing.Any
     origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
     if tp is typing.Any or tp is object:
         return value
     if origin is Literal:
-        for choice in args:
-            if value == choice and type(value) is type(choice):
-                return choice
-        choices = ", ".join(repr(c) for c in args)
-        raise ConfigError(f"{where}: {value!r} is not a valid choice; valid choices: {choices}")
+        return _coerce_choice(value, typing.get_args(tp), where)
     if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
-        if value is None and type(None) in args:
-            return None
-        members = [a for a in args if a is not type(None)]
-        if len(members) == 1:  # Optional[X]: X's own message is the precise one
-            return _coerce(value, members[0], where)
-        for member in members:
-            try:
-                return _coerce(value, member, where)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}: {value!r} does not fit {_describe(tp)}")
-    if tp is type(None):
-        if value is None:
-            return None
-        raise ConfigError(f"{where}: expected null, got {value!r}")
-    if origin in (tuple, list):
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise ConfigError(f"{where}: expected a list ({_describe(tp)}), got {value!r}")
-        items = list(value)
-        if origin is list:
-            member = args[0] if args else typing.Any
-            return [_coerce(v, member, f"{where}[{i}]") for i, v in enumerate(items)]
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(items))
-        if args and len(args) != len(items):
-            raise ConfigError(f"{where}: expected {len(args)} items ({_describe(tp)}), got {len(items)}")
-        if not args:
-            return tuple(items)
-        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(items, args, strict=True)))
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping ({_describe(tp)}), got {value!r}")
-        key_tp, val_tp = args if args else (typing.Any, typing.Any)
-        return {_coerce(k, key_tp, where): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+        return _coerce_union(value, tp, where)
+    if origin in (tuple, list, dict):
+        return _coerce_container(value, tp, where)
     if _is_dataclass_type(tp):
         if dataclasses.is_dataclass(value) and isinstance(value, tp):  # type: ignore[arg-type]
             return value
@@ -138,8 +102,62 @@ def _coerce(value: object, tp: object, where: str) -> object:
         try:
             return tp(value)
         except ValueError:
-            choices = ", ".join(repr(m.value) for m in tp)
-            raise ConfigError(f"{where}: {value!r} is not a valid choice; valid choices: {choices}") from None
+            return _coerce_choice(value, tuple(m.value for m in tp), where)
+    return _coerce_scalar(value, tp, where)
+
+
+def _coerce_choice(value: object, choices: tuple[object, ...], where: str) -> object:
+    for choice in choices:
+        if value == choice and type(value) is type(choice):
+            return choice
+    valid = ", ".join(repr(c) for c in choices)
+    raise ConfigError(f"{where}: {value!r} is not a valid choice; valid choices: {valid}")
+
+
+def _coerce_union(value: object, tp: object, where: str) -> object:
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    members = [a for a in args if a is not type(None)]
+    if len(members) == 1:  # Optional[X]: X's own message is the precise one
+        return _coerce(value, members[0], where)
+    for member in members:
+        try:
+            return _coerce(value, member, where)
+        except ConfigError:
+            continue
+    raise ConfigError(f"{where}: {value!r} does not fit {_describe(tp)}")
+
+
+def _coerce_container(value: object, tp: object, where: str) -> object:
+    """``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]`` (from any list) and ``dict[K, V]``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping ({_describe(tp)}), got {value!r}")
+        key_tp, val_tp = args if args else (typing.Any, typing.Any)
+        return {_coerce(k, key_tp, where): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigError(f"{where}: expected a list ({_describe(tp)}), got {value!r}")
+    items = list(value)
+    if origin is list:
+        member = args[0] if args else typing.Any
+        return [_coerce(v, member, f"{where}[{i}]") for i, v in enumerate(items)]
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(items))
+    if not args:
+        return tuple(items)
+    if len(args) != len(items):
+        raise ConfigError(f"{where}: expected {len(args)} items ({_describe(tp)}), got {len(items)}")
+    return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(items, args, strict=True)))
+
+
+def _coerce_scalar(value: object, tp: object, where: str) -> object:
+    """``bool`` (true/false only), ``int`` (not bool), ``float`` (ints and inf/nan strings), ``str``."""
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected null, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
