@@ -11,6 +11,19 @@ from typing import Literal
 
 import torch
 
+__all__ = [
+    "LOSS_AGG_MODES",
+    "LossAgg",
+    "agg_loss",
+    "check_bt",
+    "check_mask",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "zero_where_not",
+]
+
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
