@@ -119,6 +119,11 @@ def test_rotation_keeps_last_k_and_latest(tmp_path):
     save_checkpoint(tmp_path, 5, {"x": torch.tensor([50])}, keep=2)
     loaded = load_latest(tmp_path)
     assert loaded is not None and int(loaded[1]["x"][0]) == 50  # type: ignore[index]
+    # resuming from step 4 and saving step 5 again is fine; saving step 3 after a resume from an
+    # older checkpoint discards the abandoned future (4, 5) so no fallback can jump into it
+    save_checkpoint(tmp_path, 3, {"x": torch.tensor([3])}, keep=2)
+    assert list_checkpoints(tmp_path) == [3]
+    assert load_latest(tmp_path)[0] == 3  # type: ignore[index]
 
 
 def test_load_latest_ignores_partial_and_corrupt(tmp_path):

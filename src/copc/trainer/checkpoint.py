@@ -13,8 +13,9 @@ Protocol of :func:`save_checkpoint` (one writer per run directory):
 1. write every file into a fresh ``.tmp-*`` directory, ``fsync`` each file and the directory;
 2. ``os.replace`` the temp directory to ``step_XXXXXXXX`` (atomic on POSIX), ``fsync`` the parent;
 3. only then replace ``latest`` atomically (temp file, fsync, ``os.replace``);
-4. delete checkpoints older than the last ``keep`` (renamed to a ``.tmp-`` name first, so a deletion
-   cut short never leaves a partial ``step_*`` directory).
+4. delete checkpoints older than the last ``keep``, and any of a step after the one just written (an
+   abandoned timeline after a resume from an older checkpoint); each is renamed to a ``.tmp-`` name
+   first, so a deletion cut short never leaves a partial ``step_*`` directory.
 
 A SIGKILL at any moment leaves either the previous state or the new one. :func:`load_latest` follows
 ``latest`` and verifies the checkpoint's ``meta.json`` (sizes and hashes); if the pointer is missing,
@@ -142,7 +143,7 @@ def save_checkpoint(
     os.replace(tmp, final)
     _fsync_dir(root)
     _write_latest(root, name)
-    _prune(root, keep, protect=name)
+    _prune(root, keep, current=step)
     return final
 
 
@@ -176,12 +177,15 @@ def _write_latest(root: Path, name: str) -> None:
     _fsync_dir(root)
 
 
-def _prune(root: Path, keep: int, protect: str) -> None:
+def _prune(root: Path, keep: int, current: int) -> None:
+    """Keep the ``keep`` newest checkpoints up to ``current``. Checkpoints of steps after ``current``
+    belong to a timeline the run abandoned (it resumed from an older one), so they go too: a later
+    fallback in :func:`load_latest` must never jump back into that discarded future."""
     steps = sorted(list_checkpoints(root.parent), reverse=True)
-    for step in steps[keep:]:
+    past = [s for s in steps if s <= current]
+    doomed_steps = [s for s in steps if s > current] + [s for s in past[keep:] if s != current]
+    for step in doomed_steps:
         path = root / step_dir_name(step)
-        if path.name == protect:
-            continue
         doomed = root / f".tmp-del-{path.name}-{uuid.uuid4().hex[:8]}"
         os.replace(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
