@@ -180,6 +180,10 @@ def test_sigkill_at_random_times_never_leaves_a_loadable_partial_checkpoint(tmp_
     load_latest). The writer is forked from this process (torch already imported, one thread), so
     each round costs the random delay, not an interpreter start."""
     ctx = multiprocessing.get_context("fork")
+    # warm up in this process first: every lazy import save/load needs happens before any fork, so a
+    # forked child never needs the import lock another thread might hold
+    save_checkpoint(tmp_path / "warmup", 0, {"weights": torch.zeros(2)})
+    assert load_latest(tmp_path / "warmup") is not None
     run_dir = tmp_path / "run"
     rng = random.Random(1234)
     last_step = -1
