@@ -40,7 +40,7 @@ def test_sweep_cli_writes_json_and_heatmaps(tmp_path, capsys):
     # MSE = ||bias||² + tr Cov / N, stored consistently (the JSON keeps 6 significant digits: rel 1e-5)
     assert cell["mse"] == pytest.approx(cell["bias_norm"] ** 2 + cell["var_trace"] / cell["batch_size"], rel=1e-5)
     assert cell["var_trace"] == pytest.approx(cell["var_amp"] + cell["var_tok"], rel=1e-5)
-    assert {"8", "64", "512"} <= set(data["analysis"])
+    assert {"relative_mse@N=8", "relative_mse@N=64", "relative_mse@N=512", "one_minus_cosine"} <= set(data["analysis"])
     assert "cells in" in capsys.readouterr().out
 
 
@@ -72,13 +72,18 @@ def test_coupling_analysis_detects_a_sign_reversal():
     for band, clip, bias in [(1.5, 0.0, 1.0), (1.5, "inf", 0.5**0.5), ("inf", 0.0, 1.0), ("inf", "inf", 2**0.5)]:
         cells.append(
             {"family": "dense", "staleness": 1, "mask_band": band, "adv_clip": clip, "g_star_norm": 1.0,
-             "bias_norm": bias, "var_trace": 0.0, "cosine": 1.0, "kl": 0.1}
+             "bias_norm": bias, "var_trace": 1e-30, "var_amp": 0.0, "cosine": 1.0, "kl": 0.1,
+             "state_norm": 0.0, "policy_norm": 0.0, "advantage_norm": 0.0, "cross_norm": 0.0}
         )
     (res,) = coupling_analysis(cells, cfg, batch=16)
     assert res["best_clip_depends_on_band"] is True
     assert res["best_adv_clip_by_band"] == {"1.5": "inf", "inf": 0.0}
     (rev,) = res["sign_reversals"]
-    assert rev["helps_under_bands"] == [1.5] and rev["hurts_under_bands"] == ["inf"]
+    assert rev["helps_under"] == [1.5] and rev["hurts_under"] == ["inf"]
+    # f = [[1, .5], [1, 2]], grand mean 1.125, row means (.75, 1.5), column means (1, 1.25): additive
+    # fit [[.625, .875], [1.375, 1.625]], residual ±0.375 everywhere: 4·0.140625 / sum((f - 1.125)²)
+    # = 0.5625 / 1.1875.
+    assert res["interaction_share"] == pytest.approx(0.5625 / 1.1875, rel=1e-12)
 
 
 def test_explain_prints_the_decomposition(capsys):

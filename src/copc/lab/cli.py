@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = SweepConfig()
     sw = sub.add_parser("sweep", help="exact bias/variance/MSE over a (mask band x advantage clip) grid")
     sw.add_argument("--out", type=Path, default=Path("docs/figures"), help="folder for lab_*.png and lab_sweep.json")
+    sw.add_argument("--tag", default="", help="name files lab_<tag>_<metric>.png and lab_sweep_<tag>.json")
     sw.add_argument("--families", type=_strs, default=d.families, help="comma list of " + ",".join(REWARD_FAMILIES))
     sw.add_argument("--seeds", type=_ints, default=d.seeds)
     sw.add_argument("--staleness", type=_ints, default=d.staleness, help="gradient steps between mu and pi")
@@ -158,10 +159,12 @@ def _sweep(args: argparse.Namespace) -> int:
         critic_draws=args.critic_draws,
     )
     start = time.perf_counter()
-    result = run_sweep(cfg, args.out)
-    print(f"copc lab sweep: {len(result['cells'])} cells in {time.perf_counter() - start:.1f} s")  # type: ignore[arg-type]
-    print(f"  {args.out / 'lab_sweep.json'}")
-    for path in result["figures"]:  # type: ignore[attr-defined]
+    result = run_sweep(cfg, args.out, tag=args.tag)
+    cells = result["cells"]
+    figures = result["figures"]
+    assert isinstance(cells, list) and isinstance(figures, list)
+    print(f"copc lab sweep: {len(cells)} cells in {time.perf_counter() - start:.1f} s")
+    for path in [result["json"], *figures]:
         print(f"  {path}")
     return 0
 

@@ -26,6 +26,12 @@ def _label(x: float) -> str:
     return "∞" if math.isinf(x) else f"{x:g}"
 
 
+def _critic_label(cfg: SweepConfig) -> str:
+    if cfg.critic_noise == 0:
+        return "V^mu (exact)"
+    return f"V^mu + N(0, {cfg.critic_noise:g}²) ({cfg.critic_draws} draws)"
+
+
 def _mean_kl(cells: list[dict[str, float | str | int]], family: str, s: int) -> float:
     kls = [float(c["kl"]) for c in cells if c["family"] == family and c["staleness"] == s]
     return sum(kls) / max(len(kls), 1)
@@ -48,7 +54,9 @@ def _panel(ax: Axes, grid: torch.Tensor, cfg: SweepConfig, metric: str) -> AxesI
     return image
 
 
-def draw_heatmaps(cells: list[dict[str, float | str | int]], cfg: SweepConfig, out_dir: Path) -> list[Path]:
+def draw_heatmaps(
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, out_dir: Path, *, tag: str = ""
+) -> list[Path]:
     """One PNG per metric: rows = reward families, columns = staleness; x = eps_A, y = band c."""
     import matplotlib
 
@@ -72,11 +80,11 @@ def draw_heatmaps(cells: list[dict[str, float | str | int]], cfg: SweepConfig, o
                     ax.set_xlabel("advantage clip ε_A: [1−ε_A, 1+ε_A]", fontsize=7)
         fig.suptitle(
             f"{TITLES[metric]}\nH={cfg.horizon}, K={cfg.vocab}, N={cfg.batch_size}, seeds {list(cfg.seeds)}; "
-            "masked_is x clipped_td, critic V^mu",
+            f"masked_is x clipped_td(λ={cfg.lam:g}), critic {_critic_label(cfg)}",
             fontsize=9,
         )
         fig.tight_layout()
-        path = out_dir / f"lab_{metric}.png"
+        path = out_dir / (f"lab_{tag}_{metric}.png" if tag else f"lab_{metric}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

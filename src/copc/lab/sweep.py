@@ -154,50 +154,100 @@ def mean_grid(
     return grid / count.clamp(min=1)
 
 
-def coupling_analysis(
-    cells: list[dict[str, float | str | int]], cfg: SweepConfig, batch: int
-) -> list[dict[str, object]]:
-    """Best eps_A per band and sign reversals of the eps_A effect across bands (relative MSE)."""
-    out: list[dict[str, object]] = []
-    for family in cfg.families:
-        for s in cfg.staleness:
-            grid = mean_grid(cells, cfg, family, s, "relative_mse", batch)
-            best = [cfg.adv_clips[int(j)] for j in grid.argmin(dim=1)]
-            reversals = []
-            for j in range(len(cfg.adv_clips) - 1):
-                delta = (grid[:, j + 1] - grid[:, j]) / grid[:, j]
-                up = [cfg.mask_bands[i] for i in range(len(delta)) if delta[i] > REVERSAL_TOL]
-                down = [cfg.mask_bands[i] for i in range(len(delta)) if delta[i] < -REVERSAL_TOL]
-                if up and down:
-                    reversals.append(
-                        {
-                            "adv_clip_from": _json_float(cfg.adv_clips[j]),
-                            "adv_clip_to": _json_float(cfg.adv_clips[j + 1]),
-                            "helps_under_bands": [_json_float(c) for c in down],
-                            "hurts_under_bands": [_json_float(c) for c in up],
-                        }
-                    )
-            out.append(
+def _reversals(grid: torch.Tensor, rows: tuple[float, ...], cols: tuple[float, ...]) -> list[dict[str, object]]:
+    """Adjacent column steps that lower ``grid`` in some rows and raise it in others (> REVERSAL_TOL)."""
+    found: list[dict[str, object]] = []
+    for j in range(len(cols) - 1):
+        delta = (grid[:, j + 1] - grid[:, j]) / grid[:, j]
+        up = [_json_float(rows[i]) for i in range(len(rows)) if delta[i] > REVERSAL_TOL]
+        down = [_json_float(rows[i]) for i in range(len(rows)) if delta[i] < -REVERSAL_TOL]
+        if up and down:
+            found.append(
                 {
-                    "family": family,
-                    "staleness": s,
-                    "batch_size": batch,
-                    "best_adv_clip_by_band": {str(_json_float(c)): _json_float(e) for c, e in zip(cfg.mask_bands, best, strict=True)},
-                    "best_clip_depends_on_band": len(set(best)) > 1,
-                    "sign_reversals": reversals,
-                    "best_cell": _best_cell(grid, cfg),
+                    "from": _json_float(cols[j]),
+                    "to": _json_float(cols[j + 1]),
+                    "helps_under": down,
+                    "hurts_under": up,
+                    "largest_relative_change": [float(delta.min()), float(delta.max())],
                 }
             )
+    return found
+
+
+def interaction_share(grid: torch.Tensor) -> float:
+    """Share of the grid's variation that an additive model ``a_i + b_j`` cannot explain.
+
+    ``||f - (row mean + column mean - grand mean)||² / ||f - grand mean||²``: 0 when the two knobs act
+    separately (the best clip is then the same under every band), 1 when only their interaction matters.
+    """
+    centred = grid - grid.mean()
+    additive = grid.mean(dim=1, keepdim=True) + grid.mean(dim=0, keepdim=True) - grid.mean()
+    total = float(centred.pow(2).sum())
+    return float((grid - additive).pow(2).sum()) / total if total > 0 else 0.0
+
+
+def _term_shares(cells: list[dict[str, float | str | int]], family: str, s: int) -> dict[str, float]:
+    """Grid-and-seed means of the bias terms relative to ||g*|| and of the squared-weight variance share."""
+    chosen = [c for c in cells if c["family"] == family and c["staleness"] == s]
+    out: dict[str, float] = {}
+    for key in ("state_norm", "policy_norm", "advantage_norm", "cross_norm", "bias_norm"):
+        out[f"mean_{key}_over_g"] = sum(_as_float(c[key]) / _as_float(c["g_star_norm"]) for c in chosen) / len(chosen)
+    out["mean_var_amp_share"] = sum(_as_float(c["var_amp"]) / _as_float(c["var_trace"]) for c in chosen) / len(chosen)
     return out
 
 
-def _best_cell(grid: torch.Tensor, cfg: SweepConfig) -> dict[str, float | str]:
+def loss_grid(
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: int, criterion: str, batch: int
+) -> torch.Tensor:
+    """Lower-is-better ``[bands, clips]`` grid: ``relative_mse`` at ``batch``, or ``1 - cosine``."""
+    if criterion == "relative_mse":
+        return mean_grid(cells, cfg, family, staleness, "relative_mse", batch)
+    if criterion == "one_minus_cosine":
+        return 1.0 - mean_grid(cells, cfg, family, staleness, "cosine", batch)
+    raise ValueError(f"unknown criterion {criterion!r}; valid: relative_mse, one_minus_cosine")
+
+
+def coupling_analysis(
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, batch: int, criterion: str = "relative_mse"
+) -> list[dict[str, object]]:
+    """Per family and staleness (seed means of ``criterion``, lower is better): best eps_A per band,
+    sign reversals of the eps_A effect across bands and of the band effect across clips, the
+    interaction share of the surface, and the average bias/variance split."""
+    out: list[dict[str, object]] = []
+    for family in cfg.families:
+        for s in cfg.staleness:
+            grid = loss_grid(cells, cfg, family, s, criterion, batch)
+            best = [cfg.adv_clips[int(j)] for j in grid.argmin(dim=1)]
+            best_band = [cfg.mask_bands[int(i)] for i in grid.argmin(dim=0)]
+            entry: dict[str, object] = {
+                "family": family,
+                "staleness": s,
+                "criterion": criterion,
+                "batch_size": batch,
+                "best_adv_clip_by_band": {
+                    str(_json_float(c)): _json_float(e) for c, e in zip(cfg.mask_bands, best, strict=True)
+                },
+                "best_clip_depends_on_band": len(set(best)) > 1,
+                "best_band_by_adv_clip": {
+                    str(_json_float(e)): _json_float(c) for e, c in zip(cfg.adv_clips, best_band, strict=True)
+                },
+                "sign_reversals": _reversals(grid, cfg.mask_bands, cfg.adv_clips),
+                "band_sign_reversals": _reversals(grid.T.contiguous(), cfg.adv_clips, cfg.mask_bands),
+                "interaction_share": interaction_share(grid),
+                "best_cell": _best_cell(grid, cfg, criterion),
+            }
+            entry.update(_term_shares(cells, family, s))
+            out.append(entry)
+    return out
+
+
+def _best_cell(grid: torch.Tensor, cfg: SweepConfig, criterion: str) -> dict[str, float | str]:
     flat = int(grid.argmin())
     i, j = divmod(flat, grid.shape[1])
     return {
         "mask_band": _json_float(cfg.mask_bands[i]),
         "adv_clip": _json_float(cfg.adv_clips[j]),
-        "relative_mse": float(grid[i, j]),
+        criterion: float(grid[i, j]),
     }
 
 
@@ -212,8 +262,11 @@ def _rounded(x: object) -> object:
     return x
 
 
-def run_sweep(cfg: SweepConfig, out_dir: Path, *, analysis_batches: tuple[int, ...] = (8, 64, 512)) -> dict[str, object]:
-    """Run the grid, write ``lab_sweep.json`` and the heatmaps into ``out_dir``; return the JSON dict."""
+def run_sweep(
+    cfg: SweepConfig, out_dir: Path, *, tag: str = "", analysis_batches: tuple[int, ...] = (8, 64, 512)
+) -> dict[str, object]:
+    """Run the grid, write ``lab_sweep[_tag].json`` and the heatmaps ``lab_[tag_]<metric>.png`` into
+    ``out_dir``; return the JSON dict (plus the figure paths)."""
     from copc.lab.plots import draw_heatmaps
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -225,8 +278,12 @@ def run_sweep(cfg: SweepConfig, out_dir: Path, *, analysis_batches: tuple[int, .
         "config": config,
         "seconds": elapsed,
         "cells": cells,
-        "analysis": {str(n): coupling_analysis(cells, cfg, n) for n in sorted({*analysis_batches, cfg.batch_size})},
+        "analysis": {
+            **{f"relative_mse@N={n}": coupling_analysis(cells, cfg, n) for n in sorted({*analysis_batches, cfg.batch_size})},
+            "one_minus_cosine": coupling_analysis(cells, cfg, cfg.batch_size, "one_minus_cosine"),
+        },
     }
-    (out_dir / "lab_sweep.json").write_text(json.dumps(_rounded(result)))
-    result["figures"] = [str(p) for p in draw_heatmaps(cells, cfg, out_dir)]
+    result["json"] = str(out_dir / (f"lab_sweep_{tag}.json" if tag else "lab_sweep.json"))
+    Path(str(result["json"])).write_text(json.dumps(_rounded(result)))
+    result["figures"] = [str(p) for p in draw_heatmaps(cells, cfg, out_dir, tag=tag)]
     return result
