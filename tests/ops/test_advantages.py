@@ -403,3 +403,26 @@ def test_input_errors_name_the_argument() -> None:
     with pytest.warns(UserWarning, match="c_t can exceed"):
         clipped_td(x, x, x, m, gamma=1.0, lam_critic=1.0, lam_actor=1.0, low=0.8, high=1.2, trace="vtrace",
                    trace_low=0.5, trace_high=1.5)
+
+
+@pytest.mark.parametrize("seed", [10, 11])
+def test_trace_estimators_match_reference_across_scan_blocks(seed: int) -> None:
+    # T = 200 > 3 blocks of the blocked scans (64): carries between blocks must be exact. Zero traces
+    # (log w = -20 -> c = lam * min(c_bar, 2e-9) ~ 0) must cut the sum.
+    d = ragged_batch(3, 200, seed)
+    d["log_rho"][:, ::37] = -20.0
+    kw = {"gamma": 0.995, "lam": 0.97, "rho_bar": 1.2, "c_bar": 1.1}
+    vt = vtrace(d["rewards"], d["values"], d["log_rho"], d["action_mask"], pg_rho_bar=1.0, bootstrap_value=d["boot"], **kw)
+    br = brace(d["rewards"], d["values"], d["log_rho"], d["action_mask"], k=500, bootstrap_value=d["boot"], **kw)
+    ct = clipped_td(d["rewards"], d["values"], d["log_rho"], d["action_mask"], gamma=0.995, lam_critic=0.97,
+                    lam_actor=0.9, low=0.8, high=1.2, trace="vtrace", trace_low=0.5, trace_high=1.1)
+    for b in range(3):
+        row = (d["rewards"][b].tolist(), d["values"][b].tolist(), d["log_rho"][b].tolist(), d["action_mask"][b].tolist())
+        for got, exp in zip(vt, vtrace_row(*row, pg_rho_bar=1.0, boot=float(d["boot"][b]), **kw), strict=True):
+            torch.testing.assert_close(got[b], torch.tensor(exp, dtype=torch.float32), **TOL)
+        for got, exp in zip(br, brace_row(*row, k=500, boot=float(d["boot"][b]), **kw), strict=True):
+            torch.testing.assert_close(got[b], torch.tensor(exp, dtype=torch.float32), **TOL)
+        want = clipped_td_row(*row, gamma=0.995, lam_critic=0.97, lam_actor=0.9, low=0.8, high=1.2, trace="vtrace",
+                              trace_low=0.5, trace_high=1.1)
+        for got, exp in zip(ct, want, strict=True):
+            torch.testing.assert_close(got[b], torch.tensor(exp, dtype=torch.float32), **TOL)
