@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from copc.rewards.math import SLEEP_HOOK_PREFIX, MathVerifier, RewardResult, extract_answer, numeric_equal
 
 TIMEOUT_S = 2.0
-# Killing and replacing the worker happens after the timeout; the reply itself is immediate, so half a
+# Killing the worker and launching its replacement (not waiting for it) happen after the timeout; one
 # second covers scheduling noise on a loaded 2-vCPU machine.
-SLACK_S = 0.5
+SLACK_S = 1.0
 
 
 @pytest.mark.parametrize(
@@ -37,6 +41,41 @@ SLACK_S = 0.5
 )
 def test_extract_answer(text: str, expected: str | None) -> None:
     assert extract_answer(text) == expected
+
+
+def _boxed_oracle(text: str) -> list[str]:
+    """Slow reference: from every box opening, scan forward counting braces until they balance."""
+    contents = []
+    for i in range(len(text)):
+        for prefix in ("\\boxed{", "\\fbox{"):
+            if text.startswith(prefix, i):
+                depth, start = 1, i + len(prefix)
+                for j in range(start, len(text)):
+                    depth += {"{": 1, "}": -1}.get(text[j], 0)
+                    if depth == 0:
+                        contents.append((j, text[start:j]))
+                        break
+    return [c for _, c in sorted(contents)]
+
+
+def test_boxed_extraction_matches_slow_oracle_on_random_strings() -> None:
+    import random
+
+    from copc.rewards.math import _boxed_spans
+
+    rng = random.Random(0)
+    pieces = ["\\boxed{", "\\fbox{", "{", "}", "x", "1", " ", "\\frac"]
+    for _ in range(500):
+        text = "".join(rng.choices(pieces, k=rng.randint(0, 20)))
+        assert [c for _, c in _boxed_spans(text)] == _boxed_oracle(text), text
+
+
+def test_extraction_is_linear_on_degenerate_responses() -> None:
+    """20k unclosed boxes and answer tags: a quadratic scan would take minutes, this takes milliseconds."""
+    text = "\\boxed{" * 20_000 + "<answer>" * 20_000 + "\\boxed{7}"
+    start = time.monotonic()
+    assert extract_answer(text) == "7"
+    assert time.monotonic() - start < 2.0  # generous for a loaded machine; measured ~0.02 s
 
 
 @pytest.mark.parametrize(
@@ -63,8 +102,18 @@ def test_numeric_equal(pred: str | None, gold: str, equal: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def verifier() -> MathVerifier:
+def verifier() -> Iterator[MathVerifier]:
+    """Short timeout: for the timeout tests."""
     with MathVerifier(timeout_s=TIMEOUT_S, allow_test_hooks=True) as v:
+        v.start()  # the timed calls below measure checking, not the worker's start-up
+        yield v
+
+
+@pytest.fixture(scope="module")
+def patient_verifier() -> Iterator[MathVerifier]:
+    """Long timeout for the golden cases: sympy's simplify takes ~1 s on (x+1)^2 on a loaded machine,
+    and a golden case must not turn into "timeout" because other jobs share the CPU."""
+    with MathVerifier(timeout_s=60.0) as v:
         yield v
 
 
@@ -82,8 +131,10 @@ def verifier() -> MathVerifier:
         ("I think it is 42", "42", RewardResult(0.0, "no_answer", None)),
     ],
 )
-def test_math_verifier_golden(verifier: MathVerifier, response: str, gold: str, expected: RewardResult) -> None:
-    assert verifier.score(response, gold) == expected
+def test_math_verifier_golden(
+    patient_verifier: MathVerifier, response: str, gold: str, expected: RewardResult
+) -> None:
+    assert patient_verifier.score(response, gold) == expected
 
 
 def test_pathological_answer_times_out_and_worker_is_replaced(verifier: MathVerifier) -> None:
@@ -94,6 +145,27 @@ def test_pathological_answer_times_out_and_worker_is_replaced(verifier: MathVeri
     assert result == RewardResult(0.0, "timeout", "9^{9^{9^{9}}}")
     assert elapsed < TIMEOUT_S + SLACK_S, elapsed
     assert verifier.score(r"\boxed{7}", "7").reason == "correct"  # a fresh worker answers
+
+
+def test_worker_killed_from_outside_is_replaced(patient_verifier: MathVerifier) -> None:
+    assert patient_verifier.score(r"\boxed{1}", "1").reward == 1.0
+    assert patient_verifier._proc is not None
+    patient_verifier._proc.kill()  # e.g. the OOM killer
+    patient_verifier._proc.wait()
+    assert patient_verifier.score(r"\boxed{2}", "2").reward == 1.0
+
+
+def test_script_without_main_guard_can_use_the_verifier(tmp_path: Path) -> None:
+    """multiprocessing's spawn would re-run this script in the worker and fail; a plain subprocess does not."""
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        "from copc.rewards.math import MathVerifier\n"
+        "v = MathVerifier(timeout_s=60)\n"
+        "print(v.score('\\\\boxed{4}', '4').reason)\n"
+        "v.close()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "correct\n", done.stderr[-2000:]
 
 
 def test_sleep_hook_times_out_deterministically(verifier: MathVerifier) -> None:
@@ -111,11 +183,11 @@ def test_sleep_hook_is_ignored_unless_allowed() -> None:
         assert plain.score(r"\boxed{1}", f"{SLEEP_HOOK_PREFIX}30").reason == "wrong"
 
 
-def test_concurrent_callers_get_their_own_answers(verifier: MathVerifier) -> None:
+def test_concurrent_callers_get_their_own_answers(patient_verifier: MathVerifier) -> None:
     results: dict[int, RewardResult] = {}
 
     def work(i: int) -> None:
-        results[i] = verifier.score(rf"\boxed{{{i}}}", str(i if i % 2 else i + 1))
+        results[i] = patient_verifier.score(rf"\boxed{{{i}}}", str(i if i % 2 else i + 1))
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
     for thread in threads:

@@ -57,6 +57,8 @@ def test_empty_gold_list_is_an_error_with_a_fix() -> None:
         ("<answer>unclosed", None),
         ("no tags", None),
         ("<answer>multi\nline</answer>", "multi\nline"),
+        ("<answer>a<answer>b</answer>", "b"),  # the nearest opening tag before the last closing one
+        ("</answer><answer>x", None),
     ],
 )
 def test_extract_answer_tag(text: str, answer: str | None) -> None:

@@ -6,27 +6,32 @@ else 0.0. No format bonus (spec ``tasks.md``: binary correctness).
 
 sympy can hang on degenerate answers (``9^{9^{9^{9}}}`` never finishes). math-verify's own timeout uses
 ``signal.alarm``, which breaks under threads, asyncio and Ray (STYLE.md, point 11), so it is switched
-off and the check runs in a persistent worker *process* instead: the caller waits on a pipe with a
-timeout and, when it passes, kills the worker and starts a fresh one.
+off and the check runs in a persistent worker *process* instead (a fresh interpreter, never a fork of
+the trainer): the caller waits on a socket pair with a timeout and, when it passes, kills the worker
+and starts a fresh one.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import os
 import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from fractions import Fraction
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
+from copc.rewards.qa import answer_tag_span
+
 RewardReason = Literal["correct", "wrong", "no_answer", "timeout", "error"]
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
 # Test hook: a gold answer equal to this makes the worker sleep (only when the verifier allows it),
 # so the timeout path can be tested without relying on sympy's speed.
 SLEEP_HOOK_PREFIX = "__copc_test_sleep__:"
@@ -44,16 +49,25 @@ class RewardResult:
 
 
 def _boxed_spans(text: str) -> list[tuple[int, str]]:
-    """(end position, content) of every ``\\boxed{...}`` with balanced braces; unclosed ones are skipped."""
+    """(end position, content) of every ``\\boxed{...}`` with balanced braces; unclosed ones are skipped.
+
+    One left-to-right pass over braces with a stack of open boxes (linear time: a degenerate response
+    with thousands of unclosed boxes must not cost a quadratic scan).
+    """
     spans: list[tuple[int, str]] = []
-    for match in _BOXED.finditer(text):
-        depth, start = 1, match.end()
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                spans.append((i + 1, text[start:i]))
-                break
-    return spans
+    open_boxes: list[tuple[int, int]] = []  # (brace depth outside the box, content start)
+    depth = 0
+    for token in _BRACE_TOKENS.finditer(text):
+        if token.group() == "}":
+            depth -= 1
+            if open_boxes and open_boxes[-1][0] == depth:
+                _, start = open_boxes.pop()
+                spans.append((token.end(), text[start : token.start()]))
+        else:
+            if token.group() != "{":
+                open_boxes.append((depth, token.end()))
+            depth += 1
+    return spans  # in order of their closing brace
 
 
 def extract_answer(text: str) -> str | None:
@@ -64,10 +78,10 @@ def extract_answer(text: str) -> str | None:
     Returns None when there is no complete answer or it is empty.
     """
     candidates = _boxed_spans(text)
-    for match in _ANSWER_TAG.finditer(text):
-        inner = match.group(1)
-        boxed = _boxed_spans(inner)
-        candidates.append((match.end(), boxed[-1][1] if boxed else inner))
+    tag = answer_tag_span(text)
+    if tag is not None:
+        boxed = _boxed_spans(tag[1])
+        candidates.append((tag[0], boxed[-1][1] if boxed else tag[1]))
     if not candidates:
         return None
     answer = max(candidates, key=lambda c: c[0])[1].strip()
@@ -106,13 +120,17 @@ def _as_boxed(answer: str) -> str:
     return answer if "\\boxed" in answer or "$" in answer else f"\\boxed{{{answer}}}"
 
 
-def _worker_main(conn: Connection, allow_test_hooks: bool) -> None:
-    """Worker loop: receive (pred, gold), reply ("ok", bool) or ("error", message). Runs until EOF."""
+def _worker_main(fd: int, allow_test_hooks: bool) -> None:
+    """Worker loop on socket ``fd``: receive (pred, gold), reply ("ok", bool) or ("error", message).
+
+    Runs until the caller closes its end (EOF), so a worker never outlives its :class:`MathVerifier`.
+    """
     import logging
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     from math_verify import parse, verify
 
+    conn = Connection(fd)
     conn.send(("ready", True))
     while True:
         try:
@@ -134,7 +152,7 @@ def _worker_main(conn: Connection, allow_test_hooks: bool) -> None:
 class MathVerifier:
     """Scores responses against gold answers with math-verify in a killable worker process.
 
-    One persistent worker (started lazily, ``spawn`` context so the trainer is never forked) serves the
+    One persistent worker (started lazily, a fresh interpreter: the trainer is never forked) serves the
     calls one at a time; concurrent callers queue on a lock. A check that runs past ``timeout_s`` gets
     reward 0 with reason ``"timeout"``; the worker is killed and the next call starts a fresh one.
     Picklable (only the settings travel; each copy starts its own worker).
@@ -149,8 +167,9 @@ class MathVerifier:
         self.start_timeout_s = start_timeout_s
         self.allow_test_hooks = allow_test_hooks
         self._lock = threading.Lock()
-        self._proc: BaseProcess | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
+        self._ready = False
         #: How many workers were killed after a timeout (for metrics).
         self.num_timeouts = 0
 
@@ -172,10 +191,16 @@ class MathVerifier:
             return RewardResult(0.0, "no_answer", None)
         with self._lock:
             conn = self._ensure_worker()
-            conn.send((extracted, gold))
+            try:
+                conn.send((extracted, gold))
+            except OSError:  # the worker died since the last call: start a fresh one, once
+                self._stop_worker()
+                conn = self._ensure_worker()
+                conn.send((extracted, gold))
             if not conn.poll(self.timeout_s):
                 self.num_timeouts += 1
                 self._stop_worker()
+                self._spawn_worker()  # the replacement warms up while the caller goes on
                 return RewardResult(0.0, "timeout", extracted)
             try:
                 kind, value = conn.recv()
@@ -186,36 +211,62 @@ class MathVerifier:
             return RewardResult(0.0, "error", extracted)
         return RewardResult(1.0, "correct", extracted) if value else RewardResult(0.0, "wrong", extracted)
 
-    def _ensure_worker(self) -> Connection:
-        if self._proc is not None and self._conn is not None and self._proc.is_alive():
-            return self._conn
-        self._stop_worker()
-        ctx = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=_worker_main, args=(child_conn, self.allow_test_hooks), daemon=True)
-        proc.start()
-        child_conn.close()
-        self._proc, self._conn = proc, parent_conn
+    def start(self) -> None:
+        """Start the worker now and wait until it is ready (otherwise the first ``score`` does it)."""
+        with self._lock:
+            self._ensure_worker()
+
+    def _spawn_worker(self) -> None:
+        """Launch a worker without waiting for it (it imports sympy for ~1-2 s meanwhile)."""
+        parent_sock, child_sock = socket.socketpair()
+        # A fresh interpreter via subprocess rather than multiprocessing's spawn: spawn re-runs the
+        # caller's __main__ (a script without `if __name__ == "__main__":` would fail); this does not.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+        command = [
+            sys.executable,
+            "-c",
+            "import sys; from copc.rewards.math import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2] == '1')",
+            str(child_sock.fileno()),
+            "1" if self.allow_test_hooks else "0",
+        ]
         try:
-            if not parent_conn.poll(self.start_timeout_s):
-                raise TimeoutError(f"no reply within {self.start_timeout_s}s")
-            parent_conn.recv()
-        except (TimeoutError, EOFError, OSError) as exc:
+            self._proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, pass_fds=(child_sock.fileno(),), env=env, start_new_session=True
+            )
+        finally:
+            child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+        self._ready = False
+
+    def _ensure_worker(self) -> Connection:
+        """A live, ready worker's connection: the current one, or a fresh one (waits for its start)."""
+        if self._proc is None or self._conn is None or self._proc.poll() is not None:
             self._stop_worker()
-            raise RuntimeError(
-                f"MathVerifier: the math-verify worker did not start ({exc}); check that math-verify "
-                "imports (`python -c 'import math_verify'`) or raise start_timeout_s"
-            ) from exc
-        return parent_conn
+            self._spawn_worker()
+        assert self._conn is not None
+        if not self._ready:
+            try:
+                if not self._conn.poll(self.start_timeout_s):
+                    raise TimeoutError(f"no reply within {self.start_timeout_s}s")
+                self._conn.recv()
+            except (TimeoutError, EOFError, OSError) as exc:
+                self._stop_worker()
+                raise RuntimeError(
+                    f"MathVerifier: the math-verify worker did not start ({exc}); check that math-verify "
+                    "imports (`python -c 'import math_verify'`) or raise start_timeout_s"
+                ) from exc
+            self._ready = True
+        return self._conn
 
     def _stop_worker(self) -> None:
         if self._conn is not None:
             self._conn.close()
         if self._proc is not None:
-            if self._proc.is_alive():
+            if self._proc.poll() is None:
                 self._proc.kill()
-            self._proc.join(timeout=5)
-        self._proc, self._conn = None, None
+            self._proc.wait()
+        self._proc, self._conn, self._ready = None, None, False
 
     def close(self) -> None:
         """Stop the worker (a later ``score`` starts a new one)."""
@@ -232,5 +283,5 @@ class MathVerifier:
 
     def __del__(self) -> None:
         proc = getattr(self, "_proc", None)
-        if proc is not None and proc.is_alive():
+        if proc is not None and proc.poll() is None:
             proc.kill()

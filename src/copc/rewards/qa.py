@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def normalize_answer(text: str) -> str:
@@ -67,7 +66,22 @@ def f1(pred: str | None, golds: str | Sequence[str]) -> float:
     return max(_f1_one(pred_tokens, normalize_answer(gold).split()) for gold in gold_list)
 
 
+def answer_tag_span(text: str) -> tuple[int, str] | None:
+    """(end position, raw content) of the last complete ``<answer>...</answer>``; None when there is none.
+
+    Searched from the right (linear time): the last ``</answer>`` and the nearest ``<answer>`` before it,
+    so ``"<answer>a<answer>b</answer>"`` gives ``"b"``.
+    """
+    close = text.rfind("</answer>")
+    if close < 0:
+        return None
+    start = text.rfind("<answer>", 0, close)
+    if start < 0:
+        return None
+    return close + len("</answer>"), text[start + len("<answer>") : close]
+
+
 def extract_answer_tag(text: str) -> str | None:
     """Content of the last complete ``<answer>...</answer>`` span, stripped; None when there is none."""
-    matches = _ANSWER_TAG.findall(text)
-    return matches[-1].strip() if matches else None
+    span = answer_tag_span(text)
+    return span[1].strip() if span is not None else None
