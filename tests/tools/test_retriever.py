@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import random
 import re
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,13 @@ def test_bad_rows_name_the_row_and_the_fix(tmp_path: Path) -> None:
         BM25Retriever.from_rows([])
     with pytest.raises(FileNotFoundError, match="not a saved retriever"):
         BM25Retriever.load(tmp_path)
+
+
+def test_pickle_and_concurrent_searches() -> None:
+    rows = [{"id": f"d{i}", "contents": f"alpha{i % 13} beta{i % 5} gamma{i}"} for i in range(500)]
+    retriever = pickle.loads(pickle.dumps(BM25Retriever.from_rows(rows)))
+    queries = [f"alpha{i % 13} gamma{i}" for i in range(40)]
+    expected = [retriever.search(q, 3) for q in queries]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda q: retriever.search(q, 3), queries))
+    assert got == expected and all(hits[0].id == f"d{i}" for i, hits in enumerate(got))

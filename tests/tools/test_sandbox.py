@@ -352,6 +352,27 @@ def test_format_observation_keeps_head_and_tail() -> None:
     assert format_observation(short) == "4"
 
 
+def test_cpu_limit_follows_the_timeout_by_default() -> None:
+    assert SandboxConfig(timeout_s=2.5).cpu_limit_s == 3 and SandboxConfig(timeout_s=2.5, cpu_s=1).cpu_limit_s == 1
+
+
+def test_undecodable_code_is_a_tool_error_not_an_exception(sandbox: PythonSandbox) -> None:
+    result = sandbox.run("print('a\udcff')\n")  # a lone surrogate, as broken generated text can hold
+    assert result.exit_code == 0 and result.stdout == "a?\n"  # the encoder's replacement character
+
+
+def test_machine_failure_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    sandbox = PythonSandbox(CONFIG)
+
+    def no_more_processes(*args: object, **kwargs: object) -> None:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "Popen", no_more_processes)
+    result = sandbox.run("print(1)")
+    assert result.exit_code is None and result.error is not None
+    assert result.error.startswith("sandbox setup failed: BlockingIOError")
+
+
 def test_config_validation_says_how_to_fix() -> None:
     with pytest.raises(ValueError, match=r"timeout_s=0 must be in \(0, 3600\]"):
         SandboxConfig(timeout_s=0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,11 @@ def _new_tokenizer() -> Tokenizer:
 
 
 class BM25Retriever:
-    """Top-k BM25 search over documents; built from rows or JSONL, saved to and loaded from a directory."""
+    """Top-k BM25 search over documents; built from rows or JSONL, saved to and loaded from a directory.
+
+    Thread-safe for concurrent searches. Pickling sends the whole index; for Ray, prefer sending the
+    saved directory and calling :meth:`load` in the worker.
+    """
 
     def __init__(self, ids: list[str], contents: list[str], *, k1: float = 1.5, b: float = 0.75):
         if not ids:
@@ -72,6 +77,7 @@ class BM25Retriever:
         if k1 < 0 or not 0 <= b <= 1:
             raise ValueError(f"BM25Retriever: need k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
         self.ids, self.contents, self.k1, self.b = ids, contents, k1, b
+        self._lock = threading.Lock()
         self._tokenizer = _new_tokenizer()
         corpus_tokens = self._tokenizer.tokenize(contents, show_progress=False, return_as="tuple")
         self._bm25 = bm25s.BM25(k1=k1, b=b)
@@ -98,6 +104,13 @@ class BM25Retriever:
                 pairs.append(_check_row(row, f"{path} line {line_no}"))
         return cls([p[0] for p in pairs], [p[1] for p in pairs], k1=k1, b=b)
 
+    def __getstate__(self) -> dict[str, object]:
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __len__(self) -> int:
         return len(self.ids)
 
@@ -111,7 +124,10 @@ class BM25Retriever:
             raise ValueError(f"BM25Retriever.search: k={k} must be >= 1")
         if not queries:
             return []
-        query_ids = self._tokenizer.tokenize(list(queries), update_vocab=False, show_progress=False, return_as="ids")
+        with self._lock:  # bm25s' tokenizer keeps caches in plain dicts: one caller at a time
+            query_ids = self._tokenizer.tokenize(
+                list(queries), update_vocab=False, show_progress=False, return_as="ids"
+            )
         return [self._top_k(ids, k) for ids in query_ids]
 
     def _top_k(self, token_ids: list[int], k: int) -> list[Hit]:
@@ -162,6 +178,7 @@ class BM25Retriever:
         self.ids = [str(row["id"]) for row in rows]
         self.contents = [row["contents"] for row in rows]
         self.k1, self.b = float(meta["k1"]), float(meta["b"])
+        self._lock = threading.Lock()
         self._tokenizer = _new_tokenizer()
         self._tokenizer.load_vocab(str(src))
         self._tokenizer.load_stopwords(str(src))

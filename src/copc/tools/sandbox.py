@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import selectors
 import shutil
@@ -104,8 +105,8 @@ class SandboxConfig:
 
     timeout_s: float = 5.0
     """Wall-clock limit in seconds, enforced by the caller (kills the whole process group)."""
-    cpu_s: int = 5
-    """CPU-time limit in whole seconds (RLIMIT_CPU); SIGXCPU then SIGKILL when exceeded."""
+    cpu_s: int | None = None
+    """CPU-time limit in whole seconds (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later); None = ceil(timeout_s)."""
     memory_mb: int = 512
     """Address-space limit in MiB (RLIMIT_AS); allocations beyond it raise MemoryError."""
     max_output_bytes: int = 4096
@@ -134,7 +135,7 @@ class SandboxConfig:
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
             (0 < self.timeout_s <= 3600, f"timeout_s={self.timeout_s} must be in (0, 3600] seconds"),
-            (1 <= self.cpu_s <= 3600, f"cpu_s={self.cpu_s} must be an integer in [1, 3600]"),
+            (self.cpu_s is None or 1 <= self.cpu_s <= 3600, f"cpu_s={self.cpu_s} must be None or an integer in [1, 3600]"),
             (32 <= self.memory_mb <= 1 << 20, f"memory_mb={self.memory_mb} must be in [32, 1048576]"),
             (self.max_output_bytes >= 64, f"max_output_bytes={self.max_output_bytes} must be >= 64"),
             (self.max_file_bytes >= 1024, f"max_file_bytes={self.max_file_bytes} must be >= 1024"),
@@ -151,6 +152,12 @@ class SandboxConfig:
                 f"SandboxConfig: python_executable={self.python_executable!r} is not a file; "
                 'give an absolute path to a python3 binary or "" to pick one automatically'
             )
+
+
+    @property
+    def cpu_limit_s(self) -> int:
+        """The CPU-time limit in force: ``cpu_s``, or the wall timeout rounded up."""
+        return self.cpu_s if self.cpu_s is not None else max(1, math.ceil(self.timeout_s))
 
 
 @dataclass(frozen=True)
@@ -394,7 +401,7 @@ def _describe(ended: _Ended, config: SandboxConfig) -> tuple[int | None, str | N
         sig = int(status["signal"])
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and "MemoryError" not in stderr and not truncated):
-            hint = f" (cpu time limit {config.cpu_s}s)" if sig == signal.SIGXCPU else ""
+            hint = f" (cpu time limit {config.cpu_limit_s}s)" if sig == signal.SIGXCPU else ""
             return None, f"killed by signal {sig} ({name}){hint}"
         if sig == signal.SIGXFSZ:
             return None, f"file size limit ({config.max_file_bytes} bytes)"
@@ -427,11 +434,17 @@ class PythonSandbox:
     def run(self, code: str) -> SandboxResult:
         """Run ``code`` as a script in a fresh interpreter; never raises for anything the code does."""
         start = time.monotonic()
-        with contextlib.ExitStack() as stack:
-            uid = stack.enter_context(_UID_POOL.slot(self.config.uid_base)) if self._drop_uid else None
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="copc-sbx-", ignore_cleanup_errors=True))
-            self._prepare_workdir(workdir, code, uid)
-            ended = self._launch(workdir, uid, start)
+        try:
+            with contextlib.ExitStack() as stack:
+                uid = stack.enter_context(_UID_POOL.slot(self.config.uid_base)) if self._drop_uid else None
+                workdir = stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix="copc-sbx-", ignore_cleanup_errors=True)
+                )
+                self._prepare_workdir(workdir, code, uid)
+                ended = self._launch(workdir, uid, start)
+        except OSError as exc:  # the machine, not the code: out of pids, fds, disk ...
+            message = f"sandbox setup failed: {type(exc).__name__}: {exc}"
+            return SandboxResult("", "", None, False, message, time.monotonic() - start)
         exit_code, error = _describe(ended, self.config)
         return SandboxResult(
             stdout=ended.stdout.text(),
@@ -448,7 +461,9 @@ class PythonSandbox:
 
     def _prepare_workdir(self, workdir: str, code: str, uid: int | None) -> None:
         script = os.path.join(workdir, "main.py")
-        with open(script, "w", encoding="utf-8") as handle:
+        # errors="replace": a lone surrogate in generated text becomes "?" (then maybe a SyntaxError
+        # the model can read) instead of an exception in the caller.
+        with open(script, "w", encoding="utf-8", errors="replace") as handle:
             handle.write(code)
         if uid is not None:
             for path in (workdir, script):
@@ -469,7 +484,7 @@ class PythonSandbox:
             "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"},
             # (name, soft, hard): the CPU soft limit sends SIGXCPU (reported as such), the hard one SIGKILL.
             "rlimits": [
-                ("RLIMIT_CPU", cfg.cpu_s, cfg.cpu_s + 1),
+                ("RLIMIT_CPU", cfg.cpu_limit_s, cfg.cpu_limit_s + 1),
                 ("RLIMIT_AS", cfg.memory_mb << 20, cfg.memory_mb << 20),
                 ("RLIMIT_FSIZE", cfg.max_file_bytes, cfg.max_file_bytes),
                 ("RLIMIT_NPROC", cfg.max_procs, cfg.max_procs),
@@ -489,6 +504,9 @@ class PythonSandbox:
                 env={"PATH": "/usr/bin:/bin"},
                 cwd=workdir,
             )
+        except OSError:
+            os.close(read_fd)
+            raise
         finally:
             os.close(write_fd)
         try:
@@ -572,7 +590,7 @@ def active_protections(config: SandboxConfig | None = None) -> dict[str, bool]:
         source = (
             _PROBE.replace("__PARENT_PID__", str(os.getpid()))
             .replace("__MARKER__", marker.name)
-            .replace("__CPU__", str(config.cpu_s))
+            .replace("__CPU__", str(config.cpu_limit_s))
             .replace("__AS__", str(config.memory_mb * 1024 * 1024))
             .replace("__FSIZE__", str(config.max_file_bytes))
             .replace("__NPROC__", str(config.max_procs))
