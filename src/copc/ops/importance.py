@@ -43,6 +43,11 @@ __all__ = [
 LOG_RATIO_CLAMP = 20.0
 
 
+def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
+    """float32 for lower precisions; float64 stays float64 (so gradcheck can run in double)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def log_ratio(
     logp_num: torch.Tensor,
     logp_den: torch.Tensor,
@@ -54,14 +59,15 @@ def log_ratio(
     check_bt("logp_num", logp_num)
     check_bt("logp_den", logp_den, logp_num)
     check_mask("action_mask", action_mask, logp_num)
-    diff = (logp_num.float() - logp_den.float()).clamp(-clamp, clamp)
+    diff = (_at_least_f32(logp_num) - _at_least_f32(logp_den)).clamp(-clamp, clamp)
     return torch.where(action_mask, diff, torch.zeros_like(diff))
 
 
 def ratio_from_log(log_r: torch.Tensor, action_mask: torch.Tensor, *, clamp: float = LOG_RATIO_CLAMP) -> torch.Tensor:
     """``exp(clamp(log_r))`` on action tokens, exactly 1 elsewhere. ``[B, T] float32``."""
     check_mask("action_mask", action_mask, log_r)
-    safe = torch.where(action_mask, log_r.float(), torch.zeros_like(log_r, dtype=torch.float32))
+    log_r = _at_least_f32(log_r)
+    safe = torch.where(action_mask, log_r, torch.zeros_like(log_r))
     return torch.exp(safe.clamp(-clamp, clamp))
 
 
