@@ -100,3 +100,13 @@ def test_bad_grid_says_what_to_do(capsys):
         _tiny(families=("dense", "nope"))
     assert lab_cli(["explain", "--horizon", "12", "--vocab", "4"]) == 2
     assert "too many" in capsys.readouterr().out
+
+
+def test_kl_staleness_mode_hits_the_kl_targets():
+    from copc.lab.sweep import run_grid
+
+    cfg = _tiny(staleness_mode="kl", staleness=(0.05, 0.3), mask_bands=(2.0,), adv_clips=(0.2,))
+    cells = run_grid(cfg)
+    assert [round(float(c["kl"]), 4) for c in cells] == [0.05, 0.3]
+    with pytest.raises(ValueError, match="whole steps"):
+        _tiny(staleness=(1.5,))

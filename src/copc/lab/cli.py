@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--tag", default="", help="name files lab_<tag>_<metric>.png and lab_sweep_<tag>.json")
     sw.add_argument("--families", type=_strs, default=d.families, help="comma list of " + ",".join(REWARD_FAMILIES))
     sw.add_argument("--seeds", type=_ints, default=d.seeds)
-    sw.add_argument("--staleness", type=_ints, default=d.staleness, help="gradient steps between mu and pi")
+    sw.add_argument("--staleness", type=_floats, default=d.staleness, help="steps (path) or KL targets (kl)")
+    sw.add_argument("--staleness-mode", choices=("path", "kl"), default=d.staleness_mode)
     sw.add_argument("--horizon", type=int, default=d.horizon)
     sw.add_argument("--vocab", type=int, default=d.vocab)
     sw.add_argument("--mask-bands", type=_floats, default=d.mask_bands, help="c values of the band [1/c, c]; inf allowed")
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("explain", help="print the decomposition of one correction as a table")
     ex.add_argument("--family", choices=REWARD_FAMILIES, default="dense")
     ex.add_argument("--seed", type=int, default=0)
-    ex.add_argument("--horizon", type=int, default=5)
+    ex.add_argument("--horizon", type=int, default=6)
     ex.add_argument("--vocab", type=int, default=3)
     ex.add_argument("--staleness", type=int, default=4, help="mu = pi s normalised gradient steps earlier")
     ex.add_argument("--kl", type=float, default=None, help="instead of --staleness: mu at this KL(pi || mu)")
@@ -114,9 +115,10 @@ def explain_table(d: Decomposition, header: str) -> str:
 
 def _explain(args: argparse.Namespace) -> int:
     mdp = make_mdp(args.family, args.horizon, args.vocab, seed=args.seed)
-    init = random_logits(mdp, scale=0.5, seed=args.seed + 100)
-    steps = max(args.staleness, 0) + 12
-    path = gradient_path(mdp, init, steps=steps, lr=0.5, normalize=True)
+    init = random_logits(mdp, scale=SweepConfig().init_scale, seed=args.seed + 100)
+    # the same path as `copc lab sweep` (20 normalised steps of length 0.5)
+    cfg = SweepConfig()
+    path = gradient_path(mdp, init, steps=max(cfg.path_steps, args.staleness), lr=cfg.step_size, normalize=True)
     pi = path[-1]
     mu = behaviour_at_kl(mdp, pi, args.kl, seed=args.seed) if args.kl is not None else path[-1 - args.staleness]
     corr = Correction(
@@ -149,6 +151,7 @@ def _sweep(args: argparse.Namespace) -> int:
         families=args.families,
         seeds=args.seeds,
         staleness=args.staleness,
+        staleness_mode=args.staleness_mode,
         horizon=args.horizon,
         vocab=args.vocab,
         mask_bands=args.mask_bands,

@@ -32,7 +32,7 @@ def _critic_label(cfg: SweepConfig) -> str:
     return f"V^mu + N(0, {cfg.critic_noise:g}²) ({cfg.critic_draws} draws)"
 
 
-def _mean_kl(cells: list[dict[str, float | str | int]], family: str, s: int) -> float:
+def _mean_kl(cells: list[dict[str, float | str | int]], family: str, s: float) -> float:
     kls = [float(c["kl"]) for c in cells if c["family"] == family and c["staleness"] == s]
     return sum(kls) / max(len(kls), 1)
 
@@ -73,13 +73,14 @@ def draw_heatmaps(
                 grid = mean_grid(cells, cfg, family, s, metric, cfg.batch_size)
                 image = _panel(ax, grid, cfg, metric)
                 fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03).ax.tick_params(labelsize=6)
-                ax.set_title(f"{family}, s={s} (KL {_mean_kl(cells, family, s):.2f})", fontsize=8)
+                level = f"s={s:g}" if cfg.staleness_mode == "path" else "KL target"
+                ax.set_title(f"{family}, {level} (KL {_mean_kl(cells, family, s):.2f})", fontsize=8)
                 if c == 0:
                     ax.set_ylabel("mask band c: [1/c, c]", fontsize=7)
                 if r == nrows - 1:
                     ax.set_xlabel("advantage clip ε_A: [1−ε_A, 1+ε_A]", fontsize=7)
         fig.suptitle(
-            f"{TITLES[metric]}\nH={cfg.horizon}, K={cfg.vocab}, N={cfg.batch_size}, seeds {list(cfg.seeds)}; "
+            f"{TITLES[metric]}\nstaleness {cfg.staleness_mode}, H={cfg.horizon}, K={cfg.vocab}, N={cfg.batch_size}, seeds {list(cfg.seeds)}; "
             f"masked_is x clipped_td(λ={cfg.lam:g}), critic {_critic_label(cfg)}",
             fontsize=9,
         )

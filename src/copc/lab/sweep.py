@@ -2,7 +2,8 @@
 
 For each reward family, seed and staleness ``s`` the lab builds an exact policy-gradient path
 (normalised steps of length ``step_size`` from random logits), takes ``pi = path[-1]`` and
-``mu = path[-1 - s]`` (pi as it was s updates earlier), and decomposes the COPC update
+``mu = path[-1 - s]`` (pi as it was s updates earlier; ``staleness_mode = "path"``) or ``mu`` at
+``KL(pi || mu) = s`` along a random logit direction (``staleness_mode = "kl"``), and decomposes the COPC update
 (``masked_is`` policy channel with band ``[1/c, c]`` x ``clipped_td`` advantage channel with clip
 ``[max(0, 1 - eps_A), 1 + eps_A]``) for every grid cell. Figures are relative to the true gradient:
 ``relative_mse = E||ĝ_N - g*||² / ||g*||²``, ``relative_bias = ||E ĝ - g*|| / ||g*||``,
@@ -25,7 +26,7 @@ import torch
 
 from copc.lab.channels import AdvantageChannel, Correction, PolicyChannel
 from copc.lab.exact import Critic, decompose
-from copc.lab.mdp import REWARD_FAMILIES, gradient_path, make_mdp, random_logits
+from copc.lab.mdp import REWARD_FAMILIES, behaviour_at_kl, gradient_path, make_mdp, random_logits
 
 INF = math.inf
 REVERSAL_TOL = 0.02
@@ -44,8 +45,10 @@ class SweepConfig:
     """H tokens per sequence."""
     vocab: int = 3
     """K symbols."""
-    staleness: tuple[int, ...] = (2, 4, 8)
-    """s: gradient steps between mu and pi."""
+    staleness: tuple[float, ...] = (2, 4, 8)
+    """s: gradient steps between mu and pi (``path``), or KL(pi || mu) targets in nats (``kl``)."""
+    staleness_mode: str = "path"
+    """``path`` (mu = pi s exact gradient steps earlier) or ``kl`` (random direction at a KL target)."""
     path_steps: int = 20
     """Length of the exact gradient path; pi is its last point."""
     step_size: float = 0.5
@@ -69,8 +72,14 @@ class SweepConfig:
         bad = [f for f in self.families if f not in REWARD_FAMILIES]
         if bad:
             raise ValueError(f"unknown reward families {bad}; valid: {', '.join(REWARD_FAMILIES)}")
-        if not self.staleness or max(self.staleness) > self.path_steps or min(self.staleness) < 0:
-            raise ValueError(f"staleness levels must lie in [0, path_steps={self.path_steps}]")
+        if self.staleness_mode not in ("path", "kl"):
+            raise ValueError(f"staleness_mode must be 'path' or 'kl', got {self.staleness_mode!r}")
+        if not self.staleness or min(self.staleness) < 0:
+            raise ValueError("give at least one staleness level, all >= 0")
+        if self.staleness_mode == "path" and (
+            max(self.staleness) > self.path_steps or any(s != int(s) for s in self.staleness)
+        ):
+            raise ValueError(f"path staleness levels must be whole steps in [0, path_steps={self.path_steps}]")
         if any(c < 1 for c in self.mask_bands) or any(e < 0 for e in self.adv_clips):
             raise ValueError("mask bands need c >= 1 and advantage clips eps_A >= 0")
         if self.batch_size < 1 or self.step_size <= 0:
@@ -105,7 +114,7 @@ def run_grid(cfg: SweepConfig) -> list[dict[str, float | str | int]]:
             path = gradient_path(mdp, init, steps=cfg.path_steps, lr=cfg.step_size, normalize=True)
             pi = path[-1]
             for s in cfg.staleness:
-                mu = path[-1 - s]
+                mu = path[-1 - int(s)] if cfg.staleness_mode == "path" else behaviour_at_kl(mdp, pi, s, seed=seed)
                 for band in cfg.mask_bands:
                     for clip in cfg.adv_clips:
                         d = decompose(mdp, pi, mu, cfg.correction(band, clip), cfg.critic(), batch_size=cfg.batch_size)
@@ -130,7 +139,7 @@ def _as_float(x: float | str | int) -> float:
 
 
 def mean_grid(
-    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: int, metric: str, batch: int
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: float, metric: str, batch: int
 ) -> torch.Tensor:
     """Seed-mean of ``metric`` as a ``[bands, clips]`` grid; ``relative_mse``/``relative_var`` at ``batch``."""
     grid = torch.zeros(len(cfg.mask_bands), len(cfg.adv_clips), dtype=torch.float64)
@@ -186,7 +195,7 @@ def interaction_share(grid: torch.Tensor) -> float:
     return float((grid - additive).pow(2).sum()) / total if total > 0 else 0.0
 
 
-def _term_shares(cells: list[dict[str, float | str | int]], family: str, s: int) -> dict[str, float]:
+def _term_shares(cells: list[dict[str, float | str | int]], family: str, s: float) -> dict[str, float]:
     """Grid-and-seed means of the bias terms relative to ||g*|| and of the squared-weight variance share."""
     chosen = [c for c in cells if c["family"] == family and c["staleness"] == s]
     out: dict[str, float] = {}
@@ -197,7 +206,7 @@ def _term_shares(cells: list[dict[str, float | str | int]], family: str, s: int)
 
 
 def loss_grid(
-    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: int, criterion: str, batch: int
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: float, criterion: str, batch: int
 ) -> torch.Tensor:
     """Lower-is-better ``[bands, clips]`` grid: ``relative_mse`` at ``batch``, or ``1 - cosine``."""
     if criterion == "relative_mse":
