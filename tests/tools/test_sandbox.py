@@ -8,6 +8,7 @@ with the reason (``active_protections()`` tells which layers are in force).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -382,6 +383,11 @@ def test_machine_failure_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch)
     result = sandbox.run("print(1)")
     assert result.exit_code is None and result.error is not None
     assert result.error.startswith("sandbox setup failed: BlockingIOError")
+
+
+def test_config_round_trips_through_json() -> None:
+    config = SandboxConfig(timeout_s=7.5, cpu_s=3, network=True, max_procs=8)
+    assert SandboxConfig(**json.loads(json.dumps(dataclasses.asdict(config)))) == config
 
 
 def test_config_validation_says_how_to_fix() -> None:
