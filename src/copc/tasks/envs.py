@@ -1,0 +1,174 @@
+"""The two tool loops every task is built from: a Python-tool episode and a search episode.
+
+Both are single-use :class:`~copc.types.Env` objects (one per prompt). One policy *turn* is the text the
+policy generated up to (and including) a stop string, or up to end-of-sequence. Each turn is one of:
+
+- a **tool call** that ends the turn (``...<python>code</python>``, a fenced ```` ```python ```` block, or
+  ``...<search>query</search>``): the tool runs and its output comes back as the observation, wrapped in
+  the task's observation tags (``<output>``, ```` ```output ````, ``<information>``), which the episode
+  loop inserts as non-action tokens. Bad calls (empty code or query, code that raises or times out, no
+  calls left) return an error text as the observation and count ``tool_errors``; they never crash;
+- a **final answer** (``<answer>...</answer>``; for tasks without an answer tag, any turn that is not a
+  tool call): graded, ``done=True``, reward 1.0 or 0.0;
+- a **void turn** (answer-tag tasks only: neither a complete tool call nor an answer, e.g. free text that
+  ended with EOS): the episode ends with reward 0 and ``info["void_turn"] = 1`` so a trainer can drop it
+  (SimpleTIR's stabiliser) or keep it as a plain failure.
+
+``finish(reason)`` is called when the loop stops the episode itself (turn / token / context budget, or
+EOS without a step): there is no answer to grade, so the reward is 0.
+
+Counters in ``info`` (summed over the episode on the final step): ``tool_calls``, ``tool_errors``,
+``void_turn``, ``correct``, ``turns``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from copc.types import EnvStep, StopReason
+
+
+class Grader(Protocol):
+    """Grades the final answer of an episode: reward in [0, 1]."""
+
+    def grade(self, answer_text: str) -> float:
+        """``answer_text``: the content of the answer tag, or the whole response for tag-free syntaxes."""
+        ...
+
+
+class Tool(Protocol):
+    """One tool: takes the body of a call (code, query) and returns the text to show and a failure flag."""
+
+    def call(self, request: str) -> tuple[str, bool]:
+        """Returns ``(observation_text, failed)``; never raises on bad requests (errors become text)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a tool call, its observation and the final answer are written.
+
+    ``answer_open``/``answer_close`` empty means "no answer tag": a turn that is not a tool call is the
+    final answer and the grader sees the whole response.
+    """
+
+    call_open: str
+    call_close: str
+    obs_open: str
+    obs_close: str
+    answer_open: str = "<answer>"
+    answer_close: str = "</answer>"
+    #: String that ends a tool-call turn when it differs from ``call_close`` (fences: "```" + newline).
+    call_stop: str = ""
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        call_stop = self.call_stop or self.call_close
+        return (call_stop, self.answer_close) if self.answer_open else (call_stop,)
+
+    def trailing_call(self, text: str) -> str | None:
+        """Body of a tool call that ends ``text`` (trailing whitespace ignored), else None."""
+        stripped = text.rstrip()
+        if not stripped.endswith(self.call_close):
+            return None
+        end = len(stripped) - len(self.call_close)
+        start = stripped.rfind(self.call_open, 0, end)
+        if start < 0:
+            return None
+        return stripped[start + len(self.call_open) : end]
+
+    def answer(self, text: str) -> str | None:
+        """Content of the last complete answer span in ``text`` (None without one or without tags)."""
+        if not self.answer_open:
+            return None
+        end = text.rfind(self.answer_close)
+        if end < 0:
+            return None
+        start = text.rfind(self.answer_open, 0, end)
+        if start < 0:
+            return None
+        return text[start + len(self.answer_open) : end]
+
+
+#: ``<python>code</python>`` -> ``<output>...</output>``, answer in ``<answer>`` (built-in arith_tool).
+PYTHON_TAGS = CallSyntax("<python>", "</python>", "<output>", "</output>")
+#: ToRL / SimpleTIR fenced blocks; the closing fence on its own line ends the turn; answer in \\boxed{}.
+PYTHON_FENCES = CallSyntax(
+    "```python", "```", "```output\n", "\n```\n", answer_open="", answer_close="", call_stop="```\n"
+)
+#: Search-R1: ``<search>q</search>`` -> ``<information>...</information>``, answer in ``<answer>``.
+SEARCH_TAGS = CallSyntax("<search>", "</search>", "<information>", "</information>")
+
+
+class ToolEnv:
+    """One episode of a tool loop (see the module docstring for the turn rules).
+
+    Args:
+        prompt_text: what the policy sees first.
+        syntax: how calls, observations and answers are written.
+        tool: runs the calls (a Python sandbox, a retriever).
+        grader: grades the final answer.
+        max_tool_calls: calls beyond this get an error observation instead of running.
+    """
+
+    def __init__(
+        self,
+        prompt_text: str,
+        *,
+        syntax: CallSyntax,
+        tool: Tool,
+        grader: Grader,
+        max_tool_calls: int,
+    ) -> None:
+        self._prompt_text = prompt_text
+        self._syntax = syntax
+        self._tool = tool
+        self._grader = grader
+        self._max_tool_calls = max_tool_calls
+        self._response: list[str] = []
+        self._counts = {"tool_calls": 0.0, "tool_errors": 0.0, "void_turn": 0.0, "correct": 0.0, "turns": 0.0}
+        self._done = False
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self._syntax.stop_strings
+
+    def initial_text(self) -> str:
+        return self._prompt_text
+
+    def step(self, action_text: str) -> EnvStep:
+        if self._done:
+            raise RuntimeError("this episode is over (done was returned); make a new env per episode")
+        self._counts["turns"] += 1
+        self._response.append(action_text)
+        call = self._syntax.trailing_call(action_text)
+        if call is not None:
+            return EnvStep(observation=self._observe(call), done=False, info=dict(self._counts))
+        answer = self._syntax.answer(action_text)
+        if answer is None and self._syntax.answer_open:
+            self._counts["void_turn"] = 1.0
+            return self._end(0.0)
+        graded = answer if answer is not None else "".join(self._response)
+        return self._end(self._grader.grade(graded))
+
+    def finish(self, reason: StopReason) -> EnvStep:
+        """The loop ended the episode without an answer (``reason``): nothing to grade, reward 0."""
+        if self._done:
+            raise RuntimeError("finish() after done: the episode was already graded")
+        return self._end(0.0)
+
+    def _observe(self, call: str) -> str:
+        self._counts["tool_calls"] += 1
+        if self._counts["tool_calls"] > self._max_tool_calls:
+            self._counts["tool_errors"] += 1
+            text = f"Error: no tool calls left (limit {self._max_tool_calls}); give the final answer."
+        else:
+            text, failed = self._tool.call(call)
+            self._counts["tool_errors"] += float(failed)
+        return f"{self._syntax.obs_open}{text}{self._syntax.obs_close}"
+
+    def _end(self, reward: float) -> EnvStep:
+        self._done = True
+        self._counts["correct"] = float(reward >= 1.0)
+        return EnvStep(observation=None, done=True, reward=reward, info=dict(self._counts))

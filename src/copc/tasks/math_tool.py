@@ -1,0 +1,129 @@
+"""Dataset-backed task ``math_tool``: tool-integrated math in the ToRL / SimpleTIR format.
+
+Rows hold a problem and a ground-truth answer (columns ``problem`` / ``answer`` by default). Episode::
+
+    <prompt: the problem and the instruction below>
+    ...reasoning...
+    ```python
+    print(2**10)
+    ```                                     <- the closing fence (then a newline) ends the turn
+    -> ```output
+    -> 1024
+    -> ```                                  <- sandbox output, inserted (not trained on)
+    ... the answer is \\boxed{1024}.          <- a turn without a code block is the final answer
+
+Reward: math-verify (:class:`~copc.rewards.math.MathVerifier`, killable subprocess) of the ``\\boxed{}``
+answer in the whole response against the gold answer; no format bonus. Up to ``max_tool_calls`` code
+runs (SimpleTIR: 5 in training, 10 in evaluation); later blocks get an error text instead of running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from copc.tasks.base import Split, check_positive, check_split, register_task, take
+from copc.tasks.envs import PYTHON_FENCES, ToolEnv
+from copc.tasks.graders import MathVerifyGrader
+from copc.tasks.rows import Row, load_rows, text_column
+from copc.tasks.tooling import SandboxTool
+from copc.types import Env, Prompt
+
+DEFAULT_TEMPLATE = (
+    "{problem}\n\nSolve the problem step by step. You may run Python code in ```python ... ``` blocks; "
+    "the output appears in an ```output ... ``` block. Put the final answer in \\boxed{{}}.\n"
+)
+
+
+@dataclass(frozen=True)
+class DatasetSplits:
+    """Which rows make each split: ``eval_data`` if given, else the first ``eval_size`` rows of ``data``."""
+
+    data: str = ""
+    """Train rows: a .jsonl/.json/.parquet path or hf:NAME[:CONFIG]."""
+    eval_data: str = ""
+    """Eval rows (same formats); empty: take the first ``eval_size`` rows of ``data``."""
+    eval_size: int = 0
+    """Rows of ``data`` held out for eval when ``eval_data`` is empty."""
+    hf_split: str = "train"
+    """Split name for hf: sources."""
+
+    def check(self, owner: str) -> None:
+        if not self.data:
+            raise ValueError(f"{owner}.data is empty; set it to a .jsonl/.parquet path or hf:NAME")
+        if self.eval_size < 0:
+            raise ValueError(f"{owner}.eval_size must be >= 0, got {self.eval_size}")
+
+    def rows(self, split: Split) -> tuple[str, list[Row]]:
+        """(source name, rows) of ``split``."""
+        check_split(split)
+        if self.eval_data and split == "eval":
+            return self.eval_data, load_rows(self.eval_data, hf_split=self.hf_split)
+        rows = load_rows(self.data, hf_split=self.hf_split)
+        if self.eval_data:
+            return self.data, rows
+        if self.eval_size >= len(rows) and split == "train":
+            raise ValueError(f"{self.data}: eval_size={self.eval_size} leaves no train rows ({len(rows)} rows)")
+        return self.data, rows[: self.eval_size] if split == "eval" else rows[self.eval_size :]
+
+
+@dataclass(frozen=True)
+class MathToolConfig(DatasetSplits):
+    problem_key: str = "problem"
+    """Column holding the problem text."""
+    answer_key: str = "answer"
+    """Column holding the ground-truth answer."""
+    template: str = DEFAULT_TEMPLATE
+    """Prompt text; ``{problem}`` is replaced by the problem."""
+    max_tool_calls: int = 5
+    """Code runs per episode (SimpleTIR: 5 train / 10 eval)."""
+    max_output_chars: int = 1024
+    """Sandbox output shown to the policy is truncated to this many characters (>= 64)."""
+    timeout_s: float = 10.0
+    """Wall-clock limit of one sandbox run, seconds."""
+    grade_timeout_s: float = 10.0
+    """Limit of one math-verify check, seconds."""
+
+    def __post_init__(self) -> None:
+        self.check("MathToolConfig")
+        if "{problem}" not in self.template:
+            raise ValueError("MathToolConfig.template must contain {problem}")
+        check_positive("MathToolConfig", max_tool_calls=self.max_tool_calls, timeout_s=self.timeout_s)
+        check_positive("MathToolConfig", grade_timeout_s=self.grade_timeout_s)
+        if self.max_output_chars < 64:
+            raise ValueError(f"MathToolConfig.max_output_chars must be >= 64, got {self.max_output_chars}")
+
+
+@register_task("math_tool", MathToolConfig)
+class MathToolTask:
+    """Math problems from a dataset with a Python tool and a math-verify reward."""
+
+    name = "math_tool"
+
+    def __init__(self, config: MathToolConfig) -> None:
+        self.config = config
+
+    def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
+        source, rows = self.config.rows(split)
+        prompts = []
+        for i, row in enumerate(take(rows, n, f"{split} rows")):
+            problem = text_column(row, self.config.problem_key, source=source, index=i + 1, option="problem_key")
+            answer = text_column(row, self.config.answer_key, source=source, index=i + 1, option="answer_key")
+            prompts.append(
+                Prompt(
+                    id=f"math_tool/{split}/{i}",
+                    text=self.config.template.format(problem=problem),
+                    answers=(answer,),
+                    meta={"source": source, "row": i + 1},
+                )
+            )
+        return prompts
+
+    def make_env(self, prompt: Prompt) -> Env:
+        tool = SandboxTool(timeout_s=self.config.timeout_s, max_output_chars=self.config.max_output_chars)
+        return ToolEnv(
+            prompt.text,
+            syntax=PYTHON_FENCES,
+            tool=tool,
+            grader=MathVerifyGrader(prompt.answers[0], timeout_s=self.config.grade_timeout_s),
+            max_tool_calls=self.config.max_tool_calls,
+        )

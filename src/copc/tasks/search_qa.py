@@ -1,0 +1,133 @@
+"""Dataset-backed task ``search_qa``: Search-R1 style question answering with a BM25 retriever.
+
+Rows hold ``question`` and ``golden_answers`` (a list; a single string is accepted); the corpus is a
+JSONL file of ``{"id", "contents"}`` rows. Episode (Search-R1 tags)::
+
+    <prompt: instruction + question>
+    <think>...</think><search>query</search>          <- turn, stops at </search>
+    -> <information>passage 1\\npassage 2\\npassage 3</information>   <- top-k BM25 (not trained on)
+    <think>...</think><answer>Paris</answer>           <- stops at </answer>; reward: exact match
+
+Reward: exact match of the last ``<answer>`` against any gold answer after SQuAD normalisation.
+The BM25 index is built from the corpus the first time a process needs it (``index_dir``: saved there
+and loaded next time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from copc.tasks.base import Split, check_positive, register_task, take
+from copc.tasks.envs import SEARCH_TAGS, ToolEnv
+from copc.tasks.graders import ExactMatchGrader
+from copc.tasks.math_tool import DatasetSplits
+from copc.tasks.rows import answers_column, text_column
+from copc.tasks.tooling import RetrieverTool
+from copc.types import Env, Prompt
+
+if TYPE_CHECKING:
+    from copc.tools.retriever import BM25Retriever
+
+DEFAULT_TEMPLATE = (
+    "Answer the given question. Reason inside <think> and </think> first. If you lack knowledge, search "
+    "with <search> query </search>; the results come back between <information> and </information>. "
+    "Search as often as you like. Give the final answer, without explanation, inside <answer> and "
+    "</answer>, e.g. <answer> Beijing </answer>. Question: {question}\n"
+)
+
+
+@dataclass(frozen=True)
+class SearchQAConfig(DatasetSplits):
+    corpus: str = ""
+    """Corpus JSONL with ``id`` and ``contents`` per line (required)."""
+    index_dir: str = ""
+    """Where to save / load the BM25 index; empty: build in memory in each process."""
+    question_key: str = "question"
+    """Column holding the question."""
+    answers_key: str = "golden_answers"
+    """Column holding the gold answers (a list of strings)."""
+    template: str = DEFAULT_TEMPLATE
+    """Prompt text; ``{question}`` is replaced by the question."""
+    top_k: int = 3
+    """Passages per search (Search-R1: 3)."""
+    max_obs_chars: int = 2000
+    """Retrieved text shown to the policy is cut to this many characters."""
+    max_tool_calls: int = 4
+    """Searches per episode; later ones get an error observation."""
+
+    def __post_init__(self) -> None:
+        self.check("SearchQAConfig")
+        if not self.corpus:
+            raise ValueError("SearchQAConfig.corpus is empty; set it to a JSONL file of {id, contents} rows")
+        if "{question}" not in self.template:
+            raise ValueError("SearchQAConfig.template must contain {question}")
+        check_positive("SearchQAConfig", top_k=self.top_k, max_obs_chars=self.max_obs_chars)
+        check_positive("SearchQAConfig", max_tool_calls=self.max_tool_calls)
+
+
+class CorpusLoader:
+    """Picklable retriever builder: load the saved index from ``index_dir`` or build it from ``corpus``."""
+
+    def __init__(self, corpus: str, index_dir: str) -> None:
+        self.corpus = corpus
+        self.index_dir = index_dir
+
+    def __call__(self) -> BM25Retriever:
+        from copc.tools.retriever import BM25Retriever
+
+        if self.index_dir and Path(self.index_dir).exists():
+            return BM25Retriever.load(self.index_dir)
+        if not Path(self.corpus).exists():
+            raise FileNotFoundError(f"corpus {self.corpus} does not exist; set corpus=<JSONL of id, contents>")
+        retriever = BM25Retriever.from_jsonl(self.corpus)
+        if self.index_dir:
+            retriever.save(self.index_dir)
+        return retriever
+
+
+@register_task("search_qa", SearchQAConfig)
+class SearchQATask:
+    """Questions from a dataset, answered by searching a BM25 index over a corpus."""
+
+    name = "search_qa"
+
+    def __init__(self, config: SearchQAConfig) -> None:
+        self.config = config
+        self._tool: RetrieverTool | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"config": self.config, "_tool": None}
+
+    def tool(self) -> RetrieverTool:
+        """The search tool, shared by this process's environments (the index is built once)."""
+        if self._tool is None:
+            loader = CorpusLoader(self.config.corpus, self.config.index_dir)
+            self._tool = RetrieverTool(loader, top_k=self.config.top_k, max_chars=self.config.max_obs_chars)
+        return self._tool
+
+    def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
+        source, rows = self.config.rows(split)
+        prompts = []
+        for i, row in enumerate(take(rows, n, f"{split} rows")):
+            question = text_column(row, self.config.question_key, source=source, index=i + 1, option="question_key")
+            golds = answers_column(row, self.config.answers_key, source=source, index=i + 1, option="answers_key")
+            prompts.append(
+                Prompt(
+                    id=f"search_qa/{split}/{i}",
+                    text=self.config.template.format(question=question),
+                    answers=golds,
+                    meta={"source": source, "row": i + 1},
+                )
+            )
+        return prompts
+
+    def make_env(self, prompt: Prompt) -> Env:
+        return ToolEnv(
+            prompt.text,
+            syntax=SEARCH_TAGS,
+            tool=self.tool(),
+            grader=ExactMatchGrader(prompt.answers),
+            max_tool_calls=self.config.max_tool_calls,
+        )

@@ -1,0 +1,88 @@
+"""Adapters from the real tools (:mod:`copc.tools`) to the :class:`~copc.tasks.envs.Tool` interface.
+
+Both are picklable: the sandbox is created lazily in the process that runs it, and a retriever tool
+pickles its task-level source (rows or a corpus path) rather than the index, rebuilding it on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily at run time: the tools are heavy and run in worker processes
+    from copc.tools.retriever import BM25Retriever
+    from copc.tools.sandbox import PythonSandbox
+
+
+class SandboxTool:
+    """Runs a code string in the real :class:`~copc.tools.sandbox.PythonSandbox`.
+
+    Args:
+        timeout_s: wall-clock limit of one run (the sandbox kills the process after it).
+        max_output_chars: the observation (stdout, then stderr) is truncated to this many characters.
+    """
+
+    def __init__(self, *, timeout_s: float, max_output_chars: int) -> None:
+        self.timeout_s = timeout_s
+        self.max_output_chars = max_output_chars
+        self._sandbox: PythonSandbox | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"timeout_s": self.timeout_s, "max_output_chars": self.max_output_chars, "_sandbox": None}
+
+    def _get_sandbox(self) -> PythonSandbox:
+        if self._sandbox is None:
+            from copc.tools.sandbox import PythonSandbox, SandboxConfig
+
+            self._sandbox = PythonSandbox(SandboxConfig(timeout_s=self.timeout_s))
+        return self._sandbox
+
+    def call(self, request: str) -> tuple[str, bool]:
+        """Run ``request`` as Python; returns the formatted output and whether it failed."""
+        from copc.tools.sandbox import format_observation
+
+        if not request.strip():
+            return "Error: empty code block; write Python code that prints the result.", True
+        result = self._get_sandbox().run(request)
+        failed = result.exit_code != 0 or result.timed_out or bool(result.error)
+        return format_observation(result, self.max_output_chars), failed
+
+
+def format_passages(contents: list[str], max_chars: int) -> str:
+    """Retrieved passages, one per line, in rank order, cut to ``max_chars`` characters in total."""
+    text = "\n".join(contents)
+    return text if len(text) <= max_chars else text[:max_chars]
+
+
+class RetrieverTool:
+    """Searches a real :class:`~copc.tools.retriever.BM25Retriever` and formats the top-k passages.
+
+    Args:
+        load: picklable zero-argument callable that builds (or loads) the retriever; called once.
+        top_k: passages per query.
+        max_chars: the observation is cut to this many characters.
+    """
+
+    def __init__(self, load: Callable[[], BM25Retriever], *, top_k: int, max_chars: int) -> None:
+        self.load = load
+        self.top_k = top_k
+        self.max_chars = max_chars
+        self._retriever: BM25Retriever | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"load": self.load, "top_k": self.top_k, "max_chars": self.max_chars, "_retriever": None}
+
+    def retriever(self) -> BM25Retriever:
+        if self._retriever is None:
+            self._retriever = self.load()
+        return self._retriever
+
+    def call(self, request: str) -> tuple[str, bool]:
+        """Search ``request``; returns the passages (or an error text) and whether the query was bad."""
+        query = request.strip()
+        if not query:
+            return "Error: empty query; write words to search for between the search tags.", True
+        hits = self.retriever().search(query, self.top_k)
+        if not hits:
+            return "No results; try other words.", False
+        return format_passages([hit.contents for hit in hits], self.max_chars), False
