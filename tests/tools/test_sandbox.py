@@ -154,9 +154,10 @@ FORK_BOMB = (
 
 
 def _sandbox_uid_pids() -> list[int]:
-    """Live host processes owned by any uid of the sandbox range."""
-    low = SandboxConfig().uid_base
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and low <= _uid_of(p) < low + 65536]
+    """Live host processes owned by the sandbox uids of this test process (other processes' sandboxes,
+    e.g. another test run on the machine, use other uids: ``uid_base + (pid mod 1024) * 64 + slot``)."""
+    low = SandboxConfig().uid_base + (os.getpid() % 1024) * 64
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and low <= _uid_of(p) < low + 64]
 
 
 def _uid_of(proc_dir: Path) -> int:
