@@ -1,11 +1,14 @@
 """Tokens/s of copc's engine vs Hugging Face ``model.generate`` on the tiny model, one CPU thread.
 
-Both sample (temperature 1, no top-k / top-p) the same number of new tokens per row (EOS ignored:
-``ignore_eos`` for the engine, ``min_new_tokens`` for HF) from the same left-padded prompts with a KV
-cache. Reported: median wall time over repeats and tokens/s for each, and the ratio engine / HF measured
-in the same run (interleaved repeats, so machine load hits both alike).
+Both sample (temperature 1, no top-k / top-p) from the same left-padded prompts with a KV cache.
+Default: the same number of new tokens per row (EOS ignored: ``ignore_eos`` for the engine,
+``min_new_tokens`` for HF). With ``--eos`` rows stop at EOS (ragged lengths, as in RL rollouts) and
+tokens/s counts the tokens up to and including each row's EOS; the engine drops finished rows from
+the batch, HF keeps computing them until the last row ends. Reported: median wall time over repeats
+and tokens/s for each, and the ratio engine / HF measured in the same run (interleaved repeats, so
+machine load hits both alike).
 
-    .venv/bin/python benchmarks/engine_bench.py [--batch 16] [--prompt 32] [--new 64] [--repeats 7]
+    .venv/bin/python benchmarks/engine_bench.py [--batch 16] [--prompt 32] [--new 64] [--repeats 7] [--eos]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64, help="new tokens per row")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eos", action="store_true", help="stop rows at EOS (ragged lengths)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -40,7 +44,7 @@ def main() -> None:
         for i in range(args.batch)
     ]
     batch = tok.pad({"input_ids": prompts}, return_tensors="pt", padding_side="left")
-    config = SamplingConfig(max_new_tokens=args.new, ignore_eos=True)
+    config = SamplingConfig(max_new_tokens=args.new, ignore_eos=not args.eos)
 
     def run_engine() -> int:
         out = engine.generate(prompts, config, generator=torch.Generator().manual_seed(1))
@@ -56,10 +60,17 @@ def main() -> None:
                 top_k=0,
                 top_p=1.0,
                 max_new_tokens=args.new,
-                min_new_tokens=args.new,
+                min_new_tokens=0 if args.eos else args.new,
                 pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
             )
-        return int(out.shape[0] * (out.shape[1] - batch["input_ids"].shape[1]))
+        new = out[:, batch["input_ids"].shape[1] :]
+        if not args.eos:
+            return int(new.numel())
+        # Tokens up to and including the first EOS of each row (HF pads after it).
+        is_eos = new == tok.eos_token_id
+        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], new.shape[1], dtype=torch.long))
+        return int(first.sum())
 
     run_engine(), run_hf()  # warm-up
     times: dict[str, list[float]] = {"engine": [], "hf": []}
@@ -69,10 +80,12 @@ def main() -> None:
             start = time.perf_counter()
             tokens[name] = fn()
             times[name].append(time.perf_counter() - start)
-    assert tokens["engine"] == tokens["hf"] == args.batch * args.new, tokens
+    if not args.eos:
+        assert tokens["engine"] == tokens["hf"] == args.batch * args.new, tokens
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"tiny model ({sum(p.numel() for p in model.parameters())} params), batch {args.batch}, "
-          f"prompt <= {args.prompt}, {args.new} new tokens/row, {args.threads} thread(s), {args.repeats} repeats")
+          f"prompt <= {args.prompt}, {'<= ' if args.eos else ''}{args.new} new tokens/row "
+          f"({'stop at EOS' if args.eos else 'EOS ignored'}), {args.threads} thread(s), {args.repeats} repeats")
     for name in ("engine", "hf"):
         print(f"  {name:6s}: median {med[name] * 1e3:8.1f} ms  {tokens[name] / med[name]:9.0f} tokens/s")
     print(f"  ratio engine/hf tokens/s: {med['hf'] / med['engine']:.2f}")

@@ -159,7 +159,12 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
 
 
 class Engine:
-    """Samples from a causal LM; owns the model it is given and the version of its weights."""
+    """Samples from a causal LM; owns the model it is given and the version of its weights.
+
+    The engine puts the model in eval mode and overwrites it in :meth:`load_weights`: give it its own
+    copy (``copy.deepcopy(policy)``) when the trainer keeps training the original. Not thread-safe:
+    call ``generate`` and ``load_weights`` from one thread (a rollout worker's loop).
+    """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, version: int = 0) -> None:
         self.model = model.eval()
@@ -239,9 +244,10 @@ class Engine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
         uniforms = self._uniforms(n, max(budgets), seeds, generator)
+        version = self._version  # the weights this call samples with (load_weights is not run mid-call)
         rows = _Rows(n)
         self._decode_loop(prompts, config, budgets, stops, uniforms, rows)
-        return [self._finish_row(rows, i) for i in range(n)]
+        return [self._finish_row(rows, i, version) for i in range(n)]
 
     @staticmethod
     def _per_row(values: Sequence[int] | None, default: int, n: int, name: str) -> list[int]:
@@ -337,13 +343,13 @@ class Engine:
         assert isinstance(text, str)
         return text
 
-    def _finish_row(self, rows: _Rows, i: int) -> Generation:
+    def _finish_row(self, rows: _Rows, i: int, version: int) -> Generation:
         token_ids = rows.ids[i]
         text_ids = token_ids[:-1] if rows.finish[i] is FinishReason.EOS else token_ids
         return Generation(
             token_ids=torch.tensor(token_ids, dtype=torch.long),
             logp=torch.tensor(rows.logp[i], dtype=torch.float32),
-            version=self._version,
+            version=version,
             text=self._decode(text_ids),
             finish=rows.finish[i],
             stop_string=rows.stop[i],
