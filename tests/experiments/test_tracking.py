@@ -42,7 +42,7 @@ def test_ops_diagnostics_use_the_namespace():
     # and every metric-like string literal in the ops modules (policy/value loss stats ...)
     import copc.ops
 
-    pattern = re.compile(r'"((?:loss|ratio|policy|value|critic|adv|staleness|grad)/[a-z0-9_@]+)"')
+    pattern = re.compile(r'"((?:loss|ratio|policy|value|critic|adv|returns|staleness|grad)/[a-z0-9_@]+)"')
     for path in Path(copc.ops.__file__).parent.glob("*.py"):
         names = set(pattern.findall(path.read_text()))
         missing = sorted(n for n in names if not is_known(n))

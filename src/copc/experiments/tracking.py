@@ -64,6 +64,9 @@ CRITIC_VALUES_MEAN = "critic/values_mean"
 CRITIC_RETURNS_MEAN = "critic/returns_mean"
 ADV_MEAN = "adv/mean"
 ADV_STD = "adv/std"
+ADV_RAW_MEAN = "adv/raw_mean"
+ADV_RAW_STD = "adv/raw_std"
+RETURNS_MEAN = "returns/mean"
 GRAD_ACTOR_NORM = "grad/actor_norm"
 GRAD_CRITIC_NORM = "grad/critic_norm"
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
@@ -132,8 +135,11 @@ METRICS: dict[str, str] = {
     CRITIC_VALUE_BIAS: "b = E_pi[R] - E_mu[R] (BRACE eq. 7)",
     CRITIC_VALUES_MEAN: "mean pre-update critic value over sampled tokens",
     CRITIC_RETURNS_MEAN: "mean critic target G over sampled tokens",
-    ADV_MEAN: "mean advantage before whitening",
-    ADV_STD: "std of advantages before whitening",
+    ADV_MEAN: "mean advantage fed to the actor loss (after whitening, if any)",
+    ADV_STD: "std of advantages fed to the actor loss",
+    ADV_RAW_MEAN: "mean advantage before whitening (m of spec 9.5), over sampled tokens",
+    ADV_RAW_STD: "std of advantages before whitening (sqrt v of spec 9.5)",
+    RETURNS_MEAN: "mean critic target G over sampled tokens (advantage channel output)",
     GRAD_ACTOR_NORM: "actor gradient norm before clipping",
     GRAD_CRITIC_NORM: "critic gradient norm before clipping",
     PERF_TOKENS_PER_S: "tokens of the batch per second of step wall time",
