@@ -24,9 +24,10 @@ Two modes share one admission formula and differ in which stored trajectories a 
   (synchronous). A trajectory finishing out of order can still be consumed a step or two late; that
   lag above ``s`` is not hidden: :func:`realized_staleness` reports it per token.
 
-The same formula paces ``fixed_lag`` generation: admitted requests of batch ``j`` are those a worker
-holding version ``max(0, j - s)`` produces, and :func:`fixed_lag_quota` says how many trajectories each
-version must generate (``(s + 1)·B`` for version 0, ``B`` after).
+The same formula paces ``fixed_lag`` generation. There batch ``j`` must be sampled by version exactly
+``max(0, j - s)``, and the formula admits batch ``j`` from version ``i = j - s`` on, i.e. exactly when
+the weights it needs are published; :func:`fixed_lag_quota` says how many trajectories each version
+generates (``(s + 1)·B`` for version 0, ``B`` after).
 
 Realized staleness of a trajectory consumed at version ``n`` (PACE's split, spec section 1):
 ``s_max = n - min_t v_t`` (what AReaL/BRACE/DORA bound), ``s_gen = max_t v_t - min_t v_t`` (spread
