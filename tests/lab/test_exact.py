@@ -264,3 +264,18 @@ def test_weighted_gradient_golden():
     seqs = torch.tensor([[1]])
     got = weighted_gradient(logits, seqs, torch.zeros_like(seqs), torch.tensor([[2.0]], dtype=torch.float64), torch.ones(1, dtype=torch.float64))
     torch.testing.assert_close(got, torch.tensor([[-1.0, 1.0]], dtype=torch.float64))
+
+
+def test_zero_mean_critic_noise_changes_only_the_variance(setup):
+    # The J draws are centred per state and every estimator is linear in V, while the masked_is weight
+    # does not depend on Â: E[ĝ] is that of the exact critic (float32 Â: abs error <= ~1e-7 per token,
+    # a probability-weighted sum of them: atol 5e-8),
+    # and the squared-weight variance term grows.
+    mdp, pi, mu = setup
+    corr = _corr("masked_is", "clipped_td")
+    exact = decompose(mdp, pi, mu, corr, Critic())
+    noisy = decompose(mdp, pi, mu, corr, Critic(noise_std=0.2, draws=3, seed=7))
+    torch.testing.assert_close(noisy.mean_update, exact.mean_update, rtol=0, atol=5e-8)
+    noise = Critic(noise_std=0.2, draws=3, seed=7).noise(mdp.num_states)
+    torch.testing.assert_close(noise.mean(dim=0), torch.zeros(mdp.num_states, dtype=torch.float64), rtol=0, atol=1e-15)
+    assert noisy.var_amp > exact.var_amp and noisy.var_tok == pytest.approx(exact.var_tok, rel=1e-5)

@@ -56,9 +56,11 @@ class Critic:
 
     ``base = mu``: exact ``V^mu`` (what regression on behaviour data converges to; spec 3). ``base = pi``:
     exact ``V^pi`` (an oracle critic). ``noise_std > 0``: ``V = V^base + noise_std · xi_j(s)`` with ``J``
-    fixed draws ``xi_j ~ N(0, 1)`` per state (seeded), each trajectory seeing one draw uniformly at
-    random, independently of the others: the expectation over the critic error is an exact average over
-    the ``J`` draws, which is what "exact" means for the noisy critic.
+    fixed draws per state (seeded Gaussians, centred over the draws and rescaled by ``sqrt(J/(J-1))``, so
+    that for every state the error has mean exactly 0 and expected square ``noise_std²``); each
+    trajectory sees one draw uniformly at random, independently of the others. The expectation over the
+    critic error is the exact average over the ``J`` draws. Centring makes the noise pure variance: the
+    estimators are linear in V, so with weights that do not depend on Â it leaves E[ĝ] unchanged.
     """
 
     base: str = "mu"
@@ -77,13 +79,17 @@ class Critic:
             raise ValueError(f"need noise_std >= 0 and draws >= 1, got {self.noise_std}, {self.draws}")
         if self.noise_std == 0 and self.draws != 1:
             raise ValueError("a noise-free critic has exactly one draw: set draws=1 or noise_std > 0")
+        if self.noise_std > 0 and self.draws < 2:
+            raise ValueError("a noisy critic needs draws >= 2 (the draws are centred per state), e.g. 4")
 
     def noise(self, num_states: int) -> torch.Tensor:
         """``[J, S]`` float64 critic errors (zeros without noise)."""
         if self.noise_std == 0:
             return torch.zeros(1, num_states, dtype=DTYPE)
         gen = torch.Generator().manual_seed(self.seed + 104729)
-        return self.noise_std * torch.randn(self.draws, num_states, generator=gen, dtype=DTYPE)
+        xi = torch.randn(self.draws, num_states, generator=gen, dtype=DTYPE)
+        xi = (xi - xi.mean(dim=0)) * math.sqrt(self.draws / (self.draws - 1))
+        return self.noise_std * xi
 
 
 class UpdateTerms(NamedTuple):
