@@ -168,3 +168,26 @@ def test_concurrent_producer_and_trainer_lose_nothing():
     assert len(seen) == len(set(seen)) == 4 * n_steps
     assert buf.wait_batch(n_steps, timeout_s=0.05) is None
     assert buf.metrics()["buffer/dropped"] == 0
+
+
+def test_partial_rollout_is_filed_under_its_oldest_version():
+    """A trajectory whose tokens span versions 1 and 2 (partial rollout) has lag n - min_t v_t: under
+    fixed_lag with s = 1 it is consumed at step 2, not 3."""
+    version_L = torch.tensor([-1, 1, 1, 2])
+    mixed = Trajectory(
+        prompt_id="mixed",
+        token_ids=torch.arange(4),
+        prompt_len=1,
+        action_mask=version_L >= 0,
+        logp_behav=torch.zeros(4),
+        policy_version=version_L,
+        reward=0.0,
+        token_rewards=torch.zeros(4),
+        stop_reason=StopReason.MAX_TOKENS,
+    )
+    buf = TrajectoryBuffer(StalenessConfig(mode="fixed_lag", staleness=1), batch_size=1)
+    buf.put([mixed])
+    assert buf.get_batch(3) is None  # step 3 reads version 2: "mixed" is unreachable from now on
+    assert buf.metrics()["buffer/dropped_unscheduled"] == 1
+    buf.put([mixed])
+    assert ids(buf.get_batch(2)) == ["mixed"]
