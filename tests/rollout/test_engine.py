@@ -218,6 +218,8 @@ def test_bad_calls_say_what_to_do(engine, tok) -> None:
     assert engine.generate([], config) == []
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[]], config)
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[1, 10_000]], config)
     with pytest.raises(ValueError, match="seeds"):
         engine.generate([[1], [1]], config, seeds=[1])
     with pytest.raises(ValueError, match="max_new_tokens"):

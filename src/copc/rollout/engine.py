@@ -243,6 +243,12 @@ class Engine:
             raise ValueError(f"stop_strings has {len(stops)} rows, prompts has {n}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        bad = [i for i, p in enumerate(prompts) if min(p) < 0 or max(p) >= vocab]
+        if bad:
+            raise ValueError(
+                f"prompts {bad[:5]} hold token ids outside [0, {vocab}): encode them with this engine's tokenizer"
+            )
         uniforms = self._uniforms(n, max(budgets), seeds, generator)
         version = self._version  # the weights this call samples with (load_weights is not run mid-call)
         rows = _Rows(n)
