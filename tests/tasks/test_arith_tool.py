@@ -23,13 +23,16 @@ def test_generator_is_deterministic_and_seeded():
     assert expressions(a) != expressions(c)
 
 
-@pytest.mark.parametrize("fields", [{}, {"difficulty": 1}, {"hard": True}])
+@pytest.mark.parametrize("fields", [{"difficulty": 1, "eval_size": 500, "train_size": 4000}, {"hard": True, **SMALL}])
 def test_splits_and_demos_share_no_expression(fields):
-    task = get_task("arith_tool", **SMALL, **fields)
+    # Difficulty 1 has only 90 * 90 = 8100 expressions: independent draws of 500 and 4000 would share
+    # about 250, so this fails unless the train split really skips the eval expressions.
+    task = get_task("arith_tool", **fields)
     train, evals = task.prompts("train"), task.prompts("eval")
-    assert len(expressions(train)) == len(train) == 300  # distinct within a split too
+    assert len(expressions(train)) == len(train) == fields["train_size"]  # distinct within a split too
     assert not expressions(train) & expressions(evals)
-    demo_exprs = {re.search(r"print\((.*)\)", d.text).group(1) for d in task.sft_demos(200, seed=0) if "<python>" in d.text}
+    demos = task.sft_demos(2000, seed=0)
+    demo_exprs = {re.search(r"print\((.*)\)", d.text).group(1) for d in demos if d.kind == "tool"}
     assert not demo_exprs & expressions(evals)
 
 

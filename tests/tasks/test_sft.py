@@ -1,0 +1,161 @@
+"""Warm-start SFT: demo encoding, the action-only loss (against a per-token loop), the cache, the CLI.
+
+The full default builds (about 1.5 minutes of CPU each) run only in the slow end-to-end test.
+"""
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from copc.models.tiny import build_tiny_tokenizer
+from copc.tasks import get_task
+from copc.tasks.base import Demo, Segment
+from copc.tasks.sft import (
+    MARKER,
+    SFTConfig,
+    action_nll,
+    build_warmstart,
+    encode_demo,
+    is_complete,
+    length_bucketed_batches,
+    load_warmstart,
+    measure_accuracy,
+    sft_cli,
+    warmstart_dir,
+    warmstart_info,
+)
+
+TINY_SFT = SFTConfig(n_examples=48, steps=3, batch_size=8, warmup_steps=1)
+SMALL_TASK = {"eval_size": 20, "train_size": 50}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def test_encode_demo_masks_prompt_and_observations(tokenizer):
+    demo = Demo(
+        (Segment("What is 2*3?\n", False), Segment("<python>print(2*3)</python>", True),
+         Segment("<output>6</output>", False), Segment("<answer>6</answer>", True)),
+        kind="tool",
+    )
+    encoded = encode_demo(tokenizer, demo)
+    tokens = tokenizer.convert_ids_to_tokens(encoded.token_ids.tolist())
+    assert tokens[0] == "<bos>" and tokenizer.decode(encoded.token_ids[1:]) == demo.text
+    # bos + 13 prompt characters; <python> + 10 characters + </python>; <output> 6 </output>; <answer> 6 </answer>.
+    expected = [False] * 14 + [True] * 12 + [False] * 3 + [True] * 3
+    assert encoded.action_mask.tolist() == expected
+    assert [t for t, m in zip(tokens, expected, strict=True) if m][-3:] == ["<answer>", "6", "</answer>"]
+
+
+def test_action_nll_matches_a_per_token_loop():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11)
+    ids = torch.randint(0, 11, (3, 7))
+    action = torch.rand(3, 7) < 0.5
+    action[2] = False  # an all-masked row contributes nothing
+    total, count = 0.0, 0
+    for b in range(3):
+        for t in range(1, 7):
+            if action[b, t]:
+                total -= torch.log_softmax(logits[b, t - 1].double(), -1)[ids[b, t]].item()
+                count += 1
+    # float32 log-softmax over 11 logits against float64: agreement to ~1e-6 relative.
+    assert action_nll(logits, ids, action).item() == pytest.approx(total / count, rel=1e-5)
+
+
+def test_action_nll_golden_and_mask_invariance():
+    # Uniform logits over V = 8: every target has log-prob -log 8, so the loss is log 8 exactly.
+    ids = torch.tensor([[1, 2, 3, 4]])
+    action = torch.tensor([[False, True, False, True]])
+    assert action_nll(torch.zeros(1, 4, 8), ids, action).item() == pytest.approx(math.log(8), abs=1e-6)
+    # Logits at positions that predict non-action tokens (and NaN there) change nothing.
+    logits = torch.randn(1, 4, 8)
+    poisoned = logits.clone()
+    poisoned[0, 1] = float("nan")  # predicts token 2 (not an action)
+    poisoned[0, 3] = 1e4  # the last position predicts nothing
+    assert torch.equal(action_nll(poisoned, ids, action), action_nll(logits, ids, action))
+
+
+def test_length_buckets_cover_each_index_once():
+    lengths = [int(x) for x in torch.randint(5, 300, (200,))]
+    batches = length_bucketed_batches(lengths, 8, torch.Generator().manual_seed(1))
+    flat = [i for batch in batches for i in batch]
+    assert len(flat) == len(set(flat)) == 200 and all(len(b) == 8 for b in batches)
+    assert batches == length_bucketed_batches(lengths, 8, torch.Generator().manual_seed(1))
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    assert spread < 60  # sorted inside windows of 128: batches hold similar lengths
+
+
+def _build(tmp_path, **kwargs):
+    return build_warmstart("arith_tool", task_config=SMALL_TASK, sft=TINY_SFT, **kwargs)
+
+
+def test_cache_builds_once_and_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("COPC_CACHE", str(tmp_path / "cache"))
+    path = _build(tmp_path)
+    assert path == warmstart_dir("arith_tool", task_config=SMALL_TASK, sft=TINY_SFT)
+    assert path.parent == tmp_path / "cache" / "warmstart" and path.name.startswith("arith_tool-")
+    assert is_complete(path) and not list(path.parent.glob("*.tmp-*"))
+    info = warmstart_info(path)
+    assert info["sft"]["steps"] == 3 and info["task"] == "arith_tool" and set(info["demo_mix"]) <= {
+        "tool", "direct", "operand_error", "output_error"}
+    stamp = (path / MARKER).stat().st_mtime_ns
+    assert _build(tmp_path) == path and (path / MARKER).stat().st_mtime_ns == stamp  # not retrained
+    other = _build(tmp_path, out_dir=tmp_path / "again")
+    model_a, _ = load_warmstart(path)
+    model_b, _ = load_warmstart(other)
+    for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert _build(tmp_path, seed=1) != path  # the seed is part of the cache key
+
+
+def test_directory_without_marker_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("COPC_CACHE", str(tmp_path / "cache"))
+    path = warmstart_dir("arith_tool", task_config=SMALL_TASK, sft=TINY_SFT)
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_text("half-written")  # a killed build
+    assert not is_complete(path)
+    with pytest.raises(FileNotFoundError, match="not a completed warm start"):
+        load_warmstart(path)
+    assert _build(tmp_path) == path and is_complete(path)
+    load_warmstart(path)  # loads: the junk was replaced
+    stamp = (path / MARKER).stat().st_mtime_ns
+    _build(tmp_path, force=True)
+    assert (path / MARKER).stat().st_mtime_ns != stamp
+
+
+def test_only_builtin_tasks_have_demos():
+    with pytest.raises(ValueError, match="no warm-start demonstrations"):
+        build_warmstart("math_tool", task_config={"data": "x.jsonl"})
+
+
+def test_cli(tmp_path, capsys):
+    assert sft_cli(["--task", "nope"]) == 2
+    assert "valid tasks" in capsys.readouterr().out
+    done = _build(tmp_path, out_dir=tmp_path / "ws")
+    # --out-dir on a completed checkpoint returns at once (the default SFT config is not re-run).
+    assert sft_cli(["--task", "arith_tool", "--out-dir", str(done)]) == 0
+    assert f"warm start ready: {done}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task_name", ["arith_tool", "kv_search"])
+def test_warm_start_lands_in_the_target_band(task_name):
+    """End to end: the default warm start plays the task through the engine, tools and reward.
+
+    Targets (tasks brief): sampled (temperature 1) accuracy in [0.2, 0.6] and greedy below 0.8 on 200
+    eval prompts, so RL has room. Uses $COPC_CACHE (a second run reuses the checkpoint).
+    """
+    path = build_warmstart(task_name)
+    assert is_complete(Path(path)) and os.environ.get("COPC_CACHE", "") in str(path)
+    sampled = measure_accuracy(task_name, path, n=200, greedy=False)
+    greedy = measure_accuracy(task_name, path, n=200, greedy=True)
+    assert 0.2 <= sampled.accuracy <= 0.6, sampled
+    assert greedy.accuracy < 0.8, greedy
+    assert 0.1 < sampled.tool_use < 0.95  # the policy sometimes calls the tool, sometimes not
+    assert get_task(task_name).prompts("eval", 1)  # the eval split exists for the RL side
