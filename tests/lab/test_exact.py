@@ -279,3 +279,29 @@ def test_zero_mean_critic_noise_changes_only_the_variance(setup):
     noise = Critic(noise_std=0.2, draws=3, seed=7).noise(mdp.num_states)
     torch.testing.assert_close(noise.mean(dim=0), torch.zeros(mdp.num_states, dtype=torch.float64), rtol=0, atol=1e-15)
     assert noisy.var_amp > exact.var_amp and noisy.var_tok == pytest.approx(exact.var_tok, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("policy", "critic"),
+    [("masked_is", Critic(base="mu", noise_std=0.2, draws=4, seed=2)), ("ppo_clip", Critic(base="mu"))],
+)
+def test_variance_split_matches_monte_carlo(setup, policy, critic):
+    # amp = sum_t E[||grad_t||² Var(c_t | h_t)]: for each sampled trajectory and step t, a second
+    # continuation is drawn from mu after the same prefix h_t (through a_t), with a fresh critic draw;
+    # ||grad_t||² (c_t - c_t')² / 2 is then unbiased for ||grad_t||² Var(c_t | h_t). tok = tr Cov - amp.
+    # 3,000 trajectories; 4 standard errors of the sample mean, with the SE estimated from the sample
+    # (this statistic's exact spread would need the joint law of the pair).
+    mdp, pi, mu = setup
+    corr = _corr(policy, "clipped_td")
+    d = decompose(mdp, pi, mu, corr, critic)
+    n = 3000
+    gen = torch.Generator().manual_seed(21)
+    j = critic.draws if critic.noise_std > 0 else 1
+    first = batch_terms(mdp, pi, mu, sample_sequences(mdp, mu, n, generator=gen), torch.randint(j, (n,), generator=gen), corr, critic)
+    y = torch.zeros(n, dtype=torch.float64)
+    for t in range(mdp.horizon):
+        again = sample_sequences(mdp, mu, n, generator=gen, prefix=first.seqs[:, : t + 1])
+        second = batch_terms(mdp, pi, mu, again, torch.randint(j, (n,), generator=gen), corr, critic)
+        torch.testing.assert_close(second.score_sq[:, t], first.score_sq[:, t])
+        y += first.score_sq[:, t] * (first.coef[:, t] - second.coef[:, t]) ** 2 / 2
+    assert abs(float(y.mean()) - d.var_amp) <= 4 * float(y.std()) / n**0.5

@@ -301,12 +301,27 @@ def gradient_path(
     return torch.stack(path)
 
 
-def sample_sequences(mdp: TokenMDP, logits: torch.Tensor, n: int, *, generator: torch.Generator) -> torch.Tensor:
-    """Roll out ``n`` sequences token by token from ``softmax(logits)``. ``[n, H] int64``."""
+def sample_sequences(
+    mdp: TokenMDP,
+    logits: torch.Tensor,
+    n: int,
+    *,
+    generator: torch.Generator,
+    prefix: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Roll out ``n`` sequences token by token from ``softmax(logits)``. ``[n, H] int64``.
+
+    ``prefix: [n, t] int64`` (optional): keep these first ``t`` tokens and sample only the continuation.
+    """
     seqs = torch.zeros(n, mdp.horizon, dtype=torch.int64)
     code = torch.zeros(n, dtype=torch.int64)
+    start = 0 if prefix is None else prefix.shape[1]
+    for t in range(start):
+        assert prefix is not None
+        seqs[:, t] = prefix[:, t]
+        code = code * mdp.vocab + seqs[:, t]
     probs = torch.softmax(logits.detach(), dim=-1)
-    for t in range(mdp.horizon):
+    for t in range(start, mdp.horizon):
         rows = probs[level_offset(t, mdp.vocab) + code]
         seqs[:, t] = torch.multinomial(rows, 1, generator=generator).squeeze(1)
         code = code * mdp.vocab + seqs[:, t]
