@@ -20,6 +20,7 @@ from copc.lab.channels import (
     Correction,
     PolicyChannel,
     _per_token_loss,
+    critic_target_policy,
     update_coefficients,
 )
 from copc.lab.exact import (
@@ -34,6 +35,8 @@ from copc.lab.exact import (
 from copc.lab.mdp import (
     exact_values,
     gradient_path,
+    level_offset,
+    level_tables,
     make_mdp,
     prefix_states,
     random_logits,
@@ -305,3 +308,33 @@ def test_variance_split_matches_monte_carlo(setup, policy, critic):
         torch.testing.assert_close(second.score_sq[:, t], first.score_sq[:, t])
         y += first.score_sq[:, t] * (first.coef[:, t] - second.coef[:, t]) ** 2 / 2
     assert abs(float(y.mean()) - d.var_amp) <= 4 * float(y.std()) / n**0.5
+
+
+@pytest.mark.parametrize(
+    "advantage",
+    [
+        AdvantageChannel(kind="clipped_td", lam=1.0, clip_low=0.8, clip_high=1.2),
+        AdvantageChannel(kind="clipped_td", lam=1.0, clip_low=0.5, clip_high=2.0),
+        AdvantageChannel(kind="vtrace", lam=1.0, rho_bar=1.0, c_bar=1.0),
+    ],
+)
+def test_fitted_critic_is_the_fixed_point_of_the_channels_target(setup, advantage):
+    # V of pi~ ∝ mu·rho makes the expected weighted TD residual vanish in every state:
+    # E_mu[rho(a|s) (r + V(s') - V(s)) | s] = 0, checked exactly on the tables (rho in float32: 1e-6).
+    mdp, pi, mu = setup
+    tilde = critic_target_policy(advantage, pi, mu)
+    vs, qs = level_tables(mdp, tilde)
+    w = torch.softmax(pi, dim=-1) / torch.softmax(mu, dim=-1)
+    rho = w.clamp(advantage.clip_low, advantage.clip_high) if advantage.kind == "clipped_td" else w.clamp(max=1.0)
+    p_mu = torch.softmax(mu, dim=-1)
+    for t in range(mdp.horizon):
+        rows = slice(level_offset(t, mdp.vocab), level_offset(t + 1, mdp.vocab))
+        residual = (p_mu[rows] * rho[rows] * (qs[t] - vs[t][:, None])).sum(dim=-1)
+        assert float(residual.abs().max()) < 1e-6
+    # degenerate ends: eps_A = 0 is V^mu, no clip is V^pi
+    gae_like = critic_target_policy(AdvantageChannel(kind="clipped_td", clip_low=1.0, clip_high=1.0), pi, mu)
+    full = critic_target_policy(AdvantageChannel(kind="clipped_td", clip_low=0.0, clip_high=float("inf")), pi, mu)
+    torch.testing.assert_close(torch.softmax(gae_like, -1), torch.softmax(mu, -1), rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.softmax(full, -1), torch.softmax(pi, -1), rtol=0, atol=1e-6)
+    d = decompose(mdp, pi, mu, Correction(PolicyChannel(), advantage), Critic(base="fitted"))
+    assert torch.isfinite(d.mean_update).all()

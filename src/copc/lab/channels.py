@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from copc.ops import advantages as adv_ops
+from copc.ops import importance
 from copc.ops import policy_losses as pl
 
 POLICY_CHANNELS: tuple[str, ...] = ("none", "ppo_clip", "mask_band", "masked_is", "decoupled")
@@ -257,3 +258,30 @@ def run_channels(
     unit = torch.where(adv < 0, -torch.ones_like(adv), torch.ones_like(adv))
     omega = update_coefficients(correction.policy, logp, logp_behav, unit, mask) * unit
     return ChannelOutputs(omega=omega, advantages=adv, coef=omega * adv)
+
+
+def critic_target_policy(channel: AdvantageChannel, pi_logits: torch.Tensor, mu_logits: torch.Tensor) -> torch.Tensor:
+    """Logits of the policy whose value is the fixed point of the channel's own critic target.
+
+    A critic regressed on the channel's returns converges to ``V`` of ``pi~(a|s) ∝ mu(a|s)·rho(a|s)``
+    (spec 4 and 9.3): ``rho = 1`` for GAE (``V^mu``), ``min(rho_bar, w)`` for V-trace,
+    ``clip(w, clip_low, clip_high)`` for clipped TD (``V^mu`` at eps_A = 0, ``V^pi`` without a clip).
+    The clip goes through the ops helpers, treating the ``[S, K]`` table as a ``[B, T]`` batch (float32).
+
+    Args:
+        pi_logits, mu_logits: ``[S, K]`` float64 tabular logits.
+
+    Returns: ``[S, K]`` float64 logits ``log mu + log rho`` (softmax normalises them).
+    """
+    log_mu = torch.log_softmax(mu_logits.detach(), dim=-1)
+    log_w = torch.log_softmax(pi_logits.detach(), dim=-1) - log_mu
+    mask = torch.ones(log_w.shape, dtype=torch.bool)
+    w = importance.ratio_from_log(log_w, mask)
+    a = channel
+    if a.kind == "gae":
+        return log_mu
+    if a.kind == "vtrace":
+        rho = importance.clip_ratio(w, mask, low=0.0, high=a.rho_bar)
+    else:
+        rho = importance.clip_ratio(w, mask, low=a.clip_low, high=a.clip_high)
+    return log_mu + torch.log(rho.to(torch.float64))

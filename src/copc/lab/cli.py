@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--adv-clips", type=_floats, default=d.adv_clips, help="eps_A values; inf allowed")
     sw.add_argument("--batch-size", type=int, default=d.batch_size)
     sw.add_argument("--lam", type=float, default=d.lam)
+    sw.add_argument("--critic", choices=CRITIC_BASES, default=d.critic_base)
     sw.add_argument("--critic-noise", type=float, default=d.critic_noise)
     sw.add_argument("--critic-draws", type=int, default=d.critic_draws)
 
@@ -158,6 +159,7 @@ def _sweep(args: argparse.Namespace) -> int:
         adv_clips=args.adv_clips,
         batch_size=args.batch_size,
         lam=args.lam,
+        critic_base=args.critic,
         critic_noise=args.critic_noise,
         critic_draws=args.critic_draws,
     )

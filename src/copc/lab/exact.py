@@ -44,10 +44,10 @@ from typing import NamedTuple
 
 import torch
 
-from copc.lab.channels import Correction, run_channels
+from copc.lab.channels import Correction, critic_target_policy, run_channels
 from copc.lab.mdp import DTYPE, TokenMDP, exact_values, prefix_states, sequence_kl, token_logp, true_gradient
 
-CRITIC_BASES: tuple[str, ...] = ("mu", "pi")
+CRITIC_BASES: tuple[str, ...] = ("mu", "pi", "fitted")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,9 @@ class Critic:
     """The critic V(s) the advantage channel is given.
 
     ``base = mu``: exact ``V^mu`` (what regression on behaviour data converges to; spec 3). ``base = pi``:
-    exact ``V^pi`` (an oracle critic). ``noise_std > 0``: ``V = V^base + noise_std · xi_j(s)`` with ``J``
+    exact ``V^pi`` (an oracle critic). ``base = fitted``: the exact fixed point of the advantage channel's
+    own critic target (``V`` of ``pi~ ∝ mu·rho``; :func:`copc.lab.channels.critic_target_policy`), i.e.
+    a critic fully fitted to the same clipped returns, as COPC trains it. ``noise_std > 0``: ``V = V^base + noise_std · xi_j(s)`` with ``J``
     fixed draws per state (seeded Gaussians, centred over the draws and rescaled by ``sqrt(J/(J-1))``, so
     that for every state the error has mean exactly 0 and expected square ``noise_std²``); each
     trajectory sees one draw uniformly at random, independently of the others. The expectation over the
@@ -64,7 +66,7 @@ class Critic:
     """
 
     base: str = "mu"
-    """``mu`` or ``pi``."""
+    """``mu``, ``pi`` or ``fitted``."""
     noise_std: float = 0.0
     """Standard deviation of the per-state critic error."""
     draws: int = 1
@@ -126,7 +128,10 @@ def batch_terms(
     states = prefix_states(seqs, mdp.vocab)
     logp = token_logp(pi_logits.detach(), seqs, states)
     logp_mu = token_logp(mu_logits.detach(), seqs, states)
-    base = exact_values(mdp, mu_logits if critic.base == "mu" else pi_logits).state_v
+    base_logits = {"mu": mu_logits, "pi": pi_logits}.get(critic.base)
+    if base_logits is None:
+        base_logits = critic_target_policy(correction.advantage, pi_logits, mu_logits)
+    base = exact_values(mdp, base_logits).state_v
     values = base[states] + critic.noise(mdp.num_states)[draw[:, None], states]
     rewards = torch.zeros(seqs.shape, dtype=DTYPE)
     rewards[:, -1] = mdp.reward_of(seqs)

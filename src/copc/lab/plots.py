@@ -27,9 +27,10 @@ def _label(x: float) -> str:
 
 
 def _critic_label(cfg: SweepConfig) -> str:
+    base = {"mu": "V^mu", "pi": "V^pi", "fitted": "fitted to the cell's clipped-TD target"}[cfg.critic_base]
     if cfg.critic_noise == 0:
-        return "V^mu (exact)"
-    return f"V^mu + N(0, {cfg.critic_noise:g}²) ({cfg.critic_draws} draws)"
+        return f"{base} (exact)"
+    return f"{base} + N(0, {cfg.critic_noise:g}²) ({cfg.critic_draws} draws)"
 
 
 def _mean_kl(cells: list[dict[str, float | str | int]], family: str, s: float) -> float:

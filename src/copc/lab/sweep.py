@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from copc.lab.channels import AdvantageChannel, Correction, PolicyChannel
-from copc.lab.exact import Critic, decompose
+from copc.lab.exact import CRITIC_BASES, Critic, decompose
 from copc.lab.mdp import REWARD_FAMILIES, behaviour_at_kl, gradient_path, make_mdp, random_logits
 
 INF = math.inf
@@ -63,8 +63,11 @@ class SweepConfig:
     """N trajectories per update (MSE = bias² + tr Cov / N)."""
     lam: float = 1.0
     """lambda of the advantage channel."""
+    critic_base: str = "mu"
+    """Critic: ``mu`` (exact V^mu, what a critic fit on stale data converges to), ``pi``, or ``fitted``
+    (the fixed point of each cell's own clipped-TD target, as COPC trains its critic)."""
     critic_noise: float = 0.0
-    """Std of the per-state critic error around V^mu (0 = exact V^mu)."""
+    """Std of the per-state critic error around the base critic (0 = exact)."""
     critic_draws: int = 1
     """Enumerated critic-noise draws (>= 2 with noise)."""
 
@@ -84,6 +87,8 @@ class SweepConfig:
             raise ValueError("mask bands need c >= 1 and advantage clips eps_A >= 0")
         if self.batch_size < 1 or self.step_size <= 0:
             raise ValueError("batch_size must be >= 1 and step_size > 0")
+        if self.critic_base not in CRITIC_BASES:
+            raise ValueError(f"unknown critic {self.critic_base!r}; valid: {', '.join(CRITIC_BASES)}")
         if self.critic_noise > 0 and self.critic_draws < 2:
             raise ValueError("a noisy critic needs critic_draws >= 2 (e.g. 4)")
 
@@ -96,8 +101,8 @@ class SweepConfig:
 
     def critic(self) -> Critic:
         if self.critic_noise == 0:
-            return Critic(base="mu")
-        return Critic(base="mu", noise_std=self.critic_noise, draws=self.critic_draws)
+            return Critic(base=self.critic_base)
+        return Critic(base=self.critic_base, noise_std=self.critic_noise, draws=self.critic_draws)
 
 
 def _json_float(x: float) -> float | str:
