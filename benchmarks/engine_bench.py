@@ -6,7 +6,8 @@ Default: the same number of new tokens per row (EOS ignored: ``ignore_eos`` for 
 tokens/s counts the tokens up to and including each row's EOS; the engine drops finished rows from
 the batch, HF keeps computing them until the last row ends. Reported: median wall time over repeats
 and tokens/s for each, and the ratio engine / HF measured in the same run (interleaved repeats, so
-machine load hits both alike).
+machine load hits both alike). On a shared machine the process CPU time (one thread) is the steadier
+figure; both are printed.
 
     .venv/bin/python benchmarks/engine_bench.py [--batch 16] [--prompt 32] [--new 64] [--repeats 7] [--eos]
 """
@@ -74,21 +75,29 @@ def main() -> None:
 
     run_engine(), run_hf()  # warm-up
     times: dict[str, list[float]] = {"engine": [], "hf": []}
+    cpu: dict[str, list[float]] = {"engine": [], "hf": []}
     tokens = {"engine": 0, "hf": 0}
     for _ in range(args.repeats):
         for name, fn in (("engine", run_engine), ("hf", run_hf)):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             tokens[name] = fn()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
     if not args.eos:
         assert tokens["engine"] == tokens["hf"] == args.batch * args.new, tokens
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     print(f"tiny model ({sum(p.numel() for p in model.parameters())} params), batch {args.batch}, "
           f"prompt <= {args.prompt}, {'<= ' if args.eos else ''}{args.new} new tokens/row "
           f"({'stop at EOS' if args.eos else 'EOS ignored'}), {args.threads} thread(s), {args.repeats} repeats")
     for name in ("engine", "hf"):
-        print(f"  {name:6s}: median {med[name] * 1e3:8.1f} ms  {tokens[name] / med[name]:9.0f} tokens/s")
-    print(f"  ratio engine/hf tokens/s: {med['hf'] / med['engine']:.2f}")
+        print(
+            f"  {name:6s}: median wall {med[name] * 1e3:8.1f} ms  {tokens[name] / med[name]:7.0f} tokens/s | "
+            f"cpu {med_cpu[name] * 1e3:8.1f} ms  {tokens[name] / med_cpu[name]:7.0f} tokens/cpu-s"
+        )
+    ratio = (tokens["engine"] / med["engine"]) / (tokens["hf"] / med["hf"])
+    ratio_cpu = (tokens["engine"] / med_cpu["engine"]) / (tokens["hf"] / med_cpu["hf"])
+    print(f"  ratio engine/hf tokens/s: wall {ratio:.2f}, cpu {ratio_cpu:.2f}")
 
 
 if __name__ == "__main__":
