@@ -159,7 +159,8 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         hidden = int(backbone.config.hidden_size)
-        self.head = nn.Linear(hidden, 1, dtype=torch.float32)
+        device = next(backbone.parameters()).device
+        self.head = nn.Linear(hidden, 1, dtype=torch.float32, device=device)
         nn.init.normal_(self.head.weight, std=head_init_std)
         nn.init.zeros_(self.head.bias)
 
