@@ -106,7 +106,7 @@ def explain_table(d: Decomposition, header: str) -> str:
     ]:
         lines.append(f"  {name:<44}{v:>11.4g}{v / g2:>11.3f}")
     amp = d.var_amp / d.var_amp_unweighted if d.var_amp_unweighted > 0 else math.nan
-    lines.append(f"  squared-weight amplification  amp / amp(w := 1) = {amp:.3f}; E[w²] = {d.mean_w_sq:.3f}")
+    lines.append(f"  squared-weight amplification  amp / amp(w := 1) = {amp:.3f}; E[w²] per token = {d.mean_omega_sq:.3f}")
     lines.append(
         f"  MSE at N={d.batch_size}: {d.mse:.4g} (relative {s['relative_mse']:.3f}); "
         f"mask rate {d.mask_rate:.3f}; KL(pi||mu) {d.kl:.4f} nats"

@@ -233,7 +233,7 @@ class Decomposition:
     """KL(pi || mu) over whole sequences (nats)."""
     mask_rate: float
     """E_mu fraction of tokens with omega = 0."""
-    mean_w_sq: float
+    mean_omega_sq: float
     """E_mu token mean of omega²."""
 
     @property
@@ -278,7 +278,7 @@ class Decomposition:
             "cosine": self.cosine,
             "kl": self.kl,
             "mask_rate": self.mask_rate,
-            "mean_omega_sq": self.mean_w_sq,
+            "mean_omega_sq": self.mean_omega_sq,
         }
 
 
@@ -334,5 +334,5 @@ def decompose(
         batch_size=batch_size,
         kl=sequence_kl(mdp, pi_logits, mu_logits),
         mask_rate=float((prob[:, None] * masked).sum()) / mdp.horizon,
-        mean_w_sq=float((prob[:, None] * terms.omega**2).sum()) / mdp.horizon,
+        mean_omega_sq=float((prob[:, None] * terms.omega**2).sum()) / mdp.horizon,
     )
