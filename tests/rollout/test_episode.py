@@ -215,3 +215,26 @@ def test_sampling_settings_reach_the_engine(engine, tok) -> None:
     (traj,) = _run(engine, [ScriptedEnv(PROMPTS[0])], sampling=SamplingConfig(temperature=0.7, top_k=1))
     # top_k = 1: every sampled token had probability 1 under the truncated distribution.
     assert (traj.logp_behav[traj.action_mask] == 0).all()
+
+
+def test_budget_invariants_on_random_configurations(engine, tok) -> None:
+    """Whatever the budgets: never more turns, generated tokens or context than allowed; masks consistent."""
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(6):
+        def draw(lo: int, hi: int) -> int:
+            return int(torch.randint(lo, hi, (1,), generator=rng))
+
+        max_turns, per_turn, total, extra_ctx = draw(1, 4), draw(1, 10), draw(1, 25), draw(1, 40)
+        envs = [ScriptedEnv(p, answer_turn=draw(1, 5)) for p in PROMPTS]
+        context = max(len(tok.encode(p)) for p in PROMPTS) + extra_ctx
+        limits = {"max_turns": max_turns, "max_new_tokens_per_turn": per_turn, "max_total_tokens": total}
+        trajs = _run(engine, envs, context_limit=context, seed=trial, **limits)
+        for env, traj in zip(envs, trajs, strict=True):
+            assert traj.info["policy_turns"] <= max_turns
+            assert traj.num_action_tokens == traj.info["gen_tokens"] <= total
+            assert traj.num_tokens <= context
+            assert (traj.policy_version[~traj.action_mask] == -1).all()
+            assert (traj.policy_version[traj.action_mask] == engine.version).all()
+            # The env saw exactly the turns it was stepped with, and grading happened exactly once.
+            assert len(env.finished) + (traj.stop_reason is StopReason.ANSWER) == 1
+            assert traj.token_rewards.sum().item() == pytest.approx(traj.reward)
