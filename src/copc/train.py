@@ -74,6 +74,8 @@ class ModelConfig:
     """'warmstart' (the task's cached warm-started tiny policy), 'tiny' (random tiny model), or an HF folder."""
     tiny_seed: int = 0
     """Initialisation seed when policy = 'tiny'."""
+    warmstart_seed: int = 0
+    """Seed of the warm start when policy = 'warmstart' (built once, then cached)."""
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,7 @@ def policy_path(cfg: RunConfig, scratch: Path) -> Path:
     if cfg.model.policy == "warmstart":
         from copc.tasks.sft import build_warmstart
 
-        return Path(build_warmstart(cfg.task, seed=cfg.seed))
+        return Path(build_warmstart(cfg.task, seed=cfg.model.warmstart_seed, task_config=cfg.task_options))
     if cfg.model.policy == "tiny":
         from copc.models import build_tiny_model, build_tiny_tokenizer
 

@@ -86,23 +86,42 @@ class WorkerSpec:
 
 
 class WeightRing:
-    """Versioned policy weights in shared memory (module docstring)."""
+    """Versioned policy weights in shared memory (module docstring).
+
+    Each slot is one flat shared buffer per dtype (tensors are views into it), so passing the ring to a
+    worker sends a handful of file descriptors, not one per parameter tensor per slot.
+    """
 
     def __init__(self, template: Mapping[str, torch.Tensor], slots: int) -> None:
         ctx = _context()
-        self.slots = [
-            {k: v.detach().clone().contiguous().share_memory_() for k, v in template.items()} for _ in range(slots)
+        self.layout: list[tuple[str, str, tuple[int, ...], int]] = []  # name, dtype, shape, offset
+        sizes: dict[str, int] = {}
+        for name, tensor in template.items():
+            key = str(tensor.dtype)
+            self.layout.append((name, key, tuple(tensor.shape), sizes.get(key, 0)))
+            sizes[key] = sizes.get(key, 0) + tensor.numel()
+        dtypes = {str(t.dtype): t.dtype for t in template.values()}
+        self.buffers = [
+            {key: torch.zeros(size, dtype=dtypes[key]).share_memory_() for key, size in sizes.items()}
+            for _ in range(slots)
         ]
         self.tags = ctx.Array("q", [-1] * slots, lock=False)
         self.latest = ctx.Value("q", -1, lock=False)
         self.lock = ctx.Lock()
 
+    def _views(self, slot: int) -> dict[str, torch.Tensor]:
+        views = {}
+        for name, key, shape, offset in self.layout:
+            numel = int(torch.Size(shape).numel())
+            views[name] = self.buffers[slot][key][offset : offset + numel].view(shape)
+        return views
+
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        slot = version % len(self.slots)
+        slot = version % len(self.buffers)
         with self.lock:
             self.tags[slot] = -1
-            for name, tensor in self.slots[slot].items():
-                tensor.copy_(weights[name])
+            for name, view in self._views(slot).items():
+                view.copy_(weights[name])
             self.tags[slot] = version
             self.latest.value = max(self.latest.value, version)
 
@@ -110,13 +129,13 @@ class WeightRing:
         """A private copy of ``version`` (None = the newest) and its tag."""
         with self.lock:
             wanted = self.latest.value if version is None else version
-            slot = wanted % len(self.slots)
+            slot = wanted % len(self.buffers)
             if wanted < 0 or self.tags[slot] != wanted:
                 raise RuntimeError(
                     f"weights of version {wanted} are not in the ring (slot holds {self.tags[slot]}); "
                     "the ring is too small for this staleness"
                 )
-            return wanted, {k: v.clone() for k, v in self.slots[slot].items()}
+            return wanted, {k: v.clone() for k, v in self._views(slot).items()}
 
 
 def _encode(batch: GeneratedBatch) -> bytes:
