@@ -104,9 +104,12 @@ def test_fixed_lag_quota_matches_admission_and_schedule(batch_size, staleness):
     for version in range(10):
         total += fixed_lag_quota(version, staleness, batch_size)
         assert total == batch_size * (version + staleness + 1)
-        assert request_capacity(
-            version=version, batch_size=batch_size, num_requested=total - 1, staleness=staleness
-        ) == 1
+        assert (
+            request_capacity(
+                version=version, batch_size=batch_size, num_requested=total - 1, staleness=staleness
+            )
+            == 1
+        )
         steps = [n for n in range(40) if source_version(n, staleness) == version]
         assert len(steps) * batch_size == fixed_lag_quota(version, staleness, batch_size)
 

@@ -178,7 +178,9 @@ class TrajectoryBuffer:
         kept = [e for e in self._entries if not expired(mode, step=step, staleness=s, min_version=e.version)]
         self._dropped["unscheduled"] += len(self._entries) - len(kept)
         self._entries = kept
-        candidates = [e for e in self._entries if eligible(mode, step=step, staleness=s, min_version=e.version)]
+        candidates = [
+            e for e in self._entries if eligible(mode, step=step, staleness=s, min_version=e.version)
+        ]
         if len(candidates) < batch_size:
             return None
         chosen = sorted(candidates, key=lambda e: (e.version, e.seq))[:batch_size]
@@ -228,7 +230,9 @@ class TrajectoryBuffer:
         """
         with self._lock:
             return {
-                "entries": [{"seq": e.seq, "trajectory": trajectory_to_dict(e.trajectory)} for e in self._entries],
+                "entries": [
+                    {"seq": e.seq, "trajectory": trajectory_to_dict(e.trajectory)} for e in self._entries
+                ],
                 "next_seq": self._next_seq,
                 "in_flight": [prompt_to_dict(p) for p in self._in_flight + self._requeued],
                 "num_requested": self._num_requested,

@@ -103,7 +103,9 @@ def source_version(step: int, staleness: int) -> int:
 def fixed_lag_quota(version: int, staleness: int, batch_size: int) -> int:
     """Trajectories version ``v`` must generate under ``fixed_lag``: ``(s+1)·B`` for v = 0, else ``B``."""
     if version < 0 or staleness < 0 or batch_size <= 0:
-        raise ValueError(f"need version >= 0, staleness >= 0, batch_size > 0; got {version}, {staleness}, {batch_size}")
+        raise ValueError(
+            f"need version >= 0, staleness >= 0, batch_size > 0; got {version}, {staleness}, {batch_size}"
+        )
     return batch_size * (staleness + 1) if version == 0 else batch_size
 
 

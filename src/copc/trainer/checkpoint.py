@@ -138,16 +138,31 @@ def save_checkpoint(
     _write_meta(tmp, step)
     _fsync_dir(tmp)
     final = root / name
+    replaced = None
     if final.exists():  # re-saving a step after a resume: move the old one out of the way first
-        os.replace(final, root / f".tmp-old-{name}-{uuid.uuid4().hex[:8]}")
+        replaced = root / f".tmp-old-{name}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, replaced)
     os.replace(tmp, final)
     _fsync_dir(root)
     _write_latest(root, name)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     _prune(root, keep, current=step)
     return final
 
 
-_PLAIN_LEAVES = (torch.Tensor, str, bytes, bool, int, float, type(None), torch.dtype, torch.device, torch.Size)
+_PLAIN_LEAVES = (
+    torch.Tensor,
+    str,
+    bytes,
+    bool,
+    int,
+    float,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
 
 
 def check_plain(value: object, where: str = "payload") -> None:
@@ -158,14 +173,18 @@ def check_plain(value: object, where: str = "payload") -> None:
     if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, (str, int)):
-                raise CheckpointError(f"{where} has a key {key!r} of type {type(key).__name__}; use str or int keys")
+                raise CheckpointError(
+                    f"{where} has a key {key!r} of type {type(key).__name__}; use str or int keys"
+                )
             check_plain(item, f"{where}[{key!r}]")
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             check_plain(item, f"{where}[{i}]")
         return
-    hint = "convert it to a tensor" if isinstance(value, np.ndarray) else "save its state_dict() or plain data"
+    hint = (
+        "convert it to a tensor" if isinstance(value, np.ndarray) else "save its state_dict() or plain data"
+    )
     raise CheckpointError(f"{where} is a {type(value).__module__}.{type(value).__name__}; {hint}")
 
 
@@ -213,7 +232,9 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> int:
         files = meta["files"]
         step = int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"checkpoint {path} has no valid {META_FILE} ({err}); it is incomplete") from None
+        raise CheckpointError(
+            f"checkpoint {path} has no valid {META_FILE} ({err}); it is incomplete"
+        ) from None
     if STATE_FILE not in files:
         raise CheckpointError(f"checkpoint {path}: {META_FILE} does not list {STATE_FILE}")
     for name, info in files.items():
