@@ -426,3 +426,34 @@ def test_trace_estimators_match_reference_across_scan_blocks(seed: int) -> None:
                               trace_low=0.5, trace_high=1.1)
         for got, exp in zip(ct, want, strict=True):
             torch.testing.assert_close(got[b], torch.tensor(exp, dtype=torch.float32), **TOL)
+
+
+def test_cummax_reports_the_latest_index_among_ties() -> None:
+    # _next_action_values reads the latest action token at or before each position as the running
+    # arg-max of a bool mask; that relies on torch.cummax breaking ties towards the latest index (its
+    # CPU and CUDA kernels compare with >=). If a torch release changes this, the bridge breaks here first.
+    mask = torch.tensor([[True, False, True, True, False, False]])
+    assert mask.cummax(dim=1).indices.tolist() == [[0, 0, 2, 3, 3, 3]]
+
+
+def test_default_path_bridges_long_tool_spans_like_the_oracle() -> None:
+    # One row, T = 300: turns of 40-90 action tokens split by 20-60 tool tokens (no compaction on the
+    # gamma * lam == 1 path: the value after each turn must come from the next turn's first token).
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.zeros(1, 300, dtype=torch.bool)
+    t = 10
+    while t < 280:
+        span = int(torch.randint(40, 90, (1,), generator=gen))
+        mask[0, t : min(t + span, 290)] = True
+        t += span + int(torch.randint(20, 60, (1,), generator=gen))
+    rewards = torch.where(torch.rand(1, 300, generator=gen) < 0.05, torch.randn(1, 300, generator=gen), 0.0)
+    values = torch.randn(1, 300, generator=gen)
+    log_rho = torch.randn(1, 300, generator=gen) * 0.3
+    row = (rewards[0].tolist(), values[0].tolist(), mask[0].tolist())
+    for got, exp in zip(gae(rewards, values, mask, gamma=1.0, lam=1.0), gae_row(*row, gamma=1.0, lam=1.0), strict=True):
+        torch.testing.assert_close(got[0], torch.tensor(exp), rtol=1e-5, atol=1e-4)  # sums of ~200 O(1) terms
+    kw = {"gamma": 1.0, "lam_critic": 1.0, "lam_actor": 1.0, "low": 0.8, "high": 1.2}
+    got_ct = clipped_td(rewards, values, log_rho, mask, **kw)  # type: ignore[arg-type]
+    want_ct = clipped_td_row(rewards[0].tolist(), values[0].tolist(), log_rho[0].tolist(), mask[0].tolist(), **kw)  # type: ignore[arg-type]
+    for got, exp in zip(got_ct, want_ct, strict=True):
+        torch.testing.assert_close(got[0], torch.tensor(exp), rtol=1e-5, atol=1e-4)

@@ -12,11 +12,14 @@ Rewards, values and log-ratios at non-action positions are ignored (fold rewards
 :func:`fold_rewards`); outputs are exactly 0 there. Weights are detached; ratios come from a log-ratio
 clamped to +-20, in float32.
 
-Implementation: each row's action tokens are compacted to the left (scatter by ``cumsum`` index), so a
-bridged recursion becomes a plain recursion over a dense ``[B, T]`` array, solved loop-free by a
-discounted reverse cumulative sum (blocked matrix scan for ``gamma * lam < 1``). Only the ratio-product
-trace paths (V-trace, BRACE, ``clipped_td(trace="vtrace")``) take Python steps: a blocked scan of
-~2 sqrt(T) batch-vectorised steps, and BRACE's k window offsets.
+Implementation: the bridge needs ``V`` at the next action token, which one running arg-max of the
+flipped mask and one gather give in token layout (:func:`_next_action_values`). With ``gamma * lam ==
+1`` (the default) the recursion over action tokens is a plain reverse cumulative sum of residuals that
+are 0 off action tokens, so the default GAE and ``clipped_td`` paths never compact. Discounts below 1
+count powers in action tokens: there each row's action tokens are compacted to the left (scatter by
+``cumsum`` index) and a blocked matrix scan runs on the dense array. The ratio-product trace paths
+(V-trace, BRACE, ``clipped_td(trace="vtrace")``) take Python steps: a blocked scan of ~2 sqrt(T)
+batch-vectorised steps, and BRACE's k window offsets.
 """
 
 from __future__ import annotations
@@ -141,7 +144,98 @@ def _reverse_linear_scan(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Compaction of action tokens (the bridge over tool-output spans)
+# The bridge over tool-output spans, in token layout
+
+
+def _check_float(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32 (cast with .float() before the advantage channel), got {tensor.dtype}")
+
+
+def _on_actions(action_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x`` on action tokens, exactly 0 elsewhere (NaN-safe forward and backward)."""
+    return torch.where(action_mask, x, 0.0)
+
+
+def _next_action_values(values: torch.Tensor, action_mask: torch.Tensor, terminal: torch.Tensor) -> torch.Tensor:
+    """``V(s_next(t))``: ``values`` at the first action token strictly after ``t``, ``terminal[b]`` if none.
+
+    No compaction: flip time and put the terminal in front as an always-present action token; then the
+    latest action token at or before each flipped position is the running arg-max of the mask
+    (``cummax`` reports the latest index among ties, on CPU and CUDA alike: tested), and one gather
+    reads its value. Position ``p`` of the flipped axis is time ``T - p``, so "strictly after ``t``"
+    is "at or before ``p - 1 = T - 1 - t``". Only action-token and terminal entries are ever read.
+    """
+    batch, length = values.shape
+    flipped_mask = torch.cat([action_mask.new_ones(batch, 1), action_mask.flip(1)], dim=1)  # [B, T+1]
+    flipped_values = torch.cat([terminal[:, None], values.flip(1)], dim=1)
+    latest = flipped_mask.cummax(dim=1).indices[:, :length]  # [B, T] int64
+    return flipped_values.gather(1, latest).flip(1)
+
+
+def _prepare(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    gamma: float,
+    bootstrap_value: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Check inputs; return the bridged TD residuals ``delta_t = r_t + gamma V(s_next(t)) - V(s_t)``.
+
+    ``[B, T] float32`` in token layout, exactly 0 off action tokens; ``V`` after a row's last action
+    token is ``bootstrap_value[b]`` (0 without it).
+    """
+    check_bt("rewards", rewards)
+    _check_float("rewards", rewards)
+    check_bt("values", values, rewards)
+    _check_float("values", values)
+    check_mask("action_mask", action_mask, rewards)
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+    if bootstrap_value is None:
+        terminal = values.new_zeros(values.shape[0])
+    else:
+        if bootstrap_value.shape != rewards.shape[:1]:
+            raise ValueError(f"bootstrap_value must be [B] = {tuple(rewards.shape[:1])}, got {tuple(bootstrap_value.shape)}")
+        _check_float("bootstrap_value", bootstrap_value)
+        terminal = bootstrap_value
+    value_next = _next_action_values(values, action_mask, terminal)
+    return _on_actions(action_mask, value_next.mul_(gamma).add_(rewards).sub_(values))  # own temporary
+
+
+def _clean_log_rho(log_rho: torch.Tensor, action_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``clamp(log_rho, +-20)`` on action tokens, 0 elsewhere; detached ``[B, T] float32``."""
+    check_bt("log_rho", log_rho, like)
+    _check_float("log_rho", log_rho)
+    return _on_actions(action_mask, log_rho.detach()).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+class _Sums(NamedTuple):
+    here: torch.Tensor  # [B, T] y_t = sum_{u >= t} g^(k) x_u over action tokens u (garbage off action tokens)
+    after: torch.Tensor  # [B, T] y at the next action token after t (0 after the last; garbage off action tokens)
+
+
+def _action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float) -> _Sums:
+    """Discounted reverse sums over action tokens: ``y_t = x_t + discount * y_{next(t)}``, token layout.
+
+    ``x: [B, T]`` must be exactly 0 off action tokens. ``discount == 1``: a zero changes no sum, so
+    ``y`` is one reverse cumulative sum, ``after_t = total - prefix_t`` and ``here_t = after_t + x_t``
+    (no compaction). ``discount < 1`` counts powers in action tokens only: compact, scan
+    (:func:`discounted_reverse_cumsum`), shift, scatter back. Entries off action tokens are unspecified.
+    """
+    if discount == 1.0:
+        prefix = torch.cumsum(x, dim=1)
+        total = prefix[:, -1:].clone()
+        here = torch.sub(x, prefix).add_(total)
+        return _Sums(here, prefix.neg_().add_(total))  # own temporary: sum_{u > t} x_u
+    cp = _compaction(action_mask)
+    here = discounted_reverse_cumsum(_pack(x, action_mask, cp), discount)
+    return _Sums(_unpack(here, cp), _unpack(_shift_left(here), cp))
+
+
+# ----------------------------------------------------------------------------------------------
+# Compaction of action tokens, for recursions that count action tokens (discounts < 1, traces, windows)
 
 
 class _Compact(NamedTuple):
@@ -184,55 +278,13 @@ def _shift_left(xc: torch.Tensor) -> torch.Tensor:
 
 class _Packed(NamedTuple):
     cp: _Compact
-    reward: torch.Tensor  # [B, T] compact r
-    value: torch.Tensor  # [B, T] compact V(s_j)
-    value_tok: torch.Tensor  # [B, T] V(s_t) on action tokens, 0 elsewhere (token layout)
-    value_next: torch.Tensor  # [B, T] compact V(s_{j+1}) (bootstrap or 0 after the last token)
-    delta: torch.Tensor  # [B, T] compact delta_j = r_j + gamma V(s_{j+1}) - V(s_j)
-    weight: torch.Tensor | None  # [B, T] compact w_j = exp(clamp(log_rho)), detached; 1 in padding
+    delta: torch.Tensor  # [B, T] compact delta_j
+    weight: torch.Tensor  # [B, T] compact w_j = exp(clamp(log_rho)), detached; 1 in the padding
 
 
-def _check_float(name: str, tensor: torch.Tensor) -> None:
-    if tensor.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32 (cast with .float() before the advantage channel), got {tensor.dtype}")
-
-
-def _prepare(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    gamma: float,
-    log_rho: torch.Tensor | None = None,
-    bootstrap_value: torch.Tensor | None = None,
-) -> _Packed:
-    """Check inputs, compact action tokens and build the bridged TD residuals."""
-    check_bt("rewards", rewards)
-    _check_float("rewards", rewards)
-    check_bt("values", values, rewards)
-    _check_float("values", values)
-    check_mask("action_mask", action_mask, rewards)
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+def _packed(delta: torch.Tensor, log_w: torch.Tensor, action_mask: torch.Tensor) -> _Packed:
     cp = _compaction(action_mask)
-    reward = _pack(rewards, action_mask, cp)
-    value_tok = values.masked_fill(cp.off, 0.0)
-    value = _pack(value_tok, action_mask, cp)
-    value_next = _shift_left(value)  # 0 after each row's last action token (padding)
-    if bootstrap_value is not None:
-        if bootstrap_value.shape != rewards.shape[:1]:
-            raise ValueError(f"bootstrap_value must be [B] = {tuple(rewards.shape[:1])}, got {tuple(bootstrap_value.shape)}")
-        _check_float("bootstrap_value", bootstrap_value)
-        boot = torch.where(cp.n_actions > 0, bootstrap_value, torch.zeros_like(bootstrap_value))
-        value_next = value_next + torch.where(cp.last, boot[:, None], 0.0)
-    delta = torch.mul(value_next, gamma).add_(reward).sub_(value)
-    weight = None
-    if log_rho is not None:
-        check_bt("log_rho", log_rho, rewards)
-        _check_float("log_rho", log_rho)
-        log_w = _pack(log_rho.detach(), action_mask, cp)  # a fresh tensor: safe to update in place
-        weight = log_w.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
-    return _Packed(cp, reward, value, value_tok, value_next, delta, weight)
+    return _Packed(cp, _pack(delta, action_mask, cp), _pack(log_w, action_mask, cp).exp_())
 
 
 def _check_lambda(name: str, lam: float) -> None:
@@ -271,10 +323,9 @@ def gae(
     Returns: ``GAEOutput(advantages, returns)``, both ``[B, T] float32``, 0 off action tokens.
     """
     _check_lambda("lam", lam)
-    pk = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
-    adv = discounted_reverse_cumsum(pk.delta, gamma * lam)
-    adv_tok = _unpack(adv, pk.cp)
-    return GAEOutput(adv_tok, adv_tok + pk.value_tok)
+    delta = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    adv = _action_sums(delta, action_mask, gamma * lam).here
+    return GAEOutput(_on_actions(action_mask, adv), _on_actions(action_mask, adv.add_(values)))
 
 
 def vtrace(
@@ -303,14 +354,14 @@ def vtrace(
     Returns: ``VTraceOutput(vs, pg_advantages)``, ``[B, T] float32``, 0 off action tokens.
     """
     _check_lambda("lam", lam)
-    pk = _prepare(rewards, values, action_mask, gamma=gamma, log_rho=log_rho, bootstrap_value=bootstrap_value)
-    assert pk.weight is not None
+    delta = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    pk = _packed(delta, _clean_log_rho(log_rho, action_mask, rewards), action_mask)
     rho = pk.weight.clamp(max=rho_bar)
     trace = lam * pk.weight.clamp(max=c_bar)
     excess = _reverse_linear_scan(rho * pk.delta, gamma * trace)  # v_s - V(s_s)
     pg = pk.weight.clamp(max=pg_rho_bar) * (pk.delta + gamma * _shift_left(excess))
     cp = pk.cp
-    return VTraceOutput(_unpack(excess, cp) + pk.value_tok, _unpack(pg, cp))
+    return VTraceOutput(_on_actions(action_mask, _unpack(excess, cp) + values), _unpack(pg, cp))
 
 
 def _windowed(x: torch.Tensor, discount: float, window: int | None) -> torch.Tensor:
@@ -368,52 +419,59 @@ def clipped_td(
         raise ValueError(f"clipped_td needs low <= high (e.g. 0.8, 1.2), got low={low}, high={high}")
     if advantage_window is not None and advantage_window < 0:
         raise ValueError(f"advantage_window must be >= 0 or None (infinite), got {advantage_window}")
-    pk = _prepare(rewards, values, action_mask, gamma=gamma, log_rho=log_rho, bootstrap_value=bootstrap_value)
-    assert pk.weight is not None
+    if trace not in ("none", "vtrace", "brace"):
+        raise ValueError(f"unknown trace {trace!r}; valid: none, vtrace, brace")
+    delta = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    log_w = _clean_log_rho(log_rho, action_mask, rewards)
+    if trace == "none" and advantage_window is None:  # token layout, no compaction when gamma * lam == 1
+        weighted = log_w.exp_().clamp_(min=low, max=high).mul_(delta)  # rho~ delta, 0 off action tokens
+        d_sums = _action_sums(weighted, action_mask, gamma * lam_critic)
+        e_sums = d_sums if lam_actor == lam_critic else _action_sums(weighted, action_mask, gamma * lam_actor)
+        adv = e_sums.here if weight_own_residual else torch.add(delta, e_sums.after, alpha=gamma * lam_actor)
+        return ClippedTDOutput(_on_actions(action_mask, adv), _on_actions(action_mask, d_sums.here.add_(values)))
+    pk = _packed(delta, log_w, action_mask)
+    d_c, e_c = _clipped_compact(pk, gamma, lam_critic, lam_actor, low, high, trace, trace_low, trace_high, advantage_window)
+    adv_c = e_c if weight_own_residual else _shift_left(e_c).mul_(gamma * lam_actor).add_(pk.delta)
+    return ClippedTDOutput(_unpack(adv_c, pk.cp), _on_actions(action_mask, _unpack(d_c, pk.cp) + values))
+
+
+def _clipped_compact(
+    pk: _Packed,
+    gamma: float,
+    lam_c: float,
+    lam_a: float,
+    low: float,
+    high: float,
+    trace: TraceKind,
+    trace_low: float | None,
+    trace_high: float | None,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compact D and E for a window (``trace="none"``) or ratio traces (``"vtrace"``, ``"brace"``)."""
     rho = pk.weight.clamp(min=low, max=high)
     if trace == "none":
-        d_c, e_c = _clipped_no_trace(pk.delta, rho, gamma, lam_critic, lam_actor, advantage_window)
-    elif trace in ("vtrace", "brace"):
-        if trace_low is None or trace_high is None:
-            raise ValueError(f"trace={trace!r} needs trace_low and trace_high (bounds on the ratio)")
-        if not (trace_low <= low and trace_high <= high):
-            warnings.warn(
-                f"trace bounds [{trace_low}, {trace_high}] are not inside the advantage clip [{low}, {high}]: "
-                "c_t can exceed rho~_t (spec 9.4 asks trace_low <= low and trace_high <= high)",
-                stacklevel=2,
-            )
-        c = pk.weight.clamp(min=trace_low, max=trace_high)
-        if trace == "vtrace":
-            if advantage_window is not None:
-                raise ValueError("advantage_window needs trace='none' (c_t = 1) or 'brace'; got trace='vtrace'")
-            d_c = _reverse_linear_scan(rho * pk.delta, gamma * lam_critic * c)
-            e_c = _reverse_linear_scan(rho * pk.delta, gamma * lam_actor * c)
-        else:
-            if advantage_window is None:
-                raise ValueError("trace='brace' needs advantage_window = k (e.g. 100)")
-            d_c = _brace_excess(pk, rho, lam_critic * c, gamma, advantage_window)
-            e_c = _brace_excess(pk, rho, lam_actor * c, gamma, advantage_window)
-    else:
-        raise ValueError(f"unknown trace {trace!r}; valid: none, vtrace, brace")
-    adv = e_c if weight_own_residual else _shift_left(e_c).mul_(gamma * lam_actor).add_(pk.delta)
-    cp = pk.cp
-    return ClippedTDOutput(_unpack(adv, cp), _unpack(d_c, cp) + pk.value_tok)
-
-
-def _clipped_no_trace(
-    delta: torch.Tensor, rho: torch.Tensor, gamma: float, lam_c: float, lam_a: float, window: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """D and E with ``c_t = 1``: one scan of ``rho~ delta``, or ``GAE + windowed sum of (rho~ - 1) delta``."""
+        extra = (rho - 1.0) * pk.delta  # D = GAE + windowed sum of (rho~ - 1) delta
+        d_c = discounted_reverse_cumsum(pk.delta, gamma * lam_c) + _windowed(extra, gamma * lam_c, window)
+        if lam_a == lam_c:
+            return d_c, d_c
+        return d_c, discounted_reverse_cumsum(pk.delta, gamma * lam_a) + _windowed(extra, gamma * lam_a, window)
+    if trace_low is None or trace_high is None:
+        raise ValueError(f"trace={trace!r} needs trace_low and trace_high (bounds on the ratio)")
+    if not (trace_low <= low and trace_high <= high):
+        warnings.warn(
+            f"trace bounds [{trace_low}, {trace_high}] are not inside the advantage clip [{low}, {high}]: "
+            "c_t can exceed rho~_t (spec 9.4 asks trace_low <= low and trace_high <= high)",
+            stacklevel=3,
+        )
+    c = pk.weight.clamp(min=trace_low, max=trace_high)
+    if trace == "vtrace":
+        if window is not None:
+            raise ValueError("advantage_window needs trace='none' (c_t = 1) or 'brace'; got trace='vtrace'")
+        d_c = _reverse_linear_scan(rho * pk.delta, gamma * lam_c * c)
+        return d_c, _reverse_linear_scan(rho * pk.delta, gamma * lam_a * c)
     if window is None:
-        weighted = torch.mul(rho, delta)
-        d_c = discounted_reverse_cumsum(weighted, gamma * lam_c)
-        return d_c, d_c if lam_a == lam_c else discounted_reverse_cumsum(weighted, gamma * lam_a)
-    extra = (rho - 1.0) * delta
-    d_c = discounted_reverse_cumsum(delta, gamma * lam_c) + _windowed(extra, gamma * lam_c, window)
-    if lam_a == lam_c:
-        return d_c, d_c
-    e_c = discounted_reverse_cumsum(delta, gamma * lam_a) + _windowed(extra, gamma * lam_a, window)
-    return d_c, e_c
+        raise ValueError("trace='brace' needs advantage_window = k (e.g. 100)")
+    return _brace_excess(pk, rho, lam_c * c, gamma, window), _brace_excess(pk, rho, lam_a * c, gamma, window)
 
 
 def _brace_excess(pk: _Packed, rho: torch.Tensor, trace: torch.Tensor, gamma: float, k: int) -> torch.Tensor:
@@ -477,12 +535,12 @@ def brace(
     _check_lambda("lam", lam)
     if k < 0:
         raise ValueError(f"brace horizon k must be >= 0 (BRACE default 100), got {k}")
-    pk = _prepare(rewards, values, log_rho=log_rho, action_mask=action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
-    assert pk.weight is not None
+    delta = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    pk = _packed(delta, _clean_log_rho(log_rho, action_mask, rewards), action_mask)
     excess = _brace_excess(pk, pk.weight.clamp(max=rho_bar), lam * pk.weight.clamp(max=c_bar), gamma, k)
     adv = pk.delta + gamma * _shift_left(excess)
     cp = pk.cp
-    return BraceOutput(_unpack(adv, cp), _unpack(excess, cp) + pk.value_tok)
+    return BraceOutput(_unpack(adv, cp), _on_actions(action_mask, _unpack(excess, cp) + values))
 
 
 # ----------------------------------------------------------------------------------------------
