@@ -224,3 +224,47 @@ def test_bad_calls_say_what_to_do(engine, tok) -> None:
         engine.generate([[1], [1]], config, seeds=[1])
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate([[1]], config, max_new_tokens=[0])
+
+
+def test_prefix_kv_reuse_gives_the_same_samples(model, tok) -> None:
+    engine = Engine(model, tok)
+    prompts = _prompts(tok)
+    config = SamplingConfig(temperature=0.9, max_new_tokens=8)
+    first = engine.generate(prompts, config, seeds=[1, 2, 3], return_kv=True)
+    for prompt, gen in zip(prompts, first, strict=True):
+        assert gen.kv is not None and gen.kv.version == 0
+        assert gen.kv.length == len(prompt) + len(gen.token_ids) - 1  # every token the model was fed
+    # Next turn: previous ids + sampled tokens + an "observation" of different length per row.
+    observations = ["<output>1</output>", "ok", "<output>12345\n</output>"]
+    second = [
+        p + g.token_ids.tolist() + tok.encode(o, add_special_tokens=False)
+        for p, g, o in zip(prompts, first, observations, strict=True)
+    ]
+    prefixes = [first[0].kv, None, first[2].kv]  # mixed: row 1 is fed from scratch
+    reused = engine.generate(second, config, seeds=[4, 5, 6], prefix_kv=prefixes)
+    fresh = engine.generate(second, config, seeds=[4, 5, 6])
+    for prompt, a, b in zip(second, reused, fresh, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids)
+        torch.testing.assert_close(a.logp, b.logp, atol=ATOL, rtol=0)
+        full = torch.tensor([prompt + a.token_ids.tolist()])
+        with torch.no_grad():
+            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=0.9)
+        torch.testing.assert_close(a.logp, forced[0, len(prompt) :], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([prompts[0][:2]], config, prefix_kv=[first[0].kv])
+
+
+def test_prefix_kv_from_old_weights_is_ignored(tok) -> None:
+    engine = Engine(build_tiny_model(tok, seed=0), tok)
+    prompt = tok.encode("Compute 3+4.")
+    config = SamplingConfig(max_new_tokens=6)
+    (old,) = engine.generate([prompt], config, seeds=[1], return_kv=True)
+    new = build_tiny_model(tok, seed=8)
+    engine.load_weights(new.state_dict())
+    nxt = prompt + old.token_ids.tolist() + tok.encode("!", add_special_tokens=False)
+    (reused,) = engine.generate([nxt], config, seeds=[2], prefix_kv=[old.kv])
+    full = torch.tensor([nxt + reused.token_ids.tolist()])
+    with torch.no_grad():
+        forced = token_logprobs(new, full, torch.ones_like(full, dtype=torch.bool))
+    # Keys/values of the old weights would shift these; the stale prefix was recomputed instead.
+    torch.testing.assert_close(reused.logp, forced[0, len(nxt) :], atol=ATOL, rtol=0)

@@ -238,3 +238,13 @@ def test_budget_invariants_on_random_configurations(engine, tok) -> None:
             # The env saw exactly the turns it was stepped with, and grading happened exactly once.
             assert len(env.finished) + (traj.stop_reason is StopReason.ANSWER) == 1
             assert traj.token_rewards.sum().item() == pytest.approx(traj.reward)
+
+
+def test_kv_reuse_across_turns_changes_nothing(engine) -> None:
+    reused = _run(engine, [ScriptedEnv(p) for p in PROMPTS], seed=5, reuse_kv=True)
+    fresh = _run(engine, [ScriptedEnv(p) for p in PROMPTS], seed=5, reuse_kv=False)
+    for a, b in zip(reused, fresh, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.action_mask, b.action_mask)
+        torch.testing.assert_close(a.logp_behav, b.logp_behav, atol=ATOL, rtol=0)
+    # Several turns, so the reuse path really ran.
+    assert all(t.info["policy_turns"] >= 2 for t in reused)

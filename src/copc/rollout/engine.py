@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache, DynamicLayer
 
 from copc.models.hf import position_ids_from_mask
 
@@ -94,6 +95,26 @@ class Generation:
     text: str
     finish: FinishReason
     stop_string: str | None = None
+    kv: PrefixKV | None = None
+
+
+@dataclass(frozen=True)
+class PrefixKV:
+    """Keys and values of the first ``length`` tokens of a row, computed with weights ``version``.
+
+    Returned by ``generate(..., return_kv=True)`` for the row's prompt plus all sampled tokens but the
+    last (the tokens the model was fed), and accepted back as ``prefix_kv`` so the next turn of a
+    multi-turn episode only feeds its new tokens. Ignored when the engine's weights changed since.
+
+    Attributes:
+        version: weight version the keys/values were computed with.
+        length: number of leading tokens covered.
+        layers: per layer ``(keys, values)``, each ``[heads, length, head_dim]``.
+    """
+
+    version: int
+    length: int
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 def truncated_logprobs(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -176,6 +197,8 @@ class Engine:
         # transformers >= 5.2x names the KV cache `cache`; older releases and remote code `past_key_values`.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._device = next(model.parameters()).device
+        # Prefix reuse needs plain growing layers (no sliding windows, no recurrent state).
+        self._kv_reusable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
     @property
     def version(self) -> int:
@@ -219,6 +242,8 @@ class Engine:
         generator: torch.Generator | None = None,
         max_new_tokens: Sequence[int] | None = None,
         stop_strings: Sequence[tuple[str, ...]] | None = None,
+        prefix_kv: Sequence[PrefixKV | None] | None = None,
+        return_kv: bool = False,
     ) -> list[Generation]:
         """Sample a continuation of every prompt, all rows in one batch.
 
@@ -230,6 +255,11 @@ class Engine:
                 (or torch's global RNG when it is None).
             max_new_tokens: per-row budgets overriding ``config.max_new_tokens`` (each >= 1).
             stop_strings: per-row stop strings overriding ``config.stop_strings``.
+            prefix_kv: per row, keys/values of a prefix of its prompt from an earlier call (None: feed
+                the whole prompt). Entries from other weight versions are ignored. The result is the
+                same as without them, up to float rounding.
+            return_kv: attach each row's :class:`PrefixKV` to its Generation (when the model's cache
+                allows it).
 
         Returns:
             One :class:`Generation` per prompt, in order.
@@ -252,8 +282,24 @@ class Engine:
         uniforms = self._uniforms(n, max(budgets), seeds, generator)
         version = self._version  # the weights this call samples with (load_weights is not run mid-call)
         rows = _Rows(n)
-        self._decode_loop(prompts, config, budgets, stops, uniforms, rows)
+        prefixes = self._usable_prefixes(prompts, prefix_kv)
+        self._decode_loop(prompts, prefixes, config, budgets, stops, uniforms, rows, return_kv and self._kv_reusable)
         return [self._finish_row(rows, i, version) for i in range(n)]
+
+    def _usable_prefixes(
+        self, prompts: Sequence[Sequence[int]], prefix_kv: Sequence[PrefixKV | None] | None
+    ) -> list[PrefixKV | None]:
+        if prefix_kv is None or not self._kv_reusable:
+            return [None] * len(prompts)
+        if len(prefix_kv) != len(prompts):
+            raise ValueError(f"prefix_kv has {len(prefix_kv)} rows, prompts has {len(prompts)}")
+        for i, (prompt, prefix) in enumerate(zip(prompts, prefix_kv, strict=True)):
+            if prefix is not None and prefix.length >= len(prompt):
+                raise ValueError(
+                    f"prefix_kv[{i}] covers {prefix.length} tokens but prompt {i} has {len(prompt)}: "
+                    "a prompt must extend its prefix by at least one token"
+                )
+        return [p if p is not None and p.version == self._version else None for p in prefix_kv]
 
     @staticmethod
     def _per_row(values: Sequence[int] | None, default: int, n: int, name: str) -> list[int]:
@@ -274,7 +320,9 @@ class Engine:
             [torch.rand(steps, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64) for s in seeds]
         )
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: object) -> tuple:
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache | None
+    ) -> tuple[torch.Tensor, Cache]:
         kwargs = {self._cache_kw: cache} if cache is not None else {}
         out = self.model(
             input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
@@ -282,27 +330,67 @@ class Engine:
         new_cache = out["cache"] if "cache" in out else out["past_key_values"]
         return out.logits[:, -1], new_cache
 
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], prefixes: list[PrefixKV | None]
+    ) -> tuple[torch.Tensor, Cache, torch.Tensor, torch.Tensor]:
+        """Feed every row's uncached tokens. Layout of row i: [pad | its cached prefix | pad | suffix].
+
+        Returns:
+            last logits ``[B, V]``, the cache, the attention mask ``[B, cache length]`` and the
+            position of the next token ``[B, 1]``.
+        """
+        cached = [p.length if p is not None else 0 for p in prefixes]
+        suffixes = [list(p[c:]) for p, c in zip(prompts, cached, strict=True)]
+        width_c, width_s = max(cached), max(len(x) for x in suffixes)
+        ids = torch.full((len(prompts), width_s), self._pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width_c + width_s), dtype=torch.bool)
+        for i, (c, suffix) in enumerate(zip(cached, suffixes, strict=True)):
+            ids[i, width_s - len(suffix) :] = torch.as_tensor(suffix, dtype=torch.long)
+            mask[i, width_c - c : width_c] = True
+            mask[i, width_c + width_s - len(suffix) :] = True
+        ids, mask = ids.to(self._device), mask.to(self._device)
+        pos = position_ids_from_mask(mask)[:, width_c:]
+        prefix_cache = self._batch_cache(prefixes, width_c) if width_c else None
+        logits, cache = self._forward(ids, mask, pos, prefix_cache)
+        return logits, cache, mask, pos[:, -1:] + 1
+
+    def _batch_cache(self, prefixes: list[PrefixKV | None], width: int) -> DynamicCache:
+        """Left-pad the rows' cached keys/values to ``width`` and stack them into one cache."""
+        first = next(p for p in prefixes if p is not None)
+        layers = []
+        for layer, (k0, v0) in enumerate(first.layers):
+            keys = k0.new_zeros(len(prefixes), k0.shape[0], width, k0.shape[-1])
+            values = v0.new_zeros(len(prefixes), v0.shape[0], width, v0.shape[-1])
+            for i, p in enumerate(prefixes):
+                if p is not None:
+                    keys[i, :, width - p.length :], values[i, :, width - p.length :] = p.layers[layer]
+            layers.append((keys, values))
+        return DynamicCache(ddp_cache_data=layers)
+
+    def _row_kv(self, cache: Cache, mask: torch.Tensor, b: int) -> PrefixKV:
+        """Batch row b's keys/values at its real (unmasked) positions."""
+        real = mask[b]
+        layers = []
+        for layer in cache.layers:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)  # plain layers only
+            layers.append((keys[b][:, real], values[b][:, real]))
+        return PrefixKV(version=self._version, length=int(real.sum()), layers=tuple(layers))
+
     def _decode_loop(
         self,
         prompts: Sequence[Sequence[int]],
+        prefixes: list[PrefixKV | None],
         config: SamplingConfig,
         budgets: list[int],
         stops: list[tuple[str, ...]],
         uniforms: torch.Tensor,
         rows: _Rows,
+        return_kv: bool,
     ) -> None:
         """Prefill the left-padded batch, then one token per step for the rows still active."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p) :] = True
-        ids, mask = ids.to(self._device), mask.to(self._device)
-        pos = position_ids_from_mask(mask)
-        logits, cache = self._forward(ids, mask, pos, None)
+        logits, cache, mask, next_pos = self._prefill(prompts, prefixes)
         active = list(range(len(prompts)))  # original row index of each batch row
-        next_pos = pos[:, -1:] + 1
         for step in range(max(budgets)):
             logp = truncated_logprobs(logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
             u = uniforms[active, step].to(self._device)
@@ -314,6 +402,8 @@ class Engine:
                 rows.logp[i].append(lp)
                 if not self._row_done(rows, i, budgets[i], stops[i], config):
                     keep.append(b)
+                elif return_kv:
+                    rows.kv[i] = self._row_kv(cache, mask, b)
             if not keep:
                 return
             if len(keep) < len(active):
@@ -359,6 +449,7 @@ class Engine:
             text=self._decode(text_ids),
             finish=rows.finish[i],
             stop_string=rows.stop[i],
+            kv=rows.kv[i],
         )
 
 
@@ -370,3 +461,4 @@ class _Rows:
         self.logp: list[list[float]] = [[] for _ in range(n)]
         self.finish: list[FinishReason] = [FinishReason.LENGTH] * n
         self.stop: list[str | None] = [None] * n
+        self.kv: list[PrefixKV | None] = [None] * n

@@ -8,7 +8,9 @@ Each episode's token sequence is built by appending, never by re-tokenising text
     obs k    = tokenizer(observation, no special tokens)   action_mask False, logp 0, version -1
 
 One round: every unfinished episode generates its next turn in the same ``Engine.generate`` call (stop
-strings from its env, its own token budget). Then, per episode:
+strings from its env, its own token budget; with ``reuse_kv`` the keys/values of what the episode was
+already fed are passed back, so only the last sampled token and the observation are fed). Then, per
+episode:
 
 - the turn used up the generated-token budget (``max_total_tokens``) or the context window without
   stopping on its own -> ``env.finish(MAX_TOKENS | CONTEXT_LIMIT)``;
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from copc.rollout.engine import Engine, FinishReason, Generation, SamplingConfig
+from copc.rollout.engine import Engine, FinishReason, Generation, PrefixKV, SamplingConfig
 from copc.types import Env, EnvStep, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class _Episode:
     turns: int = 0
     generated: int = 0
     stop: StopReason | None = None
+    #: Keys/values of the tokens fed so far (from the last turn), so the next turn feeds only new tokens.
+    kv: PrefixKV | None = None
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -122,6 +126,7 @@ def run_episodes(
     prompt_ids: Sequence[str] | None = None,
     sampling: SamplingConfig | None = None,
     seed: int | None = None,
+    reuse_kv: bool = True,
 ) -> list[Trajectory]:
     """Run every env to the end, batching all active episodes in each engine call (module docstring).
 
@@ -139,6 +144,9 @@ def run_episodes(
         seed: with a seed, episode i's turn k draws from its own generator seeded by (seed, i, k), so the
             same seed gives the same trajectories whatever the batch composition; None uses torch's
             global RNG.
+        reuse_kv: keep each episode's keys/values between turns so a turn only feeds the last sampled
+            token and the observation (same tokens and log-probs as recomputing, up to float rounding;
+            dropped automatically when the engine's weights change between turns).
 
     Returns:
         One :class:`Trajectory` per env, in order.
@@ -160,9 +168,12 @@ def run_episodes(
             seeds=None if seed is None else [_turn_seed(seed, ep.index, ep.turns) for ep in active],
             max_new_tokens=budgets,
             stop_strings=[tuple(ep.env.stop_strings) for ep in active],
+            prefix_kv=[ep.kv for ep in active] if reuse_kv else None,
+            return_kv=reuse_kv,
         )
         for ep, gen in zip(active, gens, strict=True):
             ep.add_turn(gen)
+            ep.kv = gen.kv
             _after_turn(engine, ep, gen, max_turns=max_turns, max_total_tokens=max_total_tokens, context_limit=context_limit)
     return [_to_trajectory(ep, group_ids, prompt_ids) for ep in episodes]
 
@@ -190,7 +201,7 @@ def _after_turn(
         return None
     ep.add_reward(result)
     if result.done:
-        ep.stop = StopReason.ANSWER
+        ep.stop, ep.kv = StopReason.ANSWER, None
         return None
     if gen.finish is FinishReason.EOS:
         return _end_by_loop(ep, StopReason.EOS)
@@ -208,6 +219,7 @@ def _after_turn(
 
 def _end_by_loop(ep: _Episode, reason: StopReason) -> None:
     """The loop stops the episode: ``env.finish(reason)`` grades it."""
+    ep.kv = None
     result = _call_env(ep, lambda: ep.env.finish(reason))
     if result is not None:
         ep.add_reward(result)
@@ -226,7 +238,7 @@ def _call_env(ep: _Episode, call: Callable[[], EnvStep]) -> EnvStep | None:
         ep.rewards = [0.0] * len(ep.ids)
         ep.reward = 0.0
         ep.info["env_errors"] += 1
-        ep.stop = StopReason.EOS
+        ep.stop, ep.kv = StopReason.EOS, None
         return None
 
 
