@@ -179,6 +179,15 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
     return ids
 
 
+def _plain_dynamic_cache(model: PreTrainedModel) -> bool:
+    """Prefix reuse needs plain growing cache layers (no sliding windows, no recurrent state)."""
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # configs DynamicCache cannot read: no reuse, plain generation still works
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
 class Engine:
     """Samples from a causal LM; owns the model it is given and the version of its weights.
 
@@ -197,8 +206,7 @@ class Engine:
         # transformers >= 5.2x names the KV cache `cache`; older releases and remote code `past_key_values`.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._device = next(model.parameters()).device
-        # Prefix reuse needs plain growing layers (no sliding windows, no recurrent state).
-        self._kv_reusable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+        self._kv_reusable = _plain_dynamic_cache(model)
 
     @property
     def version(self) -> int:
