@@ -162,6 +162,21 @@ def band_weight(
     check_mask("action_mask", action_mask, log_w)
     w = ratio_from_log(_fp(log_w.detach()), action_mask)
     s = w if log_select is None else ratio_from_log(_fp(log_select.detach()), action_mask)
+    return _band(w, s, action_mask, low=low, high=high, mode=mode, strict=strict)
+
+
+def _ratio_of_clean(log_r: torch.Tensor) -> torch.Tensor:
+    """``exp(log_r)`` for a :func:`log_ratio` output (already clamped, 0 off the mask), detached.
+
+    Equal to ``ratio_from_log(log_r, action_mask)`` bit for bit, without its mask and clamp passes.
+    """
+    return torch.exp(log_r.detach())
+
+
+def _band(
+    w: torch.Tensor, s: torch.Tensor, action_mask: torch.Tensor, *, low: float, high: float, mode: WeightMode, strict: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`band_weight` from the ratios themselves (``w`` weight, ``s`` selection ratio, detached)."""
     keep = band_mask(s, action_mask, low=low, high=high)
     if strict:
         keep = keep & (s > low) & (s < high)
@@ -367,7 +382,8 @@ def decoupled_ppo_loss(
     _check_inputs(action_mask, logp_old=logp_old, logp_behav=logp_behav)
     log_w = log_ratio(_fp(logp_old.detach()), _fp(logp_behav.detach()), action_mask)
     if cap_mode == "mask":
-        weight, keep = band_weight(log_w, action_mask, low=0.0, high=cap, mode="masked_is")
+        w = _ratio_of_clean(log_w)
+        weight, keep = _band(w, w, action_mask, low=0.0, high=cap, mode="masked_is", strict=False)
     elif cap_mode == "clip":
         weight = zero_where_not(action_mask, truncated_is(ratio_from_log(log_w, action_mask), action_mask, cap=cap))
         keep = action_mask
@@ -463,9 +479,9 @@ def copc_policy_loss(
     log_select = None if mask_source == "step_start" else log_ratio(_fp(logp.detach()), behav, action_mask)
     if weight_mode not in ("masked_is", "binary"):
         raise ValueError(f"weight_mode must be 'masked_is' (omega = M*w) or 'binary' (omega = M), got {weight_mode!r}")
-    weight, keep = band_weight(
-        log_w, action_mask, low=mask_low, high=mask_high, mode=weight_mode, log_select=log_select
-    )
+    w = _ratio_of_clean(log_w)
+    select = w if log_select is None else _ratio_of_clean(log_select)
+    weight, keep = _band(w, select, action_mask, low=mask_low, high=mask_high, mode=weight_mode, strict=False)
     return weighted_ppo_loss(
         logp,
         logp_old,
@@ -514,7 +530,8 @@ def icepop_loss(
         raise ValueError(f"ratio_source must be 'step_start' (old/mu) or 'current' (cur/mu), got {ratio_source!r}")
     num = logp_old if ratio_source == "step_start" else logp
     log_k = log_ratio(_fp(num.detach()), _fp(logp_behav.detach()), action_mask)
-    weight, keep = band_weight(log_k, action_mask, low=mask_low, high=mask_high, mode="masked_is")
+    k = _ratio_of_clean(log_k)
+    weight, keep = _band(k, k, action_mask, low=mask_low, high=mask_high, mode="masked_is", strict=False)
     return weighted_ppo_loss(
         logp,
         logp_old,
