@@ -131,3 +131,20 @@ def test_good_demos_answer_correctly_in_their_world(task):
     for demo in demos:
         answer = demo.segments[-1].text.removeprefix("<answer>").removesuffix("</answer>")
         assert f": {answer}" in demo.segments[-2].text  # copied from the retrieved passages
+
+
+@pytest.mark.parametrize("fields", [{}, {"hard": True}])
+def test_a_correct_query_always_ranks_the_needed_fact_first(fields):
+    """The world is built so that BM25 with the right query finds the fact (documents of equal length)."""
+    task = get_task("kv_search", top_k=2, **fields)
+    kb = task.knowledge_base()
+    tool = task.tool()
+    for prompt in task.prompts("eval", 150):
+        entity = prompt.text.removesuffix("?\n").split(" of ")[-1]
+        if prompt.meta["hops"] == 2:
+            links = tool.call(f"partner of {entity}")[0].split("\n")
+            partner = kb.facts[(entity, "partner")]
+            assert sorted(links) == sorted([f"{entity} partner: {partner}", f"{partner} partner: {entity}"])
+            entity = partner
+        first = tool.call(f"{prompt.meta['attribute']} of {entity}")[0].split("\n")[0]
+        assert first == fact_text(entity, prompt.meta["attribute"], prompt.answers[0])

@@ -2,26 +2,26 @@
 
 The knowledge base (one per seed and difficulty) holds one short document per fact::
 
-    Tavek code: 4821            Tavek city: Lormid            Tavek partner: Morilo
+    KX17 code: 4821            KX17 room: 305            KX17 partner: QT42
 
-Questions are single-hop ("What is the code of Tavek?", answered by one document) or multi-hop ("What is
-the code of the partner of Tavek?", answered by two: the partner link, then the partner's fact).
+Questions are single-hop ("What is the code of KX17?", answered by one document) or multi-hop ("What is
+the code of the partner of KX17?", answered by two: the partner link, then the partner's fact).
 Episode format::
 
-    What is the code of the partner of Tavek?                       <- prompt
-    <search>partner of Tavek</search>                               <- turn, stops at </search>
-    -> <information>Tavek partner: Morilo\\n...</information>   <- top-k from the real BM25Retriever
-    <search>code of Morilo</search>
-    -> <information>Morilo code: 1234\\n...</information>
+    What is the code of the partner of KX17?                       <- prompt
+    <search>partner of KX17</search>                               <- turn, stops at </search>
+    -> <information>KX17 partner: QT42\\n...</information>   <- top-k from the real BM25Retriever
+    <search>code of QT42</search>
+    -> <information>QT42 code: 1234\\n...</information>
     <answer>1234</answer>                                           <- reward: exact match (SQuAD-normalised)
 
 The question pool (entity x attribute x hops) is shuffled once per seed; the eval split takes its first
 questions and the train split the rest, so no question is in both. Facts are shared (it is one world);
-answers of eval questions are never the answer of a single-hop train question about the same fact.
+warm-start demonstrations are drawn from a separate world, so they reveal no eval fact.
 
-Difficulty: 1: codes only, single-hop, 600 entities; 2 (default): codes and cities, 30% multi-hop, 300
+Difficulty: 1: codes only, single-hop, 600 entities; 2 (default): codes and rooms, 30% multi-hop, 300
 entities; 3: three attributes, 40% multi-hop, 300 entities; 4 (``hard=True``): four attributes, 50%
-multi-hop, 400 entities, half of them look-alike names one vowel apart (a query typo finds the wrong one).
+multi-hop, 400 entities, half of them look-alike names one digit apart (a query typo finds the wrong one).
 """
 
 from __future__ import annotations
@@ -30,7 +30,16 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from copc.tasks.base import Demo, Segment, Split, check_positive, check_split, register_task, take
+from copc.tasks.base import (
+    Demo,
+    Segment,
+    Split,
+    check_fraction,
+    check_positive,
+    check_split,
+    register_task,
+    take,
+)
 from copc.tasks.envs import SEARCH_TAGS, ToolEnv
 from copc.tasks.graders import ExactMatchGrader
 from copc.tasks.tooling import RetrieverTool
@@ -39,9 +48,9 @@ from copc.types import Env, Prompt
 if TYPE_CHECKING:
     from copc.tools.retriever import BM25Retriever
 
-CONSONANTS = "bdfgklmnprstvz"
-VOWELS = "aeiou"
-ATTRIBUTES: tuple[str, ...] = ("code", "city", "room", "year")
+LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+#: Attributes in the order levels add them; every value is a number of a fixed width per attribute.
+ATTRIBUTES: tuple[str, ...] = ("code", "room", "year", "pin")
 
 #: level -> (number of attributes, multi-hop fraction, entities, look-alike names)
 LEVELS: dict[int, tuple[int, float, int, bool]] = {
@@ -78,9 +87,7 @@ class KVSearchConfig:
             raise ValueError(f"KVSearchConfig.difficulty must be one of {sorted(LEVELS)}, got {self.difficulty}")
         check_positive("KVSearchConfig", eval_size=self.eval_size, top_k=self.top_k)
         check_positive("KVSearchConfig", max_obs_chars=self.max_obs_chars, max_tool_calls=self.max_tool_calls)
-        for key in ("sft_tool_frac", "sft_error_frac"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ValueError(f"KVSearchConfig.{key} must be in [0, 1], got {getattr(self, key)!r}")
+        check_fraction("KVSearchConfig", sft_tool_frac=self.sft_tool_frac, sft_error_frac=self.sft_error_frac)
         pool = pool_size(self.level)
         if self.eval_size > pool // 2:
             raise ValueError(
@@ -108,22 +115,24 @@ class KnowledgeBase:
 
 
 def fact_text(entity: str, attribute: str, value: str) -> str:
-    """One document: ``"Tavek code: 4821"`` (short, since the tiny model reads it character by character)."""
+    """One document: ``"KX17 code: 4821"`` (short, since the tiny model reads it character by character)."""
     return f"{entity} {attribute}: {value}"
 
 
-def _word(rng: random.Random, syllables: int) -> str:
-    letters = "".join(rng.choice(CONSONANTS) + rng.choice(VOWELS) for _ in range(syllables))
-    if rng.random() < 0.5:
-        letters += rng.choice(CONSONANTS)
-    return letters.capitalize()
+def entity_name(rng: random.Random) -> str:
+    """An identifier like ``"KX17"``: two letters, two digits.
+
+    One word to BM25, so every document has three words (name, attribute, value) and equal length: a
+    query's attribute word then decides the ranking (a two-word name would let document length win).
+    """
+    return f"{rng.choice(LETTERS)}{rng.choice(LETTERS)}{rng.randint(10, 99)}"
 
 
 def _lookalike(rng: random.Random, name: str) -> str:
-    """``name`` with one vowel swapped for another: a name BM25 treats as a different word."""
-    positions = [i for i, c in enumerate(name) if c in VOWELS]
-    i = rng.choice(positions)
-    return name[:i] + rng.choice([v for v in VOWELS if v != name[i]]) + name[i + 1 :]
+    """``name`` with one digit changed: a different entity to BM25 (a typo finds the wrong one)."""
+    i = rng.choice([i for i, c in enumerate(name) if c.isdigit()])
+    low = 1 if i == 2 else 0  # the first digit is never 0
+    return name[:i] + rng.choice([str(d) for d in range(low, 10) if str(d) != name[i]]) + name[i + 1 :]
 
 
 def _value(rng: random.Random, attribute: str) -> str:
@@ -133,7 +142,7 @@ def _value(rng: random.Random, attribute: str) -> str:
         return str(rng.randint(100, 999))
     if attribute == "year":
         return str(rng.randint(1700, 2020))
-    return _word(rng, 2)
+    return str(rng.randint(10000, 99999))
 
 
 def pool_size(level: int) -> int:
@@ -155,7 +164,7 @@ def build_knowledge_base(level: int, stream: str) -> KnowledgeBase:
     names: list[str] = []
     seen: set[str] = set()
     while len(names) < n_entities:
-        name = _word(rng, rng.choice((2, 3)))
+        name = entity_name(rng)
         if lookalikes and names and rng.random() < 0.5:
             name = _lookalike(rng, rng.choice(names))
         if name not in seen:
@@ -305,8 +314,8 @@ def _search(tool: RetrieverTool, query: str) -> tuple[Segment, Segment]:
 def _slip(rng: random.Random, text: str) -> str:
     """``text`` with one character replaced by another of the same kind (digit or letter)."""
     i = rng.randrange(len(text))
-    pool = "0123456789" if text[i].isdigit() else VOWELS if text[i] in VOWELS else CONSONANTS
-    return text[:i] + rng.choice([c for c in pool if c != text[i].lower()]) + text[i + 1 :]
+    pool = "0123456789" if text[i].isdigit() else LETTERS
+    return text[:i] + rng.choice([c for c in pool if c != text[i]]) + text[i + 1 :]
 
 
 def _demo(
