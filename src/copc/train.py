@@ -201,7 +201,7 @@ def run_loop(
     start_step: int,
     steps: int,
     pad_id: int,
-    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    on_step: Callable[[int, dict[str, float], GeneratedBatch], None] | None = None,
 ) -> LoopResult:
     """Steps ``start_step .. steps-1``: get batch ``step``, train on it, publish version ``step + 1``.
 
@@ -228,7 +228,7 @@ def run_loop(
         })
         history.append(metrics)
         if on_step is not None:
-            on_step(step, metrics)
+            on_step(step, metrics, batch)
     return LoopResult(steps=steps, history=history)
 
 
@@ -453,12 +453,13 @@ def _run_with_progress(
     )
     bar = progress.add_task("train", total=cfg.steps, completed=start_step, status="")
 
-    def on_step(step: int, metrics: dict[str, float]) -> None:
+    def on_step(step: int, metrics: dict[str, float], batch: GeneratedBatch) -> None:
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
             eval_model.load_state_dict(trainer.policy.state_dict())
             metrics.update(evaluate(eval_model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777))
-        tracker.log(step, metrics)
+        lags = realized_staleness(batch.trajectories, step).token_values()
+        tracker.log(step, metrics, histograms={"staleness/hist": lags})
         if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
             payload = checkpoint_payload(cfg, done, trainer, source)
             payload["eval_before"] = eval_before

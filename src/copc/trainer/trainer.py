@@ -334,11 +334,11 @@ class ActorCriticTrainer:
             diff = (logp_ref - logp).clamp(-20.0, 20.0)
             kl = zero_where_not(mask, torch.exp(diff) - diff - 1.0)
             loss = loss + self.config.kl_coef * kl.sum() / max(mb.num_tokens, 1)
-            stats["kl_ref"] = kl.sum().detach() / max(mb.num_tokens, 1)
+            stats["loss/kl"] = kl.sum().detach() / max(mb.num_tokens, 1)
         if entropy is not None:
             ent = zero_where_not(mask, entropy).sum() / max(mb.num_tokens, 1)
             loss = loss - self.config.entropy_coef * ent
-            stats["entropy"] = ent.detach()
+            stats["loss/entropy"] = ent.detach()
         return loss, stats
 
     def _logp_entropy(self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -479,7 +479,8 @@ def diagnostics(batch: TrainBatch, st: StepTensors) -> dict[str, float]:
     }
     var_g = masked_var(st.returns, mask)
     var_res = masked_var(st.returns - st.values_old, mask)
-    out["critic/explained_var"] = float(1.0 - var_res / var_g) if float(var_g) > 0 else 0.0
+    # Undefined when the targets do not vary (e.g. every reward 0): report 0 rather than +-1e12.
+    out["critic/explained_var"] = float(1.0 - var_res / var_g) if float(var_g) > 1e-8 else 0.0
     out["critic/values_mean"] = float(masked_mean(st.values_old, mask))
     out["critic/returns_mean"] = float(masked_mean(st.returns, mask))
     if bool(rows.any()):
