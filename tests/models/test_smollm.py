@@ -49,6 +49,14 @@ def test_smollm2_samples_with_exact_logprobs() -> None:
             forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=0.8)
         # 30 layers of fp32 with a KV cache vs one forward: differences ~1e-5.
         torch.testing.assert_close(gen.logp, forced[0, len(prompt) :], atol=1e-4, rtol=0)
+    # Multi-turn prefix reuse on a real GQA model: same tokens and log-probs as feeding everything.
+    first = engine.generate(prompts, SamplingConfig(max_new_tokens=5), seeds=[2, 3], return_kv=True)
+    second = [p + g.token_ids.tolist() + tok.encode(" Next:") for p, g in zip(prompts, first, strict=True)]
+    reused = engine.generate(second, SamplingConfig(max_new_tokens=5), seeds=[4, 5], prefix_kv=[g.kv for g in first])
+    fresh = engine.generate(second, SamplingConfig(max_new_tokens=5), seeds=[4, 5])
+    for a, b in zip(reused, fresh, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids)
+        torch.testing.assert_close(a.logp, b.logp, atol=1e-4, rtol=0)
     critic = ValueModel.from_policy(model)
     ids = torch.tensor([prompts[0]])
     assert critic(ids, torch.ones_like(ids, dtype=torch.bool)).shape == ids.shape
