@@ -11,17 +11,25 @@ turns of sampled tokens separated by tool-output spans, right padding). Prints m
   clipped surrogate forward + backward) relative to async PPO 3a's (GAE, whitening, PPO clip against
   the behaviour log-probs, forward + backward).
 
-Run: ``.venv/bin/python benchmarks/ops_bench.py [--repeats N]``. Ratios are measured in one run, on
-the same inputs. Times are process CPU time (``time.process_time``), not wall-clock, so that load from
-other processes on a shared machine does not inflate them; absolute numbers depend on the machine.
-Note: with glibc's default malloc, every fresh [64, 4096] temporary that the heap has trimmed back to
-the OS costs page faults (~1 ms each here), which a single cumsum in a loop never pays; run with
-``MALLOC_TRIM_THRESHOLD_=1000000000 MALLOC_MMAP_THRESHOLD_=1000000000`` to see the compute alone.
+Run: ``.venv/bin/python benchmarks/ops_bench.py [--repeats N] [--runs R] [--warm-allocator]``. Ratios
+are measured in one run, on the same inputs. Times are process CPU time (``time.process_time``), not
+wall-clock, so that load from other processes on a shared machine does not inflate them (it still
+slows them through shared caches); absolute numbers depend on the machine. Every figure is the median
+over ``repeats`` calls, measured ``runs`` times; ``[lo-hi]`` is the range of those medians across runs
+(the run-to-run spread), ``pf`` the minor page faults per call.
+
+Allocator: a fresh process holding only small tensors keeps glibc's dynamic mmap/trim thresholds low,
+so every call that grows the heap by a few MiB of [64, 4096] temporaries gives them back to the OS on
+return and page-faults them in again next time (~3 us per 4 KiB page here: ~1 ms per MiB), which a
+single cumsum in a loop never pays. A trainer process has freed large activation tensors, which raises
+those thresholds (up to 32 MiB) and stops the churn. ``--warm-allocator`` reproduces that by freeing
+one 16 MiB tensor first; both settings are worth reporting.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -122,19 +130,45 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+class Spread:
+    """Medians of one measurement over several runs: their median and range, and page faults per call."""
+
+    def __init__(self) -> None:
+        self.medians: list[float] = []
+        self.faults: list[float] = []
+
+    def measure(self, fn: Callable[[], object], repeats: int) -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        self.medians.append(median_time(fn, repeats))
+        self.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (repeats + 1))
+
+    @property
+    def mid(self) -> float:
+        return statistics.median(self.medians)
+
+    def cell(self) -> str:
+        lo, hi = min(self.medians) * 1e3, max(self.medians) * 1e3
+        return f"{self.mid * 1e3:>9.3f} [{lo:.2f}-{hi:.2f}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=21, help="timed repeats per vectorised measurement")
+    parser.add_argument("--runs", type=int, default=3, help="times every measurement is repeated (spread)")
     parser.add_argument("--loop-repeats", type=int, default=3, help="timed repeats per loop baseline")
+    parser.add_argument("--warm-allocator", action="store_true", help="free a 16 MiB tensor first (see docstring)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.warm_allocator:
+        torch.empty(16 << 20, dtype=torch.uint8).fill_(1)  # freed at once: raises glibc's mmap/trim thresholds
     d = realistic_batch()
     mask, rew, val = d["mask"], d["rewards"], d["values"]
     log_w = log_ratio(d["logp_old"], d["logp_behav"], mask)
     rho = torch.exp(log_w).clamp(0.8, 1.2)
     n_act = int(mask.sum())
-    print(f"B={B} T={T} float32, 1 thread; action tokens {n_act} ({n_act / (B * T):.0%}), "
-          f"median of {args.repeats} (loops: {args.loop_repeats})")
+    print(f"B={B} T={T} float32, 1 thread; action tokens {n_act} ({n_act / (B * T):.0%}); median of "
+          f"{args.repeats} calls, {args.runs} runs [range of run medians]; loops: median of {args.loop_repeats}; "
+          f"allocator {'warm' if args.warm_allocator else 'cold'}")
 
     # Loop baselines must agree with the vectorised estimators before their times mean anything.
     ref_gae = gae(rew, val, mask, gamma=1.0, lam=1.0).advantages
@@ -144,12 +178,12 @@ def main() -> None:
     torch.testing.assert_close(loop_clipped_td(rew, val, rho, mask, 1.0, 1.0), ref_ctd, rtol=1e-4, atol=1e-4)
 
     x = torch.randn(B, T)
-    t_cumsum = median_time(lambda: torch.cumsum(x, dim=1), args.repeats * 5)
     t_loop_gae = median_time(lambda: loop_gae(rew, val, mask, 1.0, 1.0), args.loop_repeats)
     t_loop_ctd = median_time(lambda: loop_clipped_td(rew, val, rho, mask, 1.0, 1.0), args.loop_repeats)
     t_loop_gae95 = median_time(lambda: loop_gae(rew, val, mask, 1.0, 0.95), args.loop_repeats)
 
     rows: list[tuple[str, Callable[[], object], float | None]] = [
+        ("torch.cumsum [64,4096]", lambda: torch.cumsum(x, dim=1), None),
         ("gae (gamma=lam=1)", lambda: gae(rew, val, mask, gamma=1.0, lam=1.0), t_loop_gae),
         ("gae (gamma=1, lam=0.95)", lambda: gae(rew, val, mask, gamma=1.0, lam=0.95), t_loop_gae95),
         ("clipped_td default", lambda: clipped_td(rew, val, log_w, mask, **ctd_kw), t_loop_ctd),  # type: ignore[arg-type]
@@ -159,17 +193,23 @@ def main() -> None:
         ("group (grpo + broadcast)",
          lambda: broadcast_to_tokens(group_advantages(d["scores"], d["groups"], mode="grpo"), mask), None),
     ]
-    print(f"\n{'estimator':<28}{'median ms':>11}{'loop ms':>10}{'speed-up':>10}{'x cumsum':>10}")
-    print(f"{'torch.cumsum [64,4096]':<28}{t_cumsum * 1e3:>11.3f}{'':>10}{'':>10}{1.0:>10.2f}")
-    for name, fn, loop_t in rows:
-        t = median_time(fn, args.repeats if "brace" not in name and "vtrace" not in name else 5)
-        loop_s = f"{loop_t * 1e3:>10.1f}" if loop_t else f"{'-':>10}"
-        speed = f"{loop_t / t:>9.1f}x" if loop_t else f"{'-':>10}"
-        print(f"{name:<28}{t * 1e3:>11.3f}{loop_s}{speed}{t / t_cumsum:>10.2f}")
-    full_step(d, args.repeats)
+    spreads = {name: Spread() for name, _, _ in rows}
+    ratios: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+    for _ in range(args.runs):  # every run measures every row, so the x-cumsum ratios come from one run
+        for name, fn, _ in rows:
+            slow = "brace" in name or "vtrace" in name
+            spreads[name].measure(fn, 5 if slow else args.repeats * (5 if "cumsum" in name else 1))
+            ratios[name].append(spreads[name].medians[-1] / spreads[rows[0][0]].medians[-1])
+    print(f"\n{'estimator':<26}{'median ms [lo-hi]':>24}{'pf':>7}{'loop ms':>9}{'speed-up':>9}{'x cumsum [lo-hi]':>22}")
+    for name, _, loop_t in rows:
+        sp, r = spreads[name], ratios[name]
+        loop_s = f"{loop_t * 1e3:>9.1f}{loop_t / sp.mid:>8.1f}x" if loop_t else f"{'-':>9}{'-':>9}"
+        x_cum = f"{statistics.median(r):>8.2f} [{min(r):.2f}-{max(r):.2f}]"
+        print(f"{name:<26}{sp.cell():>24}{statistics.median(sp.faults):>7.0f}{loop_s}{x_cum:>22}")
+    full_step(d, args.repeats, args.runs)
 
 
-def full_step(d: dict[str, torch.Tensor], repeats: int) -> None:
+def full_step(d: dict[str, torch.Tensor], repeats: int, runs: int) -> None:
     """COPC vs async PPO 3a: advantages + whitening + actor loss forward and backward."""
     try:
         from copc.ops.policy_losses import copc_policy_loss, ppo_clip_loss
@@ -198,21 +238,30 @@ def full_step(d: dict[str, torch.Tensor], repeats: int) -> None:
         return step
 
     # Interleave the measurements so that load from other processes hits both sides alike.
-    t_ppo, t_copc, t_diag = [], [], []
     fns = (async_ppo, copc(False), copc(True))
     for fn in fns:
         fn()
-    for _ in range(repeats):
-        for fn, acc in zip(fns, (t_ppo, t_copc, t_diag), strict=True):
-            start = time.process_time()
-            fn()
-            acc.append(time.process_time() - start)
-    p, c, g = (statistics.median(x) for x in (t_ppo, t_copc, t_diag))
-    print("\nfull per-step math (advantages + whitening + actor loss fwd/bwd), gamma=lam=1")
-    print(f"{'async PPO 3a: gae + ppo_clip_loss(cur/mu)':<52}{p * 1e3:>9.2f} ms  1.00x")
-    print(f"{'COPC: w, clipped_td, copc_policy_loss (mask)':<52}{c * 1e3:>9.2f} ms  {c / p:.2f}x")
-    print(f"{'COPC + importance_diagnostics (ESS, clip, KL)':<52}{g * 1e3:>9.2f} ms  {g / p:.2f}x")
-
+    runs_ms: list[tuple[float, float, float]] = []
+    for _ in range(runs):
+        times: tuple[list[float], list[float], list[float]] = ([], [], [])
+        for _ in range(repeats):
+            for fn, acc in zip(fns, times, strict=True):
+                start = time.process_time()
+                fn()
+                acc.append(time.process_time() - start)
+        p, c, g = (statistics.median(x) for x in times)
+        runs_ms.append((p, c, g))
+    print(f"\nfull per-step math (advantages + whitening + actor loss fwd/bwd), gamma=lam=1; {runs} runs")
+    labels = (
+        "async PPO 3a: gae + ppo_clip_loss(cur/mu)",
+        "COPC: w, clipped_td, copc_policy_loss (mask)",
+        "COPC + importance_diagnostics (ESS, clip, KL)",
+    )
+    for i, label in enumerate(labels):
+        ms = [r[i] * 1e3 for r in runs_ms]
+        rel = [r[i] / r[0] for r in runs_ms]
+        print(f"{label:<48}{statistics.median(ms):>8.2f} ms [{min(ms):.1f}-{max(ms):.1f}]"
+              f"  {statistics.median(rel):.3f}x [{min(rel):.3f}-{max(rel):.3f}]")
 
 if __name__ == "__main__":
     main()

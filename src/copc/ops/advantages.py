@@ -158,19 +158,27 @@ def _on_actions(action_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _next_action_values(values: torch.Tensor, action_mask: torch.Tensor, terminal: torch.Tensor) -> torch.Tensor:
-    """``V(s_next(t))``: ``values`` at the first action token strictly after ``t``, ``terminal[b]`` if none.
+    """``V(s_next(t))`` on action tokens: ``values`` at the first action token after ``t``, else ``terminal[b]``.
 
-    No compaction: flip time and put the terminal in front as an always-present action token; then the
-    latest action token at or before each flipped position is the running arg-max of the mask
-    (``cummax`` reports the latest index among ties, on CPU and CUDA alike: tested), and one gather
-    reads its value. Position ``p`` of the flipped axis is time ``T - p``, so "strictly after ``t``"
-    is "at or before ``p - 1 = T - 1 - t``". Only action-token and terminal entries are ever read.
+    No compaction. Flip time (flipped position ``q`` is time ``T - 1 - q``) and shift by one: the latest
+    True at or before ``q`` is then the first action token after ``t``, found as the running arg-max of
+    the mask (``cummax`` reports the latest index among ties on CPU and CUDA alike: tested), at time
+    ``T - index``; one gather reads the values. Each row's last action token (the first True of the
+    flipped mask: ``argmax`` returns the first maximum) gets ``terminal[b]``. Entries off action tokens
+    are unspecified (they read arbitrary positions); no non-action entry reaches an action token.
+    Temporaries are released early (peak ~3 MiB extra at [64, 4096]: see benchmarks/ops_bench.py).
     """
     batch, length = values.shape
-    flipped_mask = torch.cat([action_mask.new_ones(batch, 1), action_mask.flip(1)], dim=1)  # [B, T+1]
-    flipped_values = torch.cat([terminal[:, None], values.flip(1)], dim=1)
-    latest = flipped_mask.cummax(dim=1).indices[:, :length]  # [B, T] int64
-    return flipped_values.gather(1, latest).flip(1)
+    flipped = action_mask.flip(1)
+    shifted = torch.cat([flipped.new_zeros(batch, 1), flipped[:, :-1]], dim=1)  # shifted[q] = flipped[q - 1]
+    index = shifted.cummax(dim=1).indices  # [B, T] int64, flipped order
+    del shifted
+    index.neg_().add_(length).clamp_(max=length - 1)  # own temporary: time of that token (garbage if none)
+    out = values.gather(1, index)
+    del index
+    out = out.flip(1)
+    last = (length - 1) - flipped.view(torch.uint8).argmax(dim=1, keepdim=True)
+    return out.scatter_(1, last, terminal[:, None])
 
 
 def _prepare(
@@ -325,6 +333,7 @@ def gae(
     _check_lambda("lam", lam)
     delta = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
     adv = _action_sums(delta, action_mask, gamma * lam).here
+    del delta  # fewer live [B, T] temporaries: see benchmarks/ops_bench.py on the allocator
     return GAEOutput(_on_actions(action_mask, adv), _on_actions(action_mask, adv.add_(values)))
 
 
@@ -427,8 +436,11 @@ def clipped_td(
         weighted = log_w.exp_().clamp_(min=low, max=high).mul_(delta)  # rho~ delta, 0 off action tokens
         d_sums = _action_sums(weighted, action_mask, gamma * lam_critic)
         e_sums = d_sums if lam_actor == lam_critic else _action_sums(weighted, action_mask, gamma * lam_actor)
-        adv = e_sums.here if weight_own_residual else torch.add(delta, e_sums.after, alpha=gamma * lam_actor)
-        return ClippedTDOutput(_on_actions(action_mask, adv), _on_actions(action_mask, d_sums.here.add_(values)))
+        del log_w, weighted  # fewer live [B, T] temporaries: see benchmarks/ops_bench.py on the allocator
+        adv = e_sums.here if weight_own_residual else e_sums.after.mul_(gamma * lam_actor).add_(delta)
+        advantages = _on_actions(action_mask, adv)  # before d_sums.here (maybe adv) is updated in place
+        del delta, e_sums, adv
+        return ClippedTDOutput(advantages, _on_actions(action_mask, d_sums.here.add_(values)))
     pk = _packed(delta, log_w, action_mask)
     d_c, e_c = _clipped_compact(pk, gamma, lam_critic, lam_actor, low, high, trace, trace_low, trace_high, advantage_window)
     adv_c = e_c if weight_own_residual else _shift_left(e_c).mul_(gamma * lam_actor).add_(pk.delta)
