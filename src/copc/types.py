@@ -45,6 +45,7 @@ class StopReason(str, Enum):
     MAX_TURNS = "max_turns"  # the turn budget ran out
     MAX_TOKENS = "max_tokens"  # the generated-token budget ran out (truncated)
     CONTEXT_LIMIT = "context_limit"  # the model's context window is full (truncated)
+    ENV_ERROR = "env_error"  # the environment itself failed (a bug, not a tool error): reward 0
 
     @property
     def truncated(self) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -197,7 +200,7 @@ def test_raising_env_is_contained(engine) -> None:
     trajs = _run(engine, envs)
     bad = trajs[1]
     assert bad.info["env_errors"] == 1 and bad.reward == 0.0 and not bad.token_rewards.any()
-    assert bad.stop_reason is StopReason.EOS and bad.info["policy_turns"] == 2
+    assert bad.stop_reason is StopReason.ENV_ERROR and bad.info["policy_turns"] == 2
     # The failing turn's tokens are kept (what the model sampled); other episodes are untouched.
     assert bad.action_mask[-1]
     for i in (0, 2):
@@ -248,3 +251,32 @@ def test_kv_reuse_across_turns_changes_nothing(engine) -> None:
         torch.testing.assert_close(a.logp_behav, b.logp_behav, atol=ATOL, rtol=0)
     # Several turns, so the reuse path really ran.
     assert all(t.info["policy_turns"] >= 2 for t in reused)
+
+
+
+class _SlowEnv(ScriptedEnv):
+    """A ScriptedEnv whose tool takes a while (as a sandboxed interpreter does); records overlap."""
+
+    lock = threading.Lock()
+    in_flight = 0
+    max_in_flight = 0
+
+    def step(self, action_text: str):  # type: ignore[no-untyped-def]
+        cls = type(self)
+        with cls.lock:
+            cls.in_flight += 1
+            cls.max_in_flight = max(cls.max_in_flight, cls.in_flight)
+        time.sleep(0.05)
+        with cls.lock:
+            cls.in_flight -= 1
+        return super().step(action_text)
+
+
+def test_env_steps_of_a_round_run_concurrently_and_change_nothing(engine) -> None:
+    sequential = _run(engine, [_SlowEnv(p) for p in PROMPTS], env_workers=1)
+    assert _SlowEnv.max_in_flight == 1
+    concurrent = _run(engine, [_SlowEnv(p) for p in PROMPTS], env_workers=8)
+    assert _SlowEnv.max_in_flight > 1  # the round's tool calls overlapped
+    for a, b in zip(sequential, concurrent, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.logp_behav, b.logp_behav)
+        assert a.reward == b.reward and a.stop_reason == b.stop_reason

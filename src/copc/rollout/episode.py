@@ -27,14 +27,15 @@ latest value of each key wins) plus the loop's own: ``policy_turns``, ``gen_toke
 ``env_errors``.
 
 An exception raised by ``env.step`` or ``env.finish`` ends that episode only: reward 0, ``env_errors``
-= 1, stop reason EOS (copc.types has no error reason; the ``env_errors`` counter marks it), and the
-traceback is logged. Other episodes carry on.
+= 1, stop reason ENV_ERROR, and the traceback is logged. Other episodes carry on. ``env.step`` calls of
+one round run concurrently in a thread pool (``env_workers``); envs must be independent of each other.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,6 +128,7 @@ def run_episodes(
     sampling: SamplingConfig | None = None,
     seed: int | None = None,
     reuse_kv: bool = True,
+    env_workers: int = 8,
 ) -> list[Trajectory]:
     """Run every env to the end, batching all active episodes in each engine call (module docstring).
 
@@ -147,6 +149,7 @@ def run_episodes(
         reuse_kv: keep each episode's keys/values between turns so a turn only feeds the last sampled
             token and the observation (same tokens and log-probs as recomputing, up to float rounding;
             dropped automatically when the engine's weights change between turns).
+        env_workers: threads that run one round's ``env.step`` calls concurrently (1 = sequential).
 
     Returns:
         One :class:`Trajectory` per env, in order.
@@ -174,7 +177,11 @@ def run_episodes(
         for ep, gen in zip(active, gens, strict=True):
             ep.add_turn(gen)
             ep.kv = gen.kv
-            _after_turn(engine, ep, gen, max_turns=max_turns, max_total_tokens=max_total_tokens, context_limit=context_limit)
+        results = _step_envs(active, gens, max_total_tokens=max_total_tokens, context_limit=context_limit, workers=env_workers)
+        for ep, gen, result in zip(active, gens, results, strict=True):
+            _after_turn(
+                engine, ep, gen, result, max_turns=max_turns, max_total_tokens=max_total_tokens, context_limit=context_limit
+            )
     return [_to_trajectory(ep, group_ids, prompt_ids) for ep in episodes]
 
 
@@ -188,16 +195,57 @@ def _start(engine: Engine, index: int, env: Env, context_limit: int) -> _Episode
     return ep
 
 
-def _after_turn(
-    engine: Engine, ep: _Episode, gen: Generation, *, max_turns: int, max_total_tokens: int, context_limit: int
-) -> None:
-    """Step the env with the turn just generated (or end the episode) and append the observation."""
+def _cut_by_budget(ep: _Episode, gen: Generation, *, max_total_tokens: int, context_limit: int) -> StopReason | None:
+    """The budget that cut this turn before it stopped on its own (such a turn is not stepped)."""
     if gen.finish is FinishReason.LENGTH and ep.generated >= max_total_tokens:
-        return _end_by_loop(ep, StopReason.MAX_TOKENS)
+        return StopReason.MAX_TOKENS
     if gen.finish is FinishReason.LENGTH and len(ep.ids) >= context_limit:
-        return _end_by_loop(ep, StopReason.CONTEXT_LIMIT)
-    result = _call_env(ep, lambda: ep.env.step(gen.text))
-    if result is None:
+        return StopReason.CONTEXT_LIMIT
+    return None
+
+
+def _step_envs(
+    active: list[_Episode], gens: list[Generation], *, max_total_tokens: int, context_limit: int, workers: int
+) -> list[EnvStep | None]:
+    """``env.step`` for every turn that needs it, concurrently: tools (a sandboxed interpreter, a
+    retriever) wait on other processes or I/O, so a round costs about one tool call, not one per episode.
+    Results keep the episodes' order, so the outcome does not depend on scheduling."""
+    todo = [
+        i
+        for i, (ep, gen) in enumerate(zip(active, gens, strict=True))
+        if _cut_by_budget(ep, gen, max_total_tokens=max_total_tokens, context_limit=context_limit) is None
+    ]
+    results: list[EnvStep | None] = [None] * len(active)
+
+    def step(i: int) -> EnvStep | None:
+        ep, gen = active[i], gens[i]
+        return _call_env(ep, lambda: ep.env.step(gen.text))
+
+    if workers <= 1 or len(todo) <= 1:
+        stepped = [step(i) for i in todo]
+    else:
+        with ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool:
+            stepped = list(pool.map(step, todo))
+    for i, result in zip(todo, stepped, strict=True):
+        results[i] = result
+    return results
+
+
+def _after_turn(
+    engine: Engine,
+    ep: _Episode,
+    gen: Generation,
+    result: EnvStep | None,
+    *,
+    max_turns: int,
+    max_total_tokens: int,
+    context_limit: int,
+) -> None:
+    """Apply the env's answer to the turn just generated (or end the episode); append the observation."""
+    cut = _cut_by_budget(ep, gen, max_total_tokens=max_total_tokens, context_limit=context_limit)
+    if cut is not None:
+        return _end_by_loop(ep, cut)
+    if result is None:  # the env raised: _call_env already ended the episode
         return None
     ep.add_reward(result)
     if result.done:
@@ -238,7 +286,7 @@ def _call_env(ep: _Episode, call: Callable[[], EnvStep]) -> EnvStep | None:
         ep.rewards = [0.0] * len(ep.ids)
         ep.reward = 0.0
         ep.info["env_errors"] += 1
-        ep.stop, ep.kv = StopReason.EOS, None
+        ep.stop, ep.kv = StopReason.ENV_ERROR, None
         return None
 
 
