@@ -139,3 +139,33 @@ def test_diagnostics_are_detached_and_ignore_masked_garbage() -> None:
     for key, value in clean.items():
         assert not value.requires_grad and value.dtype == torch.float32 and value.dim() == 0
         assert torch.equal(value, noisy[key]), key
+
+
+def test_diagnostics_equal_the_separate_functions_bit_for_bit() -> None:
+    # importance_diagnostics shares one masked, clamped log-ratio between all statistics; each value
+    # must be exactly what the public function computes on its own (garbage off the mask, a row
+    # without tokens, log-ratios beyond the +-20 clamp).
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.rand(5, 300, generator=gen) < 0.5
+    mask[1] = False
+    log_r = torch.randn(5, 300, generator=gen) * 8.0
+    log_r = torch.where(mask, log_r, torch.tensor(float("nan")))
+    keep = mask & (torch.rand(5, 300, generator=gen) < 0.8)
+    got = importance_diagnostics(log_r, mask, clip_low=0.8, clip_high=1.2, keep_mask=keep)
+    ratio = ratio_from_log(log_r, mask)
+    clips = clip_fractions(ratio, mask, low=0.8, high=1.2)
+    kl = kl_estimators(log_r, mask)
+    want = {
+        "ratio/ess_tok": token_ess(ratio, mask),
+        "ratio/ess_seq": sequence_ess(log_r, mask),
+        "ratio/clip_low_frac": clips.low,
+        "ratio/clip_high_frac": clips.high,
+        "ratio/mean_abs_log": mean_abs_log_ratio(log_r, mask),
+        "ratio/kl_k1": kl.k1,
+        "ratio/kl_k2": kl.k2,
+        "ratio/kl_k3": kl.k3,
+        "ratio/mask_frac": mask_fraction(keep, mask),
+    }
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key

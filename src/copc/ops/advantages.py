@@ -221,25 +221,26 @@ def _clean_log_rho(log_rho: torch.Tensor, action_mask: torch.Tensor, like: torch
 
 class _Sums(NamedTuple):
     here: torch.Tensor  # [B, T] y_t = sum_{u >= t} g^(k) x_u over action tokens u (garbage off action tokens)
-    after: torch.Tensor  # [B, T] y at the next action token after t (0 after the last; garbage off action tokens)
+    after: torch.Tensor | None  # [B, T] y at the next action token after t (0 after the last), if asked
 
 
-def _action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float) -> _Sums:
+def _action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float, *, after: bool = False) -> _Sums:
     """Discounted reverse sums over action tokens: ``y_t = x_t + discount * y_{next(t)}``, token layout.
 
     ``x: [B, T]`` must be exactly 0 off action tokens. ``discount == 1``: a zero changes no sum, so
     ``y`` is one reverse cumulative sum, ``after_t = total - prefix_t`` and ``here_t = after_t + x_t``
     (no compaction). ``discount < 1`` counts powers in action tokens only: compact, scan
     (:func:`discounted_reverse_cumsum`), shift, scatter back. Entries off action tokens are unspecified.
+    ``after`` is computed only when asked for.
     """
     if discount == 1.0:
         prefix = torch.cumsum(x, dim=1)
         total = prefix[:, -1:].clone()
         here = torch.sub(x, prefix).add_(total)
-        return _Sums(here, prefix.neg_().add_(total))  # own temporary: sum_{u > t} x_u
+        return _Sums(here, prefix.neg_().add_(total) if after else None)  # own temporary: sum_{u > t} x_u
     cp = _compaction(action_mask)
-    here = discounted_reverse_cumsum(_pack(x, action_mask, cp), discount)
-    return _Sums(_unpack(here, cp), _unpack(_shift_left(here), cp))
+    here_c = discounted_reverse_cumsum(_pack(x, action_mask, cp), discount)
+    return _Sums(_unpack(here_c, cp), _unpack(_shift_left(here_c), cp) if after else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,10 +435,11 @@ def clipped_td(
     log_w = _clean_log_rho(log_rho, action_mask, rewards)
     if trace == "none" and advantage_window is None:  # token layout, no compaction when gamma * lam == 1
         weighted = log_w.exp_().clamp_(min=low, max=high).mul_(delta)  # rho~ delta, 0 off action tokens
-        d_sums = _action_sums(weighted, action_mask, gamma * lam_critic)
-        e_sums = d_sums if lam_actor == lam_critic else _action_sums(weighted, action_mask, gamma * lam_actor)
+        need_after = not weight_own_residual
+        d_sums = _action_sums(weighted, action_mask, gamma * lam_critic, after=need_after and lam_actor == lam_critic)
+        e_sums = d_sums if lam_actor == lam_critic else _action_sums(weighted, action_mask, gamma * lam_actor, after=need_after)
         del log_w, weighted  # fewer live [B, T] temporaries: see benchmarks/ops_bench.py on the allocator
-        adv = e_sums.here if weight_own_residual else e_sums.after.mul_(gamma * lam_actor).add_(delta)
+        adv = e_sums.here if e_sums.after is None else e_sums.after.mul_(gamma * lam_actor).add_(delta)
         advantages = _on_actions(action_mask, adv)  # before d_sums.here (maybe adv) is updated in place
         del delta, e_sums, adv
         return ClippedTDOutput(advantages, _on_actions(action_mask, d_sums.here.add_(values)))

@@ -142,8 +142,12 @@ def token_ess(ratio: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
     """
     check_bt("ratio", ratio)
     check_mask("action_mask", action_mask, ratio)
-    w = zero_where_not(action_mask, ratio.detach().float())
-    n = action_mask.sum().to(torch.float32)
+    return _token_ess_of(zero_where_not(action_mask, ratio.detach().float()), action_mask.sum())
+
+
+def _token_ess_of(w: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Token ESS from weights ``w`` that are already 0 off the action tokens, and their ``count``."""
+    n = count.to(torch.float32)
     sum_sq = (w * w).sum()
     ess = w.sum() ** 2 / (n * sum_sq).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(n > 0, ess, torch.ones_like(ess))
@@ -159,7 +163,11 @@ def sequence_ess(log_r: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor
     check_bt("log_r", log_r)
     check_mask("action_mask", action_mask, log_r)
     clamped = log_r.detach().double().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    seq_log = zero_where_not(action_mask, clamped).sum(dim=-1)
+    return _sequence_ess_of(zero_where_not(action_mask, clamped).sum(dim=-1), action_mask)
+
+
+def _sequence_ess_of(seq_log: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Sequence ESS from the float64 per-row log-weights ``L_i`` (``[B]``)."""
     has_tokens = action_mask.any(dim=-1)
     n_rows = has_tokens.sum().to(torch.float64)
     kept = torch.where(has_tokens, seq_log, torch.full_like(seq_log, -math.inf))
@@ -205,6 +213,16 @@ def mean_abs_log_ratio(log_r: torch.Tensor, action_mask: torch.Tensor) -> torch.
     return masked_mean(clamped.abs(), action_mask)
 
 
+def _clean(log_r: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """``clamp(log_r, +-20)`` on action tokens, exactly 0 elsewhere; detached float32 (a fresh tensor)."""
+    return zero_where_not(action_mask, log_r.detach().float()).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _mean_of(values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``masked_mean`` for ``values`` already 0 off the mask, given the mask's ``count``."""
+    return values.sum() / count.clamp(min=1).to(values.dtype)
+
+
 class KLEstimates(NamedTuple):
     """Token means of the k1/k2/k3 estimators of ``KL(pi_sample || pi_other)`` (Schulman's notation)."""
 
@@ -227,10 +245,14 @@ def kl_estimators(log_r: torch.Tensor, action_mask: torch.Tensor) -> KLEstimates
     """
     check_bt("log_r", log_r)
     check_mask("action_mask", action_mask, log_r)
-    lr = zero_where_not(action_mask, log_r.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    k1 = masked_mean(-lr, action_mask)
-    k2 = masked_mean(0.5 * lr * lr, action_mask)
-    k3 = masked_mean(torch.expm1(lr) - lr, action_mask)
+    return _kl_of(_clean(log_r, action_mask), action_mask.sum())
+
+
+def _kl_of(lr: torch.Tensor, count: torch.Tensor) -> KLEstimates:
+    """k1/k2/k3 token means from a clean log-ratio (clamped, 0 off the ``count`` action tokens)."""
+    k1 = _mean_of(-lr, count)
+    k2 = _mean_of(0.5 * lr * lr, count)
+    k3 = _mean_of(torch.expm1(lr) - lr, count)  # 0 off the mask: expm1(0) - 0
     return KLEstimates(k1=k1, k2=k2, k3=k3)
 
 
@@ -254,15 +276,22 @@ def importance_diagnostics(
     ``ratio/mean_abs_log``, ``ratio/kl_k1``, ``ratio/kl_k2``, ``ratio/kl_k3`` and, with ``keep_mask``,
     ``ratio/mask_frac``.
     """
-    ratio = ratio_from_log(log_r, action_mask)
+    check_bt("log_r", log_r)
+    check_mask("action_mask", action_mask, log_r)
+    # One masked, clamped float32 copy of the log-ratio feeds every statistic (each public function
+    # above would mask and clamp again): for float32 inputs the values equal calling them one by one
+    # bit for bit (tested); wider inputs are rounded to float32 first.
+    lr = _clean(log_r, action_mask)
+    count = action_mask.sum()
+    ratio = torch.exp(lr)  # == ratio_from_log(log_r, action_mask): 1 off the mask
     clips = clip_fractions(ratio, action_mask, low=clip_low, high=clip_high)
-    kl = kl_estimators(log_r, action_mask)
+    kl = _kl_of(lr, count)
     stats = {
-        "ratio/ess_tok": token_ess(ratio, action_mask),
-        "ratio/ess_seq": sequence_ess(log_r, action_mask),
+        "ratio/ess_tok": _token_ess_of(zero_where_not(action_mask, ratio), count),
+        "ratio/ess_seq": _sequence_ess_of(lr.sum(dim=-1, dtype=torch.float64), action_mask),
         "ratio/clip_low_frac": clips.low,
         "ratio/clip_high_frac": clips.high,
-        "ratio/mean_abs_log": mean_abs_log_ratio(log_r, action_mask),
+        "ratio/mean_abs_log": _mean_of(lr.abs(), count),
         "ratio/kl_k1": kl.k1,
         "ratio/kl_k2": kl.k2,
         "ratio/kl_k3": kl.k3,
