@@ -181,8 +181,17 @@ def mask_fraction(keep_mask: torch.Tensor, action_mask: torch.Tensor) -> torch.T
     """Fraction of action tokens that ``keep_mask`` removes (``ratio/mask_frac``); 0 with no tokens."""
     check_mask("keep_mask", keep_mask)
     check_mask("action_mask", action_mask, keep_mask)
-    removed = (action_mask & ~keep_mask).to(torch.float32)
-    return masked_mean(removed, action_mask)
+    return _fraction(~keep_mask, action_mask, action_mask.sum())
+
+
+def _fraction(selected: torch.Tensor, action_mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Share of the ``count`` action tokens where ``selected`` holds; 0 with none. 0-d float32.
+
+    An integer count divided once: the same value as ``masked_mean(selected.float(), action_mask)``
+    (float32 sums of 0/1 are exact below 2^24 tokens) without a float copy and a masked pass.
+    """
+    hits = (selected & action_mask).sum().to(torch.float32)
+    return hits / count.clamp(min=1).to(torch.float32)
 
 
 class ClipFractions(NamedTuple):
@@ -200,9 +209,8 @@ def clip_fractions(
     check_mask("action_mask", action_mask, ratio)
     _check_bounds(low, high, "clip_fractions")
     w = ratio.detach()
-    below = masked_mean((w < low).to(torch.float32), action_mask)
-    above = masked_mean((w > high).to(torch.float32), action_mask)
-    return ClipFractions(low=below, high=above)
+    count = action_mask.sum()
+    return ClipFractions(low=_fraction(w < low, action_mask, count), high=_fraction(w > high, action_mask, count))
 
 
 def mean_abs_log_ratio(log_r: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
