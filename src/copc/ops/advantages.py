@@ -93,7 +93,8 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
         return torch.sub(x, prefix).add_(prefix[:, -1:])
     batch, length = x.shape
     n_blocks = max(1, -(-length // _CHUNK))
-    padded = torch.nn.functional.pad(x, (0, n_blocks * _CHUNK - length)).view(batch, n_blocks, _CHUNK)
+    pad = n_blocks * _CHUNK - length
+    padded = (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(batch, n_blocks, _CHUNK)
     idx = torch.arange(_CHUNK, dtype=torch.float64, device=x.device)
     lag = idx[None, :] - idx[:, None]  # lag[j, u] = u - j
     intra = torch.where(lag >= 0, discount ** lag.clamp(min=0), 0.0).to(x.dtype)
@@ -104,7 +105,7 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
     heads = local[:, :, 0] @ inter.T  # y at each block's first position
     next_heads = torch.nn.functional.pad(heads[:, 1:], (0, 1))  # y at the next block's head, 0 past T
     to_next = (discount ** (_CHUNK - idx)).to(x.dtype)  # g^(64 - j): from position j to the next head
-    y = local + to_next[None, None, :] * next_heads[:, :, None]
+    y = local.add_(to_next[None, None, :] * next_heads[:, :, None])  # own temporary
     return y.reshape(batch, n_blocks * _CHUNK)[:, :length]
 
 
@@ -238,9 +239,18 @@ def _action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float, *,
         total = prefix[:, -1:].clone()
         here = torch.sub(x, prefix).add_(total)
         return _Sums(here, prefix.neg_().add_(total) if after else None)  # own temporary: sum_{u > t} x_u
-    cp = _compaction(action_mask)
-    here_c = discounted_reverse_cumsum(_pack(x, action_mask, cp), discount)
-    return _Sums(_unpack(here_c, cp), _unpack(_shift_left(here_c), cp) if after else None)
+    # A lean :func:`_compaction` (entries off action tokens are unspecified here): only the int32
+    # running count stays alive across the scan, to keep the heap small.
+    length = x.shape[1]
+    count = action_mask.cumsum(dim=1, dtype=torch.int32).sub_(1)  # compact slot of each action token
+    dest = torch.where(action_mask, count, length).long()  # non-action entries land in a dropped slot
+    packed = _pack(x, dest)
+    del dest
+    here_c = discounted_reverse_cumsum(packed, discount)
+    del packed
+    slot = count.clamp_(min=0).long()
+    del count
+    return _Sums(here_c.gather(1, slot), _shift_left(here_c).gather(1, slot) if after else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,30 +259,30 @@ def _action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float, *,
 
 class _Compact(NamedTuple):
     pos: torch.Tensor  # [B, T] long: compact index of each action token (clamped >= 0)
-    dest: torch.Tensor  # [B, T] long: scatter destination (T for non-action tokens)
     valid: torch.Tensor  # [B, T] bool: compact index < number of action tokens of the row
     last: torch.Tensor  # [B, T] bool: the compact slot of each row's last action token
     off: torch.Tensor  # [B, T] bool: ~action_mask (token layout)
     n_actions: torch.Tensor  # [B] long
 
 
-def _compaction(action_mask: torch.Tensor) -> _Compact:
-    # Index arithmetic in int32 (an int64 cumsum is ~10x slower on CPU); only the two gather/scatter
-    # index tensors are widened to int64.
+def _compaction(action_mask: torch.Tensor) -> tuple[_Compact, torch.Tensor]:
+    """The compaction and the scatter destinations ``[B, T]`` long (T for non-action tokens).
+
+    Index arithmetic in int32 (an int64 cumsum is ~10x slower on CPU); only the gather/scatter index
+    tensors are widened to int64. Drop the destinations once packed (fewer live temporaries).
+    """
     length = action_mask.shape[1]
     cum = action_mask.cumsum(dim=1, dtype=torch.int32)
-    count = cum[:, -1:]
-    pos = (cum - 1).clamp_(min=0).long()
+    n_actions = cum[:, -1:].clone()
     dest = torch.where(action_mask, cum - 1, length).long()
+    pos = cum.sub_(1).clamp_(min=0).long()  # own temporary (count is read below: a separate copy)
     slots = torch.arange(length, device=action_mask.device, dtype=torch.int32)[None, :]
-    return _Compact(pos, dest, slots < count, slots == count - 1, ~action_mask, count[:, 0].long())
+    return _Compact(pos, slots < n_actions, slots == n_actions - 1, ~action_mask, n_actions[:, 0].long()), dest
 
 
-def _pack(x: torch.Tensor, action_mask: torch.Tensor, cp: _Compact) -> torch.Tensor:
-    """Action-token entries of ``x`` moved left in order; 0 in the padding (NaN-safe)."""
-    clean = torch.where(action_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    wide = torch.zeros(x.shape[0], x.shape[1] + 1, dtype=x.dtype, device=x.device)
-    return wide.scatter(1, cp.dest, clean)[:, :-1]
+def _pack(x: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """Action-token entries of ``x`` (exactly 0 elsewhere) moved left in order; 0 in the padding."""
+    return x.new_zeros(x.shape[0], x.shape[1] + 1).scatter_(1, dest, x)[:, :-1]
 
 
 def _unpack(xc: torch.Tensor, cp: _Compact) -> torch.Tensor:
@@ -292,8 +302,9 @@ class _Packed(NamedTuple):
 
 
 def _packed(delta: torch.Tensor, log_w: torch.Tensor, action_mask: torch.Tensor) -> _Packed:
-    cp = _compaction(action_mask)
-    return _Packed(cp, _pack(delta, action_mask, cp), _pack(log_w, action_mask, cp).exp_())
+    """Compact ``delta`` and ``exp(log_w)`` (both exactly 0 off action tokens in token layout)."""
+    cp, dest = _compaction(action_mask)
+    return _Packed(cp, _pack(delta, dest), _pack(log_w, dest).exp_())
 
 
 def _check_lambda(name: str, lam: float) -> None:
