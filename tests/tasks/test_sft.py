@@ -20,10 +20,10 @@ from copc.tasks.sft import (
     build_warmstart,
     encode_demo,
     is_complete,
-    length_bucketed_batches,
     load_warmstart,
     measure_accuracy,
     sft_cli,
+    shuffled_batches,
     warmstart_dir,
     warmstart_info,
 )
@@ -81,14 +81,14 @@ def test_action_nll_golden_and_mask_invariance():
     assert torch.equal(action_nll(poisoned, ids, action), action_nll(logits, ids, action))
 
 
-def test_length_buckets_cover_each_index_once():
-    lengths = [int(x) for x in torch.randint(5, 300, (200,))]
-    batches = length_bucketed_batches(lengths, 8, torch.Generator().manual_seed(1))
+def test_batches_cover_each_index_once_in_a_seeded_order():
+    batches = shuffled_batches(203, 8, torch.Generator().manual_seed(1))
     flat = [i for batch in batches for i in batch]
-    assert len(flat) == len(set(flat)) == 200 and all(len(b) == 8 for b in batches)
-    assert batches == length_bucketed_batches(lengths, 8, torch.Generator().manual_seed(1))
-    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
-    assert spread < 60  # sorted inside windows of 128: batches hold similar lengths
+    assert len(flat) == len(set(flat)) == 200 and all(len(b) == 8 for b in batches)  # 3 dropped
+    assert batches == shuffled_batches(203, 8, torch.Generator().manual_seed(1))
+    assert batches != shuffled_batches(203, 8, torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="cannot fill one batch"):
+        shuffled_batches(5, 8, torch.Generator())
 
 
 def _build(tmp_path, **kwargs):
