@@ -28,7 +28,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -76,6 +76,8 @@ class ModelConfig:
     """Initialisation seed when policy = 'tiny'."""
     warmstart_seed: int = 0
     """Seed of the warm start when policy = 'warmstart' (built once, then cached)."""
+    warmstart_sft: dict[str, int | float] = field(default_factory=lambda: {"batch_size": 16, "steps": 3000})
+    """Overrides of the task's default warm-start SFT settings (copc.tasks.sft.SFTConfig), e.g. {steps: 3000}."""
 
 
 @dataclass(frozen=True)
@@ -120,11 +122,13 @@ class RunConfig:
 
     task: str = "arith_tool"
     """Task name (copc.tasks registry)."""
-    task_options: dict[str, str | int | float | bool | None] = field(default_factory=dict)
-    """Task config values (e.g. {hard: true})."""
+    task_options: dict[str, str | int | float | bool | None] = field(
+        default_factory=lambda: {"difficulty": 1, "train_size": 5000}
+    )
+    """Task config values (e.g. {hard: true}); default: arith_tool level 1 (2x2-digit products)."""
     method: str = "copc"
     """Method preset (copc.methods registry)."""
-    steps: int = 60
+    steps: int = 50
     """Training steps."""
     seed: int = 0
     """Run seed: prompts and sampling seeds of every batch, minibatch shuffles, initialisation."""
@@ -140,7 +144,7 @@ class RunConfig:
     """Draw the PNG plots into run_dir/plots at the end."""
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(actor_lr=3e-4, critic_lr=1e-3))
     staleness: StalenessConfig = field(default_factory=lambda: StalenessConfig(mode="bounded", staleness=8))
     driver: DriverConfig = field(default_factory=DriverConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -241,9 +245,16 @@ def resolve_method(cfg: RunConfig) -> MethodConfig:
 def policy_path(cfg: RunConfig, scratch: Path) -> Path:
     """The HF folder the policy starts from (warm start built and cached on first use)."""
     if cfg.model.policy == "warmstart":
-        from copc.tasks.sft import build_warmstart
+        from copc.tasks.sft import DEFAULT_SFT, SFTConfig, build_warmstart
 
-        return Path(build_warmstart(cfg.task, seed=cfg.model.warmstart_seed, task_config=cfg.task_options))
+        sft = DEFAULT_SFT.get(cfg.task, SFTConfig())
+        if cfg.model.warmstart_sft:
+            try:
+                sft = replace(sft, **cfg.model.warmstart_sft)  # type: ignore[arg-type]
+            except (TypeError, ValueError) as err:
+                valid = ", ".join(f.name for f in fields(SFTConfig))
+                raise ConfigError(f"model.warmstart_sft: {' '.join(str(err).split())}; valid keys: {valid}") from None
+        return Path(build_warmstart(cfg.task, seed=cfg.model.warmstart_seed, task_config=cfg.task_options, sft=sft))
     if cfg.model.policy == "tiny":
         from copc.models import build_tiny_model, build_tiny_tokenizer
 
@@ -562,6 +573,7 @@ def train_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
     args = parser.parse_args(list(argv))
+    _quiet_transformers()
     try:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as err:
@@ -583,6 +595,7 @@ def eval_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-greedy", action="store_true")
     args = parser.parse_args(list(argv))
+    _quiet_transformers()
     try:
         cfg, model, tokenizer = _load_for_eval(Path(args.checkpoint), args.task)
         eval_cfg = EvalConfig(prompts=args.prompts, samples=args.samples, greedy=not args.no_greedy)
@@ -595,13 +608,21 @@ def eval_cli(argv: Sequence[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"copc eval: {args.checkpoint} on {cfg.task} ({args.prompts} prompts, k={args.samples})")
+    table = Table(title=f"copc eval on {cfg.task} ({args.prompts} prompts, k={args.samples})",
+                  caption=f"checkpoint: {args.checkpoint}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in metrics.items():
         table.add_row(key.removeprefix("eval/"), f"{value:.4f}")
     Console().print(table)
     return 0
+
+
+def _quiet_transformers() -> None:
+    """No per-load progress bars: the command's own progress bar and table are the output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _load_for_eval(path: Path, task: str | None) -> tuple[RunConfig, PreTrainedModel, PreTrainedTokenizerBase]:

@@ -106,7 +106,7 @@ def test_resume_reproduces_the_uninterrupted_fixed_lag_run(tmp_path: Path) -> No
 
 def test_kill_loses_no_completed_batch(tmp_path: Path) -> None:
     """SIGKILL the training process mid-run; every journaled batch is restored, and the run still matches."""
-    cfg = small_config(tmp_path / "killed", driver="async", s=2, steps=8, checkpoint_every=2)
+    cfg = small_config(tmp_path / "killed", driver="async", s=2, steps=6, checkpoint_every=2)
     reference = replace(cfg, run_dir=str(tmp_path / "reference"))
     train(reference, show_progress=False)
     overrides = _overrides(cfg)

@@ -173,7 +173,11 @@ def _worker_main(
     """
     try:
         torch.set_num_threads(spec.num_threads)
+        from transformers.utils import logging as hf_logging
+
         from copc.models import load_policy
+
+        hf_logging.disable_progress_bar()
         from copc.tasks import get_task
 
         model, tokenizer = load_policy(spec.model_path)

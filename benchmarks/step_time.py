@@ -1,0 +1,197 @@
+"""Step time of sync PPO, async PPO and async COPC at the same batch on the tiny model (issue 4, part 5).
+
+    .venv/bin/python benchmarks/step_time.py [--steps 10] [--rounds 2] [--policy warmstart|tiny]
+
+Prints, measured in this one run (configurations run in interleaved rounds, so a drifting load on a
+shared machine hits them alike; medians over the steps after the first ``--warmup`` of each run):
+
+- step time and tokens/s of each configuration;
+- the async speed-up over sync (sync median step time / async median step time);
+- COPC's step-time overhead over async PPO (3a: ratio against the behaviour policy, no old forward) and,
+  for reference, over async PPO 3b (``async_ppo_recompute``, the same forward count as COPC);
+- the ideal overlap bound ``(gen + train) / max(gen, train)`` from the sync run's generation and
+  training times, and the same bound scaled by this machine's measured parallel capacity ``c`` for two
+  busy processes (``c = 2 t_1 / t_2``: ``t_1`` = time of one busy process alone, ``t_2`` = wall time of
+  two running at once): two processes that share ``c`` cores finish ``gen + train`` of work in at least
+  ``(gen + train) / c``, so the reachable speed-up is ``min(bound, c)``;
+- speed-up as a fraction of that scaled bound (target >= 90%) and the COPC overhead (target <= 2%);
+- COPC's overhead measured on the trainer step alone, methods alternated on identical batches.
+
+Every configuration uses the async driver's defaults except the method and driver (one rollout worker,
+bounded staleness 8); the sync run generates and trains in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from copc.runtime.staleness import StalenessConfig
+from copc.train import DriverConfig, EvalConfig, ModelConfig, RunConfig, default_config, train
+
+
+def busy(seconds_of_work: int, out: mp.Queue) -> None:
+    """A CPU-bound loop of fixed work (small matmuls, one thread); reports its own wall time."""
+    torch.set_num_threads(1)
+    a = torch.randn(192, 192)
+    start = time.perf_counter()
+    for _ in range(seconds_of_work):
+        a = torch.tanh(a @ a * 0.01)
+    out.put(time.perf_counter() - start)
+
+
+def parallel_capacity(work: int = 3000) -> tuple[float, float, float]:
+    """``(c, t1, t2)``: c = 2 t1 / t2 for one vs two concurrent busy processes (1 = no parallelism).
+
+    Medians of three alternations, to damp the drift of a machine shared with other work."""
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    ones, twos = [], []
+    for _ in range(3):
+        proc = ctx.Process(target=busy, args=(work, out))
+        proc.start()
+        proc.join()
+        ones.append(out.get())
+        procs = [ctx.Process(target=busy, args=(work, out)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        twos.append(max(out.get(), out.get()))
+        for p in procs:
+            p.join()
+    t1, t2 = statistics.median(ones), statistics.median(twos)
+    return min(2.0, 2 * t1 / t2), t1, t2
+
+
+def trainer_overhead(base: RunConfig, repeats: int, tmp: Path) -> dict[str, float]:
+    """Median trainer-step time per method on the SAME recorded batches, methods interleaved (paired).
+
+    The end-to-end async step hides the trainer behind generation whenever generation is the slower
+    side, and a loaded machine drifts between runs; timing ``trainer.step`` alone, alternating the
+    methods on identical batches, isolates what COPC adds (the old forward and one extra scan).
+    """
+    from copc.methods import get_method
+    from copc.models.hf import ValueModel, load_policy
+    from copc.runtime.sync import RolloutGenerator
+    from copc.tasks import get_task
+    from copc.train import policy_path
+    from copc.trainer.batching import collate
+    from copc.trainer.trainer import ActorCriticTrainer
+
+    model_dir = policy_path(base, tmp)
+    gen_model, tokenizer = load_policy(model_dir)
+    task = get_task(base.task, **base.task_options)
+    generator = RolloutGenerator(gen_model, tokenizer, task, base.rollout, seed=base.seed)
+    batches = [collate(generator.generate(j).trajectories, pad_id=int(tokenizer.pad_token_id)) for j in range(3)]
+    trainers = {}
+    for name in ("async_ppo", "async_ppo_recompute", "copc"):
+        policy, _ = load_policy(model_dir)
+        torch.manual_seed(0)
+        trainers[name] = ActorCriticTrainer(
+            policy, ValueModel.from_policy(policy), get_method(name), replace(base.trainer, critic_warmup_steps=0)
+        )
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    names = list(trainers)
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:  # rotate the order
+            start = time.perf_counter()
+            trainers[name].step(batches[rep % len(batches)])
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every configuration")
+    parser.add_argument("--trainer-repeats", type=int, default=12)
+    parser.add_argument("--policy", default="warmstart", help="warmstart | tiny | an HF folder")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    base = replace(
+        default_config(),
+        steps=args.steps,
+        checkpoint_every=0,
+        plots=False,
+        model=ModelConfig(policy=args.policy),
+        eval=EvalConfig(prompts=0),
+        staleness=StalenessConfig(mode="bounded", staleness=8),
+    )
+    configs = {
+        "sync PPO": replace(base, method="ppo", driver=DriverConfig(kind="sync")),
+        "async PPO (3a)": replace(base, method="async_ppo", driver=DriverConfig(kind="async")),
+        "async PPO (3b, recompute)": replace(base, method="async_ppo_recompute", driver=DriverConfig(kind="async")),
+        "async COPC": replace(base, method="copc", driver=DriverConfig(kind="async")),
+    }
+    capacity, t1, t2 = parallel_capacity()
+    per_step: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for name, cfg in configs.items():
+                run_dir = Path(tmp) / f"{name.replace(' ', '_')}-{rnd}"
+                per_step[name] += run_steps(replace(cfg, run_dir=str(run_dir)), args.warmup)
+        overhead = trainer_overhead(base, args.trainer_repeats, Path(tmp))
+    results = {name: medians(rows) for name, rows in per_step.items()}
+    report(results, overhead, capacity, t1, t2, base, args)
+
+
+def run_steps(cfg: RunConfig, warmup: int) -> list[dict[str, float]]:
+    result = train(cfg, show_progress=False)
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if "time/step" in r][warmup:]
+
+
+def medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    return {
+        "step": med("time/step"),
+        "generate": med("time/generate"),
+        "train": med("time/train"),
+        "wait": med("time/wait"),
+        "tokens_per_s": med("perf/tokens_per_s"),
+        "staleness": med("staleness/mean"),
+        "n": float(len(rows)),
+    }
+
+
+def report(
+    results: dict[str, dict[str, float]], overhead: dict[str, float], capacity: float, t1: float, t2: float,
+    base: RunConfig, args: argparse.Namespace,
+) -> None:
+    print(f"\nparallel capacity for two busy processes: c = {capacity:.2f} (one alone {t1:.2f}s, two at once {t2:.2f}s)")
+    print(f"batch: {base.rollout.batch_size} trajectories/step; {args.rounds} interleaved rounds of {args.steps} "
+          f"steps per configuration, medians over steps after the first {args.warmup} of each run\n")
+    print(f"{'configuration':28s} {'step s':>8s} {'gen s':>8s} {'train s':>8s} {'wait s':>8s} {'tok/s':>8s} "
+          f"{'stale':>6s} {'n':>4s}")
+    for name, r in results.items():
+        print(f"{name:28s} {r['step']:8.3f} {r['generate']:8.3f} {r['train']:8.3f} {r['wait']:8.3f} "
+              f"{r['tokens_per_s']:8.1f} {r['staleness']:6.2f} {int(r['n']):4d}")
+    sync = results["sync PPO"]
+    gen, trn = sync["generate"], sync["train"]
+    bound = (gen + trn) / max(gen, trn)
+    scaled = min(bound, capacity)
+    speedup = sync["step"] / results["async PPO (3a)"]["step"]
+    speedup_copc = sync["step"] / results["async COPC"]["step"]
+    e2e_3a = results["async COPC"]["step"] / results["async PPO (3a)"]["step"] - 1
+    e2e_3b = results["async COPC"]["step"] / results["async PPO (3b, recompute)"]["step"] - 1
+    print(f"\nideal overlap bound (gen + train) / max(gen, train) = {bound:.2f}x; scaled by capacity: {scaled:.2f}x")
+    print(f"async PPO (3a) speed-up over sync PPO: {speedup:.2f}x = {speedup / scaled:.0%} of the scaled bound")
+    print(f"async COPC speed-up over sync PPO:     {speedup_copc:.2f}x = {speedup_copc / scaled:.0%} of the scaled bound")
+    print(f"COPC end-to-end step-time overhead: {e2e_3a:+.1%} vs async PPO 3a, {e2e_3b:+.1%} vs 3b")
+    t3a, t3b, tc = overhead["async_ppo"], overhead["async_ppo_recompute"], overhead["copc"]
+    print(f"trainer step alone (paired, same batches): 3a {t3a:.3f}s, 3b {t3b:.3f}s, COPC {tc:.3f}s -> COPC "
+          f"{tc / t3a - 1:+.1%} vs 3a (one extra no-grad forward), {tc / t3b - 1:+.1%} vs 3b (same forwards)")
+
+
+if __name__ == "__main__":
+    main()
