@@ -72,7 +72,12 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.warmup_steps must be in [0, steps), got {self.warmup_steps}")
 
 
-#: Per-task SFT settings, tuned so the warm-started policy lands in the target accuracy band.
+#: Per-task SFT settings, tuned so the warm-started policy lands in the target accuracy band (sampled
+#: accuracy in [0.2, 0.6], greedy < 0.8). Measured on 200 eval prompts through the engine, episode loop,
+#: tools and reward (``pytest -m slow tests/tasks/test_sft.py``; ``measure_accuracy``):
+#:   arith_tool: greedy 0.67, sampled 0.33 (tool use 0.47); 91 s CPU on one thread.
+#:   kv_search:  greedy 0.72, sampled 0.275 (tool use 0.54); 139 s CPU on one thread (top_k=1).
+#: Small batches matter: 500 steps of 32 (the same tokens) left arith_tool at accuracy 0.
 DEFAULT_SFT: dict[str, SFTConfig] = {
     "arith_tool": SFTConfig(batch_size=8, steps=1500, lr=2e-3, warmup_steps=50),
     "kv_search": SFTConfig(batch_size=8, steps=1500, lr=2e-3, warmup_steps=50),
