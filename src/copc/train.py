@@ -144,7 +144,7 @@ class RunConfig:
     """Draw the PNG plots into run_dir/plots at the end."""
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(actor_lr=3e-4, critic_lr=1e-3))
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(actor_lr=2e-4, critic_lr=1e-3))
     staleness: StalenessConfig = field(default_factory=lambda: StalenessConfig(mode="bounded", staleness=8))
     driver: DriverConfig = field(default_factory=DriverConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -155,7 +155,13 @@ class RunConfig:
 
 
 def default_config() -> RunConfig:
-    """The embedded default of ``copc train`` (tuned to finish in <= 10 minutes on 2 CPU cores)."""
+    """The embedded default of ``copc train`` (the field defaults of :class:`RunConfig`).
+
+    Measured on the shared 2-vCPU machine (seed 0): warm start built once in ~4.6 min (cached after),
+    then eval avg@1 0.34 -> 0.85 (greedy 0.51 -> 0.93, tool use 0.49 -> 0.99) in 50 steps, 155 s.
+    Actor lr 3e-4 reached 0.895 but dipped (train reward 0.95 -> 0.34 -> 0.97) around step 40; 2e-4 is
+    monotone.
+    """
     return RunConfig()
 
 
