@@ -48,7 +48,6 @@ import torch.multiprocessing as mp
 from copc.runtime.buffer import TrajectoryBuffer, trajectory_from_dict, trajectory_to_dict
 from copc.runtime.staleness import StalenessConfig, source_version
 from copc.runtime.sync import GeneratedBatch, RolloutConfig, RolloutGenerator, batch_prompts
-from copc.types import Trajectory
 
 __all__ = ["AsyncSource", "WeightRing", "WorkerSpec"]
 
@@ -406,7 +405,3 @@ class AsyncSource:
         for path in self.journal.glob("batch_*.pt"):
             if int(path.stem.split("_")[1]) < consumed_before:
                 path.unlink(missing_ok=True)
-
-
-def trajectories_of(batch: GeneratedBatch) -> list[Trajectory]:
-    return batch.trajectories
