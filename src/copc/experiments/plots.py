@@ -2,7 +2,7 @@
 
 Four figures, each a row of panels over training steps:
 
-- ``reward.png``: ``reward/mean`` and ``eval/accuracy``;
+- ``reward.png``: ``reward/mean``, and ``eval/accuracy`` (avg@k) with ``eval/greedy_accuracy``;
 - ``staleness.png``: realized staleness ``staleness/mean`` and ``staleness/max``;
 - ``ratios.png``: ``ratio/mask_frac``, ``ratio/clip_frac_low``, ``ratio/clip_frac_high``;
 - ``critic.png``: ``critic/explained_var``.
@@ -30,7 +30,7 @@ from copc.experiments.tracking import read_metrics
 FIGURES: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
     "reward.png": (
         "Reward and eval accuracy",
-        (("mean reward (train batch)", (m.REWARD_MEAN,)), ("eval accuracy (greedy)", (m.EVAL_ACCURACY,))),
+        (("mean reward (train batch)", (m.REWARD_MEAN,)), ("held-out accuracy (avg@k sampled, greedy)", (m.EVAL_ACCURACY, m.EVAL_GREEDY_ACCURACY))),
     ),
     "staleness.png": (
         "Realized staleness per token [versions]",
