@@ -15,7 +15,10 @@ shared machine hits them alike; medians over the steps after the first ``--warmu
   two running at once): two processes that share ``c`` cores finish ``gen + train`` of work in at least
   ``(gen + train) / c``, so the reachable speed-up is ``min(bound, c)``;
 - speed-up as a fraction of that scaled bound (target >= 90%) and the COPC overhead (target <= 2%);
-- COPC's overhead measured on the trainer step alone, methods alternated on identical batches.
+- COPC's overhead measured on the trainer step alone, methods alternated on identical batches;
+- the CPU cost of generation (generator process + sandbox subprocesses of the tool calls) and the
+  overlap bound it implies: two processes cannot overlap beyond the machine's cores when generation
+  alone already keeps more than one core busy.
 
 Every configuration uses the async driver's defaults except the method and driver (one rollout worker,
 bounded staleness 8); the sync run generates and trains in one process.
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import tempfile
 import time
@@ -89,7 +94,13 @@ def trainer_overhead(base: RunConfig, repeats: int, tmp: Path) -> dict[str, floa
     gen_model, tokenizer = load_policy(model_dir)
     task = get_task(base.task, **base.task_options)
     generator = RolloutGenerator(gen_model, tokenizer, task, base.rollout, seed=base.seed)
-    batches = [collate(generator.generate(j).trajectories, pad_id=int(tokenizer.pad_token_id)) for j in range(3)]
+    batches, cpu = [], {"gen_wall": [], "gen_cpu_self": [], "gen_cpu_tools": []}
+    for j in range(3):
+        wall, self0, kids0 = time.perf_counter(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+        batches.append(collate(generator.generate(j).trajectories, pad_id=int(tokenizer.pad_token_id)))
+        cpu["gen_wall"].append(time.perf_counter() - wall)
+        cpu["gen_cpu_self"].append(_cpu(resource.RUSAGE_SELF) - self0)
+        cpu["gen_cpu_tools"].append(_cpu(resource.RUSAGE_CHILDREN) - kids0)
     trainers = {}
     for name in ("async_ppo", "async_ppo_recompute", "copc"):
         policy, _ = load_policy(model_dir)
@@ -104,7 +115,14 @@ def trainer_overhead(base: RunConfig, repeats: int, tmp: Path) -> dict[str, floa
             start = time.perf_counter()
             trainers[name].step(batches[rep % len(batches)])
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    out = {name: statistics.median(values) for name, values in times.items()}
+    out.update({key: statistics.median(values) for key, values in cpu.items()})
+    return out
+
+
+def _cpu(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -189,6 +207,13 @@ def report(
     print(f"async COPC speed-up over sync PPO:     {speedup_copc:.2f}x = {speedup_copc / scaled:.0%} of the scaled bound")
     print(f"COPC end-to-end step-time overhead: {e2e_3a:+.1%} vs async PPO 3a, {e2e_3b:+.1%} vs 3b")
     t3a, t3b, tc = overhead["async_ppo"], overhead["async_ppo_recompute"], overhead["copc"]
+    gen_cpu = overhead["gen_cpu_self"] + overhead["gen_cpu_tools"]
+    cores = os.cpu_count() or 1
+    cpu_bound = (gen + trn) / max(gen, trn, (gen_cpu + trn) / cores)
+    print(f"generation of one batch in-process: {overhead['gen_wall']:.2f}s wall, {overhead['gen_cpu_self']:.2f}s CPU "
+          f"in the generator + {overhead['gen_cpu_tools']:.2f}s CPU in sandbox subprocesses (tool calls) -> "
+          f"generation alone uses {gen_cpu / overhead['gen_wall']:.1f} cores; CPU-time bound on {cores} cores: "
+          f"(gen + train) / max(gen, train, (gen CPU + train) / cores) = {cpu_bound:.2f}x")
     print(f"trainer step alone (paired, same batches): 3a {t3a:.3f}s, 3b {t3b:.3f}s, COPC {tc:.3f}s -> COPC "
           f"{tc / t3a - 1:+.1%} vs 3a (one extra no-grad forward), {tc / t3b - 1:+.1%} vs 3b (same forwards)")
 
