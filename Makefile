@@ -32,6 +32,8 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ops_bench.py
+	$(BIN)/python benchmarks/engine_bench.py
+	$(BIN)/python benchmarks/step_time.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
