@@ -398,3 +398,33 @@ def test_config_validation_says_how_to_fix() -> None:
         SandboxConfig(memory_mb=8)
     with pytest.raises(ValueError, match="python_executable"):
         SandboxConfig(python_executable="/nonexistent/python")
+
+
+def test_work_dirs_of_a_killed_caller_are_reaped(tmp_path):
+    """A caller killed by SIGKILL leaves its work-dir parent behind; the next sandbox removes it, and
+    never the parent of a live process."""
+    import signal
+    import subprocess
+    import sys
+
+    from copc.tools.sandbox import _session_dir, reap_orphan_workdirs
+
+    code = (
+        "import os, signal, sys\n"
+        "from copc.tools.sandbox import PythonSandbox, _session_dir\n"
+        "assert PythonSandbox().run('print(1)').stdout == '1\\n'\n"
+        "print(_session_dir(), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    live = _session_dir()  # created (and orphans reaped) before the caller below is killed
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    orphan = proc.stdout.strip()
+    assert os.path.isdir(orphan) and os.path.basename(orphan).startswith("copc-sbx-")
+    removed = reap_orphan_workdirs(os.path.dirname(orphan))
+    assert orphan in removed and not os.path.exists(orphan)
+    assert os.path.isdir(live) and live not in removed
+    # unrelated names are left alone
+    (tmp_path / "copc-sbx-marker-abc").mkdir()
+    (tmp_path / "copc-sbx-12ab").mkdir()
+    assert reap_orphan_workdirs(str(tmp_path)) == []

@@ -15,7 +15,9 @@ trainer), under these layers, outermost first (``docs/sandbox.md`` has the threa
    root). Leftover processes of that uid are killed after each run.
 4. **rlimits**: CPU seconds, address space, file size, process count, open files, no core dumps.
 5. **A clean environment** (no variable of the caller is passed), isolated interpreter (``-I -S``),
-   a temporary working directory removed afterwards, output read through pipes with a byte cap.
+   a temporary working directory removed afterwards, output read through pipes with a byte cap. Work
+   directories live under one parent per caller process (``copc-sbx-<pid>-*``); parents left by a
+   caller killed with SIGKILL are removed by the next sandbox created on the machine.
 
 Which layers are actually in force on this machine is measured once by running a probe program through
 the same pipeline: :func:`active_protections`.
@@ -23,10 +25,12 @@ the same pipeline: :func:`active_protections`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -287,6 +291,63 @@ class _UidPool:
 
 _UID_POOL = _UidPool()
 
+_SESSION_PREFIX = "copc-sbx-"
+_SESSION_RE = re.compile(rf"^{_SESSION_PREFIX}(\d+)-")
+_SESSION_LOCK = threading.Lock()
+_SESSION: tuple[int, str] | None = None  # (pid, path) of this process's parent of per-run work dirs
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_orphan_workdirs(root: str | None = None) -> list[str]:
+    """Remove the sandbox work directories of processes that no longer exist; returns what was removed.
+
+    Each process keeps its runs' work directories under one parent, ``copc-sbx-<pid>-*`` in the temp
+    directory. A process killed by SIGKILL cannot clean up, so the next sandbox of any process on the
+    machine removes parents whose pid is gone (a reused pid only delays the cleanup; it never deletes a
+    live process's directory).
+    """
+    root = root or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SESSION_RE.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _remove_session_dir(pid: int, path: str) -> None:
+    if os.getpid() == pid:  # not in a forked child that inherited the handler
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _session_dir() -> str:
+    """This process's parent of per-run work dirs (created on first use, after reaping orphans)."""
+    global _SESSION
+    with _SESSION_LOCK:
+        pid = os.getpid()
+        if _SESSION is None or _SESSION[0] != pid or not os.path.isdir(_SESSION[1]):
+            reap_orphan_workdirs()
+            path = tempfile.mkdtemp(prefix=f"{_SESSION_PREFIX}{pid}-")
+            os.chmod(path, 0o711)  # the sandbox uid may traverse to its own run dir, never list others
+            atexit.register(_remove_session_dir, pid, path)
+            _SESSION = (pid, path)
+        return _SESSION[1]
+
 
 def _live_pids_of_uid(uid: int) -> list[int]:
     """Host pids whose real uid is ``uid`` and that are not zombies (read from /proc)."""
@@ -443,7 +504,7 @@ class PythonSandbox:
             with contextlib.ExitStack() as stack:
                 uid = stack.enter_context(_UID_POOL.slot(self.config.uid_base)) if self._drop_uid else None
                 workdir = stack.enter_context(
-                    tempfile.TemporaryDirectory(prefix="copc-sbx-", ignore_cleanup_errors=True)
+                    tempfile.TemporaryDirectory(prefix="run-", dir=_session_dir(), ignore_cleanup_errors=True)
                 )
                 self._prepare_workdir(workdir, code, uid)
                 ended = self._launch(workdir, uid, start)
