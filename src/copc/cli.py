@@ -1,9 +1,10 @@
-"""The ``copc`` command line: ``copc train | eval | sft | lab | plot | bench``.
+"""The ``copc`` command line: ``copc train | eval | sft | lab | testbed | plot | bench``.
 
     copc train [--config FILE.yaml] [key.sub=value ...]   train (no arguments: the embedded default)
     copc eval --checkpoint RUN_DIR|HF_DIR [--task NAME]   avg@k, unbiased pass@k, greedy accuracy
     copc sft --task NAME                                  build the warm-started tiny policy
     copc lab explain|sweep ...                            exact bias/variance lab on small MDPs
+    copc testbed [--seeds 3 --steps 200 --staleness 16]   sync PPO vs uncorrected async PPO, curves
     copc plot RUN_DIR... [--out DIR] [--mean-seeds]       redraw one run, or overlay several
     copc bench NAME [ARGS...]                             run benchmarks/NAME.py
 
@@ -34,6 +35,11 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
     "eval": ("copc.train", "eval_cli", "evaluate a checkpoint: avg@k, unbiased pass@k, greedy accuracy"),
     "sft": ("copc.tasks.sft", "sft_cli", "build the warm-started tiny policy for a built-in task"),
     "lab": ("copc.lab.cli", "lab_cli", "exact bias/variance decomposition on small MDPs"),
+    "testbed": (
+        "copc.experiments.testbed",
+        "testbed_cli",
+        "does staleness hurt here? sync PPO vs uncorrected async PPO at fixed lag, several seeds",
+    ),
 }
 LOCAL = {
     "plot": "redraw a run's plots, or overlay several runs: copc plot RUN_DIR... [--out DIR]",
@@ -47,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training with Coupled Off-Policy Correction.",
         epilog="\n".join(f"  {name:<6} {text}" for name, text in _help_lines()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="copc [--version] {train,eval,sft,lab,plot,bench} ...",
+        usage="copc [--version] {train,eval,sft,lab,testbed,plot,bench} ...",
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     return parser

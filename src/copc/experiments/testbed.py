@@ -1,0 +1,350 @@
+"""``copc testbed``: does staleness hurt on this testbed? Sync PPO against uncorrected async PPO.
+
+COPC's claims (joint sweeps at staleness 8/12/16, robustness at 64, stability) only mean something on a
+testbed where stale rollouts measurably slow learning. This command trains, for each seed, two arms on
+the ``hard`` built-in task and compares them at equal steps:
+
+- ``ppo_sync``: synchronous PPO (every batch sampled by the current weights);
+- ``async_ppo_s<S>``: asynchronous PPO with the behaviour policy as the PPO anchor (method ``async_ppo``,
+  no correction beyond PPO's own clip), fed rollouts of policy version exactly ``k - S`` at step ``k``
+  (``fixed_lag`` staleness).
+
+The lagged arm runs on the ``sync`` driver, which *simulates* ``fixed_lag`` by keeping the last
+``S + 1`` weight versions: batch ``k`` is the same list of trajectories the ``async`` driver would give
+(copc.runtime.sync), but the two arms then have the whole machine each, which keeps the comparison
+free of timing noise. Each run is a ``copc train`` subprocess; finished runs (``summary.json``) are
+skipped and interrupted ones resumed from their last checkpoint, so the command can be re-run.
+
+Outputs (``--out``): ``testbed_curves.png`` (held-out avg@1 and greedy accuracy, train reward; mean of
+the seeds with a min-max band), ``testbed_staleness.png`` (realized staleness and the PPO clip rate)
+and ``testbed.json``: per arm and eval step the seed mean/min/max, the sync arm's plateau step, and the
+paired gap sync - async at equal steps (per seed, mean and spread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from copc.experiments import tracking as m
+from copc.experiments.plots import curves_for, series, smooth
+from copc.experiments.tracking import read_metrics
+
+__all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]
+
+#: Overrides every testbed run shares: the hard task, periodic held-out evaluation, no per-run plots.
+BASE_OVERRIDES: tuple[str, ...] = (
+    "task_options.hard=true",
+    "eval.prompts=200",
+    "plots=false",
+)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of the comparison: a name (run directories are ``<name>_seed<N>``), a label for
+    the plots and the ``copc train`` overrides that define it."""
+
+    name: str
+    label: str
+    overrides: tuple[str, ...]
+
+
+def arms_for(staleness: int) -> tuple[Arm, Arm]:
+    """The synchronous baseline and uncorrected async PPO at ``fixed_lag`` staleness ``staleness``."""
+    if staleness < 1:
+        raise ValueError(f"--staleness must be >= 1 (the lagged arm), got {staleness}")
+    sync = Arm("ppo_sync", "sync PPO", ("method=ppo", "driver.kind=sync"))
+    lagged = Arm(
+        f"async_ppo_s{staleness}",
+        f"async PPO, fixed lag {staleness} (uncorrected)",
+        ("method=async_ppo", "driver.kind=sync", "staleness.mode=fixed_lag", f"staleness.staleness={staleness}"),
+    )
+    return sync, lagged
+
+
+def run_dir_for(root: Path, arm: Arm, seed: int) -> Path:
+    return root / f"{arm.name}_seed{seed}"
+
+
+def train_command(arm: Arm, seed: int, run_dir: Path, steps: int, eval_every: int, extra: Sequence[str]) -> list[str]:
+    """The ``copc train`` command of one run (resumes when the run directory holds a checkpoint)."""
+    resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    return [
+        sys.executable, "-m", "copc.cli", "train", "--no-progress",
+        *BASE_OVERRIDES, *arm.overrides, *extra,
+        f"steps={steps}", f"eval.every={eval_every}", f"seed={seed}", f"run_dir={run_dir}",
+        f"resume={'true' if resume else 'false'}",
+    ]
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        return False
+    try:
+        return int(json.loads(summary.read_text()).get("steps", -1)) >= steps
+    except (ValueError, OSError):
+        return False
+
+
+def run_all(
+    jobs: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str], parallel: int
+) -> list[str]:
+    """Run the missing jobs, ``parallel`` at a time (one torch thread each); returns failures."""
+    pending = [(arm, seed) for arm, seed in jobs if not finished(run_dir_for(root, arm, seed), steps)]
+    for arm, seed in jobs:
+        if (arm, seed) not in pending:
+            print(f"[testbed] {run_dir_for(root, arm, seed)}: finished, skipped", flush=True)
+    running: list[tuple[str, subprocess.Popen[bytes], float]] = []
+    failures: list[str] = []
+    while pending or running:
+        while pending and len(running) < parallel:
+            arm, seed = pending.pop(0)
+            run_dir = run_dir_for(root, arm, seed)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            command = train_command(arm, seed, run_dir, steps, eval_every, extra)
+            log = (root / f"{run_dir.name}.log").open("ab")
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            print(f"[testbed] start {run_dir.name}: {' '.join(command[3:])}", flush=True)
+            running.append((run_dir.name, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env),
+                            time.perf_counter()))
+            log.close()
+        time.sleep(2.0)
+        for item in list(running):
+            name, proc, start = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            took = time.perf_counter() - start
+            if proc.returncode == 0:
+                print(f"[testbed] done  {name} in {took:.0f} s", flush=True)
+            else:
+                failures.append(name)
+                print(f"[testbed] FAILED {name} (exit {proc.returncode}); see {root / (name + '.log')}", flush=True)
+    return failures
+
+
+# ------------------------------------------------------------------------------------------- analysis
+def plateau_step(steps: np.ndarray, values: np.ndarray, fraction: float = 0.9) -> int:
+    """First step at which ``values`` reaches ``fraction`` of its total rise (max - first value).
+
+    Applied to the seed-mean, smoothed train reward of the sync arm: a curve that keeps rising until the
+    end plateaus late, one that saturates early plateaus early. A curve that never rises returns its
+    first step.
+    """
+    if steps.size == 0:
+        raise ValueError("plateau_step needs a non-empty curve")
+    rise = float(values.max() - values[0])
+    if rise <= 0:
+        return int(steps[0])
+    reached = np.nonzero(values >= values[0] + fraction * rise)[0]
+    return int(steps[reached[0]])
+
+
+def _seed_stack(runs: dict[str, list[dict[str, float]]], names: Sequence[str], metric: str, window: int = 1
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, values [seeds, steps])`` of ``metric`` at the steps every run logged."""
+    per_run = [series(runs[n], metric) for n in names]
+    per_run = [(s, smooth(v, window)) for s, v in per_run]
+    common = sorted(set.intersection(*(set(s.tolist()) for s, _ in per_run))) if per_run else []
+    if not common:
+        return np.zeros(0, dtype=np.int64), np.zeros((len(per_run), 0))
+    return np.array(common), np.stack([v[np.searchsorted(s, common)] for s, v in per_run])
+
+
+def _describe(values: np.ndarray) -> dict[str, float]:
+    return {"mean": float(values.mean()), "min": float(values.min()), "max": float(values.max()),
+            "std": float(values.std(ddof=1)) if values.size > 1 else 0.0}
+
+
+def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_window: int = 10) -> dict[str, object]:
+    """Curves and the paired comparison of the first arm (sync) with each other arm, seed by seed."""
+    runs = {f"{arm.name}_seed{s}": read_metrics(run_dir_for(root, arm, s)) for arm in arms for s in seeds}
+    report: dict[str, object] = {"seeds": list(seeds), "reward_window": reward_window, "arms": {}}
+    arm_reports: dict[str, dict[str, object]] = {}
+    for arm in arms:
+        names = [f"{arm.name}_seed{s}" for s in seeds]
+        steps, acc = _seed_stack(runs, names, m.EVAL_ACCURACY)
+        _, greedy = _seed_stack(runs, names, m.EVAL_GREEDY_ACCURACY)
+        r_steps, reward = _seed_stack(runs, names, m.REWARD_MEAN, window=reward_window)
+        entry: dict[str, object] = {
+            "label": arm.label,
+            "eval_steps": steps.tolist(),
+            "eval_accuracy": [_describe(acc[:, j]) for j in range(steps.size)],
+            "eval_greedy_accuracy": [_describe(greedy[:, j]) for j in range(greedy.shape[1])],
+            "train_reward_final": _describe(reward[:, -1]) if r_steps.size else None,
+        }
+        if r_steps.size:
+            entry["plateau_step"] = plateau_step(r_steps, reward.mean(0))
+            entry["plateau_step_per_seed"] = [plateau_step(r_steps, row) for row in reward]
+        arm_reports[arm.name] = entry
+    sync = arms[0]
+    gaps: dict[str, object] = {}
+    for other in arms[1:]:
+        a_names = [f"{sync.name}_seed{s}" for s in seeds]
+        b_names = [f"{other.name}_seed{s}" for s in seeds]
+        steps, a = _seed_stack(runs, a_names, m.EVAL_ACCURACY)
+        steps_b, b = _seed_stack(runs, b_names, m.EVAL_ACCURACY)
+        shared = np.intersect1d(steps, steps_b)
+        after_start = shared[shared > 0]
+        ia, ib = np.searchsorted(steps, after_start), np.searchsorted(steps_b, after_start)
+        per_seed = (a[:, ia] - b[:, ib]).mean(1) if after_start.size else np.zeros(len(seeds))
+        r_steps, ra = _seed_stack(runs, a_names, m.REWARD_MEAN)
+        r_steps_b, rb = _seed_stack(runs, b_names, m.REWARD_MEAN)
+        r_shared = np.intersect1d(r_steps, r_steps_b)
+        reward_gap = (ra[:, np.searchsorted(r_steps, r_shared)] - rb[:, np.searchsorted(r_steps_b, r_shared)]).mean(1)
+        gaps[other.name] = {
+            "eval_steps": after_start.tolist(),
+            "eval_accuracy_gap_per_seed": per_seed.tolist(),
+            "eval_accuracy_gap": _describe(per_seed),
+            "eval_accuracy_gap_by_step": [_describe(a[:, i] - b[:, j]) for i, j in zip(ia, ib, strict=True)],
+            "train_reward_gap_per_seed": reward_gap.tolist(),
+            "train_reward_gap": _describe(reward_gap),
+            "seeds_where_sync_leads": int((per_seed > 0).sum()),
+        }
+    report["arms"] = arm_reports
+    report["gap_sync_minus"] = gaps
+    return report
+
+
+def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, reward_window: int = 10) -> list[Path]:
+    """``testbed_curves.png`` and ``testbed_staleness.png`` (seed mean, min-max band)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {f"{arm.name}_seed{s}": arm.label for arm in arms for s in seeds}
+    runs = {str(run_dir_for(root, arm, s)): read_metrics(run_dir_for(root, arm, s)) for arm in arms for s in seeds}
+    figures = {
+        "testbed_curves.png": (
+            f"Sync PPO vs uncorrected async PPO (hard task, {len(seeds)} seeds: mean and min-max)",
+            (("held-out accuracy, avg@1 sampled", m.EVAL_ACCURACY, 1),
+             ("held-out accuracy, greedy", m.EVAL_GREEDY_ACCURACY, 1),
+             (f"train reward (moving average of {reward_window} steps)", m.REWARD_MEAN, reward_window)),
+        ),
+        "testbed_staleness.png": (
+            "What the lagged arm sees",
+            (("realized staleness per token, mean [versions]", m.STALENESS_MEAN, 1),
+             ("PPO clip active at 1 - eps (5-step average)", m.POLICY_CLIP_FRAC_LOW, 5),
+             ("PPO clip active at 1 + eps (5-step average)", m.POLICY_CLIP_FRAC_HIGH, 5)),
+        ),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for file_name, (title, panels) in figures.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+        for ax, (panel_title, metric, window) in zip(axes[0], panels, strict=True):
+            curves = curves_for(runs, metric, mean_seeds=True, window=window)
+            for k, curve in enumerate(curves):
+                label = labels.get(f"{curve.label.split(' (n=')[0]}_seed{seeds[0]}", curve.label)
+                ax.plot(curve.steps, curve.mean, color=f"C{k}", label=f"{label} (n={len(seeds)})")
+                if curve.low is not None and curve.high is not None:
+                    ax.fill_between(curve.steps, curve.low, curve.high, color=f"C{k}", alpha=0.2)
+            ax.set_title(panel_title, fontsize=10)
+            ax.set_xlabel("training step")
+            ax.grid(alpha=0.3)
+            if curves:
+                ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        fig.suptitle(title)
+        fig.tight_layout()
+        target = out / file_name
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.png")
+        fig.savefig(tmp, dpi=110)
+        plt.close(fig)
+        os.replace(tmp, target)
+        written.append(target)
+    return written
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="copc testbed",
+        description="Sync PPO vs uncorrected async PPO at fixed lag S on the hard task, several seeds.",
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (0 .. N-1)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
+    parser.add_argument("--staleness", type=int, default=16, help="fixed lag S of the async arm")
+    parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation every N steps")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one torch thread each)")
+    parser.add_argument("--runs", default="runs/testbed", help="folder of the run directories and logs")
+    parser.add_argument("--out", default="docs/figures", help="folder for testbed_*.png and testbed.json")
+    parser.add_argument("--analyse-only", action="store_true", help="do not train; redraw from existing runs")
+    parser.add_argument("overrides", nargs="*", help="extra copc train overrides for every run (key=value)")
+    return parser
+
+
+def testbed_cli(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    if args.seeds < 1 or args.steps < 1 or args.parallel < 1 or args.eval_every < 1:
+        print("copc testbed: error: --seeds, --steps, --parallel and --eval-every must be >= 1", file=sys.stderr)
+        return 2
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        print(f"copc testbed: error: overrides must be key=value, got {bad}", file=sys.stderr)
+        return 2
+    try:
+        arms = arms_for(args.staleness)
+    except ValueError as err:
+        print(f"copc testbed: error: {err}", file=sys.stderr)
+        return 2
+    root, out, seeds = Path(args.runs), Path(args.out), list(range(args.seeds))
+    root.mkdir(parents=True, exist_ok=True)
+    if not args.analyse_only:
+        jobs = [(arm, seed) for seed in seeds for arm in arms]
+        failures = run_all(jobs, root, steps=args.steps, eval_every=args.eval_every, extra=args.overrides,
+                           parallel=args.parallel)
+        if failures:
+            print(f"copc testbed: error: runs failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)
+            return 1
+    missing = [str(run_dir_for(root, a, s)) for a in arms for s in seeds if not (run_dir_for(root, a, s) / "metrics.jsonl").is_file()]
+    if missing:
+        print(f"copc testbed: error: no metrics in {', '.join(missing)}; run without --analyse-only", file=sys.stderr)
+        return 2
+    report = analyse(root, arms, seeds)
+    report["command"] = {"steps": args.steps, "staleness": args.staleness, "eval_every": args.eval_every,
+                         "overrides": [*BASE_OVERRIDES, *args.overrides]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "testbed.json").write_text(json.dumps(report, indent=2))
+    for path in draw(root, arms, seeds, out):
+        print(path)
+    print(out / "testbed.json")
+    print(summary_text(report))
+    return 0
+
+
+def summary_text(report: dict[str, object]) -> str:
+    """A few lines for the terminal: plateau step of each arm and the paired gap."""
+    lines = []
+    arms = report["arms"]
+    assert isinstance(arms, dict)
+    for name, entry in arms.items():
+        acc = entry["eval_accuracy"]
+        first, last = acc[0], acc[-1]
+        lines.append(
+            f"{name:>18}: eval avg@1 {first['mean']:.3f} -> {last['mean']:.3f} "
+            f"[{last['min']:.3f}, {last['max']:.3f}]  plateau step {entry.get('plateau_step')} "
+            f"(per seed {entry.get('plateau_step_per_seed')})"
+        )
+    gaps = report["gap_sync_minus"]
+    assert isinstance(gaps, dict)
+    for name, gap in gaps.items():
+        g, r = gap["eval_accuracy_gap"], gap["train_reward_gap"]
+        lines.append(
+            f"sync - {name}: eval accuracy {g['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['eval_accuracy_gap_per_seed'])}), "
+            f"train reward {r['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['train_reward_gap_per_seed'])})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""``copc testbed``: plateau detection, the paired sync-vs-lagged comparison, commands and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from copc.experiments import tracking as m
+from copc.experiments.testbed import analyse, arms_for, plateau_step, run_dir_for, train_command
+from copc.experiments.testbed import testbed_cli as cli
+from copc.experiments.tracking import Tracker
+
+
+def test_plateau_step_golden():
+    steps = np.arange(6)
+    # rise = 1.0 - 0.0; 90% of it (0.9) is first reached at step 3
+    assert plateau_step(steps, np.array([0.0, 0.5, 0.8, 0.95, 1.0, 1.0])) == 3
+    # a curve still rising at the end plateaus at its last step
+    assert plateau_step(steps, np.linspace(0.0, 1.0, 6)) == 5
+    # no rise: the first step
+    assert plateau_step(steps, np.array([0.5, 0.4, 0.3, 0.3, 0.2, 0.1])) == 0
+    # the fraction is measured from the first value: rise 0.6 -> threshold 0.2 + 0.3 = 0.5
+    assert plateau_step(steps, np.array([0.2, 0.3, 0.45, 0.5, 0.8, 0.7]), fraction=0.5) == 3
+    with pytest.raises(ValueError):
+        plateau_step(np.zeros(0), np.zeros(0))
+
+
+def write_run(run_dir, accuracies: dict[int, float], rewards: list[float]) -> None:
+    with Tracker(run_dir, tensorboard=False, strict=True) as tracker:
+        for step, reward in enumerate(rewards):
+            metrics = {m.REWARD_MEAN: reward, m.STALENESS_MEAN: 0.0}
+            if step in accuracies:
+                metrics[m.EVAL_ACCURACY] = accuracies[step]
+                metrics[m.EVAL_GREEDY_ACCURACY] = accuracies[step] + 0.1
+            tracker.log(step, metrics)
+
+
+def test_analyse_pairs_seeds_and_excludes_the_shared_start(tmp_path):
+    sync, lagged = arms_for(16)
+    # seed 0: sync leads by 0.2 and 0.1 at steps 2 and 4; seed 1: lagged leads by 0.1 at both.
+    write_run(run_dir_for(tmp_path, sync, 0), {0: 0.3, 2: 0.6, 4: 0.7}, [0.0, 0.2, 0.4, 0.6, 0.8])
+    write_run(run_dir_for(tmp_path, lagged, 0), {0: 0.3, 2: 0.4, 4: 0.6}, [0.0, 0.1, 0.2, 0.3, 0.4])
+    write_run(run_dir_for(tmp_path, sync, 1), {0: 0.2, 2: 0.4, 4: 0.5}, [0.0, 0.0, 0.0, 0.0, 0.0])
+    write_run(run_dir_for(tmp_path, lagged, 1), {0: 0.2, 2: 0.5, 4: 0.6}, [0.1, 0.1, 0.1, 0.1, 0.1])
+    report = analyse(tmp_path, (sync, lagged), [0, 1], reward_window=1)
+    gap = report["gap_sync_minus"][lagged.name]
+    assert gap["eval_steps"] == [2, 4]  # step 0 is the shared warm start, not a difference
+    np.testing.assert_allclose(gap["eval_accuracy_gap_per_seed"], [0.15, -0.1], atol=1e-12)
+    assert gap["eval_accuracy_gap"]["mean"] == pytest.approx(0.025)
+    assert gap["eval_accuracy_gap"]["min"] == pytest.approx(-0.1)
+    np.testing.assert_allclose(gap["train_reward_gap_per_seed"], [0.2, -0.1], atol=1e-12)
+    assert gap["seeds_where_sync_leads"] == 1
+    arm = report["arms"][sync.name]
+    assert arm["eval_steps"] == [0, 2, 4]
+    assert arm["eval_accuracy"][1]["mean"] == pytest.approx(0.5)
+    # seed-mean sync reward [0, .1, .2, .3, .4]: 90% of the rise is reached at step 4
+    assert arm["plateau_step"] == 4 and arm["plateau_step_per_seed"] == [4, 0]
+
+
+def test_train_command_resumes_only_with_a_checkpoint(tmp_path):
+    sync, lagged = arms_for(8)
+    run_dir = run_dir_for(tmp_path, lagged, 2)
+    command = train_command(lagged, 2, run_dir, steps=30, eval_every=10, extra=["trainer.actor_lr=1e-4"])
+    assert command[2:5] == ["copc.cli", "train", "--no-progress"]
+    for item in ("staleness.mode=fixed_lag", "staleness.staleness=8", "method=async_ppo", "seed=2",
+                 "steps=30", "trainer.actor_lr=1e-4", "resume=false", "task_options.hard=true"):
+        assert item in command
+    (run_dir / "checkpoints" / "step-10").mkdir(parents=True)
+    assert "resume=true" in train_command(lagged, 2, run_dir, steps=30, eval_every=10, extra=[])
+    assert "method=ppo" in train_command(sync, 0, run_dir, steps=30, eval_every=10, extra=[])
+
+
+def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
+    assert cli(["--staleness", "0", "--runs", str(tmp_path)]) == 2
+    assert "--staleness must be >= 1" in capsys.readouterr().err
+    assert cli(["--seeds", "0"]) == 2
+    assert cli(["steps"]) == 2
+    assert "key=value" in capsys.readouterr().err
+    assert cli(["--analyse-only", "--runs", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    assert "no metrics in" in capsys.readouterr().err
+
+
+def test_analyse_only_writes_figures_and_report(tmp_path):
+    sync, lagged = arms_for(16)
+    for seed in range(2):
+        write_run(run_dir_for(tmp_path, sync, seed), {0: 0.3, 2: 0.6}, [0.1 * i for i in range(3)])
+        write_run(run_dir_for(tmp_path, lagged, seed), {0: 0.3, 2: 0.5}, [0.05 * i for i in range(3)])
+    out = tmp_path / "figs"
+    assert cli(["--analyse-only", "--seeds", "2", "--runs", str(tmp_path), "--out", str(out)]) == 0
+    assert (out / "testbed_curves.png").stat().st_size > 0 and (out / "testbed_staleness.png").is_file()
+    report = json.loads((out / "testbed.json").read_text())
+    assert report["gap_sync_minus"][lagged.name]["eval_accuracy_gap"]["mean"] == pytest.approx(0.1)
