@@ -41,14 +41,14 @@ from copc.experiments.tracking import read_metrics
 
 __all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]
 
-#: Overrides every testbed run shares: the hard task, from a warm start that rarely calls the tool (so
-#: RL has to discover tool use, which takes sync PPO well over 100 steps), batches of 8 prompts x 4
-#: samples, periodic held-out evaluation on 200 prompts, no per-run plots. (With the default warm start,
-#: half tool calls, and 16 prompts, sync PPO plateaued by step ~50: docs/testbed.md.)
+#: Overrides every testbed run shares: the hard task from its default warm start, batches of 8 prompts x 4
+#: samples and half the default actor learning rate (so sync PPO takes longer to plateau; with 16
+#: prompts and lr 2e-4 it plateaued by step ~40, docs/testbed.md), held-out evaluation on 200 prompts,
+#: no per-run plots.
 BASE_OVERRIDES: tuple[str, ...] = (
     "task_options.hard=true",
-    "task_options.sft_tool_frac=0.15",
     "rollout.prompts_per_batch=8",
+    "trainer.actor_lr=1e-4",
     "eval.prompts=200",
     "plots=false",
 )
