@@ -177,6 +177,17 @@ def _seed_stack(runs: dict[str, list[dict[str, float]]], names: Sequence[str], m
     return np.array(common), np.stack([v[np.searchsorted(s, common)] for s, v in per_run])
 
 
+def _eval_episodes(run_dir: Path) -> int | None:
+    """Episodes per held-out evaluation (eval.prompts x eval.samples) from the run's config.yaml."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return int(cfg["eval"]["prompts"]) * int(cfg["eval"]["samples"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
 def _describe(values: np.ndarray) -> dict[str, float]:
     return {"mean": float(values.mean()), "min": float(values.min()), "max": float(values.max()),
             "std": float(values.std(ddof=1)) if values.size > 1 else 0.0}
@@ -214,6 +225,10 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
         after_start = shared[shared > 0]
         ia, ib = np.searchsorted(steps, after_start), np.searchsorted(steps_b, after_start)
         per_seed = (a[:, ia] - b[:, ib]).mean(1) if after_start.size else np.zeros(len(seeds))
+        n = _eval_episodes(run_dir_for(root, sync, seeds[0]))
+        # binomial standard error of each seed's mean gap (independent evaluations of n episodes each)
+        var = (a[:, ia] * (1 - a[:, ia]) + b[:, ib] * (1 - b[:, ib])) / n if n else None
+        sampling_se = np.sqrt(var.sum(1)) / max(1, after_start.size) if var is not None else None
         r_steps, ra = _seed_stack(runs, a_names, m.REWARD_MEAN)
         r_steps_b, rb = _seed_stack(runs, b_names, m.REWARD_MEAN)
         r_shared = np.intersect1d(r_steps, r_steps_b)
@@ -221,6 +236,7 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
         gaps[other.name] = {
             "eval_steps": after_start.tolist(),
             "eval_accuracy_gap_per_seed": per_seed.tolist(),
+            "eval_accuracy_gap_sampling_se_per_seed": sampling_se.tolist() if sampling_se is not None else None,
             "eval_accuracy_gap": _describe(per_seed),
             "eval_accuracy_gap_by_step": [_describe(a[:, i] - b[:, j]) for i, j in zip(ia, ib, strict=True)],
             "train_reward_gap_per_seed": reward_gap.tolist(),
@@ -359,8 +375,10 @@ def summary_text(report: dict[str, object]) -> str:
     assert isinstance(gaps, dict)
     for name, gap in gaps.items():
         g, r = gap["eval_accuracy_gap"], gap["train_reward_gap"]
+        se = gap["eval_accuracy_gap_sampling_se_per_seed"]
+        se_text = f"; sampling s.e. per seed {', '.join(f'{x:.3f}' for x in se)}" if se else ""
         lines.append(
-            f"sync - {name}: eval accuracy {g['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['eval_accuracy_gap_per_seed'])}), "
+            f"sync - {name}: eval accuracy {g['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['eval_accuracy_gap_per_seed'])}{se_text}), "
             f"train reward {r['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['train_reward_gap_per_seed'])})"
         )
     return "\n".join(lines)
