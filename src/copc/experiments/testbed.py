@@ -259,7 +259,8 @@ def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, re
     runs = {str(run_dir_for(root, arm, s)): read_metrics(run_dir_for(root, arm, s)) for arm in arms for s in seeds}
     figures = {
         "testbed_curves.png": (
-            f"Sync PPO vs uncorrected async PPO (hard task, {len(seeds)} seeds: mean and min-max)",
+            f"Sync PPO vs uncorrected async PPO (hard task; {len(seeds)} seed{'s' if len(seeds) > 1 else ''}: "
+            "mean and min-max)",
             (("held-out accuracy, avg@1 sampled", m.EVAL_ACCURACY, 1),
              ("held-out accuracy, greedy", m.EVAL_GREEDY_ACCURACY, 1),
              (f"train reward (moving average of {reward_window} steps)", m.REWARD_MEAN, reward_window)),
