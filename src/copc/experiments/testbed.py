@@ -11,14 +11,14 @@ the ``hard`` built-in task and compares them at equal steps:
 
 The lagged arm runs on the ``sync`` driver, which *simulates* ``fixed_lag`` by keeping the last
 ``S + 1`` weight versions: batch ``k`` is the same list of trajectories the ``async`` driver would give
-(copc.runtime.sync), but the two arms then have the whole machine each, which keeps the comparison
-free of timing noise. Each run is a ``copc train`` subprocess; finished runs (``summary.json``) are
+(copc.runtime.sync; ``tests/runtime/test_drivers.py`` checks the two agree), but each run is then a single
+deterministic process, free of timing noise, and two runs share the machine evenly. Each run is a ``copc train`` subprocess; finished runs (``summary.json``) are
 skipped and interrupted ones resumed from their last checkpoint, so the command can be re-run.
 
 Outputs (``--out``): ``testbed_curves.png`` (held-out avg@1 and greedy accuracy, train reward; mean of
 the seeds with a min-max band), ``testbed_staleness.png`` (realized staleness and the PPO clip rate)
-and ``testbed.json``: per arm and eval step the seed mean/min/max, the sync arm's plateau step, and the
-paired gap sync - async at equal steps (per seed, mean and spread).
+and ``testbed.json``: per arm and eval step the seed mean/min/max, each arm's plateau step, and the paired
+gap sync - async at equal steps (per seed, with its binomial sampling standard error; mean and spread).
 """
 
 from __future__ import annotations
