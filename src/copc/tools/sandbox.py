@@ -34,7 +34,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
