@@ -14,15 +14,18 @@ from copc.experiments.tracking import Tracker
 
 
 def test_plateau_step_golden():
-    steps = np.arange(6)
-    # rise = 1.0 - 0.0; 90% of it (0.9) is first reached at step 3
-    assert plateau_step(steps, np.array([0.0, 0.5, 0.8, 0.95, 1.0, 1.0])) == 3
-    # a curve still rising at the end plateaus at its last step
-    assert plateau_step(steps, np.linspace(0.0, 1.0, 6)) == 5
-    # no rise: the first step
-    assert plateau_step(steps, np.array([0.5, 0.4, 0.3, 0.3, 0.2, 0.1])) == 0
-    # the fraction is measured from the first value: rise 0.6 -> threshold 0.2 + 0.3 = 0.5
-    assert plateau_step(steps, np.array([0.2, 0.3, 0.45, 0.5, 0.8, 0.7]), fraction=0.5) == 3
+    steps = np.arange(10)
+    # final level = mean of the last 2 values (tail 0.2 of 10) = 1.0; 90% of the rise from 0 is 0.9
+    assert plateau_step(steps, np.array([0.0, 0.5, 0.8, 0.95, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])) == 3
+    # a curve still rising at the end: final level (8/9 + 1) / 2 = 0.944, threshold 0.85 -> step 8
+    assert plateau_step(steps, np.linspace(0.0, 1.0, 10)) == 8
+    # a spike does not set the level: final 0.5, threshold 0.45 is first reached at step 2
+    assert plateau_step(steps, np.array([0.0, 0.3, 0.46, 2.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5])) == 2
+    # no rise to the final level: the first step
+    assert plateau_step(steps, np.array([0.5, 0.9, 0.3, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1])) == 0
+    # fraction and tail: final = mean of the last 5 = 0.7, rise 0.5 from 0.2, threshold 0.45 -> step 3
+    values = np.array([0.2, 0.3, 0.4, 0.5, 0.6, 0.6, 0.7, 0.7, 0.8, 0.7])
+    assert plateau_step(steps, values, fraction=0.5, tail=0.5) == 3
     with pytest.raises(ValueError):
         plateau_step(np.zeros(0), np.zeros(0))
 

@@ -41,9 +41,14 @@ from copc.experiments.tracking import read_metrics
 
 __all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]
 
-#: Overrides every testbed run shares: the hard task, periodic held-out evaluation, no per-run plots.
+#: Overrides every testbed run shares: the hard task, from a warm start that rarely calls the tool (so
+#: RL has to discover tool use, which takes sync PPO well over 100 steps), batches of 8 prompts x 4
+#: samples, periodic held-out evaluation on 200 prompts, no per-run plots. (With the default warm start,
+#: half tool calls, and 16 prompts, sync PPO plateaued by step ~50: docs/testbed.md.)
 BASE_OVERRIDES: tuple[str, ...] = (
     "task_options.hard=true",
+    "task_options.sft_tool_frac=0.15",
+    "rollout.prompts_per_batch=8",
     "eval.prompts=200",
     "plots=false",
 )
@@ -97,6 +102,14 @@ def finished(run_dir: Path, steps: int) -> bool:
         return False
 
 
+def prepare_warmstart(overrides: Sequence[str]) -> Path:
+    """Build (or find) the warm start every run starts from, once, before the runs start in parallel."""
+    from copc.train import load_run_config, policy_path
+
+    cfg = load_run_config(None, list(overrides))
+    return policy_path(cfg, Path(cfg.run_dir or "."))
+
+
 def run_all(
     jobs: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str], parallel: int
 ) -> list[str]:
@@ -135,16 +148,18 @@ def run_all(
 
 
 # ------------------------------------------------------------------------------------------- analysis
-def plateau_step(steps: np.ndarray, values: np.ndarray, fraction: float = 0.9) -> int:
-    """First step at which ``values`` reaches ``fraction`` of its total rise (max - first value).
+def plateau_step(steps: np.ndarray, values: np.ndarray, fraction: float = 0.9, tail: float = 0.2) -> int:
+    """First step at which ``values`` has made ``fraction`` of its rise from the first value to its final
+    level (the mean over the last ``tail`` of the steps).
 
-    Applied to the seed-mean, smoothed train reward of the sync arm: a curve that keeps rising until the
-    end plateaus late, one that saturates early plateaus early. A curve that never rises returns its
-    first step.
+    Applied to the smoothed train reward: a curve still rising at the end plateaus late, one that
+    saturates early plateaus early; measuring the rise to the final level rather than to the maximum
+    keeps one lucky spike from moving it. A curve that does not rise returns its first step.
     """
     if steps.size == 0:
         raise ValueError("plateau_step needs a non-empty curve")
-    rise = float(values.max() - values[0])
+    final = float(values[-max(1, round(tail * values.size)):].mean())
+    rise = final - float(values[0])
     if rise <= 0:
         return int(steps[0])
     reached = np.nonzero(values >= values[0] + fraction * rise)[0]
@@ -167,7 +182,7 @@ def _describe(values: np.ndarray) -> dict[str, float]:
             "std": float(values.std(ddof=1)) if values.size > 1 else 0.0}
 
 
-def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_window: int = 10) -> dict[str, object]:
+def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_window: int = 20) -> dict[str, object]:
     """Curves and the paired comparison of the first arm (sync) with each other arm, seed by seed."""
     runs = {f"{arm.name}_seed{s}": read_metrics(run_dir_for(root, arm, s)) for arm in arms for s in seeds}
     report: dict[str, object] = {"seeds": list(seeds), "reward_window": reward_window, "arms": {}}
@@ -217,7 +232,7 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
     return report
 
 
-def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, reward_window: int = 10) -> list[Path]:
+def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, reward_window: int = 20) -> list[Path]:
     """``testbed_curves.png`` and ``testbed_staleness.png`` (seed mean, min-max band)."""
     import matplotlib
 
@@ -276,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sync PPO vs uncorrected async PPO at fixed lag S on the hard task, several seeds.",
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (0 .. N-1)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--staleness", type=int, default=16, help="fixed lag S of the async arm")
     parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation every N steps")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one torch thread each)")
@@ -304,6 +319,7 @@ def testbed_cli(argv: Sequence[str]) -> int:
     root, out, seeds = Path(args.runs), Path(args.out), list(range(args.seeds))
     root.mkdir(parents=True, exist_ok=True)
     if not args.analyse_only:
+        print(f"[testbed] warm start: {prepare_warmstart([*BASE_OVERRIDES, *args.overrides])}", flush=True)
         jobs = [(arm, seed) for seed in seeds for arm in arms]
         failures = run_all(jobs, root, steps=args.steps, eval_every=args.eval_every, extra=args.overrides,
                            parallel=args.parallel)
