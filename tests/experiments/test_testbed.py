@@ -55,6 +55,7 @@ def test_analyse_pairs_seeds_and_excludes_the_shared_start(tmp_path):
     assert gap["eval_accuracy_gap"]["min"] == pytest.approx(-0.1)
     np.testing.assert_allclose(gap["train_reward_gap_per_seed"], [0.2, -0.1], atol=1e-12)
     assert gap["seeds_where_sync_leads"] == 1
+    assert gap["eval_accuracy_gap_sampling_se_per_seed"] is None  # no config.yaml: episodes unknown
     arm = report["arms"][sync.name]
     assert arm["eval_steps"] == [0, 2, 4]
     assert arm["eval_accuracy"][1]["mean"] == pytest.approx(0.5)
@@ -89,9 +90,13 @@ def test_analyse_only_writes_figures_and_report(tmp_path):
     sync, lagged = arms_for(16)
     for seed in range(2):
         write_run(run_dir_for(tmp_path, sync, seed), {0: 0.3, 2: 0.6}, [0.1 * i for i in range(3)])
+        (run_dir_for(tmp_path, sync, seed) / "config.yaml").write_text("eval:\n  prompts: 50\n  samples: 2\n")
         write_run(run_dir_for(tmp_path, lagged, seed), {0: 0.3, 2: 0.5}, [0.05 * i for i in range(3)])
     out = tmp_path / "figs"
     assert cli(["--analyse-only", "--seeds", "2", "--runs", str(tmp_path), "--out", str(out)]) == 0
     assert (out / "testbed_curves.png").stat().st_size > 0 and (out / "testbed_staleness.png").is_file()
     report = json.loads((out / "testbed.json").read_text())
-    assert report["gap_sync_minus"][lagged.name]["eval_accuracy_gap"]["mean"] == pytest.approx(0.1)
+    gap = report["gap_sync_minus"][lagged.name]
+    assert gap["eval_accuracy_gap"]["mean"] == pytest.approx(0.1)
+    # 100 episodes per evaluation: s.e. of one gap at step 2 = sqrt(.6 * .4 / 100 + .5 * .5 / 100)
+    np.testing.assert_allclose(gap["eval_accuracy_gap_sampling_se_per_seed"], [np.sqrt(0.49 / 100)] * 2)

@@ -11,14 +11,14 @@ the ``hard`` built-in task and compares them at equal steps:
 
 The lagged arm runs on the ``sync`` driver, which *simulates* ``fixed_lag`` by keeping the last
 ``S + 1`` weight versions: batch ``k`` is the same list of trajectories the ``async`` driver would give
-(copc.runtime.sync), but the two arms then have the whole machine each, which keeps the comparison
-free of timing noise. Each run is a ``copc train`` subprocess; finished runs (``summary.json``) are
+(copc.runtime.sync; ``tests/runtime/test_drivers.py`` checks the two agree), but each run is then a single
+deterministic process, free of timing noise, and two runs share the machine evenly. Each run is a ``copc train`` subprocess; finished runs (``summary.json``) are
 skipped and interrupted ones resumed from their last checkpoint, so the command can be re-run.
 
 Outputs (``--out``): ``testbed_curves.png`` (held-out avg@1 and greedy accuracy, train reward; mean of
 the seeds with a min-max band), ``testbed_staleness.png`` (realized staleness and the PPO clip rate)
-and ``testbed.json``: per arm and eval step the seed mean/min/max, the sync arm's plateau step, and the
-paired gap sync - async at equal steps (per seed, mean and spread).
+and ``testbed.json``: per arm and eval step the seed mean/min/max, each arm's plateau step, and the paired
+gap sync - async at equal steps (per seed, with its binomial sampling standard error; mean and spread).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ from copc.experiments.tracking import read_metrics
 
 __all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]
 
-#: Overrides every testbed run shares: the hard task, from a warm start that rarely calls the tool (so
-#: RL has to discover tool use, which takes sync PPO well over 100 steps), batches of 8 prompts x 4
-#: samples, periodic held-out evaluation on 200 prompts, no per-run plots. (With the default warm start,
-#: half tool calls, and 16 prompts, sync PPO plateaued by step ~50: docs/testbed.md.)
+#: Overrides every testbed run shares: the hard task from its default warm start, batches of 8 prompts x 4
+#: samples and half the default actor learning rate (so sync PPO takes longer to plateau; with 16
+#: prompts and lr 2e-4 it plateaued by step ~40, docs/testbed.md), held-out evaluation on 200 prompts,
+#: no per-run plots.
 BASE_OVERRIDES: tuple[str, ...] = (
     "task_options.hard=true",
-    "task_options.sft_tool_frac=0.15",
     "rollout.prompts_per_batch=8",
+    "trainer.actor_lr=1e-4",
     "eval.prompts=200",
     "plots=false",
 )
@@ -177,6 +177,17 @@ def _seed_stack(runs: dict[str, list[dict[str, float]]], names: Sequence[str], m
     return np.array(common), np.stack([v[np.searchsorted(s, common)] for s, v in per_run])
 
 
+def _eval_episodes(run_dir: Path) -> int | None:
+    """Episodes per held-out evaluation (eval.prompts x eval.samples) from the run's config.yaml."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return int(cfg["eval"]["prompts"]) * int(cfg["eval"]["samples"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
 def _describe(values: np.ndarray) -> dict[str, float]:
     return {"mean": float(values.mean()), "min": float(values.min()), "max": float(values.max()),
             "std": float(values.std(ddof=1)) if values.size > 1 else 0.0}
@@ -214,6 +225,10 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
         after_start = shared[shared > 0]
         ia, ib = np.searchsorted(steps, after_start), np.searchsorted(steps_b, after_start)
         per_seed = (a[:, ia] - b[:, ib]).mean(1) if after_start.size else np.zeros(len(seeds))
+        n = _eval_episodes(run_dir_for(root, sync, seeds[0]))
+        # binomial standard error of each seed's mean gap (independent evaluations of n episodes each)
+        var = (a[:, ia] * (1 - a[:, ia]) + b[:, ib] * (1 - b[:, ib])) / n if n else None
+        sampling_se = np.sqrt(var.sum(1)) / max(1, after_start.size) if var is not None else None
         r_steps, ra = _seed_stack(runs, a_names, m.REWARD_MEAN)
         r_steps_b, rb = _seed_stack(runs, b_names, m.REWARD_MEAN)
         r_shared = np.intersect1d(r_steps, r_steps_b)
@@ -221,6 +236,7 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
         gaps[other.name] = {
             "eval_steps": after_start.tolist(),
             "eval_accuracy_gap_per_seed": per_seed.tolist(),
+            "eval_accuracy_gap_sampling_se_per_seed": sampling_se.tolist() if sampling_se is not None else None,
             "eval_accuracy_gap": _describe(per_seed),
             "eval_accuracy_gap_by_step": [_describe(a[:, i] - b[:, j]) for i, j in zip(ia, ib, strict=True)],
             "train_reward_gap_per_seed": reward_gap.tolist(),
@@ -243,7 +259,8 @@ def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, re
     runs = {str(run_dir_for(root, arm, s)): read_metrics(run_dir_for(root, arm, s)) for arm in arms for s in seeds}
     figures = {
         "testbed_curves.png": (
-            f"Sync PPO vs uncorrected async PPO (hard task, {len(seeds)} seeds: mean and min-max)",
+            f"Sync PPO vs uncorrected async PPO (hard task; {len(seeds)} seed{'s' if len(seeds) > 1 else ''}: "
+            "mean and min-max)",
             (("held-out accuracy, avg@1 sampled", m.EVAL_ACCURACY, 1),
              ("held-out accuracy, greedy", m.EVAL_GREEDY_ACCURACY, 1),
              (f"train reward (moving average of {reward_window} steps)", m.REWARD_MEAN, reward_window)),
@@ -359,8 +376,10 @@ def summary_text(report: dict[str, object]) -> str:
     assert isinstance(gaps, dict)
     for name, gap in gaps.items():
         g, r = gap["eval_accuracy_gap"], gap["train_reward_gap"]
+        se = gap["eval_accuracy_gap_sampling_se_per_seed"]
+        se_text = f"; sampling s.e. per seed {', '.join(f'{x:.3f}' for x in se)}" if se else ""
         lines.append(
-            f"sync - {name}: eval accuracy {g['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['eval_accuracy_gap_per_seed'])}), "
+            f"sync - {name}: eval accuracy {g['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['eval_accuracy_gap_per_seed'])}{se_text}), "
             f"train reward {r['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['train_reward_gap_per_seed'])})"
         )
     return "\n".join(lines)
