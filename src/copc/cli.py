@@ -32,7 +32,7 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
         "train_cli",
         "train a policy: copc train [--config FILE.yaml] [key.sub=value ...]",
     ),
-    "eval": ("copc.train", "eval_cli", "evaluate a checkpoint: avg@k, unbiased pass@k, greedy accuracy"),
+    "eval": ("copc.eval.run", "eval_cli", "evaluate a checkpoint: avg@k, unbiased pass@k, greedy accuracy"),
     "sft": ("copc.tasks.sft", "sft_cli", "build the warm-started tiny policy for a built-in task"),
     "lab": ("copc.lab.cli", "lab_cli", "exact bias/variance decomposition on small MDPs"),
     "testbed": (

@@ -97,9 +97,12 @@ def test_protections_report_on_this_machine(protections: dict[str, bool]) -> Non
 def test_non_root_caller_still_contains_code() -> None:
     """A trainer running as an ordinary user (CI): the sandbox falls back to a user namespace or less."""
     script = (
-        "import importlib.util, json, sys\n"
-        f"spec = importlib.util.spec_from_file_location('sbx', {str(REPO / 'src/copc/tools/sandbox.py')!r})\n"
-        "m = importlib.util.module_from_spec(spec); sys.modules['sbx'] = m; spec.loader.exec_module(m)\n"
+        # copc.tools/__init__ imports the retriever (bm25s): register bare packages so that only the
+        # sandbox modules (standard library only) are imported by the system interpreter.
+        "import json, sys, types\n"
+        f"for name, path in (('copc', {str(REPO / 'src/copc')!r}), ('copc.tools', {str(REPO / 'src/copc/tools')!r})):\n"
+        "    pkg = types.ModuleType(name); pkg.__path__ = [path]; sys.modules[name] = pkg\n"
+        "import copc.tools.sandbox as m\n"
         "sb = m.PythonSandbox(m.SandboxConfig(timeout_s=2.0, cpu_s=1))\n"
         "loop = sb.run('while True: pass')\n"
         "hello = sb.run('print(6 * 7)')\n"

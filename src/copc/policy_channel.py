@@ -1,0 +1,290 @@
+"""The policy channel: the actor-loss config, its registry of objectives and the dispatch to ``copc.ops``.
+
+:class:`PolicyChannelConfig` names a registered objective (ppo, bypass_ppo, decoupled, tis, icepop,
+copc, dis, pg) and its clip / band / weight / aggregation parameters; :func:`policy_loss` runs that
+objective on one (micro-)batch and :func:`count_loss_tokens` gives the batch's share of the actor
+denominator. Every objective shares one signature ``fn(cfg, inputs)``, so no caller compares names.
+The config, the registry and its entries live together here, so building a config always validates
+against the full registry. Re-exported by :mod:`copc.channels`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, TypedDict
+
+import torch
+
+from copc.config_checks import check_one_of
+from copc.ops import policy_losses as pl
+from copc.ops.masked import LOSS_AGG_MODES, LossAgg, check_mask
+from copc.ops.registry import Registry
+
+__all__ = [
+    "POLICY_OBJECTIVES",
+    "PolicyChannelConfig",
+    "PolicyInputs",
+    "PolicyLossResult",
+    "PolicyObjective",
+    "count_loss_tokens",
+    "policy_loss",
+]
+
+PolicyLossResult = pl.PolicyLossOutput
+
+
+class PolicyInputs(NamedTuple):
+    """One (micro-)batch for the actor loss; all ``[B, T]``, counts global over the minibatch."""
+
+    logp: torch.Tensor
+    logp_old: torch.Tensor | None
+    logp_behav: torch.Tensor | None
+    advantages: torch.Tensor
+    action_mask: torch.Tensor
+    num_tokens: torch.Tensor | float | None
+    num_seqs: torch.Tensor | float | None
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """A registered actor loss: ``fn(cfg, inputs)`` plus what it needs from the trainer."""
+
+    fn: Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput]
+    #: needs ``logp_old`` (one no-grad actor forward per step).
+    needs_old: bool
+    #: its keep-mask moves with ``logp`` during the update (then the "kept" denominator is undefined).
+    current_mask: Callable[[PolicyChannelConfig], bool]
+    #: one line for docs and ``copc --help``.
+    doc: str
+
+
+POLICY_OBJECTIVES: Registry[PolicyObjective] = Registry("policy objective")
+
+
+@dataclass(frozen=True)
+class PolicyChannelConfig:
+    """Actor loss: objective, PPO clip, behaviour-ratio mask/weight, aggregation (spec 2-9)."""
+
+    objective: str = "ppo"
+    """Registered actor loss: ppo, bypass_ppo, decoupled, tis, icepop, copc, dis, pg."""
+    clip_low: float = 0.2
+    """PPO eps_low: the ratio is clipped at 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO eps_high (clip-higher, DAPO 0.28): the ratio is clipped at 1 + clip_high."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c_dual > 1 for negative advantages (verl 3.0); None = off."""
+    mask_low: float = 0.5
+    """Lower edge of the behaviour-ratio band (copc 1 - eps_P^-, icepop alpha, dis 1 - eps_l)."""
+    mask_high: float = 2.0
+    """Upper edge of the band (copc 1 + eps_P^+, icepop beta, dis 1 + eps_h); inf = no upper edge."""
+    weight_mode: Literal["masked_is", "binary"] = "masked_is"
+    """copc: omega = M * w (masked IS) or M (pure mask)."""
+    mask_source: Literal["step_start", "current"] = "step_start"
+    """copc/icepop: band tested on old/mu (step start) or cur/mu (recomputed every minibatch)."""
+    weight_cap: float = 5.0
+    """decoupled: cap on w = old/mu (AReaL 5); tis: the truncation C (2)."""
+    cap_mode: Literal["mask", "clip"] = "mask"
+    """decoupled: tokens with w > cap are masked (AReaL) or w is clipped to the cap."""
+    loss_agg: LossAgg = "token-mean"
+    """Aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
+    denominator: Literal["all", "kept"] = "all"
+    """Masked tokens stay in the denominator (all, AReaL) or survivors are renormalised (kept)."""
+    norm_length: float | None = None
+    """Constant of seq-mean-token-sum-norm (Dr. GRPO); None = padded length T."""
+    minibatches: int = 4
+    """Actor optimizer steps (minibatches) per training step."""
+
+    def __post_init__(self) -> None:
+        POLICY_OBJECTIVES.check(self.objective, field="policy.objective")
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"policy.clip_low must be in [0, 1) (e.g. 0.2), got {self.clip_low}")
+        if self.clip_high < 0.0:
+            raise ValueError(f"policy.clip_high must be >= 0 (e.g. 0.28), got {self.clip_high}")
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
+            raise ValueError(f"policy.dual_clip_c must be > 1 (verl 3.0) or None, got {self.dual_clip_c}")
+        if not 0.0 <= self.mask_low < self.mask_high:
+            raise ValueError(
+                f"policy.mask_low/mask_high need 0 <= low < high (inf allowed), got {self.mask_low}, {self.mask_high}"
+            )
+        if not self.weight_cap > 0:
+            raise ValueError(f"policy.weight_cap must be > 0 (AReaL 5, TIS 2; inf = no cap), got {self.weight_cap}")
+        check_one_of("policy.weight_mode", self.weight_mode, ("masked_is", "binary"))
+        check_one_of("policy.mask_source", self.mask_source, ("step_start", "current"))
+        check_one_of("policy.cap_mode", self.cap_mode, ("mask", "clip"))
+        check_one_of("policy.loss_agg", self.loss_agg, LOSS_AGG_MODES)
+        check_one_of("policy.denominator", self.denominator, ("all", "kept"))
+        if self.norm_length is not None and not self.norm_length > 0:
+            raise ValueError(f"policy.norm_length must be > 0 or None (= T), got {self.norm_length}")
+        if self.minibatches < 1:
+            raise ValueError(f"policy.minibatches must be >= 1, got {self.minibatches}")
+        if self.denominator == "kept" and POLICY_OBJECTIVES.get(self.objective).current_mask(self):
+            raise ValueError(
+                f"policy.denominator='kept' needs a mask fixed at the step start, but objective "
+                f"{self.objective!r} with mask_source={self.mask_source!r} moves it every minibatch; "
+                "use denominator='all' or mask_source='step_start'"
+            )
+
+    @property
+    def needs_old_forward(self) -> bool:
+        """True if the actor loss needs ``logp_old`` (a no-grad actor forward at the step start)."""
+        return POLICY_OBJECTIVES.get(self.objective).needs_old
+
+
+class _AggKw(TypedDict):
+    loss_agg: LossAgg
+    num_tokens: torch.Tensor | float | None
+    num_seqs: torch.Tensor | float | None
+    norm_length: float | None
+
+
+class _ClipKw(TypedDict):
+    clip_low: float
+    clip_high: float
+    dual_clip_c: float | None
+
+
+def _agg(cfg: PolicyChannelConfig, x: PolicyInputs) -> _AggKw:
+    return {"loss_agg": cfg.loss_agg, "num_tokens": x.num_tokens, "num_seqs": x.num_seqs, "norm_length": cfg.norm_length}
+
+
+def _req(x: torch.Tensor | None, name: str, objective: str) -> torch.Tensor:
+    if x is None:
+        raise ValueError(f"policy objective {objective!r} needs {name}; compute it (see needs_old_forward) and pass it")
+    return x
+
+
+def _old_mu(x: PolicyInputs, objective: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp_old, logp_behav)`` of ``x``, each required (checked in that order)."""
+    return _req(x.logp_old, "logp_old", objective), _req(x.logp_behav, "logp_behav", objective)
+
+
+def _objective(name: str, *, needs_old: bool, doc: str, current_mask: Callable[[PolicyChannelConfig], bool] | None = None) -> Callable[
+    [Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput]],
+    Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput],
+]:
+    def decorate(
+        fn: Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput],
+    ) -> Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput]:
+        POLICY_OBJECTIVES.add(name, PolicyObjective(fn, needs_old, current_mask or (lambda cfg: False), doc))
+        return fn
+
+    return decorate
+
+
+def _clip(cfg: PolicyChannelConfig) -> _ClipKw:
+    return {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "dual_clip_c": cfg.dual_clip_c}
+
+
+@_objective("ppo", needs_old=True, doc="PPO clip on u = exp(cur - old) (sync PPO; async 3b)")
+def _ppo(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+    old = _req(x.logp_old, "logp_old", "ppo")
+    return pl.ppo_clip_loss(x.logp, old, x.advantages, x.action_mask, **_clip(cfg), **_agg(cfg, x))
+
+
+@_objective("bypass_ppo", needs_old=False, doc="PPO clip on r = exp(cur - mu) (async PPO 3a)")
+def _bypass(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+    mu = _req(x.logp_behav, "logp_behav", "bypass_ppo")
+    return pl.bypass_ppo_loss(x.logp, mu, x.advantages, x.action_mask, **_clip(cfg), **_agg(cfg, x))
+
+
+@_objective("decoupled", needs_old=True, doc="AReaL: w = old/mu (masked above weight_cap) times PPO clip on cur/old")
+def _decoupled(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+    old, mu = _old_mu(x, "decoupled")
+    return pl.decoupled_ppo_loss(
+        x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, cap_mode=cfg.cap_mode,
+        denominator=cfg.denominator, **_clip(cfg), **_agg(cfg, x),
+    )
+
+
+@_objective("tis", needs_old=True, doc="min(old/mu, weight_cap) times PPO clip on cur/old (TIS)")
+def _tis(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+    old, mu = _old_mu(x, "tis")
+    return pl.tis_ppo_loss(x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, **_clip(cfg), **_agg(cfg, x))
+
+
+def _moves_with_source(cfg: PolicyChannelConfig) -> bool:
+    return cfg.mask_source == "current"
+
+
+@_objective("icepop", needs_old=True, current_mask=_moves_with_source, doc="masked IS k (old/mu or cur/mu) in [mask_low, mask_high] times PPO clip")
+def _icepop(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+    old, mu = _old_mu(x, "icepop")
+    return pl.icepop_loss(
+        x.logp, old, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
+        ratio_source=cfg.mask_source, denominator=cfg.denominator, **_clip(cfg), **_agg(cfg, x),
+    )
+
+
+@_objective("copc", needs_old=True, current_mask=_moves_with_source, doc="COPC: omega = M*w (or M), M = band on old/mu, times PPO clip on cur/old")
+def _copc(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+    old, mu = _old_mu(x, "copc")
+    return pl.copc_policy_loss(
+        x.logp, old, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
+        weight_mode=cfg.weight_mode, mask_source=cfg.mask_source, denominator=cfg.denominator,
+        **_clip(cfg), **_agg(cfg, x),
+    )
+
+
+@_objective("dis", needs_old=False, current_mask=lambda cfg: True, doc="SAO DIS: -M r A with r = cur/mu, M = strict band, no PPO clip")
+def _dis(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+    mu = _req(x.logp_behav, "logp_behav", "dis")
+    return pl.dis_loss(
+        x.logp, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
+        denominator=cfg.denominator, **_agg(cfg, x),
+    )
+
+
+@_objective("pg", needs_old=False, doc="-sg(A) * cur (V-trace: A = pg_advantages, rho^pg inside)")
+def _pg(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+    return pl.pg_loss(x.logp, x.advantages, x.action_mask, **_agg(cfg, x))
+
+
+def policy_loss(
+    cfg: PolicyChannelConfig,
+    *,
+    logp: torch.Tensor,
+    logp_old: torch.Tensor | None,
+    logp_behav: torch.Tensor | None,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    num_tokens: torch.Tensor | float | None,
+    num_seqs: torch.Tensor | float | None = None,
+) -> PolicyLossResult:
+    """The actor loss of ``cfg`` on one (micro-)batch (all tensors ``[B, T]``; see the module docstring).
+
+    ``num_tokens`` / ``num_seqs`` are the GLOBAL counts of the minibatch (all micro-batches, all ranks):
+    ``num_tokens`` from :func:`count_loss_tokens` summed over micro-batches; ``num_seqs`` = sequences
+    with at least one action token (seq-* aggregations). Returns ``(loss, per_token, stats, keep)``.
+    """
+    entry = POLICY_OBJECTIVES.get(cfg.objective)
+    return entry.fn(cfg, PolicyInputs(logp, logp_old, logp_behav, advantages, action_mask, num_tokens, num_seqs))
+
+
+def count_loss_tokens(
+    cfg: PolicyChannelConfig,
+    *,
+    logp_old: torch.Tensor | None,
+    logp_behav: torch.Tensor | None,
+    action_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Tokens in the actor denominator of this (micro-)batch; sum it over micro-batches and ranks.
+
+    ``denominator="all"``: action tokens. ``"kept"``: action tokens the step-start mask keeps (the
+    loss evaluated at ``logp = logp_old``, or ``logp_behav`` without an old forward; the config
+    guarantees the mask does not move with ``logp``). Returns a 0-d long tensor.
+    """
+    check_mask("action_mask", action_mask)
+    if cfg.denominator == "all":
+        return action_mask.sum()
+    anchor = logp_old if logp_old is not None else logp_behav
+    if anchor is None:
+        raise ValueError("count_loss_tokens with denominator='kept' needs logp_old or logp_behav")
+    zeros = torch.zeros_like(anchor, dtype=torch.float32)
+    with torch.no_grad():
+        out = policy_loss(
+            cfg, logp=anchor, logp_old=logp_old, logp_behav=logp_behav, advantages=zeros,
+            action_mask=action_mask, num_tokens=None,
+        )
+    return out.keep.sum()
+

@@ -1,0 +1,151 @@
+"""The run config of ``copc train``: one frozen dataclass per section, the embedded default, loading a
+YAML file with ``key.sub=value`` overrides, and checking the names it holds (task, method preset).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from copc.config import ConfigError, apply_overrides, load_yaml
+from copc.methods import MethodConfig, get_method
+from copc.runtime.staleness import StalenessConfig
+from copc.runtime.sync import RolloutConfig
+from copc.trainer.trainer import TrainerConfig
+
+__all__ = [
+    "DriverConfig",
+    "EvalConfig",
+    "ModelConfig",
+    "RunConfig",
+    "default_config",
+    "load_run_config",
+    "resolve_method",
+    "validate_names",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the policy and the critic come from."""
+
+    policy: str = "warmstart"
+    """'warmstart' (the task's cached warm-started tiny policy), 'tiny' (random tiny model), or an HF folder."""
+    tiny_seed: int = 0
+    """Initialisation seed when policy = 'tiny'."""
+    warmstart_seed: int = 0
+    """Seed of the warm start when policy = 'warmstart' (built once, then cached)."""
+    warmstart_sft: dict[str, int | float] = field(default_factory=lambda: {"batch_size": 16, "steps": 3000})
+    """Overrides of the task's default warm-start SFT settings (copc.tasks.sft.SFTConfig), e.g. {steps: 3000}."""
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    """Which driver runs the loop."""
+
+    kind: Literal["sync", "async"] = "async"
+    """sync: generate then train; async: rollout worker processes generate while the trainer trains."""
+    num_workers: int = 1
+    """Rollout worker processes (async driver)."""
+    trainer_threads: int = 1
+    """torch threads of the trainer process (each worker uses one)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("sync", "async"):
+            raise ValueError(f"driver.kind must be one of sync, async; got {self.kind!r}")
+        if self.num_workers < 1 or self.trainer_threads < 1:
+            raise ValueError("driver.num_workers and driver.trainer_threads must be >= 1")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation before and after training (and every ``every`` steps)."""
+
+    prompts: int = 200
+    """Eval prompts (from the task's eval split); 0 = no evaluation (benchmarks)."""
+    samples: int = 1
+    """Samples per prompt k (avg@k, pass@k)."""
+    greedy: bool = True
+    """Also measure greedy accuracy (one extra greedy pass)."""
+    every: int = 0
+    """Evaluate every this many steps during training (0 = only before and after)."""
+
+    def __post_init__(self) -> None:
+        if self.prompts < 0 or self.samples < 1 or self.every < 0:
+            raise ValueError("eval.prompts and eval.every must be >= 0, eval.samples >= 1")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything ``copc train`` builds (one section per component)."""
+
+    task: str = "arith_tool"
+    """Task name (copc.tasks registry)."""
+    task_options: dict[str, str | int | float | bool | None] = field(
+        default_factory=lambda: {"difficulty": 1, "train_size": 5000}
+    )
+    """Task config values (e.g. {hard: true}); default: arith_tool level 1 (2x2-digit products)."""
+    method: str = "copc"
+    """Method preset (copc.methods registry)."""
+    steps: int = 50
+    """Training steps."""
+    seed: int = 0
+    """Run seed: prompts and sampling seeds of every batch, minibatch shuffles, initialisation."""
+    run_dir: str = ""
+    """Run directory ('' = runs/<time>-<method>-<task>)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in run_dir."""
+    checkpoint_every: int = 20
+    """Checkpoint every this many steps (and at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk."""
+    plots: bool = True
+    """Draw the PNG plots into run_dir/plots at the end."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(actor_lr=2e-4, critic_lr=1e-3))
+    staleness: StalenessConfig = field(default_factory=lambda: StalenessConfig(mode="bounded", staleness=8))
+    driver: DriverConfig = field(default_factory=DriverConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise ValueError("steps and checkpoint_every must be >= 0, keep_checkpoints >= 1")
+
+
+def default_config() -> RunConfig:
+    """The embedded default of ``copc train`` (the field defaults of :class:`RunConfig`).
+
+    Measured on the shared 2-vCPU machine (seed 0): warm start built once in ~4.6 min (cached after),
+    then eval avg@1 0.34 -> 0.85 (greedy 0.51 -> 0.93, tool use 0.49 -> 0.99) in 50 steps, 155 s.
+    Actor lr 3e-4 reached 0.895 but dipped (train reward 0.95 -> 0.34 -> 0.97) around step 40; 2e-4 is
+    monotone.
+    """
+    return RunConfig()
+
+
+def resolve_method(cfg: RunConfig) -> MethodConfig:
+    """The method preset named by ``cfg.method`` (``get_method`` fails with the valid names)."""
+    return get_method(cfg.method)
+
+
+def load_run_config(config_path: str | None, overrides: Sequence[str]) -> RunConfig:
+    """The default config, or ``config_path`` (YAML), with ``key.sub=value`` overrides applied."""
+    cfg = load_yaml(RunConfig, config_path) if config_path else default_config()
+    cfg = apply_overrides(cfg, list(overrides))
+    validate_names(cfg)
+    return cfg
+
+
+def validate_names(cfg: RunConfig) -> None:
+    """Fail with a :class:`ConfigError` naming the valid choices if the task or method is unknown."""
+    from copc.tasks import task_names
+
+    if cfg.task not in task_names():
+        raise ConfigError(f"task: unknown task {cfg.task!r}; valid tasks: {', '.join(task_names())}")
+    try:
+        resolve_method(cfg)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"method: {' '.join(str(err).split())}") from None
+

@@ -1,0 +1,96 @@
+"""The training loop every driver shares: take batch ``step`` from a :class:`BatchSource`, train on it,
+publish the new weights; plus the rollout metrics (realized staleness, episode statistics) of each batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from copc.runtime.staleness import realized_staleness
+from copc.runtime.sync import GeneratedBatch
+from copc.trainer.batching import collate
+from copc.trainer.trainer import ActorCriticTrainer
+
+__all__ = ["BatchSource", "LoopResult", "rollout_metrics", "run_loop"]
+
+
+class BatchSource(Protocol):
+    """What the loop needs from a driver: batches by step, and the weights it should sample with."""
+
+    def next_batch(self, step: int) -> tuple[GeneratedBatch, float]: ...
+
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None: ...
+
+    def state_dict(self) -> dict[str, object]: ...
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def rollout_metrics(batch: GeneratedBatch, version: int) -> dict[str, float]:
+    """Realized staleness (spec section 1) and episode statistics of a consumed batch."""
+    trajs = batch.trajectories
+    st = realized_staleness(trajs, version)
+    calls = [t.info.get("tool_calls", 0.0) for t in trajs]
+    out = {
+        "staleness/mean": st.token_mean,
+        "staleness/max": float(st.token_max),
+        "staleness/seq_max_mean": st.s_max_mean,
+        "rollout/accuracy": sum(t.info.get("correct", float(t.reward > 0)) for t in trajs) / len(trajs),
+        "rollout/tool_use_rate": sum(c > 0 for c in calls) / len(trajs),
+        "rollout/tool_calls": sum(calls) / len(trajs),
+        "rollout/response_tokens": sum(t.num_action_tokens for t in trajs) / len(trajs),
+        "rollout/truncated_frac": sum(t.truncated for t in trajs) / len(trajs),
+        "rollout/version": float(batch.version),
+    }
+    return out
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    history: list[dict[str, float]]
+
+
+def run_loop(
+    trainer: ActorCriticTrainer,
+    source: BatchSource,
+    *,
+    start_step: int,
+    steps: int,
+    pad_id: int,
+    on_step: Callable[[int, dict[str, float], GeneratedBatch], None] | None = None,
+) -> LoopResult:
+    """Steps ``start_step .. steps-1``: get batch ``step``, train on it, publish version ``step + 1``.
+
+    The same loop serves every driver; only ``source`` differs. Time per step is split into generation
+    (seconds spent producing the batch, in whichever process), waiting (seconds the trainer blocked on
+    the source) and training.
+    """
+    history = []
+    for step in range(start_step, steps):
+        start = time.perf_counter()
+        batch, waited = source.next_batch(step)
+        if trainer.version != step:
+            raise RuntimeError(f"trainer version {trainer.version} != step {step}: checkpoint and run disagree")
+        train_batch = collate(batch.trajectories, pad_id=pad_id)
+        metrics = rollout_metrics(batch, trainer.version)
+        metrics.update(trainer.step(train_batch))
+        source.publish(trainer.version, trainer.policy_weights())
+        step_s = time.perf_counter() - start
+        metrics.update({
+            "time/generate": batch.generate_s,
+            "time/wait": waited,
+            "time/step": step_s,
+            "perf/tokens_per_s": int(train_batch.attention_mask.sum()) / max(step_s, 1e-9),
+        })
+        history.append(metrics)
+        if on_step is not None:
+            on_step(step, metrics, batch)
+    return LoopResult(steps=steps, history=history)
