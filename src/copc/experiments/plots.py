@@ -157,14 +157,22 @@ def plot_runs(
         for ax, (panel_title, names) in zip(axes[0], panels, strict=True):
             _draw_panel(ax, runs, panel_title, names, mean_seeds=mean_seeds, window=smooth_window)
         fig.suptitle(title)
-        fig.tight_layout()
-        target = out / file_name
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.png")
-        fig.savefig(tmp, dpi=110)
-        plt.close(fig)
-        os.replace(tmp, target)
-        written.append(target)
+        written.append(save_figure(fig, out / file_name))
     return written
+
+
+def save_figure(fig: object, target: Path) -> Path:
+    """Lay out, write ``target`` atomically (a temporary sibling, then a rename) and close ``fig``."""
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    assert isinstance(fig, Figure)
+    fig.tight_layout()
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, target)
+    return target
 
 
 def plot_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None) -> list[Path]:

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from copc.experiments import tracking as m
-from copc.experiments.plots import curves_for, series, smooth
+from copc.experiments.plots import curves_for, save_figure, series, smooth
 from copc.experiments.tracking import read_metrics
 
 __all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]
@@ -291,13 +291,7 @@ def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, re
             else:
                 ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
         fig.suptitle(title)
-        fig.tight_layout()
-        target = out / file_name
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.png")
-        fig.savefig(tmp, dpi=110)
-        plt.close(fig)
-        os.replace(tmp, target)
-        written.append(target)
+        written.append(save_figure(fig, out / file_name))
     return written
 
 
