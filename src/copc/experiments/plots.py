@@ -113,14 +113,19 @@ def curves_for(
             steps, values = per_run[0]
             curves.append(Curve(label, steps, values))
             continue
-        common = sorted(set.intersection(*(set(s.tolist()) for s, _ in per_run)))
-        if not common:
+        common, stack = align_runs(per_run)
+        if not common.size:
             continue
-        stack = np.stack([v[np.searchsorted(s, common)] for s, v in per_run])  # [seeds, steps]
-        curves.append(
-            Curve(f"{label} (n={len(per_run)})", np.array(common), stack.mean(0), stack.min(0), stack.max(0))
-        )
+        curves.append(Curve(f"{label} (n={len(per_run)})", common, stack.mean(0), stack.min(0), stack.max(0)))
     return curves
+
+
+def align_runs(per_run: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, values [runs, steps])``: each run's ``(steps, values)`` at the steps every run logged."""
+    common = sorted(set.intersection(*(set(s.tolist()) for s, _ in per_run))) if per_run else []
+    if not common:
+        return np.zeros(0, dtype=np.int64), np.zeros((len(per_run), 0))
+    return np.array(common), np.stack([v[np.searchsorted(s, common)] for s, v in per_run])
 
 
 def plot_runs(

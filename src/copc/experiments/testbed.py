@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from copc.experiments import tracking as m
-from copc.experiments.plots import curves_for, save_figure, series, smooth
+from copc.experiments.plots import align_runs, curves_for, save_figure, series, smooth
 from copc.experiments.tracking import read_metrics
 
 __all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]
@@ -170,11 +170,7 @@ def _seed_stack(runs: dict[str, list[dict[str, float]]], names: Sequence[str], m
                 ) -> tuple[np.ndarray, np.ndarray]:
     """``(steps, values [seeds, steps])`` of ``metric`` at the steps every run logged."""
     per_run = [series(runs[n], metric) for n in names]
-    per_run = [(s, smooth(v, window)) for s, v in per_run]
-    common = sorted(set.intersection(*(set(s.tolist()) for s, _ in per_run))) if per_run else []
-    if not common:
-        return np.zeros(0, dtype=np.int64), np.zeros((len(per_run), 0))
-    return np.array(common), np.stack([v[np.searchsorted(s, common)] for s, v in per_run])
+    return align_runs([(s, smooth(v, window)) for s, v in per_run])
 
 
 def _eval_episodes(run_dir: Path) -> int | None:
