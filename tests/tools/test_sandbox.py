@@ -100,6 +100,8 @@ def test_non_root_caller_still_contains_code() -> None:
         # copc.tools/__init__ imports the retriever (bm25s): register bare packages so that only the
         # sandbox modules (standard library only) are imported by the system interpreter.
         "import json, sys, types\n"
+        # an unreadable checkout raises PermissionError here (skipped below), not a confusing import error
+        f"open({str(REPO / 'src/copc/tools/sandbox.py')!r}).close()\n"
         f"for name, path in (('copc', {str(REPO / 'src/copc')!r}), ('copc.tools', {str(REPO / 'src/copc/tools')!r})):\n"
         "    pkg = types.ModuleType(name); pkg.__path__ = [path]; sys.modules[name] = pkg\n"
         "import copc.tools.sandbox as m\n"
