@@ -39,8 +39,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from copc.eval.evaluate import EvalConfig
+from copc.run.config import DriverConfig, ModelConfig, RunConfig, default_config
+from copc.run.train import train
 from copc.runtime.staleness import StalenessConfig
-from copc.train import DriverConfig, EvalConfig, ModelConfig, RunConfig, default_config, train
 
 
 def busy(seconds_of_work: int, out: mp.Queue) -> None:
@@ -82,11 +84,11 @@ def trainer_overhead(base: RunConfig, repeats: int, tmp: Path) -> dict[str, floa
     side, and a loaded machine drifts between runs; timing ``trainer.step`` alone, alternating the
     methods on identical batches, isolates what COPC adds (the old forward and one extra scan).
     """
-    from copc.methods import get_method
+    from copc.channels.methods import get_method
     from copc.models.hf import ValueModel, load_policy
-    from copc.runtime.sync import RolloutGenerator
+    from copc.rollout.generator import RolloutGenerator
+    from copc.run.build import policy_path
     from copc.tasks import get_task
-    from copc.train import policy_path
     from copc.trainer.batching import collate
     from copc.trainer.trainer import ActorCriticTrainer
 

@@ -9,8 +9,8 @@ import pytest
 
 import copc
 from copc import cli
-from copc.experiments import tracking as m
-from copc.experiments.tracking import Tracker
+from copc import tracking as m
+from copc.tracking import Tracker
 
 
 def test_version_and_help(capsys):
@@ -58,7 +58,7 @@ def test_missing_subcommand_module_is_reported(monkeypatch, capsys):
     assert "not available in this install" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("copc.train") is None, reason="copc.train not built yet")
+@pytest.mark.skipif(importlib.util.find_spec("copc.run.train") is None, reason="copc.run.train not built yet")
 def test_real_train_bad_config_fails_in_one_line(capsys):
     code = cli.main(["train", "staleness.mode=lagged"])
     err = capsys.readouterr().err.strip()

@@ -28,12 +28,12 @@ from copc.config import ConfigError
 #: subcommand -> (module, function taking the remaining argv and returning an exit code, one-line help)
 DELEGATED: dict[str, tuple[str, str, str]] = {
     "train": (
-        "copc.train",
+        "copc.run.train",
         "train_cli",
         "train a policy: copc train [--config FILE.yaml] [key.sub=value ...]",
     ),
-    "eval": ("copc.eval.run", "eval_cli", "evaluate a checkpoint: avg@k, unbiased pass@k, greedy accuracy"),
-    "sft": ("copc.tasks.sft", "sft_cli", "build the warm-started tiny policy for a built-in task"),
+    "eval": ("copc.run.eval", "eval_cli", "evaluate a checkpoint: avg@k, unbiased pass@k, greedy accuracy"),
+    "sft": ("copc.run.warmstart", "sft_cli", "build the warm-started tiny policy for a built-in task"),
     "lab": ("copc.lab.cli", "lab_cli", "exact bias/variance decomposition on small MDPs"),
     "testbed": (
         "copc.experiments.testbed",

@@ -369,3 +369,26 @@ def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
         except ConfigError as err:
             raise ConfigError(f"override {text!r}: {err}") from None
     return cfg
+
+
+# ------------------------------------------------------- checks shared by the configs' __post_init__
+
+
+def check_one_of(field: str, value: object, valid: tuple[object, ...]) -> None:
+    """Raise ``ValueError`` naming ``field`` and the valid values unless ``value`` is one of ``valid``."""
+    if value not in valid:
+        raise ValueError(f"{field} must be one of {', '.join(map(repr, valid))}; got {value!r}")
+
+
+def check_positive(owner: str, **values: float) -> None:
+    """Raise naming the first field of ``owner`` that is not > 0."""
+    for key, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{owner}.{key} must be > 0, got {value!r}")
+
+
+def check_fraction(owner: str, **values: float) -> None:
+    """Raise naming the first field of ``owner`` outside [0, 1]."""
+    for key, value in values.items():
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{owner}.{key} must be in [0, 1], got {value!r}")

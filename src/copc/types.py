@@ -19,23 +19,6 @@ from typing import Protocol
 
 import torch
 
-#: Tags used by the built-in tasks and by the dataset-backed ones. The tiny model's tokenizer makes each
-#: of them a single token, so a tool call or an answer starts and stops on one sampled token.
-TASK_TAGS: tuple[str, ...] = (
-    "<python>",
-    "</python>",
-    "<output>",
-    "</output>",
-    "<answer>",
-    "</answer>",
-    "<search>",
-    "</search>",
-    "<information>",
-    "</information>",
-    "<think>",
-    "</think>",
-)
-
 
 class StopReason(str, Enum):
     """Why an episode ended. Every trajectory carries exactly one."""

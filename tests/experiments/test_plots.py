@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from copc.experiments import tracking as m
+from copc import tracking as m
 from copc.experiments.plots import FIGURES, curves_for, plot_run, plot_runs, seed_group, series, smooth
-from copc.experiments.tracking import Tracker, read_metrics
+from copc.tracking import Tracker, read_metrics
 
 
 def write_run(run_dir, scale: float, steps=range(5), eval_every: int = 2) -> None:

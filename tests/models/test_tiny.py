@@ -8,8 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from copc.models.tiny import CHARACTERS, DEFAULT_SIZE, build_tiny_model, build_tiny_tokenizer, tiny_config
-from copc.types import TASK_TAGS
+from copc.models.tiny import (
+    CHARACTERS,
+    DEFAULT_SIZE,
+    TAG_TOKENS,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    tiny_config,
+)
 
 TEXT = "Compute 17*23.\n<python>print(17*23)</python>\n<output>391\n</output><answer>391</answer>"
 
@@ -21,14 +27,14 @@ def tokenizer():
 
 def test_vocab_layout(tokenizer) -> None:
     # 4 specials + newline + tab + 95 printable ASCII + one token per tag.
-    assert len(tokenizer) == 4 + 2 + 95 + len(TASK_TAGS)
+    assert len(tokenizer) == 4 + 2 + 95 + len(TAG_TOKENS)
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
     assert tokenizer.padding_side == "left"
     assert len(CHARACTERS) == len(set(CHARACTERS)) == 97
 
 
 def test_tags_are_single_tokens(tokenizer) -> None:
-    for tag in TASK_TAGS:
+    for tag in TAG_TOKENS:
         ids = tokenizer.encode(tag, add_special_tokens=False)
         assert len(ids) == 1, tag
         assert tokenizer.decode(ids) == tag
@@ -40,8 +46,8 @@ def test_tags_are_single_tokens(tokenizer) -> None:
 def test_round_trip_with_tags(tokenizer) -> None:
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     # 6 tags, every other character one token each.
-    n_tag_chars = sum(TEXT.count(tag) * len(tag) for tag in TASK_TAGS)
-    n_tags = sum(TEXT.count(tag) for tag in TASK_TAGS)
+    n_tag_chars = sum(TEXT.count(tag) * len(tag) for tag in TAG_TOKENS)
+    n_tags = sum(TEXT.count(tag) for tag in TAG_TOKENS)
     assert len(ids) == len(TEXT) - n_tag_chars + n_tags
     assert tokenizer.decode(ids) == TEXT
     with_bos = tokenizer.encode(TEXT)

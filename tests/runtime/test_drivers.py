@@ -21,9 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from copc.eval.evaluate import EvalConfig
+from copc.rollout.generator import RolloutConfig
+from copc.run.config import DriverConfig, ModelConfig, RunConfig
+from copc.run.train import train
 from copc.runtime.staleness import StalenessConfig
-from copc.runtime.sync import RolloutConfig
-from copc.train import DriverConfig, EvalConfig, ModelConfig, RunConfig, train
 from copc.trainer.checkpoint import load_latest
 from copc.trainer.trainer import TrainerConfig
 
@@ -110,7 +112,7 @@ def test_kill_loses_no_completed_batch(tmp_path: Path) -> None:
     reference = replace(cfg, run_dir=str(tmp_path / "reference"))
     train(reference, show_progress=False)
     overrides = _overrides(cfg)
-    code = "import sys; from copc.train import train_cli; sys.exit(train_cli(sys.argv[1:]))"
+    code = "import sys; from copc.run.train import train_cli; sys.exit(train_cli(sys.argv[1:]))"
     proc = subprocess.Popen([sys.executable, "-c", code, "--no-progress", *overrides],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:

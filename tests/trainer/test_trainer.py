@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from copc.methods import get_method
+from copc.channels.methods import get_method
 from copc.models import build_tiny_model, build_tiny_tokenizer
 from copc.models.hf import ValueModel, token_logprobs
 from copc.trainer.batching import collate

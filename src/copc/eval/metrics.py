@@ -12,7 +12,7 @@ are correct.
   when ``n − c < k``.
 - **greedy accuracy**: the fraction of problems whose single greedy (temperature 0) answer is correct.
 
-Running a checkpoint on a task is ``copc.eval.run`` (``copc eval``); this module only
+Running a checkpoint on a task is ``copc.eval.evaluate`` (``copc eval``); this module only
 aggregates the correctness it produces.
 """
 

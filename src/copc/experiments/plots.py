@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from copc.experiments import tracking as m
-from copc.experiments.tracking import read_metrics
+from copc import tracking as m
+from copc.tracking import read_metrics
 
 #: figure file name -> (title, panels); a panel is (title, metric names drawn in it).
 FIGURES: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from copc.experiments import tracking as m
+from copc import tracking as m
 from copc.experiments.plots import align_runs, curves_for, save_figure, series, smooth
-from copc.experiments.tracking import read_metrics
+from copc.tracking import read_metrics
 
 __all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]
 
@@ -104,7 +104,8 @@ def finished(run_dir: Path, steps: int) -> bool:
 
 def prepare_warmstart(overrides: Sequence[str]) -> Path:
     """Build (or find) the warm start every run starts from, once, before the runs start in parallel."""
-    from copc.train import load_run_config, policy_path
+    from copc.run.build import policy_path
+    from copc.run.config import load_run_config
 
     cfg = load_run_config(None, list(overrides))
     return policy_path(cfg, Path(cfg.run_dir or "."))

@@ -9,7 +9,7 @@ Vocabulary (ids in this order, so they are stable across runs and machines):
 
 - ``0 <pad>``, ``1 <bos>``, ``2 <eos>``, ``3 <unk>``;
 - newline, tab, and the 95 printable ASCII characters ``' '`` .. ``'~'``, one token each;
-- each of :data:`copc.types.TASK_TAGS` (``<python>``, ``</answer>`` ...) as one added token, so a tool
+- each of :data:`TAG_TOKENS` (``<python>``, ``</answer>`` ...) as one added token, so a tool
   call or an answer opens and closes on a single sampled token.
 
 Encoding with ``add_special_tokens=True`` (the default) prepends ``<bos>``; observations inserted by the
@@ -25,8 +25,6 @@ import string
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
-
-from copc.types import TASK_TAGS
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
@@ -44,12 +42,30 @@ DEFAULT_SIZE: dict[str, int] = {
 }
 
 
+#: Markup tags the tiny tokenizer makes one token each (the tags of the built-in and dataset-backed tasks,
+#: checked in tests/tasks), so a tool call or an answer starts and stops on one sampled token.
+TAG_TOKENS: tuple[str, ...] = (
+    "<python>",
+    "</python>",
+    "<output>",
+    "</output>",
+    "<answer>",
+    "</answer>",
+    "<search>",
+    "</search>",
+    "<information>",
+    "</information>",
+    "<think>",
+    "</think>",
+)
+
+
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Character-level tokenizer: specials, one token per character, each task tag as one token.
 
     Returns:
         A ``PreTrainedTokenizerFast`` with ``pad/bos/eos/unk`` set, padding side left (for batched
-        generation), and ``len(tokenizer) == 4 + 97 + len(TASK_TAGS)`` (113 with the default tags).
+        generation), and ``len(tokenizer) == 4 + 97 + len(TAG_TOKENS)`` (113 with the default tags).
     """
     assert not set(string.printable) - set(CHARACTERS) - {"\r", "\x0b", "\x0c"}
     vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
@@ -70,7 +86,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
     )
     # Tags are ordinary (non-special) added tokens: they decode to their text and are never skipped.
-    tokenizer.add_tokens(list(TASK_TAGS))
+    tokenizer.add_tokens(list(TAG_TOKENS))
     return tokenizer
 
 

@@ -19,8 +19,6 @@ from copc.ops.masked import *  # noqa: F403
 from copc.ops.masked import __all__ as _masked_all
 from copc.ops.policy_losses import *  # noqa: F403
 from copc.ops.policy_losses import __all__ as _policy_all
-from copc.ops.registry import *  # noqa: F403
-from copc.ops.registry import __all__ as _registry_all
 from copc.ops.value_losses import *  # noqa: F403
 from copc.ops.value_losses import __all__ as _value_all
 
@@ -29,6 +27,5 @@ __all__ = [
     *_importance_all,
     *_masked_all,
     *_policy_all,
-    *_registry_all,
     *_value_all,
 ]

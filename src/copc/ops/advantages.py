@@ -15,7 +15,7 @@ clamped to +-20, in float32.
 This module defines GAE, V-trace and :func:`fold_rewards`, and re-exports the rest of the channel so
 every estimator imports from here: ``clipped_td`` and BRACE from :mod:`copc.ops.corrected_advantages`,
 group advantages from :mod:`copc.ops.group_baselines`, and :func:`discounted_reverse_cumsum` from
-:mod:`copc.ops.td_scans` (the shared scans, bridge and compaction; how they run is described there).
+:mod:`copc.ops.scans` (the shared scans, bridge and compaction; how they run is described there).
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ import torch
 from copc.ops.corrected_advantages import BraceOutput, ClippedTDOutput, TraceKind, brace, clipped_td
 from copc.ops.group_baselines import GroupMode, broadcast_to_tokens, group_advantages
 from copc.ops.masked import check_bt, check_mask
-from copc.ops.td_scans import (
-    _action_sums,
-    _check_float,
-    _check_lambda,
-    _clean_log_rho,
-    _on_actions,
-    _packed,
-    _prepare,
-    _reverse_linear_scan,
-    _shift_left,
-    _unpack,
+from copc.ops.scans import (
+    action_sums,
+    check_float32,
+    check_lambda,
+    clean_log_rho,
     discounted_reverse_cumsum,
+    on_actions,
+    pack_td,
+    reverse_linear_scan,
+    shift_left,
+    td_residuals,
+    unpack,
 )
 
 __all__ = [
@@ -99,11 +99,11 @@ def gae(
 
     Returns: ``GAEOutput(advantages, returns)``, both ``[B, T] float32``, 0 off action tokens.
     """
-    _check_lambda("lam", lam)
-    delta = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
-    adv = _action_sums(delta, action_mask, gamma * lam).here
+    check_lambda("lam", lam)
+    delta = td_residuals(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    adv = action_sums(delta, action_mask, gamma * lam).here
     del delta  # fewer live [B, T] temporaries: see benchmarks/ops_bench.py on the allocator
-    return GAEOutput(_on_actions(action_mask, adv), _on_actions(action_mask, adv.add_(values)))
+    return GAEOutput(on_actions(action_mask, adv), on_actions(action_mask, adv.add_(values)))
 
 
 def vtrace(
@@ -131,15 +131,15 @@ def vtrace(
 
     Returns: ``VTraceOutput(vs, pg_advantages)``, ``[B, T] float32``, 0 off action tokens.
     """
-    _check_lambda("lam", lam)
-    delta = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
-    pk = _packed(delta, _clean_log_rho(log_rho, action_mask, rewards), action_mask)
+    check_lambda("lam", lam)
+    delta = td_residuals(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    pk = pack_td(delta, clean_log_rho(log_rho, action_mask, rewards), action_mask)
     rho = pk.weight.clamp(max=rho_bar)
     trace = lam * pk.weight.clamp(max=c_bar)
-    excess = _reverse_linear_scan(rho * pk.delta, gamma * trace)  # v_s - V(s_s)
-    pg = pk.weight.clamp(max=pg_rho_bar) * (pk.delta + gamma * _shift_left(excess))
+    excess = reverse_linear_scan(rho * pk.delta, gamma * trace)  # v_s - V(s_s)
+    pg = pk.weight.clamp(max=pg_rho_bar) * (pk.delta + gamma * shift_left(excess))
     cp = pk.cp
-    return VTraceOutput(_on_actions(action_mask, _unpack(excess, cp) + values), _unpack(pg, cp))
+    return VTraceOutput(on_actions(action_mask, unpack(excess, cp) + values), unpack(pg, cp))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def fold_rewards(token_rewards: torch.Tensor, action_mask: torch.Tensor) -> torc
     first action token goes to the first action token; a row without action tokens drops its rewards.
     """
     check_bt("token_rewards", token_rewards)
-    _check_float("token_rewards", token_rewards)
+    check_float32("token_rewards", token_rewards)
     check_mask("action_mask", action_mask, token_rewards)
     length = token_rewards.shape[1]
     slots = torch.arange(length, device=token_rewards.device).expand_as(action_mask)

@@ -4,7 +4,7 @@ Both weight the bridged TD residuals by clipped (COPC) or capped (BRACE) behavio
 mu`` (``log_rho = logp_old - logp_behav``). Notation and conventions (action tokens only, tool spans
 bridged, outputs 0 off action tokens, detached weights from a log-ratio clamped to +-20) as in
 :mod:`copc.ops.advantages`, which re-exports everything here; the shared scans and compaction live in
-:mod:`copc.ops.td_scans`.
+:mod:`copc.ops.scans`.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from copc.ops.td_scans import (
-    _action_sums,
-    _check_lambda,
-    _clean_log_rho,
-    _on_actions,
-    _Packed,
-    _packed,
-    _prepare,
-    _reverse_linear_scan,
-    _shift_left,
-    _unpack,
+from copc.ops.scans import (
+    PackedTD,
+    action_sums,
+    check_lambda,
+    clean_log_rho,
     discounted_reverse_cumsum,
+    on_actions,
+    pack_td,
+    reverse_linear_scan,
+    shift_left,
+    td_residuals,
+    unpack,
 )
 
 __all__ = ["BraceOutput", "ClippedTDOutput", "TraceKind", "brace", "clipped_td"]
@@ -92,34 +92,34 @@ def clipped_td(
 
     Returns: ``ClippedTDOutput(advantages, returns)``, ``[B, T] float32``, 0 off action tokens.
     """
-    _check_lambda("lam_critic", lam_critic)
-    _check_lambda("lam_actor", lam_actor)
+    check_lambda("lam_critic", lam_critic)
+    check_lambda("lam_actor", lam_actor)
     if not low <= high:
         raise ValueError(f"clipped_td needs low <= high (e.g. 0.8, 1.2), got low={low}, high={high}")
     if advantage_window is not None and advantage_window < 0:
         raise ValueError(f"advantage_window must be >= 0 or None (infinite), got {advantage_window}")
     if trace not in ("none", "vtrace", "brace"):
         raise ValueError(f"unknown trace {trace!r}; valid: none, vtrace, brace")
-    delta = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
-    log_w = _clean_log_rho(log_rho, action_mask, rewards)
+    delta = td_residuals(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    log_w = clean_log_rho(log_rho, action_mask, rewards)
     if trace == "none" and advantage_window is None:  # token layout, no compaction when gamma * lam == 1
         weighted = log_w.exp_().clamp_(min=low, max=high).mul_(delta)  # rho~ delta, 0 off action tokens
         need_after = not weight_own_residual
-        d_sums = _action_sums(weighted, action_mask, gamma * lam_critic, after=need_after and lam_actor == lam_critic)
-        e_sums = d_sums if lam_actor == lam_critic else _action_sums(weighted, action_mask, gamma * lam_actor, after=need_after)
+        d_sums = action_sums(weighted, action_mask, gamma * lam_critic, after=need_after and lam_actor == lam_critic)
+        e_sums = d_sums if lam_actor == lam_critic else action_sums(weighted, action_mask, gamma * lam_actor, after=need_after)
         del log_w, weighted  # fewer live [B, T] temporaries: see benchmarks/ops_bench.py on the allocator
         adv = e_sums.here if e_sums.after is None else e_sums.after.mul_(gamma * lam_actor).add_(delta)
-        advantages = _on_actions(action_mask, adv)  # before d_sums.here (maybe adv) is updated in place
+        advantages = on_actions(action_mask, adv)  # before d_sums.here (maybe adv) is updated in place
         del delta, e_sums, adv
-        return ClippedTDOutput(advantages, _on_actions(action_mask, d_sums.here.add_(values)))
-    pk = _packed(delta, log_w, action_mask)
+        return ClippedTDOutput(advantages, on_actions(action_mask, d_sums.here.add_(values)))
+    pk = pack_td(delta, log_w, action_mask)
     d_c, e_c = _clipped_compact(pk, gamma, lam_critic, lam_actor, low, high, trace, trace_low, trace_high, advantage_window)
-    adv_c = e_c if weight_own_residual else _shift_left(e_c).mul_(gamma * lam_actor).add_(pk.delta)
-    return ClippedTDOutput(_unpack(adv_c, pk.cp), _on_actions(action_mask, _unpack(d_c, pk.cp) + values))
+    adv_c = e_c if weight_own_residual else shift_left(e_c).mul_(gamma * lam_actor).add_(pk.delta)
+    return ClippedTDOutput(unpack(adv_c, pk.cp), on_actions(action_mask, unpack(d_c, pk.cp) + values))
 
 
 def _clipped_compact(
-    pk: _Packed,
+    pk: PackedTD,
     gamma: float,
     lam_c: float,
     lam_a: float,
@@ -150,14 +150,14 @@ def _clipped_compact(
     if trace == "vtrace":
         if window is not None:
             raise ValueError("advantage_window needs trace='none' (c_t = 1) or 'brace'; got trace='vtrace'")
-        d_c = _reverse_linear_scan(rho * pk.delta, gamma * lam_c * c)
-        return d_c, _reverse_linear_scan(rho * pk.delta, gamma * lam_a * c)
+        d_c = reverse_linear_scan(rho * pk.delta, gamma * lam_c * c)
+        return d_c, reverse_linear_scan(rho * pk.delta, gamma * lam_a * c)
     if window is None:
         raise ValueError("trace='brace' needs advantage_window = k (e.g. 100)")
     return _brace_excess(pk, rho, lam_c * c, gamma, window), _brace_excess(pk, rho, lam_a * c, gamma, window)
 
 
-def _brace_excess(pk: _Packed, rho: torch.Tensor, trace: torch.Tensor, gamma: float, k: int) -> torch.Tensor:
+def _brace_excess(pk: PackedTD, rho: torch.Tensor, trace: torch.Tensor, gamma: float, k: int) -> torch.Tensor:
     """BRACE ``V_targ(s_s) - V(s_s)`` on compact arrays (spec 10.2), ``j = min(s + k, T)``::
 
         sum_{t=s}^{j-1} gamma^(t-s) P(s,t) rho_t delta_t + P(s,j) sum_{t=j}^{T} gamma^(t-s) delta_t
@@ -170,7 +170,7 @@ def _brace_excess(pk: _Packed, rho: torch.Tensor, trace: torch.Tensor, gamma: fl
     mc = discounted_reverse_cumsum(pk.delta, gamma)  # sum_{t>=j} gamma^(t-j) delta_t
     if k >= length - 1:
         rho_last_one = torch.where(last, torch.ones_like(rho), rho)
-        return _reverse_linear_scan(rho_last_one * pk.delta, gamma * trace)
+        return reverse_linear_scan(rho_last_one * pk.delta, gamma * trace)
     slots = torch.arange(length, device=rho.device)[None, :]
     n_last = pk.cp.n_actions[:, None] - 1
     span = torch.minimum(slots + k, n_last).clamp(min=0) - slots  # j - s (<= 0 in the padding)
@@ -215,12 +215,12 @@ def brace(
 
     Returns: ``BraceOutput(advantages, returns)``, ``[B, T] float32``, 0 off action tokens.
     """
-    _check_lambda("lam", lam)
+    check_lambda("lam", lam)
     if k < 0:
         raise ValueError(f"brace horizon k must be >= 0 (BRACE default 100), got {k}")
-    delta = _prepare(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
-    pk = _packed(delta, _clean_log_rho(log_rho, action_mask, rewards), action_mask)
+    delta = td_residuals(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
+    pk = pack_td(delta, clean_log_rho(log_rho, action_mask, rewards), action_mask)
     excess = _brace_excess(pk, pk.weight.clamp(max=rho_bar), lam * pk.weight.clamp(max=c_bar), gamma, k)
-    adv = pk.delta + gamma * _shift_left(excess)
+    adv = pk.delta + gamma * shift_left(excess)
     cp = pk.cp
-    return BraceOutput(_unpack(adv, cp), _on_actions(action_mask, _unpack(excess, cp) + values))
+    return BraceOutput(unpack(adv, cp), on_actions(action_mask, unpack(excess, cp) + values))

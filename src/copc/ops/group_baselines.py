@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 from copc.ops.masked import check_mask
-from copc.ops.td_scans import _check_float
+from copc.ops.scans import check_float32
 
 __all__ = ["GroupMode", "broadcast_to_tokens", "group_advantages"]
 
@@ -33,7 +33,7 @@ def group_advantages(
     """
     if scores.dim() != 1:
         raise ValueError(f"scores must be [B], got shape {tuple(scores.shape)}")
-    _check_float("scores", scores)
+    check_float32("scores", scores)
     if group_ids.shape != scores.shape or group_ids.is_floating_point():
         raise ValueError(f"group_ids must be an integer [B] tensor like scores, got {group_ids.dtype} {tuple(group_ids.shape)}")
     if mode not in ("grpo", "drgrpo", "rloo"):

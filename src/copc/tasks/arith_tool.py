@@ -23,12 +23,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from copc.config import check_fraction, check_positive
 from copc.tasks.base import (
     Demo,
     Segment,
     Split,
-    check_fraction,
-    check_positive,
     check_split,
     register_task,
     take,

@@ -11,19 +11,18 @@ Registry: ``@register_task("name", ConfigClass)`` on a class whose constructor t
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
+from copc.config import ConfigValue, from_dict
+from copc.registry import Registry
 from copc.types import Env, Prompt
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[Split, ...] = ("train", "eval")
-ConfigValue = str | int | float | bool | None
 
 
 @runtime_checkable
@@ -89,21 +88,21 @@ _T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
-class _Entry:
+class TaskEntry:
+    """A registered task: its config dataclass and the class built from one."""
+
     config_cls: type
-    factory: Callable[[object], Task]
+    factory: Callable[[Any], Task]
 
 
-_REGISTRY: dict[str, _Entry] = {}
+TASKS: Registry[TaskEntry] = Registry("task")
 
 
 def register_task(name: str, config_cls: type[_C]) -> Callable[[type[_T]], type[_T]]:
     """Class decorator: register a task class built as ``cls(config_cls(**fields))``."""
 
     def decorate(cls: type[_T]) -> type[_T]:
-        if name in _REGISTRY:
-            raise ValueError(f"task {name!r} is already registered; pick another name")
-        _REGISTRY[name] = _Entry(config_cls=config_cls, factory=cls)  # type: ignore[arg-type]
+        TASKS.add(name, TaskEntry(config_cls=config_cls, factory=cls))  # type: ignore[arg-type]
         return cls
 
     return decorate
@@ -111,33 +110,22 @@ def register_task(name: str, config_cls: type[_C]) -> Callable[[type[_T]], type[
 
 def task_names() -> tuple[str, ...]:
     """Names accepted by :func:`get_task`, sorted."""
-    return tuple(sorted(_REGISTRY))
+    return TASKS.names()
 
 
 def task_config_class(name: str) -> type:
     """The frozen config dataclass of task ``name``."""
-    return _entry(name).config_cls
-
-
-def _entry(name: str) -> _Entry:
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown task {name!r}; valid tasks: {', '.join(task_names())}")
-    return _REGISTRY[name]
-
-
-def make_config(config_cls: type[_C], values: Mapping[str, ConfigValue]) -> _C:
-    """Build a config dataclass, naming any unknown field and listing the valid ones."""
-    valid = [f.name for f in dataclasses.fields(config_cls)]  # type: ignore[arg-type]
-    unknown = sorted(set(values) - set(valid))
-    if unknown:
-        raise TypeError(f"{config_cls.__name__} has no field(s) {unknown}; valid fields: {', '.join(valid)}")
-    return config_cls(**values)
+    return TASKS.get(name).config_cls
 
 
 def get_task(name: str, **config: ConfigValue) -> Task:
-    """Build task ``name`` with config fields ``config`` (e.g. ``get_task("arith_tool", hard=True)``)."""
-    entry = _entry(name)
-    return entry.factory(make_config(entry.config_cls, config))
+    """Build task ``name`` with config fields ``config`` (e.g. ``get_task("arith_tool", hard=True)``).
+
+    Unknown names and fields, and wrongly typed values, raise :class:`~copc.config.ConfigError`
+    (a one-line message naming the valid choices).
+    """
+    entry = TASKS.get(name)
+    return entry.factory(from_dict(entry.config_cls, config))
 
 
 def stable_hash(payload: Mapping[str, object]) -> str:
@@ -153,33 +141,6 @@ def check_split(split: str) -> Split:
     if split not in SPLITS:
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     return split  # type: ignore[return-value]
-
-
-def check_positive(owner: str, **values: float) -> None:
-    """Raise naming the first field that is not > 0."""
-    for key, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{owner}.{key} must be > 0, got {value!r}")
-
-
-def check_fraction(owner: str, **values: float) -> None:
-    """Raise naming the first field outside [0, 1]."""
-    for key, value in values.items():
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{owner}.{key} must be in [0, 1], got {value!r}")
-
-
-def last_tag_content(text: str, open_tag: str, close_tag: str) -> str | None:
-    """Content of the last complete ``open_tag ... close_tag`` span in ``text``, or None."""
-    pattern = re.escape(open_tag) + r"(.*?)" + re.escape(close_tag)
-    matches = re.findall(pattern, text, flags=re.DOTALL)
-    return matches[-1] if matches else None
-
-
-def ends_with_span(text: str, open_tag: str, close_tag: str) -> bool:
-    """True when ``text`` (stripped of trailing whitespace) ends with a closed ``open..close`` span."""
-    stripped = text.rstrip()
-    return stripped.endswith(close_tag) and open_tag in stripped
 
 
 def take(items: list[_T], n: int | None, what: str) -> list[_T]:

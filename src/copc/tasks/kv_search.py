@@ -30,12 +30,11 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from copc.config import check_fraction, check_positive
 from copc.tasks.base import (
     Demo,
     Segment,
     Split,
-    check_fraction,
-    check_positive,
     check_split,
     register_task,
     take,

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from copc.tasks.base import Split, check_positive, check_split, register_task, take
+from copc.config import check_positive
+from copc.tasks.base import Split, check_split, register_task, take
+from copc.tasks.datasets import Row, load_rows, text_column
 from copc.tasks.envs import PYTHON_FENCES, ToolEnv
 from copc.tasks.graders import MathVerifyGrader
-from copc.tasks.rows import Row, load_rows, text_column
 from copc.tasks.tooling import SandboxTool
 from copc.types import Env, Prompt
 

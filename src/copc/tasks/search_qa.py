@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from copc.tasks.base import Split, check_positive, register_task, take
+from copc.config import check_positive
+from copc.tasks.base import Split, register_task, take
+from copc.tasks.datasets import answers_column, text_column
 from copc.tasks.envs import SEARCH_TAGS, ToolEnv
 from copc.tasks.graders import ExactMatchGrader
 from copc.tasks.math_tool import DatasetSplits
-from copc.tasks.rows import answers_column, text_column
 from copc.tasks.tooling import RetrieverTool
 from copc.types import Env, Prompt
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
-from copc.methods import MethodConfig
+from copc.channels.methods import MethodConfig
 from copc.models.hf import position_ids_from_mask, token_logprobs
 from copc.ops.importance import log_ratio
 from copc.ops.masked import masked_mean, masked_var, zero_where_not
@@ -143,7 +143,7 @@ class ActorCriticTrainer:
         policy: a causal LM (HF ``PreTrainedModel``) being trained.
         critic: the value model (``values [B, T]`` = V of the state before token t), or None when the
             method has no critic.
-        method: the two channel configs (``copc.methods.get_method(name)`` or built directly).
+        method: the two channel configs (``copc.channels.methods.get_method(name)`` or built directly).
         config: optimisation settings.
         reference: frozen reference policy for the KL loss (needed iff ``config.kl_coef > 0``).
     """

@@ -1,13 +1,13 @@
 """The shared TD/trace machinery of the advantage channel: scans, the tool-span bridge, compaction.
 
-Private helpers of :mod:`copc.ops.advantages` (GAE, V-trace), :mod:`copc.ops.corrected_advantages`
-(``clipped_td``, BRACE) and :mod:`copc.ops.group_baselines` (the float32 check), plus the public
-:func:`discounted_reverse_cumsum`. Notation and conventions as in :mod:`copc.ops.advantages`: ``[B, T]``
+The kernels under :mod:`copc.ops.advantages` (GAE, V-trace, group baselines) and
+:mod:`copc.ops.corrected_advantages` (``clipped_td``, BRACE); only :func:`discounted_reverse_cumsum` is
+part of the ``copc.ops`` facade. Notation and conventions as in :mod:`copc.ops.advantages`: ``[B, T]``
 float32 tensors, ``action_mask`` True on sampled tokens, and every recursion runs over action tokens
 only, bridging tool-output spans.
 
 Implementation: the bridge needs ``V`` at the next action token, which one running arg-max of the
-flipped mask and one gather give in token layout (:func:`_next_action_values`). With ``gamma * lam ==
+flipped mask and one gather give in token layout (:func:`next_action_values`). With ``gamma * lam ==
 1`` (the default) the recursion over action tokens is a plain reverse cumulative sum of residuals that
 are 0 off action tokens, so the default GAE and ``clipped_td`` paths never compact. Discounts below 1
 count powers in action tokens: there each row's action tokens are compacted to the left (scatter by
@@ -25,7 +25,25 @@ import torch
 from copc.ops.importance import LOG_RATIO_CLAMP
 from copc.ops.masked import check_bt, check_mask
 
-__all__ = ["discounted_reverse_cumsum"]
+__all__ = [
+    "ActionSums",
+    "Compaction",
+    "PackedTD",
+    "action_sums",
+    "check_float32",
+    "check_lambda",
+    "clean_log_rho",
+    "compact_actions",
+    "discounted_reverse_cumsum",
+    "next_action_values",
+    "on_actions",
+    "pack",
+    "pack_td",
+    "reverse_linear_scan",
+    "shift_left",
+    "td_residuals",
+    "unpack",
+]
 
 _CHUNK = 64  # block length of the matrix scan: powers g^0..g^64 never overflow, any g in [0, 1]
 
@@ -65,7 +83,7 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
     return y.reshape(batch, n_blocks * _CHUNK)[:, :length]
 
 
-def _reverse_linear_scan(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+def reverse_linear_scan(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """``y_t = x_t + coef_t * y_{t+1}``, ``y_T = x_T``, for per-token coefficients (ratio traces).
 
     Blocked: inside blocks of 64 a loop over the 64 offsets (vectorised over rows and blocks) gives the
@@ -104,17 +122,17 @@ def _reverse_linear_scan(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
 # The bridge over tool-output spans, in token layout
 
 
-def _check_float(name: str, tensor: torch.Tensor) -> None:
+def check_float32(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype != torch.float32:
         raise TypeError(f"{name} must be float32 (cast with .float() before the advantage channel), got {tensor.dtype}")
 
 
-def _on_actions(action_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def on_actions(action_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x`` on action tokens, exactly 0 elsewhere (NaN-safe forward and backward)."""
     return torch.where(action_mask, x, 0.0)
 
 
-def _next_action_values(values: torch.Tensor, action_mask: torch.Tensor, terminal: torch.Tensor) -> torch.Tensor:
+def next_action_values(values: torch.Tensor, action_mask: torch.Tensor, terminal: torch.Tensor) -> torch.Tensor:
     """``V(s_next(t))`` on action tokens: ``values`` at the first action token after ``t``, else ``terminal[b]``.
 
     No compaction. Flip time (flipped position ``q`` is time ``T - 1 - q``) and shift by one: the latest
@@ -138,7 +156,7 @@ def _next_action_values(values: torch.Tensor, action_mask: torch.Tensor, termina
     return out.scatter_(1, last, terminal[:, None])
 
 
-def _prepare(
+def td_residuals(
     rewards: torch.Tensor,
     values: torch.Tensor,
     action_mask: torch.Tensor,
@@ -152,9 +170,9 @@ def _prepare(
     token is ``bootstrap_value[b]`` (0 without it).
     """
     check_bt("rewards", rewards)
-    _check_float("rewards", rewards)
+    check_float32("rewards", rewards)
     check_bt("values", values, rewards)
-    _check_float("values", values)
+    check_float32("values", values)
     check_mask("action_mask", action_mask, rewards)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
@@ -163,25 +181,25 @@ def _prepare(
     else:
         if bootstrap_value.shape != rewards.shape[:1]:
             raise ValueError(f"bootstrap_value must be [B] = {tuple(rewards.shape[:1])}, got {tuple(bootstrap_value.shape)}")
-        _check_float("bootstrap_value", bootstrap_value)
+        check_float32("bootstrap_value", bootstrap_value)
         terminal = bootstrap_value
-    value_next = _next_action_values(values, action_mask, terminal)
-    return _on_actions(action_mask, value_next.mul_(gamma).add_(rewards).sub_(values))  # own temporary
+    value_next = next_action_values(values, action_mask, terminal)
+    return on_actions(action_mask, value_next.mul_(gamma).add_(rewards).sub_(values))  # own temporary
 
 
-def _clean_log_rho(log_rho: torch.Tensor, action_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def clean_log_rho(log_rho: torch.Tensor, action_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``clamp(log_rho, +-20)`` on action tokens, 0 elsewhere; detached ``[B, T] float32``."""
     check_bt("log_rho", log_rho, like)
-    _check_float("log_rho", log_rho)
-    return _on_actions(action_mask, log_rho.detach()).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    check_float32("log_rho", log_rho)
+    return on_actions(action_mask, log_rho.detach()).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-class _Sums(NamedTuple):
+class ActionSums(NamedTuple):
     here: torch.Tensor  # [B, T] y_t = sum_{u >= t} g^(k) x_u over action tokens u (garbage off action tokens)
     after: torch.Tensor | None  # [B, T] y at the next action token after t (0 after the last), if asked
 
 
-def _action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float, *, after: bool = False) -> _Sums:
+def action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float, *, after: bool = False) -> ActionSums:
     """Discounted reverse sums over action tokens: ``y_t = x_t + discount * y_{next(t)}``, token layout.
 
     ``x: [B, T]`` must be exactly 0 off action tokens. ``discount == 1``: a zero changes no sum, so
@@ -194,26 +212,26 @@ def _action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float, *,
         prefix = torch.cumsum(x, dim=1)
         total = prefix[:, -1:].clone()
         here = torch.sub(x, prefix).add_(total)
-        return _Sums(here, prefix.neg_().add_(total) if after else None)  # own temporary: sum_{u > t} x_u
-    # A lean :func:`_compaction` (entries off action tokens are unspecified here): only the int32
+        return ActionSums(here, prefix.neg_().add_(total) if after else None)  # own temporary: sum_{u > t} x_u
+    # A lean :func:`compact_actions` (entries off action tokens are unspecified here): only the int32
     # running count stays alive across the scan, to keep the heap small.
     length = x.shape[1]
     count = action_mask.cumsum(dim=1, dtype=torch.int32).sub_(1)  # compact slot of each action token
     dest = torch.where(action_mask, count, length).long()  # non-action entries land in a dropped slot
-    packed = _pack(x, dest)
+    packed = pack(x, dest)
     del dest
     here_c = discounted_reverse_cumsum(packed, discount)
     del packed
     slot = count.clamp_(min=0).long()
     del count
-    return _Sums(here_c.gather(1, slot), _shift_left(here_c).gather(1, slot) if after else None)
+    return ActionSums(here_c.gather(1, slot), shift_left(here_c).gather(1, slot) if after else None)
 
 
 # ----------------------------------------------------------------------------------------------
 # Compaction of action tokens, for recursions that count action tokens (discounts < 1, traces, windows)
 
 
-class _Compact(NamedTuple):
+class Compaction(NamedTuple):
     pos: torch.Tensor  # [B, T] long: compact index of each action token (clamped >= 0)
     valid: torch.Tensor  # [B, T] bool: compact index < number of action tokens of the row
     last: torch.Tensor  # [B, T] bool: the compact slot of each row's last action token
@@ -221,7 +239,7 @@ class _Compact(NamedTuple):
     n_actions: torch.Tensor  # [B] long
 
 
-def _compaction(action_mask: torch.Tensor) -> tuple[_Compact, torch.Tensor]:
+def compact_actions(action_mask: torch.Tensor) -> tuple[Compaction, torch.Tensor]:
     """The compaction and the scatter destinations ``[B, T]`` long (T for non-action tokens).
 
     Index arithmetic in int32 (an int64 cumsum is ~10x slower on CPU); only the gather/scatter index
@@ -233,36 +251,36 @@ def _compaction(action_mask: torch.Tensor) -> tuple[_Compact, torch.Tensor]:
     dest = torch.where(action_mask, cum - 1, length).long()
     pos = cum.sub_(1).clamp_(min=0).long()  # own temporary (count is read below: a separate copy)
     slots = torch.arange(length, device=action_mask.device, dtype=torch.int32)[None, :]
-    return _Compact(pos, slots < n_actions, slots == n_actions - 1, ~action_mask, n_actions[:, 0].long()), dest
+    return Compaction(pos, slots < n_actions, slots == n_actions - 1, ~action_mask, n_actions[:, 0].long()), dest
 
 
-def _pack(x: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+def pack(x: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     """Action-token entries of ``x`` (exactly 0 elsewhere) moved left in order; 0 in the padding."""
     return x.new_zeros(x.shape[0], x.shape[1] + 1).scatter_(1, dest, x)[:, :-1]
 
 
-def _unpack(xc: torch.Tensor, cp: _Compact) -> torch.Tensor:
-    """Inverse of :func:`_pack`: compact entries back to their token positions, exactly 0 elsewhere."""
+def unpack(xc: torch.Tensor, cp: Compaction) -> torch.Tensor:
+    """Inverse of :func:`pack`: compact entries back to their token positions, exactly 0 elsewhere."""
     return xc.gather(1, cp.pos).masked_fill_(cp.off, 0.0)  # fills a fresh tensor: NaN-safe, no input touched
 
 
-def _shift_left(xc: torch.Tensor) -> torch.Tensor:
+def shift_left(xc: torch.Tensor) -> torch.Tensor:
     """``y_j = x_{j+1}``, 0 past the end (the value of the next action token)."""
     return torch.nn.functional.pad(xc[:, 1:], (0, 1))
 
 
-class _Packed(NamedTuple):
-    cp: _Compact
+class PackedTD(NamedTuple):
+    cp: Compaction
     delta: torch.Tensor  # [B, T] compact delta_j
     weight: torch.Tensor  # [B, T] compact w_j = exp(clamp(log_rho)), detached; 1 in the padding
 
 
-def _packed(delta: torch.Tensor, log_w: torch.Tensor, action_mask: torch.Tensor) -> _Packed:
+def pack_td(delta: torch.Tensor, log_w: torch.Tensor, action_mask: torch.Tensor) -> PackedTD:
     """Compact ``delta`` and ``exp(log_w)`` (both exactly 0 off action tokens in token layout)."""
-    cp, dest = _compaction(action_mask)
-    return _Packed(cp, _pack(delta, dest), _pack(log_w, dest).exp_())
+    cp, dest = compact_actions(action_mask)
+    return PackedTD(cp, pack(delta, dest), pack(log_w, dest).exp_())
 
 
-def _check_lambda(name: str, lam: float) -> None:
+def check_lambda(name: str, lam: float) -> None:
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"{name} must lie in [0, 1], got {lam}")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from copc.experiments import tracking
-from copc.experiments.tracking import METRICS, Tracker, histogram_record, is_known, read_metrics
+from copc import tracking
+from copc.tracking import METRICS, Tracker, histogram_record, is_known, read_metrics
 
 
 def test_namespace_is_defined_once_and_documented():
@@ -70,7 +70,7 @@ def test_jsonl_records_and_resume_truncation(tmp_path):
 
 def test_unknown_names_and_bad_values(tmp_path):
     with Tracker(tmp_path, tensorboard=False, strict=True) as tracker:
-        with pytest.raises(KeyError, match=r"not in copc\.experiments\.tracking\.METRICS"):
+        with pytest.raises(KeyError, match=r"not in copc\.tracking\.METRICS"):
             tracker.log(0, {"loss/polcy": 1.0})
         with pytest.raises(ValueError, match="must be a scalar"):
             tracker.log(0, {tracking.LOSS_VALUE: torch.ones(2)})

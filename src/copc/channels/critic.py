@@ -15,10 +15,10 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from copc.config_checks import check_one_of
+from copc.config import check_one_of
 from copc.ops.masked import LOSS_AGG_MODES, LossAgg
-from copc.ops.registry import Registry
 from copc.ops.value_losses import ValueLossOutput, clipped_value_loss
+from copc.registry import Registry
 
 __all__ = ["VALUE_LOSSES", "CriticConfig", "ValueInputs", "ValueLossResult", "value_loss"]
 

@@ -15,11 +15,11 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from copc.config_checks import check_one_of
+from copc.config import check_one_of
 from copc.ops import advantages as adv_ops
 from copc.ops.importance import importance_diagnostics
 from copc.ops.masked import check_mask, masked_mean, masked_var, masked_whiten
-from copc.ops.registry import Registry
+from copc.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -1,4 +1,4 @@
-"""Building a run's pieces from its :class:`~copc.run_config.RunConfig`: the policy folder (warm start,
+"""Building a run's pieces from its :class:`~copc.run.config.RunConfig`: the policy folder (warm start,
 tiny model or an HF folder), the run directory, the seeds, and the driver's batch source.
 """
 
@@ -15,9 +15,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc.config import ConfigError
 from copc.models.hf import load_policy
-from copc.run_config import RunConfig
-from copc.runtime.local import AsyncSource, WorkerSpec
-from copc.runtime.sync import RolloutGenerator, SyncSource
+from copc.rollout.generator import RolloutGenerator
+from copc.run.config import RunConfig
+from copc.runtime.async_local import AsyncSource, WorkerSpec
+from copc.runtime.sync import SyncSource
 from copc.tasks import Task
 
 __all__ = ["build_source", "make_run_dir", "policy_path", "quiet_transformers", "seed_everything"]
@@ -26,7 +27,7 @@ __all__ = ["build_source", "make_run_dir", "policy_path", "quiet_transformers", 
 def policy_path(cfg: RunConfig, scratch: Path) -> Path:
     """The HF folder the policy starts from (warm start built and cached on first use)."""
     if cfg.model.policy == "warmstart":
-        from copc.tasks.sft import DEFAULT_SFT, SFTConfig, build_warmstart
+        from copc.run.warmstart import DEFAULT_SFT, SFTConfig, build_warmstart
 
         sft = DEFAULT_SFT.get(cfg.task, SFTConfig())
         if cfg.model.warmstart_sft:

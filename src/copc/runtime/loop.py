@@ -11,8 +11,8 @@ from typing import Protocol
 
 import torch
 
+from copc.rollout.generator import GeneratedBatch
 from copc.runtime.staleness import realized_staleness
-from copc.runtime.sync import GeneratedBatch
 from copc.trainer.batching import collate
 from copc.trainer.trainer import ActorCriticTrainer
 

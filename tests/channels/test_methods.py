@@ -1,4 +1,4 @@
-"""Tests for copc.methods: the presets match the spec's defaults, build, override and run end to end."""
+"""Tests for copc.channels.methods: the presets match the spec's defaults, build, override and run end to end."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from copc.channels import compute_advantages, policy_loss, value_loss
-from copc.methods import MethodConfig, get_method, method_names
-from copc.ops.registry import RegistryError
-from test_channels import step_batch
+from copc.channels.methods import MethodConfig, get_method, method_names
+from copc.registry import RegistryError
+from reference.batches import step_batch
 
 PRESETS = ("ppo", "async_ppo", "async_ppo_recompute", "vtrace", "dapo", "sao", "areal", "icepop", "brace", "copc")
 

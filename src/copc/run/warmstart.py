@@ -37,7 +37,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from copc.tasks.base import ConfigValue, Demo, SupportsSFT, get_task, stable_hash
+from copc.config import ConfigValue
+from copc.eval.evaluate import EvalConfig, evaluate
+from copc.rollout.generator import RolloutConfig
+from copc.tasks.base import Demo, SupportsSFT, get_task, stable_hash
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -74,7 +77,7 @@ class SFTConfig:
 
 #: Per-task SFT settings, tuned so the warm-started policy lands in the target accuracy band (sampled
 #: accuracy in [0.2, 0.6], greedy < 0.8). Measured on 200 eval prompts through the engine, episode loop,
-#: tools and reward (``pytest -m slow tests/tasks/test_sft.py``; ``measure_accuracy``):
+#: tools and reward (``pytest -m slow tests/run/test_warmstart.py``; ``measure_accuracy``):
 #:   arith_tool: greedy 0.67, sampled 0.33 (tool use 0.47); 91 s CPU on one thread.
 #:   kv_search:  greedy 0.72, sampled 0.275 (tool use 0.54); 139 s CPU on one thread (top_k=1).
 #: Small batches matter: 500 steps of 32 (the same tokens) left arith_tool at accuracy 0.
@@ -334,14 +337,8 @@ def sft_cli(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------------- measurement
 
 
-@dataclass(frozen=True)
-class Accuracy:
-    """Mean reward over eval prompts for one decoding mode, with tool-use statistics."""
-
-    accuracy: float
-    tool_use: float
-    """Fraction of episodes with at least one tool call."""
-    n: int
+#: The budgets the warm start is scored with (roomier than the default run's, so a cut turn is rare).
+SCORING_ROLLOUT = RolloutConfig(max_turns=4, max_new_tokens_per_turn=48, max_total_tokens=160, context_limit=1024)
 
 
 def measure_accuracy(
@@ -349,38 +346,14 @@ def measure_accuracy(
     path: str | Path,
     *,
     n: int = 200,
-    greedy: bool = False,
     seed: int = 0,
     task_config: Mapping[str, ConfigValue] | None = None,
-    batch_size: int = 100,
-) -> Accuracy:
-    """Accuracy of the warm start at ``path`` on the first ``n`` eval prompts of the task.
+) -> dict[str, float]:
+    """:func:`copc.eval.evaluate.evaluate` of the warm start at ``path`` on the first ``n`` eval prompts.
 
-    Episodes run through the real engine (:mod:`copc.rollout.engine`), episode loop, tools and reward;
-    sampling at temperature 1 (no top-k / top-p), or greedy (``top_k=1``).
+    Sampled (temperature 1, no top-k / top-p) avg@1 as ``eval/accuracy``, greedy as
+    ``eval/greedy_accuracy``, and ``eval/tool_use_rate``, with :data:`SCORING_ROLLOUT`'s budgets.
     """
-    from copc.rollout.engine import Engine, SamplingConfig
-    from copc.rollout.episode import run_episodes
-
     model, tokenizer = load_warmstart(path)
     task = get_task(task_name, **(task_config or {}))
-    prompts = task.prompts("eval", n)
-    engine = Engine(model, tokenizer)
-    sampling = SamplingConfig(temperature=1.0, top_k=1 if greedy else 0)
-    rewards: list[float] = []
-    tool_use: list[bool] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        trajectories = run_episodes(
-            engine,
-            [task.make_env(p) for p in chunk],
-            max_turns=4,
-            max_new_tokens_per_turn=48,
-            max_total_tokens=160,
-            context_limit=1024,
-            sampling=sampling,
-            seed=seed + start,
-        )
-        rewards += [t.reward for t in trajectories]
-        tool_use += [t.info.get("tool_calls", 0.0) > 0 for t in trajectories]
-    return Accuracy(accuracy=sum(rewards) / len(rewards), tool_use=sum(tool_use) / len(tool_use), n=len(rewards))
+    return evaluate(model, tokenizer, task, SCORING_ROLLOUT, EvalConfig(prompts=n, samples=1, greedy=True), seed=seed)

@@ -1,7 +1,4 @@
-"""Running a policy on a task's eval prompts: :func:`evaluate` (avg@k, unbiased pass@k and greedy
-accuracy, used by ``copc train`` before, during and after training) and ``copc eval`` on a checkpoint.
-The maths of the metrics lives in :mod:`copc.eval.metrics`.
-"""
+"""``copc eval``: evaluate an HF policy folder or a run directory's latest checkpoint on a task."""
 
 from __future__ import annotations
 
@@ -15,83 +12,14 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc.config import ConfigError, from_dict, load_yaml
-from copc.eval.metrics import avg_at_k, greedy_accuracy, mean_pass_at_k
+from copc.eval.evaluate import EvalConfig, evaluate
 from copc.models.hf import load_policy
-from copc.rollout.engine import Engine
-from copc.rollout.episode import run_episodes
-from copc.run_build import policy_path, quiet_transformers
-from copc.run_config import EvalConfig, RunConfig, validate_names
-from copc.runtime.sync import RolloutConfig
-from copc.tasks import Task, get_task
+from copc.run.build import policy_path, quiet_transformers
+from copc.run.config import RunConfig, validate_names
+from copc.tasks import get_task
 from copc.trainer.checkpoint import load_latest
-from copc.types import Prompt, Trajectory
 
-__all__ = ["eval_cli", "evaluate"]
-
-
-def evaluate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    rollout: RolloutConfig,
-    eval_cfg: EvalConfig,
-    *,
-    seed: int,
-) -> dict[str, float]:
-    """avg@k and unbiased pass@k at the rollout temperature, and greedy accuracy, on eval prompts.
-
-    Sampling uses a generator seeded by ``seed`` (the same prompts and seeds before and after
-    training, so the difference is the policy's). Metrics under ``eval/``.
-    """
-    if eval_cfg.prompts == 0:
-        return {}
-    prompts = task.prompts("eval", n=eval_cfg.prompts)
-    k = eval_cfg.samples
-    sampled = _play(model, tokenizer, task, prompts, k, rollout, seed=seed, greedy=False)
-    correct = _by_prompt(sampled, len(prompts), k)
-    out = {
-        "eval/accuracy": avg_at_k(correct),
-        "eval/pass_at_k": mean_pass_at_k(correct, k),
-        "eval/tool_use_rate": sum(t.info.get("tool_calls", 0.0) > 0 for t in sampled) / len(sampled),
-    }
-    if eval_cfg.greedy:
-        greedy = _play(model, tokenizer, task, prompts, 1, rollout, seed=seed, greedy=True)
-        out["eval/greedy_accuracy"] = greedy_accuracy([bool(_correct(t)) for t in greedy])
-    return out
-
-
-def _correct(traj: Trajectory) -> int:
-    return int(traj.info.get("correct", float(traj.reward > 0)) > 0)
-
-
-def _by_prompt(trajs: Sequence[Trajectory], prompts: int, k: int) -> list[list[bool]]:
-    return [[bool(_correct(t)) for t in trajs[i * k : (i + 1) * k]] for i in range(prompts)]
-
-
-def _play(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    prompts: Sequence[Prompt],
-    k: int,
-    rollout: RolloutConfig,
-    *,
-    seed: int,
-    greedy: bool,
-) -> list[Trajectory]:
-    engine = Engine(model, tokenizer)
-    envs = [task.make_env(p) for p in prompts for _ in range(k)]
-    return run_episodes(
-        engine,
-        envs,
-        sampling=rollout.sampling(greedy=greedy),
-        seed=seed,
-        max_turns=rollout.max_turns,
-        max_new_tokens_per_turn=rollout.max_new_tokens_per_turn,
-        max_total_tokens=rollout.max_total_tokens,
-        context_limit=rollout.context_limit,
-        prompt_ids=[p.id for p in prompts for _ in range(k)],
-    )
+__all__ = ["eval_cli"]
 
 
 def eval_cli(argv: Sequence[str]) -> int:

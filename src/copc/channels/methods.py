@@ -4,7 +4,7 @@ Presets are plain frozen configs (spec/algorithms.md sections 2-10, table 9.6; d
 the formulas as implemented). Get one by name and override any field with ``dataclasses.replace``::
 
     from dataclasses import replace
-    from copc.methods import get_method
+    from copc.channels.methods import get_method
 
     m = get_method("copc")
     m = replace(m, policy=replace(m.policy, mask_low=0.2, mask_high=5.0),
@@ -19,8 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from copc.channels import AdvantageChannelConfig, CriticConfig, PolicyChannelConfig
-from copc.ops.registry import Registry
+from copc.channels.advantage import AdvantageChannelConfig
+from copc.channels.critic import CriticConfig
+from copc.channels.policy import PolicyChannelConfig
+from copc.registry import Registry
 
 __all__ = ["METHODS", "MethodConfig", "get_method", "method_names"]
 

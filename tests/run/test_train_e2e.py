@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from copc.train import eval_cli, load_run_config, train_cli
+from copc.run.config import load_run_config
+from copc.run.eval import eval_cli
+from copc.run.train import train_cli
 
 TINY = [
     "model.policy=tiny", "task_options={train_size: 100, eval_size: 8}", "steps=2", "checkpoint_every=1",

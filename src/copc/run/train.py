@@ -1,4 +1,4 @@
-"""``copc train`` and ``copc eval``: build every component from one config and run it.
+"""``copc train``: build every component from one config and run it.
 
     copc train                                  # the embedded default (below)
     copc train --config my.yaml trainer.actor_lr=3e-5 staleness.staleness=16 driver.kind=sync
@@ -35,44 +35,26 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc.config import ConfigError, dump_yaml, to_dict
-from copc.eval.run import eval_cli, evaluate
+from copc.eval.evaluate import evaluate
 from copc.experiments.plots import plot_run
-from copc.experiments.tracking import Tracker
 from copc.models.hf import ValueModel, load_policy
-from copc.run_build import build_source, make_run_dir, policy_path, quiet_transformers, seed_everything
-from copc.run_config import (
-    DriverConfig,
-    EvalConfig,
-    ModelConfig,
+from copc.rollout.generator import GeneratedBatch
+from copc.run.build import build_source, make_run_dir, policy_path, quiet_transformers, seed_everything
+from copc.run.config import (
     RunConfig,
-    default_config,
     load_run_config,
     resolve_method,
 )
-from copc.runtime.local import AsyncSource
+from copc.runtime.async_local import AsyncSource
+from copc.runtime.loop import LoopResult, run_loop
 from copc.runtime.staleness import realized_staleness
-from copc.runtime.sync import GeneratedBatch, SyncSource
+from copc.runtime.sync import SyncSource
 from copc.tasks import Task, get_task
-from copc.train_loop import BatchSource as BatchSource  # re-exported: its home was this module
-from copc.train_loop import LoopResult, run_loop
-from copc.train_loop import rollout_metrics as rollout_metrics  # re-exported: its home was this module
+from copc.tracking import Tracker
 from copc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from copc.trainer.trainer import ActorCriticTrainer
 
-# The pieces live in copc.run_config (the config and its loading), copc.run_build (policy folder, run
-# directory, batch source), copc.train_loop (the loop every driver shares) and copc.eval.run (evaluate,
-# ``copc eval``); this module builds a run from them and runs it. Their names stay importable from here.
-__all__ = [
-    "DriverConfig",
-    "EvalConfig",
-    "ModelConfig",
-    "RunConfig",
-    "default_config",
-    "eval_cli",
-    "evaluate",
-    "train",
-    "train_cli",
-]
+__all__ = ["TrainResult", "train", "train_cli"]
 
 
 # ---------------------------------------------------------------------------------------- training

@@ -270,7 +270,7 @@ class Tracker:
         if is_known(name):
             return
         message = (
-            f"metric {name!r} is not in copc.experiments.tracking.METRICS; add it there with a one-line "
+            f"metric {name!r} is not in copc.tracking.METRICS; add it there with a one-line "
             "doc (one namespace, defined once)"
         )
         if self.strict:

@@ -45,16 +45,16 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from copc.rollout.generator import GeneratedBatch, RolloutConfig, RolloutGenerator, batch_prompts
 from copc.runtime.buffer import TrajectoryBuffer, trajectory_from_dict, trajectory_to_dict
 from copc.runtime.staleness import StalenessConfig, source_version
-from copc.runtime.sync import GeneratedBatch, RolloutConfig, RolloutGenerator, batch_prompts
 
 __all__ = ["AsyncSource", "WeightRing", "WorkerSpec"]
 
 _POLL_S = 0.05
 #: Modules the fork server imports once; every worker forks from it with them loaded (torch, transformers
 #: and the tasks take 5-15 s to import on a busy 2-core machine).
-_PRELOAD = ["copc.runtime.local", "copc.models", "copc.tasks", "copc.rollout.episode"]
+_PRELOAD = ["copc.runtime.async_local", "copc.models", "copc.tasks", "copc.rollout.episode"]
 
 
 def _context() -> multiprocessing.context.ForkServerContext:

@@ -16,10 +16,10 @@ from typing import Literal, NamedTuple, TypedDict
 
 import torch
 
-from copc.config_checks import check_one_of
+from copc.config import check_one_of
 from copc.ops import policy_losses as pl
 from copc.ops.masked import LOSS_AGG_MODES, LossAgg, check_mask
-from copc.ops.registry import Registry
+from copc.registry import Registry
 
 __all__ = [
     "POLICY_OBJECTIVES",

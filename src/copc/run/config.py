@@ -8,10 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from copc.channels.methods import MethodConfig, get_method
 from copc.config import ConfigError, apply_overrides, load_yaml
-from copc.methods import MethodConfig, get_method
+from copc.eval.evaluate import EvalConfig
+from copc.rollout.generator import RolloutConfig
 from copc.runtime.staleness import StalenessConfig
-from copc.runtime.sync import RolloutConfig
 from copc.trainer.trainer import TrainerConfig
 
 __all__ = [
@@ -37,7 +38,7 @@ class ModelConfig:
     warmstart_seed: int = 0
     """Seed of the warm start when policy = 'warmstart' (built once, then cached)."""
     warmstart_sft: dict[str, int | float] = field(default_factory=lambda: {"batch_size": 16, "steps": 3000})
-    """Overrides of the task's default warm-start SFT settings (copc.tasks.sft.SFTConfig), e.g. {steps: 3000}."""
+    """Overrides of the task's default warm-start SFT settings (copc.run.warmstart.SFTConfig), e.g. {steps: 3000}."""
 
 
 @dataclass(frozen=True)
@@ -59,24 +60,6 @@ class DriverConfig:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
-    """Held-out evaluation before and after training (and every ``every`` steps)."""
-
-    prompts: int = 200
-    """Eval prompts (from the task's eval split); 0 = no evaluation (benchmarks)."""
-    samples: int = 1
-    """Samples per prompt k (avg@k, pass@k)."""
-    greedy: bool = True
-    """Also measure greedy accuracy (one extra greedy pass)."""
-    every: int = 0
-    """Evaluate every this many steps during training (0 = only before and after)."""
-
-    def __post_init__(self) -> None:
-        if self.prompts < 0 or self.samples < 1 or self.every < 0:
-            raise ValueError("eval.prompts and eval.every must be >= 0, eval.samples >= 1")
-
-
-@dataclass(frozen=True)
 class RunConfig:
     """Everything ``copc train`` builds (one section per component)."""
 
@@ -87,7 +70,7 @@ class RunConfig:
     )
     """Task config values (e.g. {hard: true}); default: arith_tool level 1 (2x2-digit products)."""
     method: str = "copc"
-    """Method preset (copc.methods registry)."""
+    """Method preset (copc.channels.methods registry)."""
     steps: int = 60
     """Training steps."""
     seed: int = 0
@@ -120,12 +103,7 @@ def default_config() -> RunConfig:
     Measured (2-vCPU machine, warm start cached): eval avg@1 0.34 -> 0.895 (greedy 0.415 -> 1.00, tool
     use 0.49 -> 0.98) in 60 steps, 143 s; seed 1: 0.27 -> 0.92. Building the warm start adds ~210 s.
 
-    Why actor lr 1e-4 and 60 steps: with 2e-4 and 50 steps the run reached 0.85-0.94 three times, but on
-    this machine (a warm start that differs in the last bits: greedy 0.415 instead of 0.51) one of two
-    async runs collapsed after step 40 (approx KL spike 0.014; the final policy wrote ``<answer>`` inside
-    its code: eval 0.34 -> 0.295 while the train reward of 8-step-old rollouts read 0.94). With 1e-4:
-    0.34 -> 0.905 in 80 steps, reward ~0.94 from step 48, approx KL <= 0.006; 1.5e-4: 0.92 in 60 steps
-    with KL spikes of 0.014.
+    How the defaults were chosen (the learning-rate measurements): docs/reproduce.md, "Tuning history".
     """
     return RunConfig()
 
