@@ -15,6 +15,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from copc import tracking as m
 from copc.config import check_one_of
 from copc.ops import advantages as adv_ops
 from copc.ops.importance import importance_diagnostics
@@ -253,9 +254,9 @@ def compute_advantages(
     advantages, returns = entry.fn(cfg, inputs)
     raw_var = masked_var(advantages, action_mask)
     stats = {
-        "adv/raw_mean": masked_mean(advantages, action_mask).detach(),
-        "adv/raw_std": raw_var.sqrt().detach(),
-        "returns/mean": masked_mean(returns, action_mask).detach(),
+        m.ADV_RAW_MEAN: masked_mean(advantages, action_mask).detach(),
+        m.ADV_RAW_STD: raw_var.sqrt().detach(),
+        m.RETURNS_MEAN: masked_mean(returns, action_mask).detach(),
     }
     if log_w is not None:
         stats |= importance_diagnostics(log_w, action_mask, clip_low=cfg.ratio_low, clip_high=cfg.ratio_high)

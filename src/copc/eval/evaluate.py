@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from copc import tracking as m
 from copc.eval.metrics import avg_at_k, greedy_accuracy, mean_pass_at_k
 from copc.rollout.engine import Engine
 from copc.rollout.episode import run_episodes
@@ -59,13 +60,13 @@ def evaluate(
     sampled = _play(model, tokenizer, task, prompts, k, rollout, seed=seed, greedy=False)
     correct = _by_prompt(sampled, len(prompts), k)
     out = {
-        "eval/accuracy": avg_at_k(correct),
-        "eval/pass_at_k": mean_pass_at_k(correct, k),
-        "eval/tool_use_rate": sum(t.info.get("tool_calls", 0.0) > 0 for t in sampled) / len(sampled),
+        m.EVAL_ACCURACY: avg_at_k(correct),
+        m.EVAL_PASS_AT_K: mean_pass_at_k(correct, k),
+        m.EVAL_TOOL_USE_RATE: sum(t.info.get("tool_calls", 0.0) > 0 for t in sampled) / len(sampled),
     }
     if eval_cfg.greedy:
         greedy = _play(model, tokenizer, task, prompts, 1, rollout, seed=seed, greedy=True)
-        out["eval/greedy_accuracy"] = greedy_accuracy([bool(_correct(t)) for t in greedy])
+        out[m.EVAL_GREEDY_ACCURACY] = greedy_accuracy([bool(_correct(t)) for t in greedy])
     return out
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from copc import tracking as m
 from copc.config import ConfigError, dump_yaml, to_dict
 from copc.eval.evaluate import evaluate
 from copc.experiments.plots import plot_run
@@ -156,7 +157,7 @@ def _run_with_progress(
             eval_model.load_state_dict(trainer.policy.state_dict())
             metrics.update(evaluate(eval_model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777))
         lags = realized_staleness(batch.trajectories, step).token_values()
-        tracker.log(step, metrics, histograms={"staleness/hist": lags})
+        tracker.log(step, metrics, histograms={m.STALENESS_HIST: lags})
         if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
             payload = checkpoint_payload(cfg, done, trainer, source)
             payload["eval_before"] = eval_before
@@ -185,12 +186,12 @@ def _summary(
         return sum(values) / len(values) if values else None
 
     return {
-        "eval_accuracy_before": before.get("eval/accuracy"),
-        "eval_accuracy_after": after.get("eval/accuracy"),
-        "eval_greedy_accuracy_before": before.get("eval/greedy_accuracy"),
-        "eval_greedy_accuracy_after": after.get("eval/greedy_accuracy"),
-        "eval_tool_use_rate_before": before.get("eval/tool_use_rate"),
-        "eval_tool_use_rate_after": after.get("eval/tool_use_rate"),
+        "eval_accuracy_before": before.get(m.EVAL_ACCURACY),
+        "eval_accuracy_after": after.get(m.EVAL_ACCURACY),
+        "eval_greedy_accuracy_before": before.get(m.EVAL_GREEDY_ACCURACY),
+        "eval_greedy_accuracy_after": after.get(m.EVAL_GREEDY_ACCURACY),
+        "eval_tool_use_rate_before": before.get(m.EVAL_TOOL_USE_RATE),
+        "eval_tool_use_rate_after": after.get(m.EVAL_TOOL_USE_RATE),
         "steps": loop.steps,
         "wall_seconds": wall,
         "method": cfg.method,
@@ -199,9 +200,9 @@ def _summary(
         "driver": cfg.driver.kind,
         "task": cfg.task,
         "seed": cfg.seed,
-        "train_reward_last": mean("reward/mean"),
-        "realized_staleness_mean": mean("staleness/mean"),
-        "step_seconds_median": float(np.median([h["time/step"] for h in history])) if history else None,
+        "train_reward_last": mean(m.REWARD_MEAN),
+        "realized_staleness_mean": mean(m.STALENESS_MEAN),
+        "step_seconds_median": float(np.median([h[m.TIME_STEP] for h in history])) if history else None,
         "run_dir": str(run_dir),
     }
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from copc import tracking as m
 from copc.runtime.staleness import (
     StalenessConfig,
     admits_request,
@@ -211,12 +212,12 @@ class TrajectoryBuffer:
         """Counters under the ``buffer/`` namespace (cumulative since the run started)."""
         with self._lock:
             out = {
-                "buffer/size": float(len(self._entries)),
-                "buffer/in_flight": float(len(self._in_flight)),
-                "buffer/consumed": float(self._consumed),
-                "buffer/over_bound": float(self._over_bound),
-                "buffer/requeued": float(self._requeued_total),
-                "buffer/dropped": float(sum(self._dropped.values())),
+                m.BUFFER_SIZE: float(len(self._entries)),
+                m.BUFFER_IN_FLIGHT: float(len(self._in_flight)),
+                m.BUFFER_CONSUMED: float(self._consumed),
+                m.BUFFER_OVER_BOUND: float(self._over_bound),
+                m.BUFFER_REQUEUED: float(self._requeued_total),
+                m.BUFFER_DROPPED: float(sum(self._dropped.values())),
             }
             out.update({f"buffer/dropped_{k}": float(v) for k, v in self._dropped.items()})
             return out

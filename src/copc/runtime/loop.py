@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from copc import tracking as m
 from copc.rollout.generator import GeneratedBatch
 from copc.runtime.staleness import realized_staleness
 from copc.trainer.batching import collate
@@ -39,15 +40,15 @@ def rollout_metrics(batch: GeneratedBatch, version: int) -> dict[str, float]:
     st = realized_staleness(trajs, version)
     calls = [t.info.get("tool_calls", 0.0) for t in trajs]
     out = {
-        "staleness/mean": st.token_mean,
-        "staleness/max": float(st.token_max),
-        "staleness/seq_max_mean": st.s_max_mean,
-        "rollout/accuracy": sum(t.info.get("correct", float(t.reward > 0)) for t in trajs) / len(trajs),
-        "rollout/tool_use_rate": sum(c > 0 for c in calls) / len(trajs),
-        "rollout/tool_calls": sum(calls) / len(trajs),
-        "rollout/response_tokens": sum(t.num_action_tokens for t in trajs) / len(trajs),
-        "rollout/truncated_frac": sum(t.truncated for t in trajs) / len(trajs),
-        "rollout/version": float(batch.version),
+        m.STALENESS_MEAN: st.token_mean,
+        m.STALENESS_MAX: float(st.token_max),
+        m.STALENESS_SEQ_MAX_MEAN: st.s_max_mean,
+        m.ROLLOUT_ACCURACY: sum(t.info.get("correct", float(t.reward > 0)) for t in trajs) / len(trajs),
+        m.ROLLOUT_TOOL_USE_RATE: sum(c > 0 for c in calls) / len(trajs),
+        m.ROLLOUT_TOOL_CALLS: sum(calls) / len(trajs),
+        m.ROLLOUT_RESPONSE_TOKENS: sum(t.num_action_tokens for t in trajs) / len(trajs),
+        m.ROLLOUT_TRUNCATED_FRAC: sum(t.truncated for t in trajs) / len(trajs),
+        m.ROLLOUT_VERSION: float(batch.version),
     }
     return out
 
@@ -85,10 +86,10 @@ def run_loop(
         source.publish(trainer.version, trainer.policy_weights())
         step_s = time.perf_counter() - start
         metrics.update({
-            "time/generate": batch.generate_s,
-            "time/wait": waited,
-            "time/step": step_s,
-            "perf/tokens_per_s": int(train_batch.attention_mask.sum()) / max(step_s, 1e-9),
+            m.TIME_GENERATE: batch.generate_s,
+            m.TIME_WAIT: waited,
+            m.TIME_STEP: step_s,
+            m.PERF_TOKENS_PER_S: int(train_batch.attention_mask.sum()) / max(step_s, 1e-9),
         })
         history.append(metrics)
         if on_step is not None:

@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from copc import tracking as m
 from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
 from copc.channels.methods import MethodConfig
 from copc.models.hf import position_ids_from_mask, token_logprobs
@@ -307,8 +308,8 @@ class ActorCriticTrainer:
                 self.critic_optimizer.step()
         updates = max(1, epochs * self.config.critic_minibatches)
         out = {k: v / updates for k, v in stats_acc.items()}
-        out["loss/value"] = sum(losses) / updates
-        out["grad/critic_norm"] = sum(norms) / max(len(norms), 1)
+        out[m.LOSS_VALUE] = sum(losses) / updates
+        out[m.GRAD_CRITIC_NORM] = sum(norms) / max(len(norms), 1)
         return out
 
     def _actor_loss(self, batch: TrainBatch, st: StepTensors, rows: torch.Tensor, mb: Minibatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -334,11 +335,11 @@ class ActorCriticTrainer:
             diff = (logp_ref - logp).clamp(-20.0, 20.0)
             kl = zero_where_not(mask, torch.exp(diff) - diff - 1.0)
             loss = loss + self.config.kl_coef * kl.sum() / max(mb.num_tokens, 1)
-            stats["loss/kl"] = kl.sum().detach() / max(mb.num_tokens, 1)
+            stats[m.LOSS_KL] = kl.sum().detach() / max(mb.num_tokens, 1)
         if entropy is not None:
             ent = zero_where_not(mask, entropy).sum() / max(mb.num_tokens, 1)
             loss = loss - self.config.entropy_coef * ent
-            stats["loss/entropy"] = ent.detach()
+            stats[m.LOSS_ENTROPY] = ent.detach()
         return loss, stats
 
     def _logp_entropy(self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -370,8 +371,8 @@ class ActorCriticTrainer:
                 self.actor_optimizer.step()
         updates = max(1, self.config.ppo_epochs * count)
         out = {k: v / updates for k, v in stats_acc.items()}
-        out["loss/policy"] = sum(losses) / updates
-        out["grad/actor_norm"] = sum(norms) / max(len(norms), 1)
+        out[m.LOSS_POLICY] = sum(losses) / updates
+        out[m.GRAD_ACTOR_NORM] = sum(norms) / max(len(norms), 1)
         return out
 
     @property
@@ -407,8 +408,8 @@ class ActorCriticTrainer:
         self.version += 1
         self.steps_done += 1
         elapsed = time.perf_counter() - start
-        metrics["time/train"] = elapsed
-        metrics["perf/train_tokens_per_s"] = int(batch.attention_mask.sum()) / max(elapsed, 1e-9)
+        metrics[m.TIME_TRAIN] = elapsed
+        metrics[m.PERF_TRAIN_TOKENS_PER_S] = int(batch.attention_mask.sum()) / max(elapsed, 1e-9)
         return metrics
 
 
@@ -472,17 +473,17 @@ def diagnostics(batch: TrainBatch, st: StepTensors) -> dict[str, float]:
     mask = st.loss_mask
     rows = mask.any(dim=-1)
     out: dict[str, float] = {
-        "reward/mean": float(batch.scores.mean()),
-        "batch/action_tokens": float(batch.num_action_tokens),
-        "batch/sequences": float(batch.batch_size),
-        "batch/truncated_frac": float(batch.truncated.float().mean()),
+        m.REWARD_MEAN: float(batch.scores.mean()),
+        m.BATCH_ACTION_TOKENS: float(batch.num_action_tokens),
+        m.BATCH_SEQUENCES: float(batch.batch_size),
+        m.BATCH_TRUNCATED_FRAC: float(batch.truncated.float().mean()),
     }
     var_g = masked_var(st.returns, mask)
     var_res = masked_var(st.returns - st.values_old, mask)
     # Undefined when the targets do not vary (e.g. every reward 0): report 0 rather than +-1e12.
-    out["critic/explained_var"] = float(1.0 - var_res / var_g) if float(var_g) > 1e-8 else 0.0
-    out["critic/values_mean"] = float(masked_mean(st.values_old, mask))
-    out["critic/returns_mean"] = float(masked_mean(st.returns, mask))
+    out[m.CRITIC_EXPLAINED_VAR] = float(1.0 - var_res / var_g) if float(var_g) > 1e-8 else 0.0
+    out[m.CRITIC_VALUES_MEAN] = float(masked_mean(st.values_old, mask))
+    out[m.CRITIC_RETURNS_MEAN] = float(masked_mean(st.returns, mask))
     if bool(rows.any()):
         seq_log_w = zero_where_not(batch.action_mask, st.log_w).sum(dim=-1)[rows]
         weights = torch.softmax(seq_log_w.double(), dim=0)
@@ -490,6 +491,6 @@ def diagnostics(batch: TrainBatch, st: StepTensors) -> dict[str, float]:
         e_pi = float((weights * scores).sum())
         first = batch.action_mask.float().argmax(dim=-1)[rows]
         v1 = float(st.values_old[rows].gather(1, first[:, None]).mean())
-        out["critic/value_bias"] = e_pi - float(scores.mean())
-        out["critic/value_bias_gap"] = abs(v1 - e_pi)
+        out[m.CRITIC_VALUE_BIAS] = e_pi - float(scores.mean())
+        out[m.CRITIC_VALUE_BIAS_GAP] = abs(v1 - e_pi)
     return out
