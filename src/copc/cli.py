@@ -79,7 +79,7 @@ def build_plot_parser() -> argparse.ArgumentParser:
 def plot_cli(argv: Sequence[str]) -> int:
     """``copc plot RUN_DIR... [--out DIR] [--mean-seeds] [--smooth N]``."""
     args = build_plot_parser().parse_args(list(argv))
-    from copc.experiments.plots import plot_runs
+    from copc.run.plots import plot_runs
 
     out = args.out
     if out is None and len(args.runs) > 1:

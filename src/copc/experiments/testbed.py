@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from copc import tracking as m
-from copc.experiments.plots import align_runs, curves_for, save_figure, series, smooth
+from copc.run.plots import align_runs, curves_for, save_figure, series, smooth
 from copc.tracking import read_metrics
 
 __all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]

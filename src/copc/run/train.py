@@ -37,7 +37,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from copc import tracking as m
 from copc.config import ConfigError, dump_yaml, to_dict
 from copc.eval.evaluate import evaluate
-from copc.experiments.plots import plot_run
 from copc.models.hf import ValueModel, load_policy
 from copc.rollout.generator import GeneratedBatch
 from copc.run.build import build_source, make_run_dir, policy_path, quiet_transformers, seed_everything
@@ -46,6 +45,7 @@ from copc.run.config import (
     load_run_config,
     resolve_method,
 )
+from copc.run.plots import plot_run
 from copc.runtime.async_local import AsyncSource
 from copc.runtime.loop import LoopResult, run_loop
 from copc.runtime.staleness import realized_staleness

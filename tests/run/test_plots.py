@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from copc import tracking as m
-from copc.experiments.plots import FIGURES, curves_for, plot_run, plot_runs, seed_group, series, smooth
+from copc.run.plots import FIGURES, curves_for, plot_run, plot_runs, seed_group, series, smooth
 from copc.tracking import Tracker, read_metrics
 
 
