@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from copc.config import ConfigError
 from copc.models.hf import load_policy
 from copc.rollout.generator import RolloutGenerator
-from copc.run.config import RunConfig
+from copc.run.config import RunConfig, resolve_rollout
 from copc.runtime.async_local import AsyncSource, WorkerSpec
 from copc.runtime.sync import SyncSource
 from copc.tasks import Task
@@ -74,13 +74,14 @@ def build_source(
 ) -> SyncSource | AsyncSource:
     """The driver's batch source: in-process generation (sync) or worker processes (async)."""
     weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    rollout = resolve_rollout(cfg)  # the method's dynamic sampling / overlong shaping where rollout leaves them unset
     if cfg.driver.kind == "sync":
         gen_model, _ = load_policy(model_dir)
-        source = SyncSource(RolloutGenerator(gen_model, tokenizer, task, cfg.rollout, seed=cfg.seed), cfg.staleness)
+        source = SyncSource(RolloutGenerator(gen_model, tokenizer, task, rollout, seed=cfg.seed), cfg.staleness)
         source.publish(0, weights)
         return source
     spec = WorkerSpec(
-        model_path=str(model_dir), task=cfg.task, task_options=dict(cfg.task_options), rollout=cfg.rollout,
+        model_path=str(model_dir), task=cfg.task, task_options=dict(cfg.task_options), rollout=rollout,
         seed=cfg.seed,
     )
     return AsyncSource(spec, cfg.staleness, weights, num_workers=cfg.driver.num_workers,
