@@ -87,6 +87,12 @@ ROLLOUT_RESPONSE_TOKENS = "rollout/response_tokens"
 ROLLOUT_TRUNCATED_FRAC = "rollout/truncated_frac"
 ROLLOUT_ACCURACY = "rollout/accuracy"
 ROLLOUT_VERSION = "rollout/version"
+ROLLOUT_DYNSAMPLE_ROUNDS = "rollout/dynsample_rounds"
+ROLLOUT_DYNSAMPLE_EXTRA_GROUPS = "rollout/dynsample_extra_groups"
+ROLLOUT_DYNSAMPLE_DROPPED_GROUPS = "rollout/dynsample_dropped_groups"
+ROLLOUT_DYNSAMPLE_PADDED_GROUPS = "rollout/dynsample_padded_groups"
+ROLLOUT_DYNSAMPLE_SHORT = "rollout/dynsample_short"
+ROLLOUT_OVERLONG_PENALTY = "rollout/overlong_penalty"
 BATCH_SEQUENCES = "batch/sequences"
 BATCH_ACTION_TOKENS = "batch/action_tokens"
 BATCH_TRUNCATED_FRAC = "batch/truncated_frac"
@@ -160,6 +166,12 @@ METRICS: dict[str, str] = {
     ROLLOUT_TRUNCATED_FRAC: "fraction of trajectories cut by a budget (max tokens/turns/context)",
     ROLLOUT_ACCURACY: "fraction of trajectories of the batch graded correct",
     ROLLOUT_VERSION: "policy version that generated the consumed batch (oldest token)",
+    ROLLOUT_DYNSAMPLE_ROUNDS: "dynamic sampling: generation rounds of the batch (1 = its own prompts only)",
+    ROLLOUT_DYNSAMPLE_EXTRA_GROUPS: "dynamic sampling: groups generated beyond the batch's own prompts",
+    ROLLOUT_DYNSAMPLE_DROPPED_GROUPS: "dynamic sampling: generated groups not trained on (equal rewards, or surplus)",
+    ROLLOUT_DYNSAMPLE_PADDED_GROUPS: "dynamic sampling: equal-reward groups kept to fill a batch the round cap left short",
+    ROLLOUT_DYNSAMPLE_SHORT: "dynamic sampling: 1 if the batch had too few informative groups after max_rounds",
+    ROLLOUT_OVERLONG_PENALTY: "mean DAPO overlong penalty added to the batch's rewards (<= 0)",
     BATCH_SEQUENCES: "sequences in the training batch",
     BATCH_ACTION_TOKENS: "sampled tokens in the training batch",
     BATCH_TRUNCATED_FRAC: "fraction of truncated sequences in the training batch",

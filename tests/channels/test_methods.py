@@ -12,7 +12,10 @@ from copc.channels.methods import MethodConfig, get_method, method_names
 from copc.registry import RegistryError
 from reference.batches import step_batch
 
-PRESETS = ("ppo", "async_ppo", "async_ppo_recompute", "vtrace", "dapo", "sao", "areal", "icepop", "brace", "copc")
+PRESETS = (
+    "ppo", "async_ppo", "async_ppo_recompute", "vtrace", "dapo", "sao", "areal", "areal_critic", "icepop", "brace",
+    "copc",
+)
 
 
 def test_all_presets_are_registered() -> None:
@@ -20,7 +23,7 @@ def test_all_presets_are_registered() -> None:
 
 
 def test_misspelt_name_lists_valid_ones_with_a_hint() -> None:
-    with pytest.raises(RegistryError, match=r"unknown method 'ipecop' .*valid: areal, async_ppo"):
+    with pytest.raises(RegistryError, match=r"unknown method 'ipecop' .*valid: areal, areal_critic, async_ppo"):
         get_method("ipecop")
     with pytest.raises(RegistryError, match=r"did you mean 'async_ppo'\?"):
         get_method("asyncppo")
@@ -32,7 +35,7 @@ def test_spec_defaults_per_preset() -> None:
         want = 3.0 if name in ("ppo", "async_ppo", "async_ppo_recompute", "dapo") else None
         assert get_method(name).policy.dual_clip_c == want, name
     # section 9.6 / per-method sections: actor minibatches and critic updates per step.
-    minibatches = {"vtrace": 1, "brace": 1, "dapo": 16, "areal": 4, "copc": 4}
+    minibatches = {"vtrace": 1, "brace": 1, "dapo": 16, "areal": 4, "areal_critic": 4, "copc": 4}
     for name, n in minibatches.items():
         assert get_method(name).policy.minibatches == n, name
     assert get_method("sao").critic is not None and get_method("sao").critic.updates_per_step == 2  # type: ignore[union-attr]
@@ -56,11 +59,37 @@ def test_spec_defaults_per_preset() -> None:
 
 def test_needs_old_forward_and_critic() -> None:
     no_old = {"async_ppo", "sao"}
-    no_critic = {"dapo", "icepop"}
+    no_critic = {"dapo", "icepop", "areal"}
     for name in PRESETS:
         m = get_method(name)
         assert m.needs_old_forward == (name not in no_old), name
         assert m.needs_critic == (name not in no_critic), name
+
+
+def test_dapo_is_dapo() -> None:
+    # spec 5: clip-higher 0.2 / 0.28, token-level aggregation, critic-free group z-scores, and the two
+    # rollout-side pieces (dynamic sampling, overlong shaping) switched on; no other preset has them.
+    dapo = get_method("dapo")
+    assert (dapo.policy.objective, dapo.policy.clip_low, dapo.policy.clip_high) == ("ppo", 0.2, 0.28)
+    assert dapo.policy.loss_agg == "token-mean"
+    assert (dapo.advantage.estimator, dapo.advantage.group_mode, dapo.critic) == ("group", "grpo", None)
+    assert dapo.dynamic_sampling and dapo.overlong_shaping
+    for name in PRESETS:
+        if name != "dapo":
+            assert not get_method(name).dynamic_sampling and not get_method(name).overlong_shaping, name
+
+
+def test_areal_follows_the_paper_and_keeps_the_critic_variant() -> None:
+    # spec 7: the AReaL paper ran critic-free with group-normalised advantages, gamma = lambda = 1;
+    # the decoupled objective (old/mu weight, masked above 5, PPO clip 0.2 around old) is shared.
+    areal, critic = get_method("areal"), get_method("areal_critic")
+    assert areal.critic is None and areal.advantage.estimator == "group" and not areal.needs_critic
+    assert critic.critic is not None and critic.advantage.estimator == "gae"
+    assert (critic.advantage.gamma, critic.advantage.lam_actor, critic.advantage.lam_critic) == (1.0, 1.0, 1.0)
+    assert areal.policy == critic.policy
+    p = areal.policy
+    assert (p.objective, p.clip_low, p.clip_high, p.weight_cap, p.cap_mode) == ("decoupled", 0.2, 0.2, 5.0, "mask")
+    assert areal.needs_old_forward and critic.needs_old_forward
 
 
 def test_override_field_by_field_revalidates() -> None:

@@ -12,10 +12,12 @@ import torch
 
 from copc.models.tiny import build_tiny_tokenizer
 from copc.run.warmstart import (
+    DEFAULT_SFT,
     MARKER,
     SFTConfig,
     action_nll,
     build_warmstart,
+    cli_request,
     encode_demo,
     is_complete,
     load_warmstart,
@@ -141,6 +143,29 @@ def test_cli(tmp_path, capsys):
     # --out-dir on a completed checkpoint returns at once (the default SFT config is not re-run).
     assert sft_cli(["--task", "arith_tool", "--out-dir", str(done)]) == 0
     assert f"warm start ready: {done}" in capsys.readouterr().out
+
+
+def test_cli_builds_the_warm_start_the_default_run_uses(tmp_path, monkeypatch):
+    # `copc sft --task arith_tool` must prepare the default `copc train` run: same task config, SFT
+    # settings and seed, so the same cache entry. Both entry points call build_warmstart: record the calls.
+    import copc.run.warmstart as ws
+    from copc.run.build import policy_path
+    from copc.run.config import default_config
+
+    calls = []
+
+    def record(task_name, **kwargs):
+        calls.append((task_name, kwargs["seed"], dict(kwargs["task_config"]), kwargs["sft"]))
+        raise ValueError("recorded")
+
+    monkeypatch.setattr(ws, "build_warmstart", record)
+    with pytest.raises(ValueError, match="recorded"):
+        policy_path(default_config(), tmp_path)
+    assert sft_cli(["--task", "arith_tool"]) == 2
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert calls[0][2] == default_config().task_options and calls[0][3].steps == default_config().model.warmstart_sft["steps"]
+    # another task keeps its own defaults (the default run's task options name arith_tool's fields)
+    assert cli_request("kv_search") == ws.WarmstartRequest("kv_search", 0, {}, DEFAULT_SFT["kv_search"])
 
 
 @pytest.mark.slow

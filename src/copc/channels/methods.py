@@ -10,6 +10,10 @@ the formulas as implemented). Get one by name and override any field with ``data
     m = replace(m, policy=replace(m.policy, mask_low=0.2, mask_high=5.0),
                 advantage=replace(m.advantage, advantage_window=100))
 
+The two rollout-side switches (``dynamic_sampling``, ``overlong_shaping``: DAPO's data choices) are data
+like the rest: the generator reads them through ``RolloutConfig.with_method_defaults``, and the run
+config's ``rollout.dynamic_sampling.enabled`` / ``rollout.overlong.enabled`` override them for any method.
+
 Every replaced config is re-validated (``__post_init__``), so an invalid combination fails at once.
 ``get_method("copcc")`` fails with the valid names and a "did you mean 'copc'?" hint.
 """
@@ -41,6 +45,10 @@ class MethodConfig:
     """Critic loss and schedule; None for critic-free (group-normalised) methods."""
     doc: str = ""
     """One paragraph: what the preset reproduces and from where."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling on the rollout side (copc.rollout.generator); ``rollout.dynamic_sampling.enabled`` wins when set."""
+    overlong_shaping: bool = False
+    """DAPO soft overlong punishment of the reward (copc.rewards.shaping); ``rollout.overlong.enabled`` wins when set."""
 
     def __post_init__(self) -> None:
         if self.advantage.needs_critic and self.critic is None:
@@ -136,8 +144,10 @@ def _dapo() -> MethodConfig:
         PolicyChannelConfig(objective="ppo", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=16),
         _GROUP,
         None,
-        "DAPO: clip-higher 0.2/0.28, group z-scores, token-mean, 16 minibatches; dynamic sampling and "
-        "overlong shaping live in the rollout/reward side (spec 5; verl adds dual clip 3).",
+        dynamic_sampling=True,
+        overlong_shaping=True,
+        doc="DAPO: clip-higher 0.2/0.28, group z-scores, token-mean, 16 minibatches, dynamic sampling (equal-"
+        "reward groups dropped and resampled) and the soft overlong penalty (spec 5; verl adds dual clip 3).",
     )
 
 
@@ -153,15 +163,33 @@ def _sao() -> MethodConfig:
     )
 
 
+_AREAL_POLICY = PolicyChannelConfig(
+    objective="decoupled", clip_low=0.2, clip_high=0.2, weight_cap=5.0, cap_mode="mask", minibatches=4
+)
+
+
 @METHODS.register("areal")
 def _areal() -> MethodConfig:
     return MethodConfig(
         "areal",
-        PolicyChannelConfig(objective="decoupled", clip_low=0.2, clip_high=0.2, weight_cap=5.0, cap_mode="mask", minibatches=4),
+        _AREAL_POLICY,
+        _GROUP,
+        None,
+        doc="AReaL paper: decoupled objective exp(old - mu) (masked above 5) times PPO clip 0.2 on cur/old, "
+        "4 minibatches, critic-free group-normalised advantages, gamma = lambda = 1 (spec 7). Not AReaL-code's "
+        "rejection_sampling=None (no weight).",
+    )
+
+
+@METHODS.register("areal_critic")
+def _areal_critic() -> MethodConfig:
+    return MethodConfig(
+        "areal_critic",
+        _AREAL_POLICY,
         _GAE,
         _CRITIC,
-        "AReaL paper's decoupled objective: exp(old - mu) (masked above 5) times PPO clip 0.2 on cur/old, "
-        "4 minibatches (spec 7). Not AReaL-code's rejection_sampling=None (no weight).",
+        doc="AReaL's decoupled objective (as areal) with a value model and GAE (gamma = lambda = 1, value clip "
+        "0.5) instead of group advantages: AReaL's code supports a critic; its paper ran without one (spec 7).",
     )
 
 

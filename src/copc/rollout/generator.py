@@ -7,24 +7,97 @@ generates it, and in whatever order, batch ``j`` sampled by version ``v`` is the
 trajectories; this is what makes ``async`` with ``s = 0`` equal to ``sync``, and a resumed
 ``fixed_lag`` run equal to the uninterrupted one. Which version samples batch ``j`` is the drivers'
 business (``copc.runtime``).
+
+**Dynamic sampling** (DAPO, spec section 5; :class:`DynamicSamplingConfig`). A group whose rewards are
+all equal (all correct or all wrong) carries no signal for a group baseline. With dynamic sampling on,
+such groups are dropped and more prompts are sampled, in rounds, until the batch holds
+``prompts_per_batch`` informative groups. Round 0 is the batch's own prompts with the batch's own seed
+(so with dynamic sampling off, or when nothing is dropped, the batch is exactly what it was without
+it); round ``r >= 1`` draws prompts not yet in the batch from a generator seeded by ``(seed, j, r)`` and
+samples them with :func:`round_seed` ``(seed, j, r)``, so batch identity holds. Round ``r`` asks for the
+shortfall scaled by the informative rate seen so far, at most ``prompts_per_batch`` prompts. Groups are
+filtered on the task's reward, before reward shaping (verl's DAPO recipe filters on ``acc``).
+After ``max_rounds`` rounds a batch that is still short goes ahead: verl raises here instead; copc
+completes it with the dropped groups in generation order (they have zero group-normalised advantage, and
+the batch keeps ``B`` trajectories in ``prompts_per_batch`` whole groups, which the async buffer and the
+group baselines need) and counts it (``rollout/dynsample_short``, ``rollout/dynsample_padded_groups``).
+Informative groups beyond ``prompts_per_batch`` are dropped like verl's ``batch[:traj_bsz]``. Every
+dropped trajectory's prompt is returned in :attr:`GeneratedBatch.rejected` so a buffer can clear it.
+Group ids of batch ``j`` are ``j * prompts_per_batch + k`` for its ``k``-th group, as without it.
+
+**Overlong shaping** (DAPO's soft overlong punishment; :class:`OverlongShapingConfig`,
+:func:`copc.rewards.shaping.overlong_penalty`): added to each kept trajectory's reward and to its last
+token's reward (folded onto the last policy token by the advantage channel), after filtering.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from copc import tracking as m
+from copc.rewards.shaping import overlong_penalty
 from copc.rollout.engine import Engine, SamplingConfig
 from copc.rollout.episode import run_episodes
 from copc.tasks.base import Task
 from copc.types import Prompt, Trajectory
 
-__all__ = ["GeneratedBatch", "RolloutConfig", "RolloutGenerator", "batch_prompts", "batch_seed"]
+__all__ = [
+    "DynamicSamplingConfig",
+    "GeneratedBatch",
+    "OverlongShapingConfig",
+    "RolloutConfig",
+    "RolloutGenerator",
+    "batch_prompts",
+    "batch_seed",
+    "extra_prompts",
+    "round_seed",
+]
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (module docstring): keep only groups whose rewards differ."""
+
+    enabled: bool | None = None
+    """On / off; None = the method preset's choice (``MethodConfig.dynamic_sampling``; on in dapo)."""
+    max_rounds: int = 4
+    """Generation rounds per batch, the first included (verl ``max_num_gen_batches``); each extra round
+    samples at most ``prompts_per_batch`` prompts, so at most ``(max_rounds - 1) * prompts_per_batch``
+    extra groups per batch."""
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1:
+            raise ValueError(f"rollout.dynamic_sampling.max_rounds must be >= 1 (verl uses 10), got {self.max_rounds}")
+
+
+@dataclass(frozen=True)
+class OverlongShapingConfig:
+    """DAPO's soft overlong punishment (:func:`copc.rewards.shaping.overlong_penalty`)."""
+
+    enabled: bool | None = None
+    """On / off; None = the method preset's choice (``MethodConfig.overlong_shaping``; on in dapo)."""
+    max_tokens: int | None = None
+    """``L_max`` in generated tokens; None = ``rollout.max_total_tokens`` (the episode's budget)."""
+    cache_tokens: int | None = None
+    """``L_cache``, the punishment interval below ``L_max``; None = ``L_max // 5`` (DAPO: 4096 of 20480)."""
+    factor: float = 1.0
+    """Penalty at ``L_max`` (verl ``overlong_buffer.penalty_factor``; 1 in DAPO, whose reward is +-1)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"rollout.overlong.max_tokens must be >= 1 or null (the rollout budget), got {self.max_tokens}")
+        if self.cache_tokens is not None and self.cache_tokens < 1:
+            raise ValueError(f"rollout.overlong.cache_tokens must be >= 1 or null (L_max // 5), got {self.cache_tokens}")
+        if self.factor < 0:
+            raise ValueError(f"rollout.overlong.factor must be >= 0, got {self.factor}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +122,10 @@ class RolloutConfig:
     """Nucleus sampling mass (1 = off)."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling (drop groups with equal rewards, sample more); off unless the method or this turns it on."""
+    overlong: OverlongShapingConfig = field(default_factory=OverlongShapingConfig)
+    """DAPO soft overlong punishment of the reward; off unless the method or this turns it on."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_batch", "group_size", "max_turns", "max_new_tokens_per_turn",
@@ -61,6 +138,32 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.dynamic_sampling.enabled and self.group_size < 2:
+            raise ValueError(
+                f"rollout.dynamic_sampling needs group_size >= 2 (a group of 1 never has differing rewards), "
+                f"got {self.group_size}; raise rollout.group_size or set rollout.dynamic_sampling.enabled=false"
+            )
+        max_len, cache_len = self.overlong_lengths
+        if cache_len > max_len:
+            raise ValueError(
+                f"rollout.overlong.cache_tokens ({cache_len}) must be <= L_max ({max_len}); lower it or raise max_tokens"
+            )
+
+    @property
+    def overlong_lengths(self) -> tuple[int, int]:
+        """``(L_max, L_cache)`` of the overlong penalty, scaled to this rollout's budget by default."""
+        max_len = self.overlong.max_tokens or self.max_total_tokens
+        cache_len = self.overlong.cache_tokens or max(1, max_len // 5)
+        return max_len, cache_len
+
+    def with_method_defaults(self, *, dynamic_sampling: bool, overlong_shaping: bool) -> RolloutConfig:
+        """This config with every ``enabled=None`` (= the method's choice) replaced by the method's value."""
+        ds, ol = self.dynamic_sampling, self.overlong
+        return replace(
+            self,
+            dynamic_sampling=ds if ds.enabled is not None else replace(ds, enabled=dynamic_sampling),
+            overlong=ol if ol.enabled is not None else replace(ol, enabled=overlong_shaping),
+        )
 
     @property
     def batch_size(self) -> int:
@@ -89,21 +192,51 @@ def batch_prompts(pool: Sequence[Prompt], seed: int, batch_index: int, count: in
     return [pool[i] for i in rng.sample(range(len(pool)), count)]
 
 
+def round_seed(seed: int, batch_index: int, round_index: int) -> int:
+    """Sampling seed of dynamic-sampling round ``r`` of batch ``j``; round 0 is :func:`batch_seed`."""
+    if round_index == 0:
+        return batch_seed(seed, batch_index)
+    digest = hashlib.blake2b(f"copc-round:{seed}:{batch_index}:{round_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**63 - 1)
+
+
+def extra_prompts(
+    pool: Sequence[Prompt], seed: int, batch_index: int, round_index: int, count: int, exclude: set[str]
+) -> list[Prompt]:
+    """Up to ``count`` prompts of round ``r >= 1`` of batch ``j`` whose ids are not in ``exclude``,
+    drawn by a generator seeded with ``(seed, j, r)`` (fewer when the pool runs out)."""
+    candidates = [i for i, prompt in enumerate(pool) if prompt.id not in exclude]
+    rng = random.Random(round_seed(seed, batch_index, round_index) ^ 0x5EED)
+    return [pool[i] for i in rng.sample(candidates, min(count, len(candidates)))]
+
+
 @dataclass
 class GeneratedBatch:
-    """One generated training batch: its index, the version that sampled it and timing."""
+    """One generated training batch: its index, the version that sampled it and timing.
+
+    ``info`` holds the batch's rollout-side metrics (dynamic sampling counters, mean overlong penalty:
+    ``copc.tracking`` names); ``rejected`` the prompt of every trajectory dynamic sampling dropped (one
+    entry per trajectory), so a buffer that admitted them can clear them.
+    """
 
     index: int
     version: int
     trajectories: list[Trajectory]
     generate_s: float
     info: dict[str, float] = field(default_factory=dict)
+    rejected: list[Prompt] = field(default_factory=list)
+
+
+def _informative(group: Sequence[Trajectory]) -> bool:
+    """True if the group's rewards are not all equal (a group baseline gets a signal from it)."""
+    return any(t.reward != group[0].reward for t in group)
 
 
 class RolloutGenerator:
     """Generates batch ``j`` with given weights: prompts, envs, the engine and the episode loop.
 
-    Owns its own copy of the policy (an engine model); :meth:`load` replaces its weights.
+    Owns its own copy of the policy (an engine model); :meth:`load` replaces its weights. Dynamic
+    sampling and overlong shaping run here (module docstring), so every driver gets them.
     """
 
     def __init__(
@@ -132,15 +265,32 @@ class RolloutGenerator:
         self.engine.load_weights(weights, version)
 
     def generate(self, batch_index: int) -> GeneratedBatch:
+        """Batch ``batch_index``: ``prompts_per_batch`` groups of ``group_size`` trajectories."""
         start = time.perf_counter()
-        prompts = batch_prompts(self.pool, self.seed, batch_index, self.config.prompts_per_batch)
+        num_groups = self.config.prompts_per_batch
+        prompts = batch_prompts(self.pool, self.seed, batch_index, num_groups)
+        groups = self._run_round(prompts, batch_index, 0)
+        info: dict[str, float] = {}
+        rejected: list[Prompt] = []
+        if self.config.dynamic_sampling.enabled:
+            groups, rejected, info = self._fill_informative(groups, prompts, batch_index)
+        trajectories = [
+            replace(t, group=batch_index * num_groups + k) for k, group in enumerate(groups) for t in group
+        ]
+        if self.config.overlong.enabled:
+            trajectories, mean_penalty = self._shape_overlong(trajectories)
+            info[m.ROLLOUT_OVERLONG_PENALTY] = mean_penalty
+        return GeneratedBatch(batch_index, self.version, trajectories, time.perf_counter() - start, info, rejected)
+
+    def _run_round(self, prompts: Sequence[Prompt], batch_index: int, round_index: int) -> list[list[Trajectory]]:
+        """One group of ``group_size`` episodes per prompt, sampled with the round's seed."""
         group = self.config.group_size
         envs = [self.task.make_env(p) for p in prompts for _ in range(group)]
         trajectories = run_episodes(
             self.engine,
             envs,
             sampling=self.config.sampling(),
-            seed=batch_seed(self.seed, batch_index),
+            seed=round_seed(self.seed, batch_index, round_index),
             max_turns=self.config.max_turns,
             max_new_tokens_per_turn=self.config.max_new_tokens_per_turn,
             max_total_tokens=self.config.max_total_tokens,
@@ -148,4 +298,57 @@ class RolloutGenerator:
             group_ids=[batch_index * self.config.prompts_per_batch + i // group for i in range(len(envs))],
             prompt_ids=[p.id for p in prompts for _ in range(group)],
         )
-        return GeneratedBatch(batch_index, self.version, trajectories, time.perf_counter() - start)
+        return [trajectories[k * group : (k + 1) * group] for k in range(len(prompts))]
+
+    def _fill_informative(
+        self, groups: list[list[Trajectory]], prompts: Sequence[Prompt], batch_index: int
+    ) -> tuple[list[list[Trajectory]], list[Prompt], dict[str, float]]:
+        """Dynamic sampling (module docstring): the batch's groups, the dropped prompts, the counters."""
+        wanted = self.config.prompts_per_batch
+        drawn = {p.id: p for p in prompts}
+        kept = [g for g in groups if _informative(g)]
+        flat = [g for g in groups if not _informative(g)]
+        generated, rounds = len(groups), 1
+        while len(kept) < wanted and rounds < self.config.dynamic_sampling.max_rounds:
+            shortfall = wanted - len(kept)
+            count = min(wanted, math.ceil(shortfall * generated / max(len(kept), 1)))
+            new = extra_prompts(self.pool, self.seed, batch_index, rounds, count, set(drawn))
+            if not new:
+                break  # the train split has no prompt left that this batch has not used
+            drawn.update((p.id, p) for p in new)
+            for g in self._run_round(new, batch_index, rounds):
+                (kept if _informative(g) else flat).append(g)
+            generated += len(new)
+            rounds += 1
+        short = max(0, wanted - len(kept))  # <= len(flat): round 0 alone holds `wanted` groups
+        batch = kept[:wanted] + flat[:short]
+        dropped = kept[wanted:] + flat[short:]
+        info = {
+            m.ROLLOUT_DYNSAMPLE_ROUNDS: float(rounds),
+            m.ROLLOUT_DYNSAMPLE_EXTRA_GROUPS: float(generated - len(groups)),
+            m.ROLLOUT_DYNSAMPLE_DROPPED_GROUPS: float(len(dropped)),
+            m.ROLLOUT_DYNSAMPLE_PADDED_GROUPS: float(short),
+            m.ROLLOUT_DYNSAMPLE_SHORT: float(short > 0),
+        }
+        rejected = [drawn[t.prompt_id] for g in dropped for t in g]
+        return batch, rejected, info
+
+    def _shape_overlong(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], float]:
+        """Each trajectory with DAPO's length penalty added to its reward; and the mean penalty."""
+        max_len, cache_len = self.config.overlong_lengths
+        shaped, total = [], 0.0
+        for traj in trajectories:
+            penalty = overlong_penalty(
+                traj.num_action_tokens, max_len=max_len, cache_len=cache_len, factor=self.config.overlong.factor
+            )
+            total += penalty
+            if penalty == 0.0:
+                shaped.append(traj)
+                continue
+            token_rewards = traj.token_rewards.clone()
+            token_rewards[-1] += penalty  # folded onto the last policy token like the terminal reward
+            info = {**traj.info, "overlong_penalty": penalty}
+            shaped.append(replace(traj, reward=traj.reward + penalty, token_rewards=token_rewards, info=info))
+        return shaped, total / max(len(trajectories), 1)
+
+

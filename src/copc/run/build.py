@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from copc.config import ConfigError
 from copc.models.hf import load_policy
 from copc.rollout.generator import RolloutGenerator
-from copc.run.config import RunConfig
+from copc.run.config import RunConfig, resolve_rollout
 from copc.runtime.async_local import AsyncSource, WorkerSpec
 from copc.runtime.sync import SyncSource
 from copc.tasks import Task
@@ -27,16 +26,14 @@ __all__ = ["build_source", "make_run_dir", "policy_path", "quiet_transformers", 
 def policy_path(cfg: RunConfig, scratch: Path) -> Path:
     """The HF folder the policy starts from (warm start built and cached on first use)."""
     if cfg.model.policy == "warmstart":
-        from copc.run.warmstart import DEFAULT_SFT, SFTConfig, build_warmstart
+        from copc.run.warmstart import build_warmstart, run_warmstart
 
-        sft = DEFAULT_SFT.get(cfg.task, SFTConfig())
-        if cfg.model.warmstart_sft:
-            try:
-                sft = replace(sft, **cfg.model.warmstart_sft)  # type: ignore[arg-type]
-            except (TypeError, ValueError) as err:
-                valid = ", ".join(f.name for f in fields(SFTConfig))
-                raise ConfigError(f"model.warmstart_sft: {' '.join(str(err).split())}; valid keys: {valid}") from None
-        return Path(build_warmstart(cfg.task, seed=cfg.model.warmstart_seed, task_config=cfg.task_options, sft=sft))
+        try:
+            req = run_warmstart(cfg.task, task_options=cfg.task_options, sft_overrides=cfg.model.warmstart_sft,
+                                seed=cfg.model.warmstart_seed)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return Path(build_warmstart(req.task, seed=req.seed, task_config=req.task_config, sft=req.sft))
     if cfg.model.policy == "tiny":
         from copc.models import build_tiny_model, build_tiny_tokenizer
 
@@ -74,13 +71,14 @@ def build_source(
 ) -> SyncSource | AsyncSource:
     """The driver's batch source: in-process generation (sync) or worker processes (async)."""
     weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    rollout = resolve_rollout(cfg)  # the method's dynamic sampling / overlong shaping where rollout leaves them unset
     if cfg.driver.kind == "sync":
         gen_model, _ = load_policy(model_dir)
-        source = SyncSource(RolloutGenerator(gen_model, tokenizer, task, cfg.rollout, seed=cfg.seed), cfg.staleness)
+        source = SyncSource(RolloutGenerator(gen_model, tokenizer, task, rollout, seed=cfg.seed), cfg.staleness)
         source.publish(0, weights)
         return source
     spec = WorkerSpec(
-        model_path=str(model_dir), task=cfg.task, task_options=dict(cfg.task_options), rollout=cfg.rollout,
+        model_path=str(model_dir), task=cfg.task, task_options=dict(cfg.task_options), rollout=rollout,
         seed=cfg.seed,
     )
     return AsyncSource(spec, cfg.staleness, weights, num_workers=cfg.driver.num_workers,

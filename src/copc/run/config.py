@@ -23,6 +23,7 @@ __all__ = [
     "default_config",
     "load_run_config",
     "resolve_method",
+    "resolve_rollout",
     "validate_names",
 ]
 
@@ -90,7 +91,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(actor_lr=1e-4, critic_lr=1e-3))
     staleness: StalenessConfig = field(default_factory=lambda: StalenessConfig(mode="bounded", staleness=8))
     driver: DriverConfig = field(default_factory=DriverConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(every=20))
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:
@@ -113,6 +114,15 @@ def resolve_method(cfg: RunConfig) -> MethodConfig:
     return get_method(cfg.method)
 
 
+def resolve_rollout(cfg: RunConfig) -> RolloutConfig:
+    """``cfg.rollout`` with the method preset's rollout-side choices (dynamic sampling, overlong shaping)
+    filled in where the rollout config leaves them ``None``: what every driver's generator samples with."""
+    method = resolve_method(cfg)
+    return cfg.rollout.with_method_defaults(
+        dynamic_sampling=method.dynamic_sampling, overlong_shaping=method.overlong_shaping
+    )
+
+
 def load_run_config(config_path: str | None, overrides: Sequence[str]) -> RunConfig:
     """The default config, or ``config_path`` (YAML), with ``key.sub=value`` overrides applied."""
     cfg = load_yaml(RunConfig, config_path) if config_path else default_config()
@@ -131,4 +141,8 @@ def validate_names(cfg: RunConfig) -> None:
         resolve_method(cfg)
     except (KeyError, ValueError) as err:
         raise ConfigError(f"method: {' '.join(str(err).split())}") from None
+    try:
+        resolve_rollout(cfg)
+    except ValueError as err:
+        raise ConfigError(f"rollout (with method {cfg.method!r}): {' '.join(str(err).split())}") from None
 

@@ -315,16 +315,69 @@ def warmstart_info(path: str | Path) -> dict[str, object]:
     return dict(json.loads((Path(path) / MARKER).read_text()))
 
 
+@dataclass(frozen=True)
+class WarmstartRequest:
+    """Which warm start to build: everything its cache key holds (:func:`build_warmstart`'s arguments)."""
+
+    task: str
+    seed: int
+    task_config: Mapping[str, ConfigValue]
+    sft: SFTConfig
+
+
+def resolve_sft(task_name: str, overrides: Mapping[str, int | float]) -> SFTConfig:
+    """The task's :data:`DEFAULT_SFT` with ``overrides`` applied; a bad key or value fails naming the valid keys."""
+    sft = DEFAULT_SFT.get(task_name, SFTConfig())
+    try:
+        return dataclasses.replace(sft, **overrides)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as err:
+        valid = ", ".join(f.name for f in dataclasses.fields(SFTConfig))
+        raise ValueError(f"model.warmstart_sft: {' '.join(str(err).split())}; valid keys: {valid}") from None
+
+
+def run_warmstart(
+    task_name: str,
+    *,
+    task_options: Mapping[str, ConfigValue],
+    sft_overrides: Mapping[str, int | float],
+    seed: int,
+) -> WarmstartRequest:
+    """The warm start a run with these settings starts from (``copc train``'s ``model.policy=warmstart``:
+    its ``task``, ``task_options``, ``model.warmstart_sft`` and ``model.warmstart_seed``); ``copc sft``
+    builds the same one from the default run config, so the two share one cache entry."""
+    return WarmstartRequest(task_name, seed, dict(task_options), resolve_sft(task_name, sft_overrides))
+
+
+def cli_request(task_name: str, seed: int | None = None) -> WarmstartRequest:
+    """What ``copc sft --task NAME`` builds: for the default run's task, the default ``copc train`` run's
+    warm start (task options, SFT overrides and seed of :func:`copc.run.config.default_config`); for
+    another task, that task's own defaults (the default run's task options and SFT tuning are its task's)."""
+    from copc.run.config import default_config
+
+    run = default_config()
+    if task_name == run.task:
+        options, overrides = run.task_options, run.model.warmstart_sft
+    else:  # the default run's task options and SFT tuning are its own task's: this task's defaults
+        options, overrides = {}, {}
+    return run_warmstart(task_name, task_options=options, sft_overrides=overrides,
+                         seed=run.model.warmstart_seed if seed is None else seed)
+
+
 def sft_cli(argv: list[str]) -> int:
-    """``copc sft --task NAME [--seed S] [--force] [--out-dir DIR]``: build (or find) a warm start."""
+    """``copc sft --task NAME [--seed S] [--force] [--out-dir DIR]``: build (or find) a warm start.
+
+    For the default run's task (arith_tool) it builds exactly the warm start ``copc train`` uses.
+    """
     parser = argparse.ArgumentParser(prog="copc sft", description="Warm-start the tiny model on a built-in task.")
     parser.add_argument("--task", required=True, help="built-in task: arith_tool or kv_search")
-    parser.add_argument("--seed", type=int, default=0, help="demonstration / training seed")
+    parser.add_argument("--seed", type=int, default=None, help="demonstration / training seed (default: the run's model.warmstart_seed)")
     parser.add_argument("--force", action="store_true", help="rebuild even if a completed checkpoint exists")
     parser.add_argument("--out-dir", default=None, help="checkpoint directory (default: the cache)")
     args = parser.parse_args(argv)
     try:
-        path = build_warmstart(args.task, seed=args.seed, out_dir=args.out_dir, force=args.force)
+        req = cli_request(args.task, args.seed)
+        path = build_warmstart(req.task, seed=req.seed, out_dir=args.out_dir, force=args.force,
+                               task_config=req.task_config, sft=req.sft)
     except (KeyError, ValueError) as error:
         print(f"copc sft: {error}")
         return 2

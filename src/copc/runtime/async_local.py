@@ -46,7 +46,13 @@ import torch
 import torch.multiprocessing as mp
 
 from copc.rollout.generator import GeneratedBatch, RolloutConfig, RolloutGenerator, batch_prompts
-from copc.runtime.buffer import TrajectoryBuffer, trajectory_from_dict, trajectory_to_dict
+from copc.runtime.buffer import (
+    TrajectoryBuffer,
+    prompt_from_dict,
+    prompt_to_dict,
+    trajectory_from_dict,
+    trajectory_to_dict,
+)
 from copc.runtime.staleness import StalenessConfig, source_version
 
 __all__ = ["AsyncSource", "WeightRing", "WorkerSpec"]
@@ -145,6 +151,8 @@ def _encode(batch: GeneratedBatch) -> bytes:
             "version": batch.version,
             "generate_s": batch.generate_s,
             "trajectories": [trajectory_to_dict(t) for t in batch.trajectories],
+            "info": dict(batch.info),
+            "rejected": [prompt_to_dict(p) for p in batch.rejected],
         },
         buf,
     )
@@ -158,6 +166,8 @@ def _decode(payload: bytes) -> GeneratedBatch:
         version=int(data["version"]),
         trajectories=[trajectory_from_dict(d) for d in data["trajectories"]],
         generate_s=float(data["generate_s"]),
+        info={str(k): float(v) for k, v in data.get("info", {}).items()},
+        rejected=[prompt_from_dict(p) for p in data.get("rejected", [])],
     )
 
 
@@ -236,6 +246,7 @@ class AsyncSource:
         self.pending: dict[int, GeneratedBatch] = {}  # received out of order, waiting for next_put
         self.prefetched: dict[int, GeneratedBatch] = {}  # journaled beyond the checkpoint's requests
         self.generate_s: dict[int, float] = {}
+        self.batch_info: dict[int, dict[str, float]] = {}  # the generator's counters, by batch index
         self.restored = 0
         self._error: str | None = None
         self._lock = threading.Lock()
@@ -340,7 +351,10 @@ class AsyncSource:
             while self.next_put in self.pending:
                 ready = self.pending.pop(self.next_put)
                 self.generate_s[ready.index] = ready.generate_s
+                self.batch_info[ready.index] = ready.info
                 self.buffer.put(ready.trajectories)
+                if ready.rejected:  # dropped by dynamic sampling: clear their admitted prompts, counted
+                    self.buffer.record_drop("rejected", len(ready.rejected), ready.rejected)
                 self.next_put += 1
 
     def next_batch(self, step: int) -> tuple[GeneratedBatch, float]:
@@ -356,7 +370,8 @@ class AsyncSource:
                 raise RuntimeError("every rollout worker has exited; see the error above")
         waited = time.perf_counter() - start
         version = min(t.min_version for t in trajectories)
-        return GeneratedBatch(step, version, trajectories, self.generate_s.pop(step, 0.0)), waited
+        info = self.batch_info.pop(step, {})
+        return GeneratedBatch(step, version, trajectories, self.generate_s.pop(step, 0.0), info), waited
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:

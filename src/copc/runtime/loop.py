@@ -50,6 +50,7 @@ def rollout_metrics(batch: GeneratedBatch, version: int) -> dict[str, float]:
         m.ROLLOUT_TRUNCATED_FRAC: sum(t.truncated for t in trajs) / len(trajs),
         m.ROLLOUT_VERSION: float(batch.version),
     }
+    out.update(batch.info)  # the generator's counters (dynamic sampling, overlong penalty)
     return out
 
 

@@ -1,0 +1,32 @@
+"""The run config's defaults and its resolution of the method's rollout-side choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from copc.config import ConfigError
+from copc.run.config import load_run_config, resolve_rollout
+
+
+def test_default_run_evaluates_every_20_steps() -> None:
+    cfg = load_run_config(None, [])
+    assert cfg.eval.every == 20 and cfg.steps % cfg.eval.every == 0
+
+
+@pytest.mark.parametrize(("method", "on"), [("dapo", True), ("copc", False), ("ppo", False), ("areal", False)])
+def test_the_method_decides_dynamic_sampling_and_overlong_shaping_unless_rollout_does(method: str, on: bool) -> None:
+    rollout = resolve_rollout(load_run_config(None, [f"method={method}"]))
+    assert rollout.dynamic_sampling.enabled is on and rollout.overlong.enabled is on
+    # the rollout config wins in both directions, for any method
+    flipped = resolve_rollout(load_run_config(None, [
+        f"method={method}", f"rollout.dynamic_sampling.enabled={str(not on).lower()}",
+        f"rollout.overlong.enabled={str(not on).lower()}", "rollout.dynamic_sampling.max_rounds=2",
+    ]))
+    assert flipped.dynamic_sampling.enabled is (not on) and flipped.overlong.enabled is (not on)
+    assert flipped.dynamic_sampling.max_rounds == 2
+
+
+def test_dynamic_sampling_with_groups_of_one_fails_at_load_naming_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"rollout \(with method 'dapo'\): .*group_size >= 2"):
+        load_run_config(None, ["method=dapo", "rollout.group_size=1"])
+    load_run_config(None, ["method=copc", "rollout.group_size=1"])  # no dynamic sampling: fine
