@@ -45,9 +45,10 @@ def test_sweep_cli_writes_json_and_heatmaps(tmp_path, capsys):
 
 
 def test_no_mask_and_no_clip_cell_is_stale_gae_with_masked_is():
-    # eps_A = 0 and c = inf: the clipped-TD advantage is plain GAE and omega = w (uncapped masked IS);
-    # its mean grid entry must equal a direct decomposition of that correction.
-    from copc.lab.channels import AdvantageChannel, Correction, PolicyChannel
+    # eps_A = 0 and c = inf: the clipped-TD advantage is plain GAE and omega = w (copc, uncapped masked
+    # IS); its mean grid entry must equal a direct decomposition of that correction.
+    from copc.channels import AdvantageChannelConfig, PolicyChannelConfig
+    from copc.lab.corrections import Correction
     from copc.lab.exact import decompose
     from copc.lab.mdp import gradient_path, make_mdp, random_logits
     from copc.lab.sweep import run_grid
@@ -58,7 +59,8 @@ def test_no_mask_and_no_clip_cell_is_stale_gae_with_masked_is():
     mdp = make_mdp("dense", 3, 2, seed=0)
     path = gradient_path(mdp, random_logits(mdp, scale=0.5, seed=100), steps=4, lr=0.5, normalize=True)
     corr = Correction(
-        PolicyChannel(kind="masked_is", mask_low=0.0, mask_high=math.inf), AdvantageChannel(kind="gae", lam=1.0)
+        PolicyChannelConfig(objective="copc", mask_low=0.0, mask_high=math.inf),
+        AdvantageChannelConfig(estimator="gae", whiten=False),
     )
     d = decompose(mdp, path[-1], path[-4], corr, batch_size=16)
     assert float(grid[1, 0]) == pytest.approx(float(d.bias.norm() / d.g_star.norm()), rel=1e-6)
@@ -92,7 +94,8 @@ def test_explain_prints_the_decomposition(capsys):
     text = capsys.readouterr().out
     for needle in ("policy channel", "advantage channel", "cross", "squared-weight", "MSE at N=64"):
         assert needle in text
-    assert lab_cli(["explain", "--kl", "0.1", "--horizon", "3", "--vocab", "2", "--policy", "ppo_clip"]) == 0
+    assert lab_cli(["explain", "--kl", "0.1", "--horizon", "3", "--vocab", "2", "--policy", "bypass_ppo"]) == 0
+    assert "correction: bypass_ppo(clip_low=0.2, clip_high=0.2) x clipped_td(" in capsys.readouterr().out
 
 
 def test_bad_grid_says_what_to_do(capsys):
