@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,17 @@ def test_kl_staleness_mode_hits_the_kl_targets():
     assert [round(float(c["kl"]), 4) for c in cells] == [0.05, 0.3]
     with pytest.raises(ValueError, match="whole steps"):
         _tiny(staleness=(1.5,))
+
+
+
+def test_sweep_does_not_import_the_plots():
+    # The sweep returns data and the CLI draws it: plots imports sweep, never the other way round (not
+    # even inside a function, which is how the old circle hid).
+    import ast
+
+    import copc.lab.sweep as sweep
+
+    tree = ast.parse(Path(sweep.__file__).read_text(encoding="utf-8"))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {"copc.lab.plots", "copc.lab.cli"} & imported
