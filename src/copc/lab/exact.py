@@ -53,7 +53,8 @@ CRITIC_BASES: tuple[str, ...] = ("mu", "pi", "fitted")
 
 @dataclass(frozen=True)
 class Critic:
-    """The critic V(s) the advantage channel is given.
+    """The critic V(s) the advantage channel is given (not :class:`copc.channels.CriticConfig`, which
+    configures the value loss that trains a critic: the lab trains none).
 
     ``base = mu``: exact ``V^mu`` (what regression on behaviour data converges to; spec 3). ``base = pi``:
     exact ``V^pi`` (an oracle critic). ``base = fitted``: the exact fixed point of the advantage channel's
