@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.advantages import clipped_td_row, gae_row, vtrace_row
+from reference.advantages import brace_row, clipped_td_row, gae_row, vtrace_row
 
 
 def _rows(*tensors: torch.Tensor) -> list[list[list[float]]]:
@@ -41,5 +41,14 @@ def clipped_td_loop(rewards, values, log_rho, *, gamma, lam_critic, lam_actor, l
     rows = _rows(rewards, values, log_rho)
     return _stack([
         clipped_td_row(r, v, lr, [True] * len(r), gamma=gamma, lam_critic=lam_critic, lam_actor=lam_actor, low=low, high=high)
+        for r, v, lr in zip(*rows, strict=True)
+    ])
+
+
+def brace_loop(rewards, values, log_rho, *, gamma, lam, rho_bar, c_bar, k):
+    """BRACE k-capped targets over every token of each row; returns (advantages, returns)."""
+    rows = _rows(rewards, values, log_rho)
+    return _stack([
+        brace_row(r, v, lr, [True] * len(r), gamma=gamma, lam=lam, rho_bar=rho_bar, c_bar=c_bar, k=k)
         for r, v, lr in zip(*rows, strict=True)
     ])

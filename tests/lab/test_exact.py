@@ -10,16 +10,15 @@ so a pass is reproducible; a bug that moves a figure by more than ~4 SE fails).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from copc.lab.channels import (
-    ADVANTAGE_CHANNELS,
-    POLICY_CHANNELS,
-    AdvantageChannel,
+from copc.channels import POLICY_OBJECTIVES, AdvantageChannelConfig, PolicyChannelConfig, policy_loss
+from copc.lab.corrections import (
+    LAB_ADVANTAGE_ESTIMATORS,
     Correction,
-    PolicyChannel,
-    _per_token_loss,
     critic_target_policy,
     update_coefficients,
 )
@@ -43,7 +42,11 @@ from copc.lab.mdp import (
     sample_sequences,
     token_logp,
 )
-from lab.oracle import clipped_td_loop, gae_loop, vtrace_loop
+from lab.oracle import brace_loop, clipped_td_loop, gae_loop, vtrace_loop
+
+#: Every production objective, plus COPC's pure-mask variant (weight_mode="binary").
+POLICIES: list[tuple[str, str]] = [(name, "masked_is") for name in POLICY_OBJECTIVES.names()] + [("copc", "binary")]
+POLICY_IDS = [name if mode == "masked_is" else f"{name}-{mode}" for name, mode in POLICIES]
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +57,24 @@ def setup():
     return mdp, path[-1], path[-7]
 
 
-def _corr(policy: str, advantage: str, **kw) -> Correction:
-    pol = PolicyChannel(kind=policy, mask_low=0.7, mask_high=1.3)
-    adv = AdvantageChannel(kind=advantage, lam=0.9, clip_low=0.8, clip_high=1.2, rho_bar=1.2, c_bar=1.0)
+def _corr(policy: str, advantage: str, weight_mode: str = "masked_is") -> Correction:
+    pol = PolicyChannelConfig(
+        objective=policy, mask_low=0.7, mask_high=1.3, weight_mode=weight_mode, clip_low=0.2, clip_high=0.2
+    )
+    adv = AdvantageChannelConfig(
+        estimator=advantage, lam_critic=0.9, lam_actor=0.9, ratio_low=0.8, ratio_high=1.2, rho_bar=1.2, c_bar=1.0,
+        brace_k=2, whiten=False,
+    )
     return Correction(pol, adv)
+
+
+def per_token_loss(cfg, logp, logp_behav, advantages, mask):
+    """The trainer's per-token actor loss at the step start (old = cur), straight from production."""
+    out = policy_loss(
+        cfg, logp=logp, logp_old=logp.detach(), logp_behav=logp_behav, advantages=advantages, action_mask=mask,
+        num_tokens=None,
+    )
+    return out.per_token
 
 
 def _dense_cov(mdp, pi, terms, prob):
@@ -67,13 +84,28 @@ def _dense_cov(mdp, pi, terms, prob):
     return mean, (prob[:, None] * centred).T @ centred
 
 
-def test_advantages_through_ops_match_the_spec_loops(setup):
-    # Â of every enumerated row vs the per-token Python loops of the spec (float32 ops: abs 2e-6 on
+#: Â of each estimator from the per-token loops of tests/reference, with _corr's parameters.
+ADVANTAGE_ORACLES = {
+    "gae": lambda r, v, lr: gae_loop(r, v, gamma=1.0, lam=0.9)[0],
+    "vtrace": lambda r, v, lr: vtrace_loop(r, v, lr, gamma=1.0, lam=0.9, rho_bar=1.2, c_bar=1.0, pg_rho_bar=1.0)[1],
+    "clipped_td": lambda r, v, lr: clipped_td_loop(
+        r, v, lr, gamma=1.0, lam_critic=0.9, lam_actor=0.9, low=0.8, high=1.2
+    )[0],
+    "brace": lambda r, v, lr: brace_loop(r, v, lr, gamma=1.0, lam=0.9, rho_bar=1.2, c_bar=1.0, k=2)[0],
+}
+
+
+def test_every_lab_estimator_has_an_oracle():
+    assert set(ADVANTAGE_ORACLES) == set(LAB_ADVANTAGE_ESTIMATORS)
+
+
+def test_advantages_through_the_channel_match_the_spec_loops(setup):
+    # Â of every enumerated row vs the per-token Python loops of the spec (float32 channel: abs 2e-6 on
     # values of size <= ~2).
     mdp, pi, mu = setup
     critic = Critic(base="mu", noise_std=0.1, draws=2, seed=3)
-    for kind in ADVANTAGE_CHANNELS:
-        terms, _ = enumerate_terms(mdp, pi, mu, _corr("none", kind), critic)
+    for kind in LAB_ADVANTAGE_ESTIMATORS:
+        terms, _ = enumerate_terms(mdp, pi, mu, _corr("ppo", kind), critic)
         logp = token_logp(pi, terms.seqs, terms.states)
         log_rho = logp - token_logp(mu, terms.seqs, terms.states)
         rewards = torch.zeros_like(logp)
@@ -81,23 +113,16 @@ def test_advantages_through_ops_match_the_spec_loops(setup):
         # the critic values, rebuilt as batch_terms does (V^mu + the draw's noise)
         draw = torch.arange(2).repeat(mdp.num_sequences)
         values = exact_values(mdp, mu).state_v[terms.states] + critic.noise(mdp.num_states)[draw[:, None], terms.states]
-        if kind == "gae":
-            want = gae_loop(rewards, values, gamma=1.0, lam=0.9)[0]
-        elif kind == "vtrace":
-            want = vtrace_loop(rewards, values, log_rho, gamma=1.0, lam=0.9, rho_bar=1.2, c_bar=1.0, pg_rho_bar=1.0)[1]
-        else:
-            want = clipped_td_loop(
-                rewards, values, log_rho, gamma=1.0, lam_critic=0.9, lam_actor=0.9, low=0.8, high=1.2
-            )[0]
+        want = ADVANTAGE_ORACLES[kind](rewards, values, log_rho)
         torch.testing.assert_close(terms.adv, want, rtol=0, atol=2e-6, msg=kind)
 
 
-@pytest.mark.parametrize("policy", POLICY_CHANNELS)
-def test_analytic_update_equals_autograd_of_the_ops_loss(setup, policy):
-    # Per-row ĝ from the per-token coefficients x tabular score == -grad_theta of the row's summed ops
-    # loss, with the log-probs computed from theta by log_softmax (float32 inside the loss: rel 1e-6).
+@pytest.mark.parametrize(("policy", "weight_mode"), POLICIES, ids=POLICY_IDS)
+def test_analytic_update_equals_autograd_of_the_channel_loss(setup, policy, weight_mode):
+    # Per-row ĝ from the per-token coefficients x tabular score == -grad_theta of the row's summed
+    # policy_loss, with the log-probs computed from theta by log_softmax (float32 inside: rel 1e-6).
     mdp, pi, mu = setup
-    corr = _corr(policy, "clipped_td")
+    corr = _corr(policy, "clipped_td", weight_mode)
     terms, _ = enumerate_terms(mdp, pi, mu, corr, Critic())
     # omega · Â == coefficient of the loss at the actual Â (homogeneity of every loss in Â)
     logp = token_logp(pi, terms.seqs, terms.states)
@@ -109,22 +134,22 @@ def test_analytic_update_equals_autograd_of_the_ops_loss(setup, policy):
     for b in range(0, len(terms.seqs), 7):
         theta = pi.clone().requires_grad_(True)
         row_logp = token_logp(theta, terms.seqs[b : b + 1], terms.states[b : b + 1])
-        loss = _per_token_loss(corr.policy, row_logp, logp_mu[b : b + 1], terms.adv[b : b + 1].float(), mask).sum()
+        loss = per_token_loss(corr.policy, row_logp, logp_mu[b : b + 1], terms.adv[b : b + 1].float(), mask).sum()
         (grad,) = torch.autograd.grad(-loss, theta)
         torch.testing.assert_close(dense[b], grad.reshape(-1), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("policy", POLICY_CHANNELS)
-@pytest.mark.parametrize("advantage", ADVANTAGE_CHANNELS)
-def test_bias_terms_sum_to_the_bias(setup, policy, advantage):
+@pytest.mark.parametrize(("policy", "weight_mode"), POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("advantage", LAB_ADVANTAGE_ESTIMATORS)
+def test_bias_terms_sum_to_the_bias(setup, policy, weight_mode, advantage):
     # state + policy + advantage + cross == E[ĝ] - g*: exact algebra on the same float64 tensors.
     mdp, pi, mu = setup
-    d = decompose(mdp, pi, mu, _corr(policy, advantage), Critic(noise_std=0.05, draws=3))
+    d = decompose(mdp, pi, mu, _corr(policy, advantage, weight_mode), Critic(noise_std=0.05, draws=3))
     total = d.state_term + d.policy_term + d.advantage_term + d.cross_term
     torch.testing.assert_close(total, d.bias, rtol=0, atol=1e-15)
 
 
-@pytest.mark.parametrize("policy", ["none", "ppo_clip", "masked_is"])
+@pytest.mark.parametrize("policy", ["ppo", "bypass_ppo", "copc"])
 def test_variance_split_matches_dense_covariance(setup, policy):
     # tr Cov[ĝ] from the dense [B, P] per-row gradients == amp + tok (per-step law of total variance and
     # orthogonal time blocks); float64 on both sides, rel 1e-10.
@@ -140,10 +165,10 @@ def test_variance_split_matches_dense_covariance(setup, policy):
 
 
 def test_squared_weight_term_is_omega_squared_times_advantage_variance(setup):
-    # For masked_is, omega is a function of (s_t, a_t), so amp = sum_t E[omega² Var(Â|h_t) ||grad||²];
+    # For copc (masked IS), omega is a function of (s_t, a_t), so amp = sum_t E[omega² Var(Â|h_t) ||grad||²];
     # computed here with an independent per-prefix loop (dictionary of prefixes).
     mdp, pi, mu = setup
-    corr = _corr("masked_is", "clipped_td")
+    corr = _corr("copc", "clipped_td")
     critic = Critic(noise_std=0.2, draws=2, seed=5)
     d = decompose(mdp, pi, mu, corr, critic)
     terms, prob = enumerate_terms(mdp, pi, mu, corr, critic)
@@ -166,7 +191,7 @@ def test_on_policy_reinforce_with_any_baseline_is_unbiased(setup):
     # on the state (even a noisy one) adds no bias: E[ĝ] = g*, every bias term 0 (float32 Â: atol 1e-8
     # on entries of size ~1e-2).
     mdp, pi, _ = setup
-    corr = Correction(PolicyChannel(kind="none"), AdvantageChannel(kind="gae", lam=1.0))
+    corr = Correction(PolicyChannelConfig(objective="ppo"), AdvantageChannelConfig(estimator="gae", whiten=False))
     for critic in (Critic(base="pi"), Critic(base="mu", noise_std=0.3, draws=4)):
         d = decompose(mdp, pi, pi, corr, critic)
         torch.testing.assert_close(d.mean_update, d.g_star, rtol=0, atol=1e-8)
@@ -178,11 +203,11 @@ def test_on_policy_reinforce_with_any_baseline_is_unbiased(setup):
 
 def test_exact_critic_and_full_is_leave_only_the_state_term(setup):
     # Critic V^pi with no clip and per-token IS weights: Â has E[Â|h_t] = A^pi only for the last token,
-    # but the policy channel error vanishes: omega = w exactly (masked_is with an infinite band).
+    # but the policy channel error vanishes: omega = w exactly (copc masked IS with an infinite band).
     mdp, pi, mu = setup
     corr = Correction(
-        PolicyChannel(kind="masked_is", mask_low=0.0, mask_high=float("inf")),
-        AdvantageChannel(kind="gae", lam=1.0),
+        PolicyChannelConfig(objective="copc", mask_low=0.0, mask_high=float("inf")),
+        AdvantageChannelConfig(estimator="gae", whiten=False),
     )
     d = decompose(mdp, pi, mu, corr, Critic(base="pi"))
     assert float(d.policy_term.abs().max()) < 1e-7 * float(d.g_star.abs().max()) + 1e-12
@@ -200,8 +225,8 @@ def _mc_rows(mdp, pi, mu, corr, critic, n, seed):
 @pytest.mark.parametrize(
     ("policy", "advantage", "critic"),
     [
-        ("masked_is", "clipped_td", Critic(base="mu", noise_std=0.2, draws=4, seed=2)),
-        ("ppo_clip", "gae", Critic(base="mu")),
+        ("copc", "clipped_td", Critic(base="mu", noise_std=0.2, draws=4, seed=2)),
+        ("bypass_ppo", "gae", Critic(base="mu")),
         ("decoupled", "vtrace", Critic(base="pi", noise_std=0.1, draws=3, seed=4)),
     ],
 )
@@ -220,7 +245,7 @@ def test_exact_figures_match_monte_carlo(setup, policy, advantage, critic):
     logp = token_logp(theta, sample.seqs, states)
     logp_mu = token_logp(mu, sample.seqs, states)
     mask = torch.ones(logp.shape, dtype=torch.bool)
-    loss = _per_token_loss(corr.policy, logp, logp_mu, sample.adv.float(), mask).sum() / n
+    loss = per_token_loss(corr.policy, logp, logp_mu, sample.adv.float(), mask).sum() / n
     (g_mc,) = torch.autograd.grad(-loss, theta)
     gen = torch.Generator().manual_seed(0)
     directions = [d.g_star, d.mean_update, *[torch.randn(d.g_star.shape, generator=gen, dtype=torch.float64) for _ in range(3)]]
@@ -270,12 +295,12 @@ def test_weighted_gradient_golden():
 
 
 def test_zero_mean_critic_noise_changes_only_the_variance(setup):
-    # The J draws are centred per state and every estimator is linear in V, while the masked_is weight
-    # does not depend on Â: E[ĝ] is that of the exact critic (float32 Â: abs error <= ~1e-7 per token,
-    # a probability-weighted sum of them: atol 5e-8),
+    # The J draws are centred per state and every estimator is linear in V, while the copc (masked IS)
+    # weight does not depend on Â: E[ĝ] is that of the exact critic (float32 Â: abs error <= ~1e-7 per
+    # token, a probability-weighted sum of them: atol 5e-8),
     # and the squared-weight variance term grows.
     mdp, pi, mu = setup
-    corr = _corr("masked_is", "clipped_td")
+    corr = _corr("copc", "clipped_td")
     exact = decompose(mdp, pi, mu, corr, Critic())
     noisy = decompose(mdp, pi, mu, corr, Critic(noise_std=0.2, draws=3, seed=7))
     torch.testing.assert_close(noisy.mean_update, exact.mean_update, rtol=0, atol=5e-8)
@@ -286,7 +311,7 @@ def test_zero_mean_critic_noise_changes_only_the_variance(setup):
 
 @pytest.mark.parametrize(
     ("policy", "critic"),
-    [("masked_is", Critic(base="mu", noise_std=0.2, draws=4, seed=2)), ("ppo_clip", Critic(base="mu"))],
+    [("copc", Critic(base="mu", noise_std=0.2, draws=4, seed=2)), ("bypass_ppo", Critic(base="mu"))],
 )
 def test_variance_split_matches_monte_carlo(setup, policy, critic):
     # amp = sum_t E[||grad_t||² Var(c_t | h_t)]: for each sampled trajectory and step t, a second
@@ -313,9 +338,9 @@ def test_variance_split_matches_monte_carlo(setup, policy, critic):
 @pytest.mark.parametrize(
     "advantage",
     [
-        AdvantageChannel(kind="clipped_td", lam=1.0, clip_low=0.8, clip_high=1.2),
-        AdvantageChannel(kind="clipped_td", lam=1.0, clip_low=0.5, clip_high=2.0),
-        AdvantageChannel(kind="vtrace", lam=1.0, rho_bar=1.0, c_bar=1.0),
+        AdvantageChannelConfig(estimator="clipped_td", ratio_low=0.8, ratio_high=1.2, whiten=False),
+        AdvantageChannelConfig(estimator="clipped_td", ratio_low=0.5, ratio_high=2.0, whiten=False),
+        AdvantageChannelConfig(estimator="vtrace", rho_bar=1.0, c_bar=1.0, whiten=False),
     ],
 )
 def test_fitted_critic_is_the_fixed_point_of_the_channels_target(setup, advantage):
@@ -325,16 +350,17 @@ def test_fitted_critic_is_the_fixed_point_of_the_channels_target(setup, advantag
     tilde = critic_target_policy(advantage, pi, mu)
     vs, qs = level_tables(mdp, tilde)
     w = torch.softmax(pi, dim=-1) / torch.softmax(mu, dim=-1)
-    rho = w.clamp(advantage.clip_low, advantage.clip_high) if advantage.kind == "clipped_td" else w.clamp(max=1.0)
+    rho = w.clamp(advantage.ratio_low, advantage.ratio_high) if advantage.estimator == "clipped_td" else w.clamp(max=1.0)
     p_mu = torch.softmax(mu, dim=-1)
     for t in range(mdp.horizon):
         rows = slice(level_offset(t, mdp.vocab), level_offset(t + 1, mdp.vocab))
         residual = (p_mu[rows] * rho[rows] * (qs[t] - vs[t][:, None])).sum(dim=-1)
         assert float(residual.abs().max()) < 1e-6
     # degenerate ends: eps_A = 0 is V^mu, no clip is V^pi
-    gae_like = critic_target_policy(AdvantageChannel(kind="clipped_td", clip_low=1.0, clip_high=1.0), pi, mu)
-    full = critic_target_policy(AdvantageChannel(kind="clipped_td", clip_low=0.0, clip_high=float("inf")), pi, mu)
+    clip = AdvantageChannelConfig(estimator="clipped_td", whiten=False)
+    gae_like = critic_target_policy(dataclasses.replace(clip, ratio_low=1.0, ratio_high=1.0), pi, mu)
+    full = critic_target_policy(dataclasses.replace(clip, ratio_low=0.0, ratio_high=float("inf")), pi, mu)
     torch.testing.assert_close(torch.softmax(gae_like, -1), torch.softmax(mu, -1), rtol=0, atol=1e-12)
     torch.testing.assert_close(torch.softmax(full, -1), torch.softmax(pi, -1), rtol=0, atol=1e-6)
-    d = decompose(mdp, pi, mu, Correction(PolicyChannel(), advantage), Critic(base="fitted"))
+    d = decompose(mdp, pi, mu, Correction(PolicyChannelConfig(objective="copc"), advantage), Critic(base="fitted"))
     assert torch.isfinite(d.mean_update).all()

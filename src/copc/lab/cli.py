@@ -1,15 +1,23 @@
-"""``copc lab sweep`` and ``copc lab explain``: the bias/variance lab from the command line."""
+"""``copc lab sweep`` and ``copc lab explain``: the bias/variance lab from the command line.
+
+``explain`` names its correction with production's vocabulary: ``--policy`` is an objective of
+``copc.channels.POLICY_OBJECTIVES`` and ``--advantage`` an estimator of ``ADVANTAGE_ESTIMATORS``; the
+other options are the fields of ``PolicyChannelConfig`` / ``AdvantageChannelConfig`` of the same name.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-from copc.lab.channels import ADVANTAGE_CHANNELS, POLICY_CHANNELS, AdvantageChannel, Correction, PolicyChannel
+from copc.channels import POLICY_OBJECTIVES, AdvantageChannelConfig, PolicyChannelConfig
+from copc.lab.corrections import LAB_ADVANTAGE_ESTIMATORS, Correction
 from copc.lab.exact import CRITIC_BASES, Critic, Decomposition, decompose
 from copc.lab.mdp import REWARD_FAMILIES, behaviour_at_kl, gradient_path, make_mdp, random_logits
+from copc.lab.plots import draw_heatmaps
 from copc.lab.sweep import SweepConfig, run_sweep
 
 
@@ -23,6 +31,59 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _strs(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
+
+
+# ``sweep``'s options that are SweepConfig fields (each option's dest is the field's name).
+SWEEP_OPTIONS: tuple[str, ...] = (
+    "families",
+    "seeds",
+    "staleness",
+    "staleness_mode",
+    "horizon",
+    "vocab",
+    "mask_bands",
+    "adv_clips",
+    "batch_size",
+    "lam",
+    "critic_base",
+    "critic_noise",
+    "critic_draws",
+)
+
+# ``explain``'s correction options: each sets the production config field of the same name
+# (``--mask-low`` is ``PolicyChannelConfig.mask_low``). Defaults are production's, except the PPO clip:
+# symmetric 0.2 (at cur = old it binds only in bypass_ppo) and lambda 1 (the sweep's).
+POLICY_OPTIONS: dict[str, float | str] = {
+    "mask_low": 0.5,
+    "mask_high": 2.0,
+    "weight_mode": "masked_is",
+    "clip_low": 0.2,
+    "clip_high": 0.2,
+    "weight_cap": 5.0,
+    "cap_mode": "mask",
+}
+ADVANTAGE_OPTIONS: dict[str, float | int] = {
+    "lam_critic": 1.0,
+    "lam_actor": 1.0,
+    "ratio_low": 0.8,
+    "ratio_high": 1.2,
+    "rho_bar": 1.0,
+    "c_bar": 1.0,
+    "pg_rho_bar": 1.0,
+    "brace_k": 100,
+}
+
+
+def _config_options(
+    parser: argparse.ArgumentParser, owner: str, registry: tuple[str, str, tuple[str, ...], str], options: Mapping[str, object]
+) -> None:
+    """One option per config field; ``registry`` = (flag, field, registered names, default) of the name."""
+    group = parser.add_argument_group(owner, f"fields of copc.channels.{owner} (checked by the config)")
+    flag, field, names, chosen = registry
+    group.add_argument(flag, dest=field, choices=names, default=chosen, help=f"{field} (default {chosen})")
+    for name, default in options.items():
+        flag = "--" + name.replace("_", "-")
+        group.add_argument(flag, dest=name, type=type(default), default=default, help=f"default {default}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--adv-clips", type=_floats, default=d.adv_clips, help="eps_A values; inf allowed")
     sw.add_argument("--batch-size", type=int, default=d.batch_size)
     sw.add_argument("--lam", type=float, default=d.lam)
-    sw.add_argument("--critic", choices=CRITIC_BASES, default=d.critic_base)
+    sw.add_argument("--critic", dest="critic_base", choices=CRITIC_BASES, default=d.critic_base)
     sw.add_argument("--critic-noise", type=float, default=d.critic_noise)
     sw.add_argument("--critic-draws", type=int, default=d.critic_draws)
 
@@ -53,16 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--vocab", type=int, default=3)
     ex.add_argument("--staleness", type=int, default=4, help="mu = pi s normalised gradient steps earlier")
     ex.add_argument("--kl", type=float, default=None, help="instead of --staleness: mu at this KL(pi || mu)")
-    ex.add_argument("--policy", choices=POLICY_CHANNELS, default="masked_is")
-    ex.add_argument("--mask-low", type=float, default=0.5)
-    ex.add_argument("--mask-high", type=float, default=2.0)
-    ex.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip of --policy ppo_clip")
-    ex.add_argument("--cap", type=float, default=5.0, help="cap of --policy decoupled")
-    ex.add_argument("--advantage", choices=ADVANTAGE_CHANNELS, default="clipped_td")
-    ex.add_argument("--adv-low", type=float, default=0.8)
-    ex.add_argument("--adv-high", type=float, default=1.2)
-    ex.add_argument("--lam", type=float, default=1.0)
-    ex.add_argument("--rho-bar", type=float, default=1.0, help="V-trace rho-bar (also c-bar, pg rho-bar)")
+    policy = ("--policy", "objective", POLICY_OBJECTIVES.names(), "copc")
+    _config_options(ex, "PolicyChannelConfig", policy, POLICY_OPTIONS)
+    advantage = ("--advantage", "estimator", LAB_ADVANTAGE_ESTIMATORS, "clipped_td")
+    _config_options(ex, "AdvantageChannelConfig", advantage, ADVANTAGE_OPTIONS)
     ex.add_argument("--critic", choices=CRITIC_BASES, default="mu")
     ex.add_argument("--critic-noise", type=float, default=0.0)
     ex.add_argument("--critic-draws", type=int, default=4)
@@ -123,15 +178,9 @@ def _explain(args: argparse.Namespace) -> int:
     pi = path[-1]
     mu = behaviour_at_kl(mdp, pi, args.kl, seed=args.seed) if args.kl is not None else path[-1 - args.staleness]
     corr = Correction(
-        PolicyChannel(kind=args.policy, mask_low=args.mask_low, mask_high=args.mask_high, clip_eps=args.clip_eps, cap=args.cap),
-        AdvantageChannel(
-            kind=args.advantage,
-            lam=args.lam,
-            clip_low=args.adv_low,
-            clip_high=args.adv_high,
-            rho_bar=args.rho_bar,
-            c_bar=args.rho_bar,
-            pg_rho_bar=args.rho_bar,
+        PolicyChannelConfig(objective=args.objective, **{name: getattr(args, name) for name in POLICY_OPTIONS}),
+        AdvantageChannelConfig(
+            estimator=args.estimator, whiten=False, **{name: getattr(args, name) for name in ADVANTAGE_OPTIONS}
         ),
     )
     noisy = args.critic_noise > 0
@@ -148,26 +197,12 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    cfg = SweepConfig(
-        families=args.families,
-        seeds=args.seeds,
-        staleness=args.staleness,
-        staleness_mode=args.staleness_mode,
-        horizon=args.horizon,
-        vocab=args.vocab,
-        mask_bands=args.mask_bands,
-        adv_clips=args.adv_clips,
-        batch_size=args.batch_size,
-        lam=args.lam,
-        critic_base=args.critic,
-        critic_noise=args.critic_noise,
-        critic_draws=args.critic_draws,
-    )
+    cfg = SweepConfig(**{name: getattr(args, name) for name in SWEEP_OPTIONS})
     start = time.perf_counter()
     result = run_sweep(cfg, args.out, tag=args.tag)
     cells = result["cells"]
-    figures = result["figures"]
-    assert isinstance(cells, list) and isinstance(figures, list)
+    assert isinstance(cells, list)
+    figures = draw_heatmaps(cells, cfg, args.out, tag=args.tag)
     print(f"copc lab sweep: {len(cells)} cells in {time.perf_counter() - start:.1f} s")
     for path in [result["json"], *figures]:
         print(f"  {path}")

@@ -7,7 +7,7 @@ The estimator of one trajectory ``tau ~ mu`` (with critic draw ``j``, uniform an
 
     ĝ(tau) = sum_t omega_t · Â_t · grad log pi(a_t|s_t),     grad log pi(a|s) = onehot(a) - pi(.|s) in row s
 
-with ``omega`` and ``Â`` from the trainer's ops (:mod:`copc.lab.channels`); a batch update is the mean
+with ``omega`` and ``Â`` from the trainer's channels (:mod:`copc.lab.corrections`); a batch update is the mean
 of ``N`` i.i.d. trajectories, so ``E[ĝ_N] = E[ĝ]`` and ``Cov[ĝ_N] = Cov[ĝ]/N``. All expectations are
 exact sums over the ``B`` rows with probability ``mu(tau)/J``.
 
@@ -28,8 +28,8 @@ are not omitted). With ``h_t`` = the prefix through ``a_t`` (the token and every
 law of total variance splits each step::
 
     amp = sum_t E[ ||grad_t||² · Var(omega_t Â_t | h_t) ]    = E[omega² Var(Â|h) ||grad||²] when omega
-                                                               is a function of h_t (all channels but
-                                                               ppo_clip under critic noise)
+                                                               is a function of h_t (every objective but
+                                                               bypass_ppo under critic noise)
     tok = sum_t tr Cov( omega_t E[Â_t|h_t] grad_t )          token/weight sampling variance
 
 ``amp`` is spec 9.2's squared-weight term ("squared policy weights amplify advantage uncertainty");
@@ -44,7 +44,8 @@ from typing import NamedTuple
 
 import torch
 
-from copc.lab.channels import Correction, critic_target_policy, run_channels
+from copc.config import check_one_of, check_positive
+from copc.lab.corrections import Correction, critic_target_policy, run_channels
 from copc.lab.mdp import DTYPE, TokenMDP, exact_values, prefix_states, sequence_kl, token_logp, true_gradient
 
 CRITIC_BASES: tuple[str, ...] = ("mu", "pi", "fitted")
@@ -52,11 +53,12 @@ CRITIC_BASES: tuple[str, ...] = ("mu", "pi", "fitted")
 
 @dataclass(frozen=True)
 class Critic:
-    """The critic V(s) the advantage channel is given.
+    """The critic V(s) the advantage channel is given (not :class:`copc.channels.CriticConfig`, which
+    configures the value loss that trains a critic: the lab trains none).
 
     ``base = mu``: exact ``V^mu`` (what regression on behaviour data converges to; spec 3). ``base = pi``:
     exact ``V^pi`` (an oracle critic). ``base = fitted``: the exact fixed point of the advantage channel's
-    own critic target (``V`` of ``pi~ ∝ mu·rho``; :func:`copc.lab.channels.critic_target_policy`), i.e.
+    own critic target (``V`` of ``pi~ ∝ mu·rho``; :func:`copc.lab.corrections.critic_target_policy`), i.e.
     a critic fully fitted to the same clipped returns, as COPC trains it. ``noise_std > 0``: ``V = V^base + noise_std · xi_j(s)`` with ``J``
     fixed draws per state (seeded Gaussians, centred over the draws and rescaled by ``sqrt(J/(J-1))``, so
     that for every state the error has mean exactly 0 and expected square ``noise_std²``); each
@@ -75,10 +77,10 @@ class Critic:
     """Seed of the noise draws."""
 
     def __post_init__(self) -> None:
-        if self.base not in CRITIC_BASES:
-            raise ValueError(f"unknown critic base {self.base!r}; valid: {', '.join(CRITIC_BASES)}")
-        if self.noise_std < 0 or self.draws < 1:
-            raise ValueError(f"need noise_std >= 0 and draws >= 1, got {self.noise_std}, {self.draws}")
+        check_one_of("critic.base", self.base, CRITIC_BASES)
+        check_positive("critic", draws=self.draws)
+        if self.noise_std < 0:
+            raise ValueError(f"critic.noise_std must be >= 0 (0 = exact), got {self.noise_std}")
         if self.noise_std == 0 and self.draws != 1:
             raise ValueError("a noise-free critic has exactly one draw: set draws=1 or noise_std > 0")
         if self.noise_std > 0 and self.draws < 2:
@@ -125,6 +127,11 @@ def batch_terms(
     critic: Critic,
 ) -> UpdateTerms:
     """Run both channels on given sequences ``[B, H]`` with critic draws ``draw: [B] int64``."""
+    if correction.advantage.gamma != mdp.gamma:
+        raise ValueError(
+            f"advantage.gamma={correction.advantage.gamma:g} differs from the MDP's gamma={mdp.gamma:g}, "
+            "which the exact values and g* discount with; set them equal"
+        )
     states = prefix_states(seqs, mdp.vocab)
     logp = token_logp(pi_logits.detach(), seqs, states)
     logp_mu = token_logp(mu_logits.detach(), seqs, states)
@@ -135,7 +142,7 @@ def batch_terms(
     values = base[states] + critic.noise(mdp.num_states)[draw[:, None], states]
     rewards = torch.zeros(seqs.shape, dtype=DTYPE)
     rewards[:, -1] = mdp.reward_of(seqs)
-    out = run_channels(correction, rewards, values, logp, logp_mu, gamma=mdp.gamma)
+    out = run_channels(correction, rewards, values, logp, logp_mu)
     values_pi = exact_values(mdp, pi_logits)
     probs = torch.softmax(pi_logits.detach(), dim=-1)
     p_tok = logp.exp()

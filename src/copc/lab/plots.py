@@ -1,4 +1,7 @@
-"""Heatmaps of the lab sweep (matplotlib, Agg backend: no display needed)."""
+"""Heatmaps of the lab sweep (matplotlib, Agg backend: no display needed), drawn from its cells.
+
+Reads :mod:`copc.lab.sweep`'s data (never the other way round): the CLI runs the sweep, then draws.
+"""
 
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ def draw_heatmaps(
 
     paths = []
     nrows, ncols = len(cfg.families), len(cfg.staleness)
+    swept = cfg.correction(cfg.mask_bands[0], cfg.adv_clips[0])
+    channels = f"{swept.policy.objective}({swept.policy.weight_mode}) x {swept.advantage.estimator}(λ={cfg.lam:g})"
     for metric in METRICS:
         fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.9 * nrows), squeeze=False)
         for r, family in enumerate(cfg.families):
@@ -82,7 +87,7 @@ def draw_heatmaps(
                     ax.set_xlabel("advantage clip ε_A: [1−ε_A, 1+ε_A]", fontsize=7)
         fig.suptitle(
             f"{TITLES[metric]}\nstaleness {cfg.staleness_mode}, H={cfg.horizon}, K={cfg.vocab}, N={cfg.batch_size}, seeds {list(cfg.seeds)}; "
-            f"masked_is x clipped_td(λ={cfg.lam:g}), critic {_critic_label(cfg)}",
+            f"{channels}, critic {_critic_label(cfg)}",
             fontsize=9,
         )
         fig.tight_layout()

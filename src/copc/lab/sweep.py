@@ -4,14 +4,17 @@ For each reward family, seed and staleness ``s`` the lab builds an exact policy-
 (normalised steps of length ``step_size`` from random logits), takes ``pi = path[-1]`` and
 ``mu = path[-1 - s]`` (pi as it was s updates earlier; ``staleness_mode = "path"``) or ``mu`` at
 ``KL(pi || mu) = s`` along a random logit direction (``staleness_mode = "kl"``), and decomposes the COPC update
-(``masked_is`` policy channel with band ``[1/c, c]`` x ``clipped_td`` advantage channel with clip
-``[max(0, 1 - eps_A), 1 + eps_A]``) for every grid cell. Figures are relative to the true gradient:
+(production's ``copc`` objective, ``weight_mode = masked_is``, with band ``[1/c, c]`` x the
+``clipped_td`` estimator with ratio clip ``[max(0, 1 - eps_A), 1 + eps_A]``) for every grid cell. Figures are relative to the true gradient:
 ``relative_mse = E||ĝ_N - g*||² / ||g*||²``, ``relative_bias = ||E ĝ - g*|| / ||g*||``,
 ``relative_var = tr Cov[ĝ]/(N ||g*||²)`` and ``cosine = cos(E ĝ, g*)``.
 
 Coupling analysis (per family and staleness, seeds averaged): the best ``eps_A`` for every band (does
 it depend on the band?), and sign reversals (moving ``eps_A`` between two adjacent grid values lowers
 the MSE under one band and raises it under another, by more than ``REVERSAL_TOL`` relative).
+
+:func:`run_sweep` writes the JSON and returns the data; the heatmaps are :func:`copc.lab.plots.draw_heatmaps`
+(the CLI calls both), so this module imports no plotting.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from copc.lab.channels import AdvantageChannel, Correction, PolicyChannel
+from copc.channels import AdvantageChannelConfig, PolicyChannelConfig
+from copc.lab.corrections import Correction
 from copc.lab.exact import CRITIC_BASES, Critic, decompose
 from copc.lab.mdp import REWARD_FAMILIES, behaviour_at_kl, gradient_path, make_mdp, random_logits
 
@@ -83,8 +87,8 @@ class SweepConfig:
             max(self.staleness) > self.path_steps or any(s != int(s) for s in self.staleness)
         ):
             raise ValueError(f"path staleness levels must be whole steps in [0, path_steps={self.path_steps}]")
-        if any(c < 1 for c in self.mask_bands) or any(e < 0 for e in self.adv_clips):
-            raise ValueError("mask bands need c >= 1 and advantage clips eps_A >= 0")
+        if any(c <= 1 for c in self.mask_bands) or any(e < 0 for e in self.adv_clips):
+            raise ValueError("mask bands need c > 1 (the band [1/c, c] must not be empty) and advantage clips eps_A >= 0")
         if self.batch_size < 1 or self.step_size <= 0:
             raise ValueError("batch_size must be >= 1 and step_size > 0")
         if self.critic_base not in CRITIC_BASES:
@@ -93,10 +97,17 @@ class SweepConfig:
             raise ValueError("a noisy critic needs critic_draws >= 2 (e.g. 4)")
 
     def correction(self, band: float, clip: float) -> Correction:
-        """masked_is on ``[1/c, c]`` x clipped_td on ``[max(0, 1 - eps), 1 + eps]``."""
+        """copc (masked IS) on ``[1/c, c]`` x clipped_td on ``[max(0, 1 - eps), 1 + eps]``, unwhitened."""
         low = 0.0 if band == INF else 1.0 / band
-        policy = PolicyChannel(kind="masked_is", mask_low=low, mask_high=band)
-        adv = AdvantageChannel(kind="clipped_td", lam=self.lam, clip_low=max(0.0, 1.0 - clip), clip_high=1.0 + clip)
+        policy = PolicyChannelConfig(objective="copc", mask_low=low, mask_high=band, weight_mode="masked_is")
+        adv = AdvantageChannelConfig(
+            estimator="clipped_td",
+            lam_critic=self.lam,
+            lam_actor=self.lam,
+            ratio_low=max(0.0, 1.0 - clip),
+            ratio_high=1.0 + clip,
+            whiten=False,
+        )
         return Correction(policy, adv)
 
     def critic(self) -> Critic:
@@ -279,10 +290,8 @@ def _rounded(x: object) -> object:
 def run_sweep(
     cfg: SweepConfig, out_dir: Path, *, tag: str = "", analysis_batches: tuple[int, ...] = (8, 64, 512)
 ) -> dict[str, object]:
-    """Run the grid, write ``lab_sweep[_tag].json`` and the heatmaps ``lab_[tag_]<metric>.png`` into
-    ``out_dir``; return the JSON dict (plus the figure paths)."""
-    from copc.lab.plots import draw_heatmaps
-
+    """Run the grid, write ``lab_sweep[_tag].json`` into ``out_dir`` and return its dict (its path under
+    ``"json"``); :func:`copc.lab.plots.draw_heatmaps` draws the heatmaps from ``result["cells"]``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     cells = run_grid(cfg)
@@ -299,5 +308,4 @@ def run_sweep(
     }
     result["json"] = str(out_dir / (f"lab_sweep_{tag}.json" if tag else "lab_sweep.json"))
     Path(str(result["json"])).write_text(json.dumps(_rounded(result)))
-    result["figures"] = [str(p) for p in draw_heatmaps(cells, cfg, out_dir, tag=tag)]
     return result
