@@ -1,4 +1,4 @@
-"""Tests for copc.ops.advantages: golden rows, slow-loop oracles, reductions and masking invariances.
+"""Tests for copc.ops.advantages and copc.ops.corrected_advantages: golden rows, slow-loop oracles, reductions and masking invariances.
 
 Tolerance: the vectorised code runs in float32, the oracles in float64 Python floats. Rows here hold at
 most ~40 action tokens of O(1) residuals, so accumulated float32 rounding stays below ~40 * 6e-8 ~ 3e-6
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from copc.ops.advantages import (
+from copc.ops import (
     brace,
     broadcast_to_tokens,
     clipped_td,

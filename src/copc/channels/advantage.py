@@ -17,9 +17,21 @@ import torch
 
 from copc import tracking as m
 from copc.config import check_one_of
-from copc.ops import advantages as adv_ops
-from copc.ops.importance import importance_diagnostics
-from copc.ops.masked import check_mask, masked_mean, masked_var, masked_whiten
+from copc.ops import (
+    GAEOutput,
+    brace,
+    broadcast_to_tokens,
+    check_mask,
+    clipped_td,
+    fold_rewards,
+    gae,
+    group_advantages,
+    importance_diagnostics,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    vtrace,
+)
 from copc.registry import Registry
 
 __all__ = [
@@ -170,8 +182,8 @@ def _gae(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor,
     values = x.values
     assert values is not None
 
-    def run(lam: float) -> adv_ops.GAEOutput:
-        return adv_ops.gae(x.rewards, values, x.action_mask, gamma=cfg.gamma, lam=lam, bootstrap_value=x.bootstrap_value)
+    def run(lam: float) -> GAEOutput:
+        return gae(x.rewards, values, x.action_mask, gamma=cfg.gamma, lam=lam, bootstrap_value=x.bootstrap_value)
 
     critic = run(cfg.lam_critic)
     if cfg.lam_actor == cfg.lam_critic:
@@ -182,7 +194,7 @@ def _gae(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor,
 @_estimator("vtrace", needs_critic=True, needs_log_w=True, doc="V-trace targets vs and pg advantages (pi = old)")
 def _vtrace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.values is not None and x.log_w is not None
-    out = adv_ops.vtrace(
+    out = vtrace(
         x.rewards, x.values, x.log_w, x.action_mask, gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar,
         c_bar=cfg.c_bar, pg_rho_bar=cfg.pg_rho_bar, bootstrap_value=x.bootstrap_value,
     )
@@ -192,7 +204,7 @@ def _vtrace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tens
 @_estimator("clipped_td", needs_critic=True, needs_log_w=True, doc="COPC two-sided clipped-ratio weighted TD sums")
 def _clipped_td(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.values is not None and x.log_w is not None
-    out = adv_ops.clipped_td(
+    out = clipped_td(
         x.rewards, x.values, x.log_w, x.action_mask, gamma=cfg.gamma, lam_critic=cfg.lam_critic,
         lam_actor=cfg.lam_actor, low=cfg.ratio_low, high=cfg.ratio_high, trace=cfg.trace,
         trace_low=cfg.trace_low, trace_high=cfg.trace_high, advantage_window=cfg.advantage_window,
@@ -204,7 +216,7 @@ def _clipped_td(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.
 @_estimator("brace", needs_critic=True, needs_log_w=True, doc="BRACE k-capped, Monte-Carlo-anchored targets")
 def _brace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.values is not None and x.log_w is not None
-    out = adv_ops.brace(
+    out = brace(
         x.rewards, x.values, x.log_w, x.action_mask, gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar,
         c_bar=cfg.c_bar, k=cfg.brace_k, bootstrap_value=x.bootstrap_value,
     )
@@ -215,8 +227,8 @@ def _brace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tenso
 def _group(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     if x.scores is None or x.group_ids is None:
         raise ValueError("advantage.estimator='group' needs scores [B] and group_ids [B]; pass both")
-    per_seq = adv_ops.group_advantages(x.scores, x.group_ids, mode=cfg.group_mode, eps=cfg.group_eps)
-    return adv_ops.broadcast_to_tokens(per_seq, x.action_mask), adv_ops.broadcast_to_tokens(x.scores.float(), x.action_mask)
+    per_seq = group_advantages(x.scores, x.group_ids, mode=cfg.group_mode, eps=cfg.group_eps)
+    return broadcast_to_tokens(per_seq, x.action_mask), broadcast_to_tokens(x.scores.float(), x.action_mask)
 
 
 def compute_advantages(
@@ -249,7 +261,7 @@ def compute_advantages(
         raise ValueError(f"advantage estimator {cfg.estimator!r} needs values (pre-update critic outputs)")
     if entry.needs_log_w and log_w is None:
         raise ValueError(f"advantage estimator {cfg.estimator!r} needs log_w = logp_old - logp_behav")
-    folded = adv_ops.fold_rewards(rewards.float(), action_mask)
+    folded = fold_rewards(rewards.float(), action_mask)
     inputs = AdvantageInputs(folded, values, log_w, action_mask, scores, group_ids, bootstrap_value)
     advantages, returns = entry.fn(cfg, inputs)
     raw_var = masked_var(advantages, action_mask)

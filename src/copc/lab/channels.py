@@ -27,9 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from copc.ops import advantages as adv_ops
+from copc import ops
 from copc.ops import importance
-from copc.ops import policy_losses as pl
 
 POLICY_CHANNELS: tuple[str, ...] = ("none", "ppo_clip", "mask_band", "masked_is", "decoupled")
 ADVANTAGE_CHANNELS: tuple[str, ...] = ("gae", "vtrace", "clipped_td")
@@ -154,9 +153,9 @@ def advantage_estimates(
     # (relative ~1e-7) from this point on.
     rewards, values, log_rho = rewards.float(), values.float(), log_rho.float()
     if a.kind == "gae":
-        result = adv_ops.gae(rewards, values, action_mask, gamma=gamma, lam=a.lam).advantages
+        result = ops.gae(rewards, values, action_mask, gamma=gamma, lam=a.lam).advantages
     elif a.kind == "vtrace":
-        result = adv_ops.vtrace(
+        result = ops.vtrace(
             rewards,
             values,
             log_rho,
@@ -168,7 +167,7 @@ def advantage_estimates(
             pg_rho_bar=a.pg_rho_bar,
         ).pg_advantages
     else:
-        result = adv_ops.clipped_td(
+        result = ops.clipped_td(
             rewards,
             values,
             log_rho,
@@ -193,15 +192,15 @@ def _per_token_loss(
     p = channel
     old = logp.detach()
     if p.kind == "none":
-        out = pl.ppo_clip_loss(logp, old, advantages, action_mask, clip_low=p.clip_eps, clip_high=p.clip_eps)
+        out = ops.ppo_clip_loss(logp, old, advantages, action_mask, clip=ops.ClipSpec(p.clip_eps, p.clip_eps))
     elif p.kind == "ppo_clip":
-        out = pl.bypass_ppo_loss(
-            logp, logp_behav, advantages, action_mask, clip_low=p.clip_eps, clip_high=p.clip_eps
+        out = ops.bypass_ppo_loss(
+            logp, logp_behav, advantages, action_mask, clip=ops.ClipSpec(p.clip_eps, p.clip_eps)
         )
     elif p.kind == "decoupled":
-        out = pl.decoupled_ppo_loss(logp, old, logp_behav, advantages, action_mask, cap=p.cap)
+        out = ops.decoupled_ppo_loss(logp, old, logp_behav, advantages, action_mask, cap=p.cap)
     else:
-        out = pl.copc_policy_loss(
+        out = ops.copc_policy_loss(
             logp,
             old,
             logp_behav,

@@ -81,6 +81,27 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
+def _check_logprob_args(input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (got {temperature}); use the sampler's temperature")
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+            "must both be [B, T]"
+        )
+
+
+def _next_token_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T-1, V] float32``: the logits at positions 0..T-2, which predict tokens 1..T-1."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.logits[:, :-1].float()
+
+
 def token_logprobs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -104,23 +125,32 @@ def token_logprobs(
     Returns:
         ``[B, T] float32``; 0 on each row's first real token (no prefix) and on padding.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (got {temperature}); use the sampler's temperature")
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-            "must both be [B, T]"
-        )
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask.long(),
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
-    logits_prev = out.logits[:, :-1].float() / temperature  # [B, T-1, V], predicts tokens 1..T-1
+    _check_logprob_args(input_ids, attention_mask, temperature)
+    logits_prev = _next_token_logits(model, input_ids, attention_mask) / temperature  # [B, T-1, V]
     targets = input_ids[:, 1:].unsqueeze(-1)
     picked = logits_prev.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits_prev, dim=-1)
     return _shift_right(picked, attention_mask)
+
+
+def token_logprobs_and_entropy(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` and the entropies ``H(pi(. | x_{<t}))`` of the same distributions, one forward.
+
+    ``entropy[:, t] = -sum_v p_v log p_v`` of the tempered distribution that predicts token t (from
+    position t-1's logits), 0 where token t has no real predecessor. Both ``[B, T] float32``; the
+    log-probs equal :func:`token_logprobs` bit for bit.
+    """
+    _check_logprob_args(input_ids, attention_mask, temperature)
+    logits_prev = _next_token_logits(model, input_ids, attention_mask) / temperature
+    logprobs = logits_prev - torch.logsumexp(logits_prev, dim=-1, keepdim=True)  # [B, T-1, V]
+    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(dim=-1)
+    return _shift_right(picked, attention_mask), _shift_right(entropy, attention_mask)
 
 
 def _shift_right(prev: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

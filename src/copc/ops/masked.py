@@ -7,14 +7,17 @@ position never reaches an output or a gradient (``nan * 0 == nan``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "TOKEN_MEAN",
+    "AggSpec",
     "LossAgg",
     "agg_loss",
+    "at_least_float32",
     "check_bt",
     "check_mask",
     "masked_mean",
@@ -31,6 +34,38 @@ LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
 )
+
+
+class AggSpec(NamedTuple):
+    """How a per-token loss becomes a scalar: :func:`agg_loss`'s mode and the minibatch's GLOBAL counts.
+
+    Give every micro-batch the counts of its whole minibatch (all micro-batches, all ranks); then the
+    micro-batch losses sum to the minibatch loss (gradient accumulation).
+    """
+
+    #: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm.
+    mode: LossAgg = "token-mean"
+    #: action tokens of the minibatch (token-mean); None = this batch's own count.
+    num_tokens: float | torch.Tensor | None = None
+    #: sequences with at least one counted token (seq-* modes); None = this batch's own count.
+    num_seqs: float | torch.Tensor | None = None
+    #: the constant of seq-mean-token-sum-norm (Dr. GRPO); None = T.
+    norm_length: float | None = None
+
+    def reduce(self, loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:func:`agg_loss` of ``loss`` over ``mask`` with this spec."""
+        return agg_loss(
+            loss, mask, self.mode, num_tokens=self.num_tokens, num_seqs=self.num_seqs, norm_length=self.norm_length
+        )
+
+
+#: The default aggregation: token-mean over this batch's own tokens (no accumulation).
+TOKEN_MEAN = AggSpec()
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """float32 for lower precisions; float64 stays float64 (so ``gradcheck`` runs in double precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def check_bt(name: str, tensor: torch.Tensor, like: torch.Tensor | None = None) -> None:

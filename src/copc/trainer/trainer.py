@@ -34,9 +34,8 @@ from torch import nn
 from copc import tracking as m
 from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
 from copc.channels.methods import MethodConfig
-from copc.models.hf import position_ids_from_mask, token_logprobs
-from copc.ops.importance import log_ratio
-from copc.ops.masked import masked_mean, masked_var, zero_where_not
+from copc.models.hf import token_logprobs, token_logprobs_and_entropy
+from copc.ops import explained_variance, k3_from_log, log_ratio, masked_mean, zero_where_not
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
 
 __all__ = ["ActorCriticTrainer", "StepTensors", "TrainerConfig"]
@@ -122,6 +121,7 @@ class StepTensors:
         advantages: the advantage channel's output (whitened when the method whitens).
         returns: critic targets.
         loss_mask: ``[B, T] bool``, the action tokens that enter the losses (truncation = mask drops rows).
+        adv_stats: the advantage channel's detached diagnostics (``adv/...``, ``returns/...``, ``ratio/...``).
     """
 
     logp_old: torch.Tensor
@@ -130,6 +130,7 @@ class StepTensors:
     advantages: torch.Tensor
     returns: torch.Tensor
     loss_mask: torch.Tensor
+    adv_stats: dict[str, torch.Tensor]
 
 
 def _trim(index: torch.Tensor, attention_mask: torch.Tensor) -> int:
@@ -248,7 +249,6 @@ class ActorCriticTrainer:
             group_ids=batch.group_ids,
             bootstrap_value=bootstrap,
         )
-        self._adv_stats = adv.stats
         return StepTensors(
             logp_old=logp_old.detach(),
             values_old=values_old.detach(),
@@ -256,6 +256,7 @@ class ActorCriticTrainer:
             advantages=zero_where_not(loss_mask, adv.advantages.detach()),
             returns=zero_where_not(loss_mask, adv.returns.detach()),
             loss_mask=loss_mask,
+            adv_stats=adv.stats,
         )
 
     @torch.no_grad()
@@ -331,9 +332,8 @@ class ActorCriticTrainer:
             assert self.reference is not None
             with torch.no_grad():
                 logp_ref = self._logp(self.reference, batch, rows)
-            # k3 estimator of KL(pi || ref): exp(ref - cur) - (ref - cur) - 1 >= 0, on action tokens.
-            diff = (logp_ref - logp).clamp(-20.0, 20.0)
-            kl = zero_where_not(mask, torch.exp(diff) - diff - 1.0)
+            # k3 estimator of KL(pi || ref) on action tokens: r - 1 - log r >= 0 with r = ref / cur.
+            kl = k3_from_log(log_ratio(logp_ref, logp, mask))
             loss = loss + self.config.kl_coef * kl.sum() / max(mb.num_tokens, 1)
             stats[m.LOSS_KL] = kl.sum().detach() / max(mb.num_tokens, 1)
         if entropy is not None:
@@ -347,8 +347,8 @@ class ActorCriticTrainer:
         if self.config.entropy_coef == 0:
             return self._logp(model, batch, rows), None
         length = _trim(rows, batch.attention_mask)
-        return logprobs_and_entropy(
-            model,
+        return token_logprobs_and_entropy(
+            model,  # type: ignore[arg-type]  # any causal LM module
             batch.input_ids[rows, :length],
             batch.attention_mask[rows, :length],
             temperature=self.config.temperature,
@@ -399,7 +399,7 @@ class ActorCriticTrainer:
         self.policy.train()
         st = self.prepare(batch)
         metrics = diagnostics(batch, st)
-        metrics.update({k: float(v) for k, v in self._adv_stats.items()})
+        metrics.update({k: float(v) for k, v in st.adv_stats.items()})
         if self.critic is not None:
             self.critic.train()
             metrics.update(self._critic_updates(batch, st))
@@ -411,31 +411,6 @@ class ActorCriticTrainer:
         metrics[m.TIME_TRAIN] = elapsed
         metrics[m.PERF_TRAIN_TOKENS_PER_S] = int(batch.attention_mask.sum()) / max(elapsed, 1e-9)
         return metrics
-
-
-def logprobs_and_entropy(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs (as :func:`copc.models.hf.token_logprobs`) and entropies ``H(pi(. | x_<t))``, one forward.
-
-    ``entropy[:, t] = -sum_v p_v log p_v`` of the tempered distribution that predicts token t (computed
-    from position t-1's logits), 0 where token t has no real predecessor. Both ``[B, T] float32``.
-    """
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask.long(),
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
-    logprobs = torch.log_softmax(out.logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
-    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(dim=-1)
-    has_prefix = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
-    zero = picked.new_zeros(picked.shape[0], 1)
-    return (
-        torch.cat([zero, zero_where_not(has_prefix, picked)], dim=1),
-        torch.cat([zero, zero_where_not(has_prefix, entropy)], dim=1),
-    )
 
 
 def _optimizer(model: nn.Module, config: TrainerConfig, lr: float) -> torch.optim.Optimizer:
@@ -478,10 +453,8 @@ def diagnostics(batch: TrainBatch, st: StepTensors) -> dict[str, float]:
         m.BATCH_SEQUENCES: float(batch.batch_size),
         m.BATCH_TRUNCATED_FRAC: float(batch.truncated.float().mean()),
     }
-    var_g = masked_var(st.returns, mask)
-    var_res = masked_var(st.returns - st.values_old, mask)
-    # Undefined when the targets do not vary (e.g. every reward 0): report 0 rather than +-1e12.
-    out[m.CRITIC_EXPLAINED_VAR] = float(1.0 - var_res / var_g) if float(var_g) > 1e-8 else 0.0
+    # Undefined when the targets do not vary (e.g. every reward 0): reported as 0 (ops.explained_variance).
+    out[m.CRITIC_EXPLAINED_VAR] = float(explained_variance(st.returns, st.values_old, mask))
     out[m.CRITIC_VALUES_MEAN] = float(masked_mean(st.values_old, mask))
     out[m.CRITIC_RETURNS_MEAN] = float(masked_mean(st.returns, mask))
     if bool(rows.any()):
