@@ -133,6 +133,23 @@ def test_icepop_golden_seq_mean() -> None:
     torch.testing.assert_close(out.loss, torch.tensor(-0.55))
 
 
+def test_icepop_current_takes_the_mask_from_cur_and_the_weight_from_old() -> None:
+    # issue 10 defect 4. old = mu = 0, so k = old/mu = 1 on both tokens; cur = (ln 3, ln 6), A = 1.
+    #   t0: cur/mu = 3 in [0.5, 5]: kept, weight k = 1 (not cur/mu = 3); u = 3: max(-3, -1.28) = -1.28.
+    #   t1: cur/mu = 6 outside the band: masked (the step-start ratio k = 1 would keep it).
+    # seq-mean-token-mean over the row's 2 tokens: -1.28 / 2 = -0.64 (weighting by cur/mu gave -1.92).
+    cur = torch.tensor([[LN(3.0), LN(6.0)]])
+    z = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    out = icepop_loss(cur, z, z, torch.ones(1, 2), mask, ratio_source="current")
+    torch.testing.assert_close(out.per_token, torch.tensor([[-1.28, 0.0]]))
+    torch.testing.assert_close(out.loss, torch.tensor(-0.64))
+    assert out.keep.tolist() == [[True, False]]
+    # the same as COPC's "current" variant with IcePop's band and aggregation
+    copc = copc_policy_loss(cur, z, z, torch.ones(1, 2), mask, mask_low=0.5, mask_high=5.0, mask_source="current", agg=AggSpec("seq-mean-token-mean"))
+    assert torch.equal(out.per_token, copc.per_token) and torch.equal(out.loss, copc.loss)
+
+
 def test_dis_golden_strict_band_and_gradient() -> None:
     # r = exp(cur - mu) = (1, 7, 0.5, 2), band (0.7, 6): keep (T, F, F, T).
     # A = (1, 1, -1, -1): l = (-1, 0, 0, 2) -> token-mean over 4 = 0.25.
@@ -204,7 +221,7 @@ def _cases() -> dict[str, LossCase]:
         "copc": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=False, weight_current=False))),
         "copc_binary": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], weight_mode="binary", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=True, select_current=False, weight_current=False))),
         "copc_current": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], mask_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=True, weight_current=False))),
-        "icepop_current": (lambda d, mode, den, **kw: icepop_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], ratio_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 5.0, binary=False, select_current=True, weight_current=True))),
+        "icepop_current": (lambda d, mode, den, **kw: icepop_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], ratio_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 5.0, binary=False, select_current=True, weight_current=False))),
         "dis": (lambda d, mode, den, **kw: dis_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], agg=agg(mode, kw), denominator=den), ora_dis),
         "pg": (lambda d, mode, den, **kw: pg_loss(d["logp"], d["advantages"], d["action_mask"], agg=agg(mode, kw)), ora_pg),
     }
@@ -329,16 +346,17 @@ def test_gradcheck_wrt_logp(name: str) -> None:
     assert torch.autograd.gradcheck(f, (x,))
 
 
-def test_icepop_current_weight_is_a_constant_in_the_gradient() -> None:
-    # With ratio_source="current" the weight k = cur/mu is detached, so the loss is not the integral
-    # of its gradient and gradcheck does not apply: check instead that the gradient equals that of
-    # the same loss with k frozen at its current value (a fixed weight).
+def test_icepop_current_mask_is_a_constant_in_the_gradient() -> None:
+    # With ratio_source="current" the mask M(cur/mu) is detached and moves with cur, so the loss is
+    # piecewise and gradcheck does not apply at the band edges: check instead that the gradient
+    # equals that of the same loss with the mask frozen and the weight k = old/mu fixed.
     d = ragged_batch(4, 7, 11)
     x = d["logp"].clone().requires_grad_(True)
     out = icepop_loss(x, d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], ratio_source="current")
     (g,) = torch.autograd.grad(out.loss, x)
-    k = torch.exp(d["logp"] - d["logp_behav"])
-    keep = d["action_mask"] & (k >= 0.5) & (k <= 5.0)
+    s = torch.exp(d["logp"] - d["logp_behav"])
+    keep = d["action_mask"] & (s >= 0.5) & (s <= 5.0)
+    k = torch.exp(d["logp_old"] - d["logp_behav"])
     y = d["logp"].clone().requires_grad_(True)
 
     frozen = weighted_ppo_loss(y, d["logp_old"], d["advantages"], d["action_mask"], weight=k, keep=keep, clip=ClipSpec(0.2, 0.28), agg=AggSpec("seq-mean-token-mean"))

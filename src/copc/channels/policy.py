@@ -208,7 +208,7 @@ def _moves_with_source(cfg: PolicyChannelConfig) -> bool:
     return cfg.mask_source == "current"
 
 
-@_objective("icepop", needs_old=True, current_mask=_moves_with_source, doc="masked IS k (old/mu or cur/mu) in [mask_low, mask_high] times PPO clip")
+@_objective("icepop", needs_old=True, current_mask=_moves_with_source, doc="masked IS k = old/mu, band on old/mu or cur/mu (mask_source), times PPO clip")
 def _icepop(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     old, mu = _old_mu(x, "icepop")
     return icepop_loss(

@@ -143,38 +143,6 @@ def tis_ppo_loss(
     )
 
 
-def _check_sources(mask_source: str, weight_mode: str) -> None:
-    if mask_source not in ("step_start", "current"):
-        raise ValueError(f"mask_source must be 'step_start' (old/mu) or 'current' (cur/mu), got {mask_source!r}")
-    if weight_mode not in ("masked_is", "binary"):
-        raise ValueError(f"weight_mode must be 'masked_is' (omega = M*w) or 'binary' (omega = M), got {weight_mode!r}")
-
-
-def _band_masked_ppo(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    log_weight: torch.Tensor,
-    log_select: torch.Tensor | None,
-    low: float,
-    high: float,
-    weight_mode: WeightMode,
-    clip: ClipSpec,
-    agg: AggSpec,
-    denominator: Denominator,
-) -> PolicyLossOutput:
-    """The body COPC and IcePop share: ``omega_t = M_t * exp(log_weight)`` (or ``M_t``), ``M_t`` the band
-    on ``exp(log_select)`` (default: on the weight), times the PPO clip on ``u = exp(cur - old)``."""
-    w = _ratio_of_clean(log_weight)
-    select = w if log_select is None else _ratio_of_clean(log_select)
-    weight, keep = _band(w, select, action_mask, low=low, high=high, mode=weight_mode, strict=False)
-    return weighted_ppo_loss(
-        logp, logp_old, advantages, action_mask, weight=weight, keep=keep, clip=clip, agg=agg, denominator=denominator
-    )
-
-
 def copc_policy_loss(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
@@ -197,16 +165,19 @@ def copc_policy_loss(
     minibatch); ``omega_t = M_t * w_t`` (``masked_is``) or ``M_t`` (``binary``);
     ``l_t = omega_t * max(-A*u, -A*clip(u, 1-eps_low, 1+eps_high))``, ``u = exp(cur - old)``.
     With ``current`` and ``masked_is``: ``omega_t * u_t = M_t * exp(cur_t - mu_t)``.
-    IcePop (step-start ratio) is the same formula with band (0.5, 5).
+    IcePop (:func:`icepop_loss`) is the same formula with band (0.5, 5) and ``masked_is``.
     """
     check_loss_inputs(action_mask, logp=logp, logp_old=logp_old, logp_behav=logp_behav)
-    _check_sources(mask_source, weight_mode)
+    if mask_source not in ("step_start", "current"):
+        raise ValueError(f"mask_source must be 'step_start' (old/mu) or 'current' (cur/mu), got {mask_source!r}")
+    if weight_mode not in ("masked_is", "binary"):
+        raise ValueError(f"weight_mode must be 'masked_is' (omega = M*w) or 'binary' (omega = M), got {weight_mode!r}")
     behav = at_least_float32(logp_behav.detach())
-    log_w = log_ratio(at_least_float32(logp_old.detach()), behav, action_mask)
-    log_select = None if mask_source == "step_start" else log_ratio(at_least_float32(logp.detach()), behav, action_mask)
-    return _band_masked_ppo(
-        logp, logp_old, advantages, action_mask, log_weight=log_w, log_select=log_select, low=mask_low,
-        high=mask_high, weight_mode=weight_mode, clip=clip, agg=agg, denominator=denominator,
+    w = _ratio_of_clean(log_ratio(at_least_float32(logp_old.detach()), behav, action_mask))
+    select = w if mask_source == "step_start" else _ratio_of_clean(log_ratio(at_least_float32(logp.detach()), behav, action_mask))
+    weight, keep = _band(w, select, action_mask, low=mask_low, high=mask_high, mode=weight_mode, strict=False)
+    return weighted_ppo_loss(
+        logp, logp_old, advantages, action_mask, weight=weight, keep=keep, clip=clip, agg=agg, denominator=denominator
     )
 
 
@@ -224,19 +195,17 @@ def icepop_loss(
     agg: AggSpec = _SEQ_MEAN_TOKEN_MEAN,
     denominator: Denominator = "all",
 ) -> PolicyLossOutput:
-    """IcePop / masked IS (Ring-1T; spec section 8): ``l_t = M(k_t) * PPOclip(exp(cur - old), A)``.
+    """IcePop / masked IS (Ring-1T; spec section 8): ``l_t = M_t * k_t * PPOclip(exp(cur - old), A)``.
 
-    ``k_t = exp(old_t - mu_t)`` (``ratio_source="step_start"``, Ring-1T) or ``exp(cur_t - mu_t)``
-    detached (``"current"``, BRACE's IcePop baseline); ``M(k) = k`` if ``alpha <= k <= beta`` else 0,
-    alpha = 0.5, beta = 5. Aggregated seq-mean-token-mean over original tokens by default.
+    ``k_t = exp(old_t - mu_t)`` (detached) is the weight; the mask ``M_t = 1[alpha <= s_t <= beta]``
+    tests ``s_t = k_t`` (``ratio_source="step_start"``, Ring-1T) or ``s_t = exp(cur_t - mu_t)``
+    detached, recomputed every minibatch (``"current"``, BRACE's IcePop baseline); alpha = 0.5,
+    beta = 5. :func:`copc_policy_loss` with IcePop's band and ``masked_is``; aggregated
+    seq-mean-token-mean over original tokens by default.
     """
-    check_loss_inputs(action_mask, logp=logp, logp_old=logp_old, logp_behav=logp_behav)
-    _check_sources(ratio_source, "masked_is")
-    num = logp_old if ratio_source == "step_start" else logp
-    log_k = log_ratio(at_least_float32(num.detach()), at_least_float32(logp_behav.detach()), action_mask)
-    return _band_masked_ppo(
-        logp, logp_old, advantages, action_mask, log_weight=log_k, log_select=None, low=mask_low, high=mask_high,
-        weight_mode="masked_is", clip=clip, agg=agg, denominator=denominator,
+    return copc_policy_loss(
+        logp, logp_old, logp_behav, advantages, action_mask, mask_low=mask_low, mask_high=mask_high,
+        weight_mode="masked_is", mask_source=ratio_source, clip=clip, agg=agg, denominator=denominator,
     )
 
 
