@@ -64,8 +64,10 @@ from copc.ops.importance import (
     truncated_is,
 )
 from copc.ops.masked import (
+    ADVANTAGE_NORMS,
     LOSS_AGG_MODES,
     TOKEN_MEAN,
+    AdvantageNorm,
     AggSpec,
     LossAgg,
     agg_loss,
@@ -76,6 +78,7 @@ from copc.ops.masked import (
     masked_sum,
     masked_var,
     masked_whiten,
+    normalize_advantages,
     zero_where_not,
 )
 from copc.ops.policy_losses import (
@@ -109,12 +112,14 @@ from copc.ops.value_losses import (
 )
 
 __all__ = [
+    "ADVANTAGE_NORMS",
     "CLIP_HIGHER",
     "EXPLAINED_VAR_MIN_VAR",
     "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
     "PPO_CLIP",
     "TOKEN_MEAN",
+    "AdvantageNorm",
     "AggSpec",
     "BraceOutput",
     "CapMode",
@@ -171,6 +176,7 @@ __all__ = [
     "masked_whiten",
     "mean_abs_log_ratio",
     "mse_value_loss",
+    "normalize_advantages",
     "pg_loss",
     "policy_stats",
     "ppo_clip_loss",

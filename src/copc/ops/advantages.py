@@ -58,7 +58,9 @@ class GAEOutput(NamedTuple):
 
 class VTraceOutput(NamedTuple):
     vs: torch.Tensor  # [B, T] float32 value targets, 0 off action tokens
-    pg_advantages: torch.Tensor  # [B, T] float32, 0 off action tokens
+    pg_advantages: torch.Tensor  # [B, T] float32 A^pg = pg_rho * pg_td, 0 off action tokens
+    pg_rho: torch.Tensor  # [B, T] float32 rho^pg_s = min(pg_rho_bar, w_s), 0 off action tokens
+    pg_td: torch.Tensor  # [B, T] float32 r_s + gamma v_{s+1} - V(s_s) (A^pg before rho^pg), 0 off action tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,7 +123,9 @@ def vtrace(
 
     Args: as :func:`gae`, plus ``log_rho: [B, T] float32`` ``= logp_old - logp_behav`` (detached).
 
-    Returns: ``VTraceOutput(vs, pg_advantages)``, ``[B, T] float32``, 0 off action tokens.
+    Returns: ``VTraceOutput(vs, pg_advantages, pg_rho, pg_td)``, ``[B, T] float32``, 0 off action
+    tokens; ``pg_advantages = pg_rho * pg_td`` (the factors are returned so that a normalisation can
+    act on ``pg_td`` inside the importance weight, as the baseline ``V(s_s)`` does).
     """
     check_lambda("lam", lam)
     delta = td_residuals(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
@@ -129,9 +133,11 @@ def vtrace(
     rho = pk.weight.clamp(max=rho_bar)
     trace = lam * pk.weight.clamp(max=c_bar)
     excess = reverse_linear_scan(rho * pk.delta, gamma * trace)  # v_s - V(s_s)
-    pg = pk.weight.clamp(max=pg_rho_bar) * (pk.delta + gamma * shift_left(excess))
+    pg_rho = pk.weight.clamp(max=pg_rho_bar)
+    pg_td = pk.delta + gamma * shift_left(excess)
     cp = pk.cp
-    return VTraceOutput(on_actions(action_mask, unpack(excess, cp) + values), unpack(pg, cp))
+    vs = on_actions(action_mask, unpack(excess, cp) + values)
+    return VTraceOutput(vs, unpack(pg_rho * pg_td, cp), unpack(pg_rho, cp), unpack(pg_td, cp))
 
 
 # ----------------------------------------------------------------------------------------------

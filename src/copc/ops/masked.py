@@ -12,8 +12,10 @@ from typing import Literal, NamedTuple
 import torch
 
 __all__ = [
+    "ADVANTAGE_NORMS",
     "LOSS_AGG_MODES",
     "TOKEN_MEAN",
+    "AdvantageNorm",
     "AggSpec",
     "LossAgg",
     "agg_loss",
@@ -24,9 +26,12 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "normalize_advantages",
     "zero_where_not",
 ]
 
+AdvantageNorm = Literal["whiten", "scale", "center", "none"]
+ADVANTAGE_NORMS: tuple[str, ...] = ("whiten", "scale", "center", "none")
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
@@ -112,19 +117,53 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = Tru
 
 
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8, shift_mean: bool = True
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps: float = 1e-8,
+    shift_mean: bool = True,
+    std_floor: float = 0.0,
 ) -> torch.Tensor:
-    """``(x - m) * rsqrt(v + eps)`` with m, v the masked mean and Bessel-corrected variance.
+    """``(x - m) * rsqrt(max(v + eps, floor^2))`` with m, v the masked mean and Bessel-corrected variance.
 
-    Statistics come from every masked-in token of the tensor (the whole step's batch: spec 9.3); the
-    result is 0 at masked-out positions. ``shift_mean=False`` only rescales.
+    That is ``(x - m) / max(sqrt(v + eps), std_floor)``: with a floor, a batch whose advantages barely
+    vary (every reward equal, only critic noise left) is not blown up to unit scale. Statistics come
+    from every masked-in token of the tensor (the whole step's batch: spec 9.3); the result is 0 at
+    masked-out positions. ``shift_mean=False`` only rescales. ``std_floor = 0``: plain whitening.
     """
     check_mask("mask", mask, values)
+    if not std_floor >= 0:
+        raise ValueError(f"std_floor must be >= 0 (0 = no floor), got {std_floor}")
     values = zero_where_not(mask, values)  # NaN-safe forward *and* backward at masked positions
     mean = masked_mean(values, mask)
     var = masked_var(values, mask)
     centred = values - mean if shift_mean else values
-    return zero_where_not(mask, centred * torch.rsqrt(var + eps))
+    return zero_where_not(mask, centred * torch.rsqrt((var + eps).clamp(min=std_floor * std_floor)))
+
+
+def normalize_advantages(
+    values: torch.Tensor, mask: torch.Tensor, *, mode: AdvantageNorm, std_floor: float = 0.0, eps: float = 1e-8
+) -> torch.Tensor:
+    """Advantage normalisation over the masked-in tokens (the step's batch). ``[B, T]`` in and out.
+
+    ::
+
+        whiten:  (A - m) / max(sqrt(v + eps), std_floor)
+        scale:   A / max(sqrt(v + eps), std_floor)          (no mean shift: signs are kept)
+        center:  A - m
+        none:    A
+
+    m, v: masked mean and Bessel-corrected variance (:func:`masked_whiten`); 0 at masked-out positions.
+    """
+    check_mask("mask", mask, values)
+    if mode == "whiten" or mode == "scale":
+        return masked_whiten(values, mask, eps=eps, shift_mean=mode == "whiten", std_floor=std_floor)
+    values = zero_where_not(mask, values)
+    if mode == "center":
+        return zero_where_not(mask, values - masked_mean(values, mask))
+    if mode == "none":
+        return values
+    raise ValueError(f"unknown advantage normalisation {mode!r}; valid: {', '.join(ADVANTAGE_NORMS)}")
 
 
 def agg_loss(
