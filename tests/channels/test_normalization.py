@@ -41,9 +41,9 @@ def test_normalize_rejects_bad_mode_and_floor() -> None:
         normalize_advantages(X, M, mode="zscore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="std_floor"):
         normalize_advantages(X, M, mode="whiten", std_floor=-1.0)
-    with pytest.raises(ValueError, match="advantage.normalize"):
+    with pytest.raises(ValueError, match=r"advantage\.normalize"):
         AdvantageChannelConfig(normalize="zscore")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="advantage.std_floor"):
+    with pytest.raises(ValueError, match=r"advantage\.std_floor"):
         AdvantageChannelConfig(std_floor=-0.1)
 
 

@@ -5,15 +5,19 @@ Notation: ``B`` trajectories, ``T`` tokens; ``mu`` = behaviour log-probs recorde
 
 One step, in order:
 
-1. no-grad forwards: ``old_t = log pi_old(a_t | s_t)`` (only when the method needs it; otherwise
-   ``old := mu``, async PPO 3a) and the critic's ``V_t = V(s_t)`` (when the method has a critic);
+1. no-grad forwards in eval mode (no dropout): ``old_t = log pi_old(a_t | s_t)`` (only when the method
+   needs it; otherwise ``old := mu``, async PPO 3a) and the critic's ``V_t = V(s_t)`` (when the method
+   has a critic); log-probs under the sampler's transform (temperature, top-k, top-p);
 2. rewards folded onto policy tokens, behaviour log-ratio ``log w_t = clamp(old_t - mu_t, +-20)``;
-3. the advantage channel: ``advantages`` (whitened once over the whole batch when the method says so)
-   and critic targets ``returns``;
+3. the advantage channel: ``advantages`` (normalised once over the loss tokens of the whole batch when
+   the method says so) and critic targets ``returns``;
 4. ``K_critic`` epochs over critic minibatches (clipped value loss against ``V_old``);
 5. unless in critic warm-up: ``ppo_epochs`` passes over ``actor_minibatches`` minibatches of the
    policy channel's loss (+ optional k3 KL to a reference, - entropy bonus), each optimizer step
-   accumulating micro-batches that all divide by the minibatch's **global** token count;
+   accumulating micro-batches that all divide by the minibatch's **global** token count (the actor
+   loss by its denominator, all or kept tokens; the KL and entropy terms by the valid tokens);
+   for methods without an ``old`` forward the ``ratio/...`` diagnostics are those of ``cur/mu`` on
+   the first minibatch (``cur`` is then still the step-start policy);
 6. ``version += 1``: the new weights are what a driver publishes next.
 
 Truncated trajectories (``truncation``): ``terminal`` (V after the last token = 0), ``bootstrap``
@@ -25,7 +29,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal
 
 import torch
@@ -34,8 +41,16 @@ from torch import nn
 from copc import tracking as m
 from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
 from copc.channels.methods import MethodConfig
-from copc.models.hf import token_logprobs, token_logprobs_and_entropy
-from copc.ops import explained_variance, k3_from_log, log_ratio, masked_mean, zero_where_not
+from copc.models.hf import LogProbTransform, token_logprobs, token_logprobs_and_entropy
+from copc.ops import (
+    explained_variance,
+    importance_diagnostics,
+    k3_from_log,
+    log_ratio,
+    masked_mean,
+    zero_where_not,
+)
+from copc.rollout.engine import truncated_logprobs
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
 
 __all__ = ["ActorCriticTrainer", "StepTensors", "TrainerConfig"]
@@ -80,6 +95,10 @@ class TrainerConfig:
     """Weight of the entropy bonus (subtracted from the actor loss)."""
     temperature: float = 1.0
     """Sampling temperature; log-probs are computed under the same transform as sampling (spec 14)."""
+    top_p: float = 1.0
+    """Sampling top-p (1 = off): log-probs come from the same truncated, renormalised distribution."""
+    top_k: int = 0
+    """Sampling top-k (0 = off): log-probs come from the same truncated, renormalised distribution."""
     truncation: Truncation = "terminal"
     """How truncated episodes end: terminal | bootstrap | mask (spec section 0)."""
     shuffle: bool = True
@@ -102,6 +121,10 @@ class TrainerConfig:
         for name in ("kl_coef", "entropy_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"trainer.top_p must be in (0, 1] (1 = off; use the rollout's), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"trainer.top_k must be >= 0 (0 = off; use the rollout's), got {self.top_k}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"trainer.optimizer must be adamw or sgd, got {self.optimizer!r}")
         if self.truncation not in TRUNCATION_MODES:
@@ -131,6 +154,20 @@ class StepTensors:
     returns: torch.Tensor
     loss_mask: torch.Tensor
     adv_stats: dict[str, torch.Tensor]
+
+
+@contextmanager
+def _eval_mode(*modules: nn.Module | None) -> Iterator[None]:
+    """Run no-grad forwards without dropout; restore each module's train/eval flag afterwards."""
+    present = [mod for mod in modules if mod is not None]
+    flags = [mod.training for mod in present]
+    for mod in present:
+        mod.eval()
+    try:
+        yield
+    finally:
+        for mod, flag in zip(present, flags, strict=True):
+            mod.train(flag)
 
 
 def _trim(index: torch.Tensor, attention_mask: torch.Tensor) -> int:
@@ -197,13 +234,27 @@ class ActorCriticTrainer:
         return {k: v.detach() for k, v in self.policy.state_dict().items()}
 
     # ------------------------------------------------------------------ forwards
+    def _sampler_transform(self) -> tuple[float, LogProbTransform | None]:
+        """``(temperature, transform)`` for the log-prob helpers: the sampler's own distribution.
+
+        Temperature only (the exact formula of :func:`~copc.models.hf.token_logprobs`) without top-k /
+        top-p; otherwise the engine's :func:`~copc.rollout.engine.truncated_logprobs`, so ``w = old / mu``
+        is 1 at staleness 0 (docs/algorithms.md, "Sampling transform").
+        """
+        cfg = self.config
+        if cfg.top_p >= 1.0 and cfg.top_k == 0:
+            return cfg.temperature, None
+        return 1.0, partial(truncated_logprobs, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+
     def _logp(self, model: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
         length = _trim(index, batch.attention_mask)
+        temperature, transform = self._sampler_transform()
         return token_logprobs(
             model,  # type: ignore[arg-type]  # any causal LM module; typed as PreTrainedModel upstream
             batch.input_ids[index, :length],
             batch.attention_mask[index, :length],
-            temperature=self.config.temperature,
+            temperature=temperature,
+            transform=transform,
         )
 
     def _values(self, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
@@ -223,22 +274,24 @@ class ActorCriticTrainer:
     def prepare(self, batch: TrainBatch) -> StepTensors:
         """Steps 1-3 of the algorithm: no-grad forwards, behaviour ratios, the advantage channel."""
         action_mask = batch.action_mask
-        if self.method.needs_old_forward:
-            logp_old = zero_where_not(action_mask, self._full(lambda b, r: self._logp(self.policy, b, r), batch))
-        else:
-            logp_old = batch.logp_behav  # async PPO 3a: the behaviour policy stands in for "old"
-        values_old = (
-            zero_where_not(action_mask, self._full(self._values, batch))
-            if self.critic is not None
-            else torch.zeros_like(batch.logp_behav)
-        )
+        with _eval_mode(self.policy, self.critic):
+            if self.method.needs_old_forward:
+                logp_old = zero_where_not(action_mask, self._full(lambda b, r: self._logp(self.policy, b, r), batch))
+            else:
+                logp_old = batch.logp_behav  # async PPO 3a: the behaviour policy stands in for "old"
+            values_old = (
+                zero_where_not(action_mask, self._full(self._values, batch))
+                if self.critic is not None
+                else torch.zeros_like(batch.logp_behav)
+            )
         log_w = log_ratio(logp_old, batch.logp_behav, action_mask)
         loss_mask = action_mask
         bootstrap = None
         if self.config.truncation == "mask":
             loss_mask = action_mask & ~batch.truncated[:, None]
         elif self.config.truncation == "bootstrap" and self.critic is not None:
-            bootstrap = torch.where(batch.truncated, self._last_values(batch), 0.0)
+            with _eval_mode(self.critic):
+                bootstrap = torch.where(batch.truncated, self._last_values(batch), 0.0)
         adv = compute_advantages(
             self.method.advantage,
             rewards=batch.token_rewards,
@@ -248,6 +301,7 @@ class ActorCriticTrainer:
             scores=batch.scores,
             group_ids=batch.group_ids,
             bootstrap_value=bootstrap,
+            stats_mask=loss_mask,
         )
         return StepTensors(
             logp_old=logp_old.detach(),
@@ -313,7 +367,10 @@ class ActorCriticTrainer:
         out[m.GRAD_CRITIC_NORM] = sum(norms) / max(len(norms), 1)
         return out
 
-    def _actor_loss(self, batch: TrainBatch, st: StepTensors, rows: torch.Tensor, mb: Minibatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _actor_loss(
+        self, batch: TrainBatch, st: StepTensors, rows: torch.Tensor, mb: Minibatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The actor loss of micro-batch ``rows``, its stats, and the detached ``cur`` log-probs ``[b, t]``."""
         length = _trim(rows, batch.attention_mask)
         mask = st.loss_mask[rows, :length]
         logp, entropy = self._logp_entropy(self.policy, batch, rows)
@@ -324,7 +381,7 @@ class ActorCriticTrainer:
             logp_behav=batch.logp_behav[rows, :length],
             advantages=st.advantages[rows, :length],
             action_mask=mask,
-            num_tokens=mb.num_tokens,
+            num_tokens=mb.actor_tokens,
             num_seqs=mb.num_seqs,
         )
         loss, stats = res.loss, dict(res.stats)
@@ -340,40 +397,62 @@ class ActorCriticTrainer:
             ent = zero_where_not(mask, entropy).sum() / max(mb.num_tokens, 1)
             loss = loss - self.config.entropy_coef * ent
             stats[m.LOSS_ENTROPY] = ent.detach()
-        return loss, stats
+        return loss, stats, logp.detach()
 
     def _logp_entropy(self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (with grad) and, when the entropy bonus is on, per-token entropies ``[b, t] float32``."""
         if self.config.entropy_coef == 0:
             return self._logp(model, batch, rows), None
         length = _trim(rows, batch.attention_mask)
+        temperature, transform = self._sampler_transform()
         return token_logprobs_and_entropy(
             model,  # type: ignore[arg-type]  # any causal LM module
             batch.input_ids[rows, :length],
             batch.attention_mask[rows, :length],
-            temperature=self.config.temperature,
+            temperature=temperature,
+            transform=transform,
         )
 
     def _actor_updates(self, batch: TrainBatch, st: StepTensors) -> dict[str, float]:
         count = self.config.actor_minibatches or self.method.policy.minibatches
         stats_acc: dict[str, float] = {}
         losses, norms = [], []
+        ratio_stats: dict[str, float] = {}
         for epoch in range(self.config.ppo_epochs):
             for mb in self._minibatches(st.loss_mask, count, salt=100 + epoch):
                 mb = self._actor_denominator(batch, st, mb)
+                first = epoch == 0 and not ratio_stats and not self.method.needs_old_forward
+                cur = torch.zeros(len(mb.index), batch.input_ids.shape[1]) if first else None
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 for rows in micro_batches(mb.index, self.config.micro_batch_size):
-                    loss, stats = self._actor_loss(batch, st, rows, mb)
+                    loss, stats, logp = self._actor_loss(batch, st, rows, mb)
                     loss.backward()
                     losses.append(float(loss.detach()))
                     _accumulate(stats_acc, stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
+                    if cur is not None:
+                        cur[torch.isin(mb.index, rows), : logp.shape[1]] = logp.float()
+                if cur is not None:
+                    ratio_stats = self._current_ratio_stats(batch, st, mb, cur)
                 norms.append(_clip(self.policy, self.config.max_grad_norm))
                 self.actor_optimizer.step()
         updates = max(1, self.config.ppo_epochs * count)
-        out = {k: v / updates for k, v in stats_acc.items()}
+        out = {k: v / updates for k, v in stats_acc.items()} | ratio_stats
         out[m.LOSS_POLICY] = sum(losses) / updates
         out[m.GRAD_ACTOR_NORM] = sum(norms) / max(len(norms), 1)
         return out
+
+    def _current_ratio_stats(self, batch: TrainBatch, st: StepTensors, mb: Minibatch, cur: torch.Tensor) -> dict[str, float]:
+        """``ratio/...`` of ``cur / mu`` over the first minibatch, for methods without an ``old`` forward.
+
+        Their ``old := mu`` makes ``log w = 0`` (ESS 1, KL 0) whatever the staleness; before its first
+        optimizer step ``cur`` is the step-start policy, so these are the statistics ``old / mu``
+        would have had on these rows (issue 10 defect 5).
+        """
+        mask = st.loss_mask[mb.index]
+        log_r = log_ratio(cur, batch.logp_behav[mb.index], mask)
+        adv = self.method.advantage
+        stats = importance_diagnostics(log_r, mask, clip_low=adv.ratio_low, clip_high=adv.ratio_high)
+        return {k: float(v) for k, v in stats.items()}
 
     @property
     def warmup_steps(self) -> int:
@@ -391,7 +470,7 @@ class ActorCriticTrainer:
             logp_behav=batch.logp_behav[idx],
             action_mask=st.loss_mask[idx],
         )
-        return Minibatch(index=idx, num_tokens=int(tokens), num_seqs=mb.num_seqs)
+        return replace(mb, loss_tokens=int(tokens))
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One training step (module docstring); returns its metrics and advances :attr:`version`."""
