@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-
-from functools import partial
 
 from copc.models.hf import (
     EXCLUDED_LOGPROB,
@@ -17,8 +16,8 @@ from copc.models.hf import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from copc.rollout.engine import truncated_logprobs
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
+from copc.rollout.engine import truncated_logprobs
 
 # fp32 forwards of the same prefix batched/padded vs alone differ by summation order only: ~1e-6.
 ATOL = 2e-5
