@@ -43,15 +43,13 @@ from copc.channels import compute_advantages, count_loss_tokens, policy_loss, va
 from copc.channels.methods import MethodConfig
 from copc.models.hf import LogProbTransform, token_logprobs, token_logprobs_and_entropy
 from copc.ops import (
-    explained_variance,
-    importance_diagnostics,
     k3_from_log,
     log_ratio,
-    masked_mean,
     zero_where_not,
 )
 from copc.rollout.engine import truncated_logprobs
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
+from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
 
 __all__ = ["ActorCriticTrainer", "StepTensors", "TrainerConfig"]
 
@@ -235,12 +233,9 @@ class ActorCriticTrainer:
 
     # ------------------------------------------------------------------ forwards
     def _sampler_transform(self) -> tuple[float, LogProbTransform | None]:
-        """``(temperature, transform)`` for the log-prob helpers: the sampler's own distribution.
-
-        Temperature only (the exact formula of :func:`~copc.models.hf.token_logprobs`) without top-k /
-        top-p; otherwise the engine's :func:`~copc.rollout.engine.truncated_logprobs`, so ``w = old / mu``
-        is 1 at staleness 0 (docs/algorithms.md, "Sampling transform").
-        """
+        """``(temperature, transform)`` for the log-prob helpers: the sampler's own distribution (temperature
+        only without top-k / top-p, else the engine's ``truncated_logprobs``), so ``w = old / mu`` is 1 at
+        staleness 0 (docs/algorithms.md, "Sampling transform")."""
         cfg = self.config
         if cfg.top_p >= 1.0 and cfg.top_k == 0:
             return cfg.temperature, None
@@ -432,7 +427,9 @@ class ActorCriticTrainer:
                     if cur is not None:
                         cur[torch.isin(mb.index, rows), : logp.shape[1]] = logp.float()
                 if cur is not None:
-                    ratio_stats = self._current_ratio_stats(batch, st, mb, cur)
+                    adv = self.method.advantage
+                    ratio_stats = current_ratio_stats(cur, batch.logp_behav[mb.index], st.loss_mask[mb.index],
+                                                      clip_low=adv.ratio_low, clip_high=adv.ratio_high)
                 norms.append(_clip(self.policy, self.config.max_grad_norm))
                 self.actor_optimizer.step()
         updates = max(1, self.config.ppo_epochs * count)
@@ -440,19 +437,6 @@ class ActorCriticTrainer:
         out[m.LOSS_POLICY] = sum(losses) / updates
         out[m.GRAD_ACTOR_NORM] = sum(norms) / max(len(norms), 1)
         return out
-
-    def _current_ratio_stats(self, batch: TrainBatch, st: StepTensors, mb: Minibatch, cur: torch.Tensor) -> dict[str, float]:
-        """``ratio/...`` of ``cur / mu`` over the first minibatch, for methods without an ``old`` forward.
-
-        Their ``old := mu`` makes ``log w = 0`` (ESS 1, KL 0) whatever the staleness; before its first
-        optimizer step ``cur`` is the step-start policy, so these are the statistics ``old / mu``
-        would have had on these rows (issue 10 defect 5).
-        """
-        mask = st.loss_mask[mb.index]
-        log_r = log_ratio(cur, batch.logp_behav[mb.index], mask)
-        adv = self.method.advantage
-        stats = importance_diagnostics(log_r, mask, clip_low=adv.ratio_low, clip_high=adv.ratio_high)
-        return {k: float(v) for k, v in stats.items()}
 
     @property
     def warmup_steps(self) -> int:
@@ -477,7 +461,8 @@ class ActorCriticTrainer:
         start = time.perf_counter()
         self.policy.train()
         st = self.prepare(batch)
-        metrics = diagnostics(batch, st)
+        metrics = step_diagnostics(batch, loss_mask=st.loss_mask, returns=st.returns, values_old=st.values_old,
+                                   log_w=st.log_w)
         metrics.update({k: float(v) for k, v in st.adv_stats.items()})
         if self.critic is not None:
             self.critic.train()
@@ -511,38 +496,3 @@ def _clip(model: nn.Module, max_norm: float) -> float:
 def _accumulate(acc: dict[str, float], stats: dict[str, torch.Tensor], *, weight: float) -> None:
     for key, value in stats.items():
         acc[key] = acc.get(key, 0.0) + weight * float(value)
-
-
-@torch.no_grad()
-def diagnostics(batch: TrainBatch, st: StepTensors) -> dict[str, float]:
-    """Step-start diagnostics of the batch (spec 9.5, step 6), before any update.
-
-    - ``critic/explained_var = 1 - Var(G - V_old) / Var(G)`` over loss tokens;
-    - ``critic/value_bias`` ``b = E_pi[R] - E_mu[R]`` and ``critic/value_bias_gap`` ``g = |v1 - E_pi[R]|``
-      (BRACE eq. 7) with ``E_pi[R] = sum_i W_i R_i / sum_i W_i``, ``W_i = exp(sum_t log w_it)`` (self-
-      normalised, computed as a softmax in log space) and ``v1`` the batch mean of V at each row's first
-      action token;
-    - realized staleness is computed by the driver, which knows the consuming version.
-    """
-    mask = st.loss_mask
-    rows = mask.any(dim=-1)
-    out: dict[str, float] = {
-        m.REWARD_MEAN: float(batch.scores.mean()),
-        m.BATCH_ACTION_TOKENS: float(batch.num_action_tokens),
-        m.BATCH_SEQUENCES: float(batch.batch_size),
-        m.BATCH_TRUNCATED_FRAC: float(batch.truncated.float().mean()),
-    }
-    # Undefined when the targets do not vary (e.g. every reward 0): reported as 0 (ops.explained_variance).
-    out[m.CRITIC_EXPLAINED_VAR] = float(explained_variance(st.returns, st.values_old, mask))
-    out[m.CRITIC_VALUES_MEAN] = float(masked_mean(st.values_old, mask))
-    out[m.CRITIC_RETURNS_MEAN] = float(masked_mean(st.returns, mask))
-    if bool(rows.any()):
-        seq_log_w = zero_where_not(batch.action_mask, st.log_w).sum(dim=-1)[rows]
-        weights = torch.softmax(seq_log_w.double(), dim=0)
-        scores = batch.scores[rows].double()
-        e_pi = float((weights * scores).sum())
-        first = batch.action_mask.float().argmax(dim=-1)[rows]
-        v1 = float(st.values_old[rows].gather(1, first[:, None]).mean())
-        out[m.CRITIC_VALUE_BIAS] = e_pi - float(scores.mean())
-        out[m.CRITIC_VALUE_BIAS_GAP] = abs(v1 - e_pi)
-    return out
