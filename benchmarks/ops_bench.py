@@ -1,4 +1,4 @@
-"""Benchmark of the advantage channel (copc.ops.advantages) on one CPU thread.
+"""Benchmark of the advantage channel (copc.ops.advantages, copc.ops.corrected_advantages) on one CPU thread.
 
 B = 64 sequences, T = 4096 tokens, float32, realistic multi-turn action masks (prompt prefix, several
 turns of sampled tokens separated by tool-output spans, right padding). Prints medians over repeats of:
@@ -36,16 +36,19 @@ from collections.abc import Callable
 
 import torch
 
-from copc.ops.advantages import (
+from copc.ops import (
     brace,
     broadcast_to_tokens,
     clipped_td,
+    copc_policy_loss,
     gae,
     group_advantages,
+    importance_diagnostics,
+    log_ratio,
+    masked_whiten,
+    ppo_clip_loss,
     vtrace,
 )
-from copc.ops.importance import importance_diagnostics, log_ratio
-from copc.ops.masked import masked_whiten
 
 B, T = 64, 4096
 
@@ -211,11 +214,6 @@ def main() -> None:
 
 def full_step(d: dict[str, torch.Tensor], repeats: int, runs: int) -> None:
     """COPC vs async PPO 3a: advantages + whitening + actor loss forward and backward."""
-    try:
-        from copc.ops.policy_losses import copc_policy_loss, ppo_clip_loss
-    except ImportError as err:
-        print(f"\nfull step: unavailable (copc.ops.policy_losses: {err})")
-        return
     mask, rew, val = d["mask"], d["rewards"], d["values"]
     logp = d["logp"].clone().requires_grad_(True)
 

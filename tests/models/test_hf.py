@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from copc.models.hf import ValueModel, load_policy, position_ids_from_mask, token_logprobs
+from copc.models.hf import (
+    EXCLUDED_LOGPROB,
+    ValueModel,
+    load_policy,
+    position_ids_from_mask,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
+from copc.rollout.engine import truncated_logprobs
 
 # fp32 forwards of the same prefix batched/padded vs alone differ by summation order only: ~1e-6.
 ATOL = 2e-5
@@ -79,6 +88,40 @@ def test_token_logprobs_has_gradients_and_checks_input(model, tok) -> None:
         token_logprobs(model, ids, mask, temperature=0.0)
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         token_logprobs(model, ids[0], mask[0])
+
+
+def test_truncated_transform_and_entropy(model, tok) -> None:
+    # The trainer's log-probs under the sampler's top-p transform: the picked entry of
+    # truncated_logprobs(l_{t-1}); tokens outside the nucleus get EXCLUDED_LOGPROB (finite), no NaN in
+    # the gradient; the entropy is over the kept tokens; without a transform the entropy helper's
+    # log-probs are token_logprobs' bit for bit.
+    rows = [tok.encode(t) for t in ROWS_TEXT]
+    ids, mask = _right_pad(rows, tok.pad_token_id)
+    transform = partial(truncated_logprobs, temperature=0.8, top_k=0, top_p=0.5)
+    logp = token_logprobs(model, ids, mask, transform=transform)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask)).logits.float()
+    full = transform(logits[:, :-1])  # [B, T-1, V]
+    want = full.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    has_prefix = mask[:, 1:] & mask[:, :-1]
+    excluded = has_prefix & ~torch.isfinite(want)
+    kept = has_prefix & torch.isfinite(want)
+    assert excluded.any() and kept.any()  # a near-uniform random model: half the vocabulary is out
+    torch.testing.assert_close(logp[:, 1:][kept], want[kept], atol=ATOL, rtol=0)
+    assert bool((logp[:, 1:][excluded] == EXCLUDED_LOGPROB).all())
+    logp_e, entropy = token_logprobs_and_entropy(model, ids, mask, transform=transform)
+    (logp_e[:, 1:][kept].sum() + entropy.sum()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    probs = full.exp()
+    want_h = -torch.where(torch.isfinite(full), probs * full, 0.0).sum(-1)
+    torch.testing.assert_close(entropy[:, 1:][has_prefix], want_h[has_prefix], atol=ATOL, rtol=0)
+    with torch.no_grad():
+        plain = token_logprobs(model, ids, mask, temperature=0.7)
+        both, _ = token_logprobs_and_entropy(model, ids, mask, temperature=0.7)
+    assert torch.equal(plain, both)
+    with pytest.raises(ValueError, match="give the temperature to the transform"):
+        token_logprobs(model, ids, mask, temperature=0.5, transform=transform)
 
 
 def test_value_alignment_is_state_before_token(model, tok) -> None:

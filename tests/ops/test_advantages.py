@@ -1,4 +1,4 @@
-"""Tests for copc.ops.advantages: golden rows, slow-loop oracles, reductions and masking invariances.
+"""Tests for copc.ops.advantages and copc.ops.corrected_advantages: golden rows, slow-loop oracles, reductions and masking invariances.
 
 Tolerance: the vectorised code runs in float32, the oracles in float64 Python floats. Rows here hold at
 most ~40 action tokens of O(1) residuals, so accumulated float32 rounding stays below ~40 * 6e-8 ~ 3e-6
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from copc.ops.advantages import (
+from copc.ops import (
     brace,
     broadcast_to_tokens,
     clipped_td,
@@ -160,7 +160,11 @@ def test_vtrace_matches_reference(batch: int, length: int, seed: int, gamma: flo
         return vtrace_row(d["rewards"][b].tolist(), d["values"][b].tolist(), d["log_rho"][b].tolist(),
                           d["action_mask"][b].tolist(), boot=float(d["boot"][b]), **kw)
 
-    _against_rows(tuple(out), ref, batch)
+    _against_rows(tuple(out[:2]), ref, batch)
+    # the two factors of A^pg: rho^pg = min(pg_rho_bar, w) and the TD term, both 0 off action tokens
+    assert torch.equal(out.pg_advantages, out.pg_rho * out.pg_td)
+    w = torch.exp(d["log_rho"].clamp(-20, 20))
+    torch.testing.assert_close(out.pg_rho, torch.where(d["action_mask"], w.clamp(max=1.5), 0.0))
 
 
 @pytest.mark.parametrize(("batch", "length", "seed"), CASES)
@@ -418,7 +422,7 @@ def test_trace_estimators_match_reference_across_scan_blocks(seed: int) -> None:
                     lam_actor=0.9, low=0.8, high=1.2, trace="vtrace", trace_low=0.5, trace_high=1.1)
     for b in range(3):
         row = (d["rewards"][b].tolist(), d["values"][b].tolist(), d["log_rho"][b].tolist(), d["action_mask"][b].tolist())
-        for got, exp in zip(vt, vtrace_row(*row, pg_rho_bar=1.0, boot=float(d["boot"][b]), **kw), strict=True):
+        for got, exp in zip(vt[:2], vtrace_row(*row, pg_rho_bar=1.0, boot=float(d["boot"][b]), **kw), strict=True):
             torch.testing.assert_close(got[b], torch.tensor(exp, dtype=torch.float32), **TOL)
         for got, exp in zip(br, brace_row(*row, k=500, boot=float(d["boot"][b]), **kw), strict=True):
             torch.testing.assert_close(got[b], torch.tensor(exp, dtype=torch.float32), **TOL)

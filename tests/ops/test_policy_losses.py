@@ -1,4 +1,4 @@
-"""Tests for copc.ops.policy_losses: golden values, the per-token oracle, reductions, NaN safety,
+"""Tests for copc.ops.policy_losses and corrected_policy_losses: golden values, the per-token oracle, reductions, NaN safety,
 gradcheck and micro-batch accumulation."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from copc.ops.policy_losses import (
+from copc.ops import (
+    AggSpec,
+    ClipSpec,
     PolicyLossOutput,
     bypass_ppo_loss,
     copc_policy_loss,
@@ -19,6 +21,7 @@ from copc.ops.policy_losses import (
     pg_loss,
     ppo_clip_loss,
     tis_ppo_loss,
+    weighted_ppo_loss,
 )
 from reference import losses as ref
 
@@ -58,15 +61,15 @@ def test_ppo_golden_dual_and_asymmetric() -> None:
     old = torch.zeros(1, 4)
     adv = torch.tensor([[1.0, -2.0, -1.0, 0.5]])
     mask = torch.ones(1, 4, dtype=torch.bool)
-    out = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip_c=3.0)
+    out = ppo_clip_loss(logp, old, adv, mask, clip=ClipSpec(0.2, 0.2, 3.0))
     torch.testing.assert_close(out.per_token, torch.tensor([[-1.2, 1.6, 3.0, -0.55]]))
     torch.testing.assert_close(out.loss, torch.tensor(0.7125))
     assert out.stats["policy/clip_frac_high"] == 0.25 and out.stats["policy/clip_frac_low"] == 0.25
     assert out.stats["policy/dual_clip_frac"] == 0.25
-    plain = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    plain = ppo_clip_loss(logp, old, adv, mask, clip=ClipSpec(0.2, 0.2))
     torch.testing.assert_close(plain.loss, torch.tensor(0.9625))
     # clip-higher eps_high = 0.28: t0 becomes max(-1.5, -1.28) = -1.28.
-    higher = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    higher = ppo_clip_loss(logp, old, adv, mask, clip=ClipSpec(0.2, 0.28))
     torch.testing.assert_close(higher.per_token[0, 0], torch.tensor(-1.28))
 
 
@@ -130,6 +133,23 @@ def test_icepop_golden_seq_mean() -> None:
     torch.testing.assert_close(out.loss, torch.tensor(-0.55))
 
 
+def test_icepop_current_takes_the_mask_from_cur_and_the_weight_from_old() -> None:
+    # issue 10 defect 4. old = mu = 0, so k = old/mu = 1 on both tokens; cur = (ln 3, ln 6), A = 1.
+    #   t0: cur/mu = 3 in [0.5, 5]: kept, weight k = 1 (not cur/mu = 3); u = 3: max(-3, -1.28) = -1.28.
+    #   t1: cur/mu = 6 outside the band: masked (the step-start ratio k = 1 would keep it).
+    # seq-mean-token-mean over the row's 2 tokens: -1.28 / 2 = -0.64 (weighting by cur/mu gave -1.92).
+    cur = torch.tensor([[LN(3.0), LN(6.0)]])
+    z = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    out = icepop_loss(cur, z, z, torch.ones(1, 2), mask, ratio_source="current")
+    torch.testing.assert_close(out.per_token, torch.tensor([[-1.28, 0.0]]))
+    torch.testing.assert_close(out.loss, torch.tensor(-0.64))
+    assert out.keep.tolist() == [[True, False]]
+    # the same as COPC's "current" variant with IcePop's band and aggregation
+    copc = copc_policy_loss(cur, z, z, torch.ones(1, 2), mask, mask_low=0.5, mask_high=5.0, mask_source="current", agg=AggSpec("seq-mean-token-mean"))
+    assert torch.equal(out.per_token, copc.per_token) and torch.equal(out.loss, copc.loss)
+
+
 def test_dis_golden_strict_band_and_gradient() -> None:
     # r = exp(cur - mu) = (1, 7, 0.5, 2), band (0.7, 6): keep (T, F, F, T).
     # A = (1, 1, -1, -1): l = (-1, 0, 0, 2) -> token-mean over 4 = 0.25.
@@ -187,18 +207,23 @@ def _cases() -> dict[str, LossCase]:
     def ora_pg(d: dict, mode: str, den: str) -> tuple[float, list[list[float]]]:
         return ref.pg(d["logp"], d["advantages"], d["action_mask"], mode=mode)
 
-    clip = {"clip_low": 0.2, "clip_high": 0.28}
+    clip = ClipSpec(0.2, 0.28)
+    dual = ClipSpec(0.2, 0.28, 3.0)
+
+    def agg(mode: str, kw: dict) -> AggSpec:
+        return AggSpec(mode, **kw)  # type: ignore[arg-type]
+
     return {
-        "ppo": (lambda d, mode, den, **kw: ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], dual_clip_c=3.0, loss_agg=mode, **kw, **clip), ora_ppo),
-        "bypass": (lambda d, mode, den, **kw: bypass_ppo_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], dual_clip_c=3.0, loss_agg=mode, **kw, **clip), ora_bypass),
-        "decoupled_mask": (lambda d, mode, den, **kw: decoupled_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap=2.0, loss_agg=mode, denominator=den, **kw, **clip), ora_rule(ref.rule_decoupled(2.0, "mask"))),
-        "tis": (lambda d, mode, den, **kw: tis_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap=2.0, loss_agg=mode, **kw, **clip), ora_rule(ref.rule_decoupled(2.0, "clip"))),
-        "copc": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], loss_agg=mode, denominator=den, **kw, **clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=False, weight_current=False))),
-        "copc_binary": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], weight_mode="binary", loss_agg=mode, denominator=den, **kw, **clip), ora_rule(ref.rule_band(0.5, 2.0, binary=True, select_current=False, weight_current=False))),
-        "copc_current": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], mask_source="current", loss_agg=mode, denominator=den, **kw, **clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=True, weight_current=False))),
-        "icepop_current": (lambda d, mode, den, **kw: icepop_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], ratio_source="current", loss_agg=mode, denominator=den, **kw, **clip), ora_rule(ref.rule_band(0.5, 5.0, binary=False, select_current=True, weight_current=True))),
-        "dis": (lambda d, mode, den, **kw: dis_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], loss_agg=mode, denominator=den, **kw), ora_dis),
-        "pg": (lambda d, mode, den, **kw: pg_loss(d["logp"], d["advantages"], d["action_mask"], loss_agg=mode, **kw), ora_pg),
+        "ppo": (lambda d, mode, den, **kw: ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=dual, agg=agg(mode, kw)), ora_ppo),
+        "bypass": (lambda d, mode, den, **kw: bypass_ppo_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], clip=dual, agg=agg(mode, kw)), ora_bypass),
+        "decoupled_mask": (lambda d, mode, den, **kw: decoupled_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap=2.0, agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_decoupled(2.0, "mask"))),
+        "tis": (lambda d, mode, den, **kw: tis_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap=2.0, agg=agg(mode, kw), clip=clip), ora_rule(ref.rule_decoupled(2.0, "clip"))),
+        "copc": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=False, weight_current=False))),
+        "copc_binary": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], weight_mode="binary", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=True, select_current=False, weight_current=False))),
+        "copc_current": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], mask_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=True, weight_current=False))),
+        "icepop_current": (lambda d, mode, den, **kw: icepop_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], ratio_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 5.0, binary=False, select_current=True, weight_current=False))),
+        "dis": (lambda d, mode, den, **kw: dis_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], agg=agg(mode, kw), denominator=den), ora_dis),
+        "pg": (lambda d, mode, den, **kw: pg_loss(d["logp"], d["advantages"], d["action_mask"], agg=agg(mode, kw)), ora_pg),
     }
 
 
@@ -229,8 +254,8 @@ def test_copc_with_unit_weights_is_ppo() -> None:
     # w = 1 (old == mu, zero staleness): M = 1, omega = 1 -> COPC's actor loss == PPO's, same dual clip.
     d = ragged_batch(6, 9, 3)
     for dual in (None, 3.0):
-        ppo = ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip_high=0.28, dual_clip_c=dual)
-        copc = copc_policy_loss(d["logp"], d["logp_old"], d["logp_old"], d["advantages"], d["action_mask"], dual_clip_c=dual)
+        ppo = ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(0.2, 0.28, dual))
+        copc = copc_policy_loss(d["logp"], d["logp_old"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(0.2, 0.28, dual))
         assert torch.equal(copc.per_token, ppo.per_token) and torch.equal(copc.loss, ppo.loss)
         assert copc.stats["policy/mask_frac"] == 0 and copc.stats["policy/weight_mean"] == 1
 
@@ -239,11 +264,11 @@ def test_infinite_band_removes_masking() -> None:
     # band [0, inf]: COPC (masked_is) == AReaL decoupled without cap; binary == 3b PPO.
     d = ragged_batch(6, 9, 4, stale=3.0)
     copc = copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], mask_low=0.0, mask_high=math.inf)
-    areal = decoupled_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap=math.inf, clip_high=0.28)
+    areal = decoupled_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap=math.inf, clip=ClipSpec(0.2, 0.28))
     torch.testing.assert_close(copc.loss, areal.loss, rtol=0, atol=0)
     assert copc.stats["policy/mask_frac"] == 0
     binary = copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], mask_low=0.0, mask_high=math.inf, weight_mode="binary")
-    ppo = ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip_high=0.28)
+    ppo = ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(0.2, 0.28))
     torch.testing.assert_close(binary.loss, ppo.loss, rtol=0, atol=0)
 
 
@@ -321,20 +346,20 @@ def test_gradcheck_wrt_logp(name: str) -> None:
     assert torch.autograd.gradcheck(f, (x,))
 
 
-def test_icepop_current_weight_is_a_constant_in_the_gradient() -> None:
-    # With ratio_source="current" the weight k = cur/mu is detached, so the loss is not the integral
-    # of its gradient and gradcheck does not apply: check instead that the gradient equals that of
-    # the same loss with k frozen at its current value (a fixed weight).
+def test_icepop_current_mask_is_a_constant_in_the_gradient() -> None:
+    # With ratio_source="current" the mask M(cur/mu) is detached and moves with cur, so the loss is
+    # piecewise and gradcheck does not apply at the band edges: check instead that the gradient
+    # equals that of the same loss with the mask frozen and the weight k = old/mu fixed.
     d = ragged_batch(4, 7, 11)
     x = d["logp"].clone().requires_grad_(True)
     out = icepop_loss(x, d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], ratio_source="current")
     (g,) = torch.autograd.grad(out.loss, x)
-    k = torch.exp(d["logp"] - d["logp_behav"])
-    keep = d["action_mask"] & (k >= 0.5) & (k <= 5.0)
+    s = torch.exp(d["logp"] - d["logp_behav"])
+    keep = d["action_mask"] & (s >= 0.5) & (s <= 5.0)
+    k = torch.exp(d["logp_old"] - d["logp_behav"])
     y = d["logp"].clone().requires_grad_(True)
-    from copc.ops.policy_losses import weighted_ppo_loss
 
-    frozen = weighted_ppo_loss(y, d["logp_old"], d["advantages"], d["action_mask"], weight=k, keep=keep, clip_high=0.28, loss_agg="seq-mean-token-mean")
+    frozen = weighted_ppo_loss(y, d["logp_old"], d["advantages"], d["action_mask"], weight=k, keep=keep, clip=ClipSpec(0.2, 0.28), agg=AggSpec("seq-mean-token-mean"))
     (g_frozen,) = torch.autograd.grad(frozen.loss, y)
     torch.testing.assert_close(g, g_frozen, **TOL)
 
@@ -375,9 +400,9 @@ def test_errors_name_the_argument() -> None:
         ppo_clip_loss(d["logp"], d["logp_old"][:, :3], d["advantages"], d["action_mask"])
     with pytest.raises(TypeError, match="action_mask"):
         ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"].float())
-    with pytest.raises(ValueError, match="dual_clip_c"):
-        ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], dual_clip_c=0.5)
-    with pytest.raises(ValueError, match="clip_low"):
-        ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip_low=1.0)
+    with pytest.raises(ValueError, match="dual_c"):
+        ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(dual_c=0.5))
+    with pytest.raises(ValueError, match=r"clip\.low"):
+        ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(low=1.0))
     with pytest.raises(ValueError, match="cap_mode"):
         decoupled_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap_mode="bogus")  # type: ignore[arg-type]

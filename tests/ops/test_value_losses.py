@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from copc.ops.value_losses import clipped_value_loss, huber_value_loss, mse_value_loss
+from copc.ops import AggSpec, clipped_value_loss, huber_value_loss, mse_value_loss
 from reference import losses as ref
 
 # float32 ops vs float64 oracle on O(1) values: 1e-5 relative is ~100 ulps.
@@ -58,7 +58,7 @@ def test_matches_per_token_oracle(b: int, kind: str, clip_eps: float | None) -> 
     for seed in range(3):
         d = batch(b, 8, seed)
         for mode in ("token-mean", "seq-mean-token-mean"):
-            out = clipped_value_loss(**d, clip_eps=clip_eps, kind=kind, loss_agg=mode)  # type: ignore[arg-type]
+            out = clipped_value_loss(**d, clip_eps=clip_eps, kind=kind, agg=AggSpec(mode))  # type: ignore[arg-type]
             want, tok = ref.value(d["values"], d["values_old"], d["returns"], d["action_mask"], clip_eps=clip_eps, kind=kind, mode=mode)
             torch.testing.assert_close(out.per_token, torch.tensor(tok, dtype=torch.float32), **TOL)
             torch.testing.assert_close(out.loss, torch.tensor(want, dtype=torch.float32), **TOL)
@@ -96,12 +96,12 @@ def test_micro_batches_sum_to_full_batch() -> None:
     d = batch(6, 8, 5)
     n_tok = d["action_mask"].sum()
     x = d["values"].clone().requires_grad_(True)
-    full = clipped_value_loss(x, d["values_old"], d["returns"], d["action_mask"], num_tokens=n_tok).loss
+    full = clipped_value_loss(x, d["values_old"], d["returns"], d["action_mask"], agg=AggSpec(num_tokens=n_tok)).loss
     g_full = torch.autograd.grad(full, x)[0]
     total, grads = torch.zeros(()), []
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
         xm = d["values"][rows].clone().requires_grad_(True)
-        part = clipped_value_loss(xm, d["values_old"][rows], d["returns"][rows], d["action_mask"][rows], num_tokens=n_tok).loss
+        part = clipped_value_loss(xm, d["values_old"][rows], d["returns"][rows], d["action_mask"][rows], agg=AggSpec(num_tokens=n_tok)).loss
         total = total + part.detach()
         grads.append(torch.autograd.grad(part, xm)[0])
     torch.testing.assert_close(total, full.detach(), rtol=1e-6, atol=1e-7)

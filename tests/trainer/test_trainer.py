@@ -1,4 +1,9 @@
-"""Tests for copc.trainer.trainer: one actor-critic step on synthetic trajectories and the tiny model."""
+"""Tests for copc.trainer.trainer: one actor-critic step on synthetic trajectories and the tiny model.
+
+The second half holds the trainer's defects of issue 10, each with a test that failed before its fix:
+the sampler's top-p / top-k transform in the trainer's log-probs (3), the ratio diagnostics of methods
+without an ``old`` forward (5), eval-mode no-grad forwards, truncated rows out of the whitening
+statistics and the KL / entropy denominators under ``denominator = kept`` (6)."""
 
 from __future__ import annotations
 
@@ -11,7 +16,9 @@ import torch
 from copc.channels.methods import get_method
 from copc.models import build_tiny_model, build_tiny_tokenizer
 from copc.models.hf import ValueModel, token_logprobs
-from copc.trainer.batching import collate
+from copc.ops import importance_diagnostics, log_ratio
+from copc.rollout.engine import Engine, SamplingConfig
+from copc.trainer.batching import TrainBatch, collate
 from copc.trainer.trainer import ActorCriticTrainer, TrainerConfig
 from copc.types import StopReason, Trajectory
 
@@ -137,7 +144,7 @@ def test_tool_and_prompt_tokens_get_no_gradient() -> None:
         from copc.trainer.batching import split_minibatches
 
         mb = split_minibatches(state.loss_mask, 1)[0]
-        loss, _ = trainer._actor_loss(batch, state, rows, mb)
+        loss, _, _ = trainer._actor_loss(batch, state, rows, mb)
         loss.backward()
     finally:
         handle.remove()
@@ -188,3 +195,139 @@ def test_state_dict_round_trip_continues_identically() -> None:
     for name, value in trainer.policy.named_parameters():
         assert torch.equal(value, dict(clone.policy.named_parameters())[name])
     assert m1["loss/policy"] == m2["loss/policy"]
+
+
+# ---------------------------------------------------------------- issue 10: faithful trainer
+
+PROMPTS = ["Compute 3+4.", "hi", "<python>print(1)</python>\n<output>1\n</output>", "12*13="]
+
+
+def sampled_batch(model: torch.nn.Module, config: SamplingConfig) -> TrainBatch:
+    """Trajectories sampled by the real engine with ``config`` (behaviour log-probs as it recorded them)."""
+    tok = build_tiny_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    gens = Engine(model, tok).generate(prompts, config, seeds=[11, 12, 13, 14])  # type: ignore[arg-type]
+    trajs = []
+    for i, (prompt, gen) in enumerate(zip(prompts, gens, strict=True)):
+        n, k = len(prompt), len(gen.token_ids)
+        ids = torch.tensor(prompt + gen.token_ids.tolist())
+        mask = torch.arange(n + k) >= n
+        logp = torch.zeros(n + k)
+        logp[n:] = gen.logp
+        rewards = torch.zeros(n + k)
+        rewards[-1] = float(i % 2)
+        trajs.append(Trajectory(
+            prompt_id=f"p{i}", token_ids=ids, prompt_len=n, action_mask=mask, logp_behav=logp,
+            policy_version=torch.where(mask, 0, -1), reward=float(i % 2), token_rewards=rewards,
+            stop_reason=StopReason.ANSWER, group=i,
+        ))
+    return collate(trajs, pad_id=tok.pad_token_id)
+
+
+def test_top_p_sampling_at_zero_staleness_gives_unit_weights() -> None:
+    # Defect 3: mu is the truncated, renormalised distribution, so a trainer computing old from the
+    # full distribution sees old < mu (w < 1) on every token whose nucleus dropped mass, at s = 0.
+    sampling = SamplingConfig(temperature=0.7, top_p=0.8, max_new_tokens=12)
+    trainer = make_trainer("ppo", temperature=0.7, top_p=0.8, micro_batch_size=8)
+    batch = sampled_batch(trainer.policy, sampling)
+    st = trainer.prepare(batch)
+    mask = batch.action_mask
+    # KV-cached one-token-at-a-time vs one full forward: ~1e-6 (the engine tests' 1e-5 bound)
+    assert float(st.log_w[mask].abs().max()) < 1e-5
+    full = make_trainer("ppo", temperature=0.7, micro_batch_size=8).prepare(batch)  # the full distribution
+    assert float(full.log_w[mask].mean()) < -0.05 and float((full.log_w[mask] < -1e-4).float().mean()) > 0.5
+    # the sync PPO step on it: ESS 1, KL 0 (to float rounding)
+    metrics = trainer.step(batch)
+    assert metrics["ratio/ess_tok"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(metrics["ratio/kl_k3"]) < 1e-8
+
+
+def test_top_k_transform_and_gradients_stay_finite() -> None:
+    sampling = SamplingConfig(temperature=1.0, top_k=3, max_new_tokens=10)
+    trainer = make_trainer("copc", top_k=3, micro_batch_size=8, entropy_coef=0.01)
+    batch = sampled_batch(trainer.policy, sampling)
+    st = trainer.prepare(batch)
+    assert float(st.log_w[batch.action_mask].abs().max()) < 1e-5
+    before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
+    metrics = trainer.step(batch)
+    assert all(v == v for v in metrics.values())  # no NaN anywhere
+    assert any(not torch.equal(v, before[k]) for k, v in trainer.policy.named_parameters())
+    assert all(torch.isfinite(v).all() for v in trainer.policy.parameters())
+
+
+def test_methods_without_an_old_forward_log_the_ratio_of_cur_to_mu() -> None:
+    # Defect 5: async PPO (bypass) sets old := mu, so log w = 0 and the logs read ESS 1 and KL 0
+    # whatever the staleness. One actor minibatch = every row: the stats must be those of cur/mu at
+    # the step start, i.e. of the policy's own log-probs against the (noisy, stale) mu.
+    trainer = make_trainer("async_ppo", actor_minibatches=1, micro_batch_size=3)
+    batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=0.5), pad_id=TOKENIZER.pad_token_id)
+    with torch.no_grad():
+        cur = token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask)
+    adv = get_method("async_ppo").advantage
+    want = importance_diagnostics(log_ratio(cur, batch.logp_behav, batch.action_mask), batch.action_mask,
+                                  clip_low=adv.ratio_low, clip_high=adv.ratio_high)
+    metrics = trainer.step(batch)
+    assert metrics["ratio/ess_tok"] < 0.95 and metrics["ratio/kl_k3"] > 0.05
+    for key, value in want.items():
+        assert metrics[key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), key
+
+
+def _with_dropout(model: torch.nn.Module, p: float) -> None:
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = p
+
+
+def test_no_grad_forwards_run_in_eval_mode() -> None:
+    # Defect 6: in train mode the old and value forwards draw dropout masks, so old != pi_old.
+    policy = build_tiny_model(TOKENIZER, seed=0)
+    _with_dropout(policy, 0.5)
+    torch.manual_seed(0)
+    critic = ValueModel.from_policy(policy)
+    trainer = ActorCriticTrainer(policy, critic, get_method("copc"), TrainerConfig(micro_batch_size=8, critic_warmup_steps=0))
+    batch = collate(synthetic_trajectories(policy), pad_id=TOKENIZER.pad_token_id)
+    policy.train()
+    critic.train()
+    st = trainer.prepare(batch)
+    assert policy.training and critic.training  # the modes are restored
+    policy.eval()
+    critic.eval()
+    with torch.no_grad():
+        want_old = token_logprobs(policy, batch.input_ids, batch.attention_mask)
+        want_v = critic(batch.input_ids, batch.attention_mask)
+    mask = batch.action_mask
+    torch.testing.assert_close(st.logp_old[mask], want_old[mask], rtol=0, atol=1e-6)
+    torch.testing.assert_close(st.values_old[mask], want_v[mask], rtol=0, atol=1e-6)
+
+
+def test_truncation_mask_keeps_dropped_rows_out_of_the_whitening() -> None:
+    # Defect 6: the rows that truncation = mask removes from the losses must not set the statistics.
+    trainer = make_trainer("copc", truncation="mask")
+    trajs = synthetic_trajectories(trainer.policy)
+    batch = collate(trajs, pad_id=TOKENIZER.pad_token_id)
+    batch = replace(batch, truncated=torch.tensor([True, True, True] + [False] * (len(trajs) - 3)),
+                    token_rewards=batch.token_rewards + 5.0 * torch.tensor([1.0, 1, 1] + [0.0] * (len(trajs) - 3))[:, None])
+    st = trainer.prepare(batch)
+    a = st.advantages[st.loss_mask].double()
+    assert st.loss_mask[:3].sum() == 0 and a.numel() > 10
+    assert abs(a.mean().item()) < 1e-5 and abs(a.std(unbiased=True).item() - 1.0) < 1e-5
+
+
+def test_kept_denominator_leaves_kl_and_entropy_over_valid_tokens() -> None:
+    # Defect 6: with denominator = kept only the actor loss divides by the kept tokens; the entropy
+    # (and KL) terms are token means over all valid tokens. One minibatch, so the entropy metric is
+    # that of the step-start policy in both runs and must agree.
+    base = get_method("copc")
+    narrow = replace(base.policy, mask_low=0.9, mask_high=1.1)
+    results = {}
+    for den in ("all", "kept"):
+        method = replace(base, policy=replace(narrow, denominator=den))
+        policy = build_tiny_model(TOKENIZER, seed=0)
+        torch.manual_seed(0)
+        trainer = ActorCriticTrainer(policy, ValueModel.from_policy(policy), method,
+                                     TrainerConfig(micro_batch_size=4, actor_minibatches=1, critic_warmup_steps=0, entropy_coef=0.01))
+        batch = collate(synthetic_trajectories(policy, behaviour_noise=0.5), pad_id=TOKENIZER.pad_token_id)
+        results[den] = trainer.step(batch)
+    assert results["kept"]["policy/mask_frac"] > 0.2  # the band really removes tokens
+    assert results["kept"]["loss/entropy"] == pytest.approx(results["all"]["loss/entropy"], rel=1e-6)
+    assert results["kept"]["policy/mask_frac"] == pytest.approx(results["all"]["policy/mask_frac"], rel=1e-6)

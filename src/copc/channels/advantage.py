@@ -2,8 +2,8 @@
 
 :class:`AdvantageChannelConfig` names a registered estimator (gae, vtrace, clipped_td, brace, group)
 and its parameters; :func:`compute_advantages` folds rewards onto action tokens, runs the estimator
-once per step on the whole batch, whitens the advantages if configured and returns them with the
-critic targets and diagnostics. The config, the registry and its entries live together here, so
+once per step on the whole batch, normalises the advantages as configured (whiten | scale | center |
+none, with an optional std floor) and returns them with the critic targets and diagnostics. The config, the registry and its entries live together here, so
 building a config always validates against the full registry. Re-exported by :mod:`copc.channels`.
 """
 
@@ -17,9 +17,23 @@ import torch
 
 from copc import tracking as m
 from copc.config import check_one_of
-from copc.ops import advantages as adv_ops
-from copc.ops.importance import importance_diagnostics
-from copc.ops.masked import check_mask, masked_mean, masked_var, masked_whiten
+from copc.ops import (
+    ADVANTAGE_NORMS,
+    AdvantageNorm,
+    GAEOutput,
+    brace,
+    broadcast_to_tokens,
+    check_mask,
+    clipped_td,
+    fold_rewards,
+    gae,
+    group_advantages,
+    importance_diagnostics,
+    masked_mean,
+    masked_var,
+    normalize_advantages,
+    vtrace,
+)
 from copc.registry import Registry
 
 __all__ = [
@@ -28,6 +42,7 @@ __all__ = [
     "AdvantageEstimator",
     "AdvantageInputs",
     "AdvantageResult",
+    "Estimate",
     "compute_advantages",
 ]
 
@@ -52,11 +67,24 @@ class AdvantageResult(NamedTuple):
     stats: dict[str, torch.Tensor]  # detached scalars
 
 
+class Estimate(NamedTuple):
+    """What an estimator returns: advantages before normalisation, critic targets, an IS factor."""
+
+    advantages: torch.Tensor  # [B, T] float32, 0 off action tokens (before is_weight)
+    returns: torch.Tensor  # [B, T] float32 critic targets, 0 off action tokens
+    #: [B, T] detached factor applied AFTER normalisation (V-trace's rho^pg), None = 1: a normalisation
+    #: shift then sits inside the importance weight, as the baseline V(s_t) does.
+    is_weight: torch.Tensor | None = None
+
+
+EstimatorFn = Callable[["AdvantageChannelConfig", AdvantageInputs], Estimate]
+
+
 @dataclass(frozen=True)
 class AdvantageEstimator:
-    """A registered estimator: ``fn(cfg, inputs) -> (advantages, returns)`` and what it reads."""
+    """A registered estimator: ``fn(cfg, inputs) -> Estimate`` and what it reads."""
 
-    fn: Callable[[AdvantageChannelConfig, AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
+    fn: EstimatorFn
     needs_critic: bool
     needs_log_w: bool
     group_normalised: bool
@@ -106,7 +134,11 @@ class AdvantageChannelConfig:
     group_eps: float = 1e-6
     """group: epsilon added to the group std (grpo)."""
     whiten: bool = True
-    """Whiten advantages once per step over all policy tokens (never with group estimators)."""
+    """Normalise advantages once per step over all policy tokens (never with group estimators)."""
+    normalize: AdvantageNorm = "whiten"
+    """With whiten=True: whiten (A - m)/s, scale A/s (no mean shift), center A - m, or none."""
+    std_floor: float = 0.0
+    """s = max(std, std_floor) in whiten / scale (0 = plain std): noise-only batches stay small."""
 
     def __post_init__(self) -> None:
         ADVANTAGE_ESTIMATORS.check(self.estimator, field="advantage.estimator")
@@ -134,12 +166,20 @@ class AdvantageChannelConfig:
         if self.brace_k < 0:
             raise ValueError(f"advantage.brace_k must be >= 0 (BRACE 100), got {self.brace_k}")
         check_one_of("advantage.group_mode", self.group_mode, ("grpo", "drgrpo", "rloo"))
+        check_one_of("advantage.normalize", self.normalize, ADVANTAGE_NORMS)
+        if not self.std_floor >= 0:
+            raise ValueError(f"advantage.std_floor must be >= 0 (0 = no floor, e.g. 0.1), got {self.std_floor}")
         if not self.group_eps > 0:
             raise ValueError(f"advantage.group_eps must be > 0, got {self.group_eps}")
         if self.whiten and ADVANTAGE_ESTIMATORS.get(self.estimator).group_normalised:
             raise ValueError(
                 f"advantage.estimator={self.estimator!r} is already group-normalised; set advantage.whiten=False"
             )
+
+    @property
+    def normalization(self) -> AdvantageNorm:
+        """The normalisation applied: ``normalize`` when ``whiten`` is on, else ``"none"``."""
+        return self.normalize if self.whiten else "none"
 
     @property
     def needs_critic(self) -> bool:
@@ -152,13 +192,10 @@ class AdvantageChannelConfig:
         return ADVANTAGE_ESTIMATORS.get(self.estimator).needs_log_w
 
 
-def _estimator(name: str, *, needs_critic: bool, needs_log_w: bool, group: bool = False, doc: str) -> Callable[
-    [Callable[[AdvantageChannelConfig, AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]],
-    Callable[[AdvantageChannelConfig, AdvantageInputs], tuple[torch.Tensor, torch.Tensor]],
-]:
-    def decorate(
-        fn: Callable[[AdvantageChannelConfig, AdvantageInputs], tuple[torch.Tensor, torch.Tensor]],
-    ) -> Callable[[AdvantageChannelConfig, AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]:
+def _estimator(
+    name: str, *, needs_critic: bool, needs_log_w: bool, group: bool = False, doc: str
+) -> Callable[[EstimatorFn], EstimatorFn]:
+    def decorate(fn: EstimatorFn) -> EstimatorFn:
         ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(fn, needs_critic, needs_log_w, group, doc))
         return fn
 
@@ -166,57 +203,57 @@ def _estimator(name: str, *, needs_critic: bool, needs_log_w: bool, group: bool 
 
 
 @_estimator("gae", needs_critic=True, needs_log_w=False, doc="GAE(gamma, lambda), decoupled lambda_c / lambda_a")
-def _gae(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _gae(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     values = x.values
     assert values is not None
 
-    def run(lam: float) -> adv_ops.GAEOutput:
-        return adv_ops.gae(x.rewards, values, x.action_mask, gamma=cfg.gamma, lam=lam, bootstrap_value=x.bootstrap_value)
+    def run(lam: float) -> GAEOutput:
+        return gae(x.rewards, values, x.action_mask, gamma=cfg.gamma, lam=lam, bootstrap_value=x.bootstrap_value)
 
     critic = run(cfg.lam_critic)
     if cfg.lam_actor == cfg.lam_critic:
-        return critic.advantages, critic.returns
-    return run(cfg.lam_actor).advantages, critic.returns
+        return Estimate(critic.advantages, critic.returns)
+    return Estimate(run(cfg.lam_actor).advantages, critic.returns)
 
 
 @_estimator("vtrace", needs_critic=True, needs_log_w=True, doc="V-trace targets vs and pg advantages (pi = old)")
-def _vtrace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _vtrace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     assert x.values is not None and x.log_w is not None
-    out = adv_ops.vtrace(
+    out = vtrace(
         x.rewards, x.values, x.log_w, x.action_mask, gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar,
         c_bar=cfg.c_bar, pg_rho_bar=cfg.pg_rho_bar, bootstrap_value=x.bootstrap_value,
     )
-    return out.pg_advantages, out.vs
+    return Estimate(out.pg_td, out.vs, out.pg_rho)
 
 
 @_estimator("clipped_td", needs_critic=True, needs_log_w=True, doc="COPC two-sided clipped-ratio weighted TD sums")
-def _clipped_td(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_td(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     assert x.values is not None and x.log_w is not None
-    out = adv_ops.clipped_td(
+    out = clipped_td(
         x.rewards, x.values, x.log_w, x.action_mask, gamma=cfg.gamma, lam_critic=cfg.lam_critic,
         lam_actor=cfg.lam_actor, low=cfg.ratio_low, high=cfg.ratio_high, trace=cfg.trace,
         trace_low=cfg.trace_low, trace_high=cfg.trace_high, advantage_window=cfg.advantage_window,
         weight_own_residual=cfg.weight_own_residual, bootstrap_value=x.bootstrap_value,
     )
-    return out.advantages, out.returns
+    return Estimate(out.advantages, out.returns)
 
 
 @_estimator("brace", needs_critic=True, needs_log_w=True, doc="BRACE k-capped, Monte-Carlo-anchored targets")
-def _brace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _brace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     assert x.values is not None and x.log_w is not None
-    out = adv_ops.brace(
+    out = brace(
         x.rewards, x.values, x.log_w, x.action_mask, gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar,
         c_bar=cfg.c_bar, k=cfg.brace_k, bootstrap_value=x.bootstrap_value,
     )
-    return out.advantages, out.returns
+    return Estimate(out.advantages, out.returns)
 
 
 @_estimator("group", needs_critic=False, needs_log_w=False, group=True, doc="group-relative sequence advantages (GRPO/Dr.GRPO/RLOO)")
-def _group(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _group(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     if x.scores is None or x.group_ids is None:
         raise ValueError("advantage.estimator='group' needs scores [B] and group_ids [B]; pass both")
-    per_seq = adv_ops.group_advantages(x.scores, x.group_ids, mode=cfg.group_mode, eps=cfg.group_eps)
-    return adv_ops.broadcast_to_tokens(per_seq, x.action_mask), adv_ops.broadcast_to_tokens(x.scores.float(), x.action_mask)
+    per_seq = group_advantages(x.scores, x.group_ids, mode=cfg.group_mode, eps=cfg.group_eps)
+    return Estimate(broadcast_to_tokens(per_seq, x.action_mask), broadcast_to_tokens(x.scores.float(), x.action_mask))
 
 
 def compute_advantages(
@@ -229,6 +266,7 @@ def compute_advantages(
     scores: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
     bootstrap_value: torch.Tensor | None = None,
+    stats_mask: torch.Tensor | None = None,
 ) -> AdvantageResult:
     """Advantages and critic targets for the whole step's batch, computed once before the update.
 
@@ -239,9 +277,14 @@ def compute_advantages(
         action_mask: ``[B, T] bool``.
         scores, group_ids: ``[B]`` sequence scores and integer prompt ids (group estimator).
         bootstrap_value: ``[B]`` V(s_{T+1}) for ``truncation = bootstrap`` rows (0 = terminal).
+        stats_mask: ``[B, T] bool``, the action tokens that enter the losses (default: all of
+            ``action_mask``; ``truncation = mask`` drops truncated rows): the normalisation statistics
+            and the diagnostics are taken over them, and advantages are 0 elsewhere.
 
-    Advantages are whitened (mean / Bessel-corrected variance over ALL action tokens of the batch,
-    before any policy-channel mask) if ``cfg.whiten``; returns never are. Give the whole step's batch.
+    Advantages are normalised (``cfg.normalization``; mean / Bessel-corrected variance over ALL loss
+    tokens of the batch, before any policy-channel mask); returns never are. For V-trace the
+    normalisation acts on ``r_s + gamma v_{s+1} - V(s_s)`` and ``rho^pg`` multiplies the result.
+    Give the whole step's batch.
     """
     check_mask("action_mask", action_mask)
     entry = ADVANTAGE_ESTIMATORS.get(cfg.estimator)
@@ -249,17 +292,19 @@ def compute_advantages(
         raise ValueError(f"advantage estimator {cfg.estimator!r} needs values (pre-update critic outputs)")
     if entry.needs_log_w and log_w is None:
         raise ValueError(f"advantage estimator {cfg.estimator!r} needs log_w = logp_old - logp_behav")
-    folded = adv_ops.fold_rewards(rewards.float(), action_mask)
+    folded = fold_rewards(rewards.float(), action_mask)
     inputs = AdvantageInputs(folded, values, log_w, action_mask, scores, group_ids, bootstrap_value)
-    advantages, returns = entry.fn(cfg, inputs)
-    raw_var = masked_var(advantages, action_mask)
+    est = entry.fn(cfg, inputs)
+    counted = action_mask if stats_mask is None else action_mask & stats_mask
+    raw = est.advantages if est.is_weight is None else est.is_weight * est.advantages
     stats = {
-        m.ADV_RAW_MEAN: masked_mean(advantages, action_mask).detach(),
-        m.ADV_RAW_STD: raw_var.sqrt().detach(),
-        m.RETURNS_MEAN: masked_mean(returns, action_mask).detach(),
+        m.ADV_RAW_MEAN: masked_mean(raw, counted).detach(),
+        m.ADV_RAW_STD: masked_var(raw, counted).sqrt().detach(),
+        m.RETURNS_MEAN: masked_mean(est.returns, counted).detach(),
     }
     if log_w is not None:
-        stats |= importance_diagnostics(log_w, action_mask, clip_low=cfg.ratio_low, clip_high=cfg.ratio_high)
-    if cfg.whiten:
-        advantages = masked_whiten(advantages, action_mask)
-    return AdvantageResult(advantages.detach(), returns.detach(), stats)
+        stats |= importance_diagnostics(log_w, counted, clip_low=cfg.ratio_low, clip_high=cfg.ratio_high)
+    advantages = normalize_advantages(est.advantages, counted, mode=cfg.normalization, std_floor=cfg.std_floor)
+    if est.is_weight is not None:
+        advantages = est.is_weight * advantages
+    return AdvantageResult(advantages.detach(), est.returns.detach(), stats)

@@ -16,8 +16,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from copc.config import check_one_of
-from copc.ops.masked import LOSS_AGG_MODES, LossAgg
-from copc.ops.value_losses import ValueLossOutput, clipped_value_loss
+from copc.ops import LOSS_AGG_MODES, AggSpec, LossAgg, ValueLossOutput, clipped_value_loss
 from copc.registry import Registry
 
 __all__ = ["VALUE_LOSSES", "CriticConfig", "ValueInputs", "ValueLossResult", "value_loss"]
@@ -73,7 +72,7 @@ def _value_penalty(kind: Literal["mse", "huber"]) -> Callable[[CriticConfig, Val
     def run(cfg: CriticConfig, x: ValueInputs) -> ValueLossOutput:
         return clipped_value_loss(
             x.values, x.values_old, x.returns, x.action_mask, clip_eps=cfg.clip_eps, kind=kind,
-            huber_delta=cfg.huber_delta, loss_agg=cfg.loss_agg, num_tokens=x.num_tokens, num_seqs=x.num_seqs,
+            huber_delta=cfg.huber_delta, agg=AggSpec(cfg.loss_agg, x.num_tokens, x.num_seqs),
         )
 
     return run

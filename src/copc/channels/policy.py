@@ -12,13 +12,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, TypedDict
+from typing import Literal, NamedTuple
 
 import torch
 
 from copc.config import check_one_of
-from copc.ops import policy_losses as pl
-from copc.ops.masked import LOSS_AGG_MODES, LossAgg, check_mask
+from copc.ops import (
+    LOSS_AGG_MODES,
+    AggSpec,
+    ClipSpec,
+    LossAgg,
+    PolicyLossOutput,
+    bypass_ppo_loss,
+    check_mask,
+    copc_policy_loss,
+    decoupled_ppo_loss,
+    dis_loss,
+    icepop_loss,
+    pg_loss,
+    ppo_clip_loss,
+    tis_ppo_loss,
+)
 from copc.registry import Registry
 
 __all__ = [
@@ -31,7 +45,7 @@ __all__ = [
     "policy_loss",
 ]
 
-PolicyLossResult = pl.PolicyLossOutput
+PolicyLossResult = PolicyLossOutput
 
 
 class PolicyInputs(NamedTuple):
@@ -50,7 +64,7 @@ class PolicyInputs(NamedTuple):
 class PolicyObjective:
     """A registered actor loss: ``fn(cfg, inputs)`` plus what it needs from the trainer."""
 
-    fn: Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput]
+    fn: Callable[[PolicyChannelConfig, PolicyInputs], PolicyLossOutput]
     #: needs ``logp_old`` (one no-grad actor forward per step).
     needs_old: bool
     #: its keep-mask moves with ``logp`` during the update (then the "kept" denominator is undefined).
@@ -131,21 +145,12 @@ class PolicyChannelConfig:
         return POLICY_OBJECTIVES.get(self.objective).needs_old
 
 
-class _AggKw(TypedDict):
-    loss_agg: LossAgg
-    num_tokens: torch.Tensor | float | None
-    num_seqs: torch.Tensor | float | None
-    norm_length: float | None
+def _agg(cfg: PolicyChannelConfig, x: PolicyInputs) -> AggSpec:
+    return AggSpec(cfg.loss_agg, x.num_tokens, x.num_seqs, cfg.norm_length)
 
 
-class _ClipKw(TypedDict):
-    clip_low: float
-    clip_high: float
-    dual_clip_c: float | None
-
-
-def _agg(cfg: PolicyChannelConfig, x: PolicyInputs) -> _AggKw:
-    return {"loss_agg": cfg.loss_agg, "num_tokens": x.num_tokens, "num_seqs": x.num_seqs, "norm_length": cfg.norm_length}
+def _clip(cfg: PolicyChannelConfig) -> ClipSpec:
+    return ClipSpec(cfg.clip_low, cfg.clip_high, cfg.dual_clip_c)
 
 
 def _req(x: torch.Tensor | None, name: str, objective: str) -> torch.Tensor:
@@ -160,84 +165,80 @@ def _old_mu(x: PolicyInputs, objective: str) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _objective(name: str, *, needs_old: bool, doc: str, current_mask: Callable[[PolicyChannelConfig], bool] | None = None) -> Callable[
-    [Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput]],
-    Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput],
+    [Callable[[PolicyChannelConfig, PolicyInputs], PolicyLossOutput]],
+    Callable[[PolicyChannelConfig, PolicyInputs], PolicyLossOutput],
 ]:
     def decorate(
-        fn: Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput],
-    ) -> Callable[[PolicyChannelConfig, PolicyInputs], pl.PolicyLossOutput]:
+        fn: Callable[[PolicyChannelConfig, PolicyInputs], PolicyLossOutput],
+    ) -> Callable[[PolicyChannelConfig, PolicyInputs], PolicyLossOutput]:
         POLICY_OBJECTIVES.add(name, PolicyObjective(fn, needs_old, current_mask or (lambda cfg: False), doc))
         return fn
 
     return decorate
 
 
-def _clip(cfg: PolicyChannelConfig) -> _ClipKw:
-    return {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "dual_clip_c": cfg.dual_clip_c}
-
-
 @_objective("ppo", needs_old=True, doc="PPO clip on u = exp(cur - old) (sync PPO; async 3b)")
-def _ppo(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+def _ppo(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     old = _req(x.logp_old, "logp_old", "ppo")
-    return pl.ppo_clip_loss(x.logp, old, x.advantages, x.action_mask, **_clip(cfg), **_agg(cfg, x))
+    return ppo_clip_loss(x.logp, old, x.advantages, x.action_mask, clip=_clip(cfg), agg=_agg(cfg, x))
 
 
 @_objective("bypass_ppo", needs_old=False, doc="PPO clip on r = exp(cur - mu) (async PPO 3a)")
-def _bypass(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+def _bypass(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     mu = _req(x.logp_behav, "logp_behav", "bypass_ppo")
-    return pl.bypass_ppo_loss(x.logp, mu, x.advantages, x.action_mask, **_clip(cfg), **_agg(cfg, x))
+    return bypass_ppo_loss(x.logp, mu, x.advantages, x.action_mask, clip=_clip(cfg), agg=_agg(cfg, x))
 
 
 @_objective("decoupled", needs_old=True, doc="AReaL: w = old/mu (masked above weight_cap) times PPO clip on cur/old")
-def _decoupled(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+def _decoupled(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     old, mu = _old_mu(x, "decoupled")
-    return pl.decoupled_ppo_loss(
+    return decoupled_ppo_loss(
         x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, cap_mode=cfg.cap_mode,
-        denominator=cfg.denominator, **_clip(cfg), **_agg(cfg, x),
+        clip=_clip(cfg), agg=_agg(cfg, x), denominator=cfg.denominator,
     )
 
 
 @_objective("tis", needs_old=True, doc="min(old/mu, weight_cap) times PPO clip on cur/old (TIS)")
-def _tis(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+def _tis(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     old, mu = _old_mu(x, "tis")
-    return pl.tis_ppo_loss(x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, **_clip(cfg), **_agg(cfg, x))
+    return tis_ppo_loss(x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, clip=_clip(cfg), agg=_agg(cfg, x))
 
 
 def _moves_with_source(cfg: PolicyChannelConfig) -> bool:
     return cfg.mask_source == "current"
 
 
-@_objective("icepop", needs_old=True, current_mask=_moves_with_source, doc="masked IS k (old/mu or cur/mu) in [mask_low, mask_high] times PPO clip")
-def _icepop(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+@_objective("icepop", needs_old=True, current_mask=_moves_with_source, doc="masked IS k = old/mu, band on old/mu or cur/mu (mask_source), times PPO clip")
+def _icepop(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     old, mu = _old_mu(x, "icepop")
-    return pl.icepop_loss(
+    return icepop_loss(
         x.logp, old, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
-        ratio_source=cfg.mask_source, denominator=cfg.denominator, **_clip(cfg), **_agg(cfg, x),
+        ratio_source=cfg.mask_source, clip=_clip(cfg), agg=_agg(cfg, x), denominator=cfg.denominator,
     )
 
 
 @_objective("copc", needs_old=True, current_mask=_moves_with_source, doc="COPC: omega = M*w (or M), M = band on old/mu, times PPO clip on cur/old")
-def _copc(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+def _copc(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     old, mu = _old_mu(x, "copc")
-    return pl.copc_policy_loss(
+    return copc_policy_loss(
         x.logp, old, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
-        weight_mode=cfg.weight_mode, mask_source=cfg.mask_source, denominator=cfg.denominator,
-        **_clip(cfg), **_agg(cfg, x),
+        weight_mode=cfg.weight_mode, mask_source=cfg.mask_source, clip=_clip(cfg), agg=_agg(cfg, x),
+        denominator=cfg.denominator,
     )
 
 
 @_objective("dis", needs_old=False, current_mask=lambda cfg: True, doc="SAO DIS: -M r A with r = cur/mu, M = strict band, no PPO clip")
-def _dis(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
+def _dis(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     mu = _req(x.logp_behav, "logp_behav", "dis")
-    return pl.dis_loss(
+    return dis_loss(
         x.logp, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
-        denominator=cfg.denominator, **_agg(cfg, x),
+        agg=_agg(cfg, x), denominator=cfg.denominator,
     )
 
 
 @_objective("pg", needs_old=False, doc="-sg(A) * cur (V-trace: A = pg_advantages, rho^pg inside)")
-def _pg(cfg: PolicyChannelConfig, x: PolicyInputs) -> pl.PolicyLossOutput:
-    return pl.pg_loss(x.logp, x.advantages, x.action_mask, **_agg(cfg, x))
+def _pg(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
+    return pg_loss(x.logp, x.advantages, x.action_mask, agg=_agg(cfg, x))
 
 
 def policy_loss(

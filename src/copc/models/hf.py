@@ -16,6 +16,7 @@ V(s_{T}) (the state after the final token), is what ``truncation = bootstrap`` n
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +29,14 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+#: A map from raw float32 logits ``[..., V]`` to log-probs ``[..., V]`` (``-inf`` = excluded): the
+#: sampler's transform (temperature, top-k, top-p), e.g. ``copc.rollout.engine.truncated_logprobs``.
+LogProbTransform = Callable[[torch.Tensor], torch.Tensor]
+
+#: The log-prob given to a token its distribution excludes (outside the top-k / top-p set): finite, so
+#: that log-ratios stay defined (``-inf - -inf`` is NaN); any log-ratio against it clamps to -+20.
+EXCLUDED_LOGPROB = -1.0e4
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_META_FILE = "value_head.json"
@@ -81,46 +90,102 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def token_logprobs(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """log pi(x_t | x_{<t}) for every token, with the sampler's temperature transform, in float32.
-
-    ``logp[:, t] = (l_{t-1}[x_t] / tau) - logsumexp(l_{t-1} / tau)`` where ``l_{t-1}`` are the model's
-    float32 logits at position t-1 and tau the temperature; ``logp[:, 0] = 0``. This is the full
-    (untruncated) distribution: it equals the engine's behaviour log-prob when top-k = 0 and top-p = 1.
-    Gradients flow (the trainer uses it for logp); wrap in ``torch.no_grad()`` for logp_old.
-
-    Args:
-        model: a causal LM.
-        input_ids: ``[B, T] int64``.
-        attention_mask: ``[B, T]`` bool/int, True on real tokens (left or right padding both work).
-        temperature: tau > 0, the same value the engine sampled with.
-
-    Returns:
-        ``[B, T] float32``; 0 on each row's first real token (no prefix) and on padding.
-    """
+def _check_logprob_args(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, transform: LogProbTransform | None
+) -> None:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (got {temperature}); use the sampler's temperature")
+    if transform is not None and temperature != 1.0:
+        raise ValueError("give the temperature to the transform (it maps raw logits), not to token_logprobs")
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
             "must both be [B, T]"
         )
+
+
+def _next_token_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T-1, V] float32``: the logits at positions 0..T-2, which predict tokens 1..T-1."""
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask.long(),
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     )
-    logits_prev = out.logits[:, :-1].float() / temperature  # [B, T-1, V], predicts tokens 1..T-1
+    return out.logits[:, :-1].float()
+
+
+def _finite(picked: torch.Tensor) -> torch.Tensor:
+    """Excluded tokens (``-inf``) get :data:`EXCLUDED_LOGPROB`; no gradient reaches them."""
+    return torch.where(torch.isfinite(picked), picked, EXCLUDED_LOGPROB)
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    transform: LogProbTransform | None = None,
+) -> torch.Tensor:
+    """log pi(x_t | x_{<t}) for every token, under the sampler's transform, in float32.
+
+    Without ``transform``: ``logp[:, t] = (l_{t-1}[x_t] / tau) - logsumexp(l_{t-1} / tau)`` where
+    ``l_{t-1}`` are the model's float32 logits at position t-1 and tau the temperature (the engine's
+    behaviour log-prob when top-k = 0 and top-p = 1). With ``transform`` (the sampler's temperature,
+    top-k and top-p, e.g. ``partial(truncated_logprobs, temperature=, top_k=, top_p=)``): ``logp[:, t] =
+    transform(l_{t-1})[x_t]``, the truncated, renormalised distribution the sampler drew from; a token
+    it excludes gets :data:`EXCLUDED_LOGPROB`. ``logp[:, 0] = 0``. Gradients flow (the kept set is
+    piecewise constant in the weights, so the gradient is that of the truncated policy almost
+    everywhere); wrap in ``torch.no_grad()`` for logp_old.
+
+    Args:
+        model: a causal LM.
+        input_ids: ``[B, T] int64``.
+        attention_mask: ``[B, T]`` bool/int, True on real tokens (left or right padding both work).
+        temperature: tau > 0, the same value the engine sampled with (1 when ``transform`` is given).
+        transform: the sampler's logits -> log-probs map, or None (temperature only).
+
+    Returns:
+        ``[B, T] float32``; 0 on each row's first real token (no prefix) and on padding.
+    """
+    _check_logprob_args(input_ids, attention_mask, temperature, transform)
+    logits_prev = _next_token_logits(model, input_ids, attention_mask)  # [B, T-1, V]
     targets = input_ids[:, 1:].unsqueeze(-1)
-    picked = logits_prev.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits_prev, dim=-1)
+    if transform is None:
+        scaled = logits_prev / temperature
+        picked = scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    else:
+        picked = _finite(transform(logits_prev).gather(-1, targets).squeeze(-1))
     return _shift_right(picked, attention_mask)
+
+
+def token_logprobs_and_entropy(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    transform: LogProbTransform | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` and the entropies ``H(pi(. | x_{<t}))`` of the same distributions, one forward.
+
+    ``entropy[:, t] = -sum_v p_v log p_v`` over the tokens the distribution keeps, for the distribution
+    that predicts token t (from position t-1's logits), 0 where token t has no real predecessor. Both
+    ``[B, T] float32``; without ``transform`` the log-probs equal :func:`token_logprobs` bit for bit.
+    """
+    _check_logprob_args(input_ids, attention_mask, temperature, transform)
+    logits_prev = _next_token_logits(model, input_ids, attention_mask)
+    if transform is None:
+        scaled = logits_prev / temperature
+        logprobs = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # [B, T-1, V]
+    else:
+        logprobs = transform(logits_prev)
+    picked = _finite(logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1))
+    kept = torch.isfinite(logprobs)
+    safe = torch.where(kept, logprobs, 0.0)  # 0 * -inf would be NaN, in the forward and the backward
+    entropy = -torch.where(kept, safe.exp() * safe, 0.0).sum(dim=-1)
+    return _shift_right(picked, attention_mask), _shift_right(entropy, attention_mask)
 
 
 def _shift_right(prev: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,31 +1,194 @@
-"""Pure tensor maths of copc: estimators, ratios, masks and losses (torch only).
+"""Pure tensor maths of copc: estimators, ratios, masks and losses (torch only). The package's facade.
 
 Every function takes ``[B, T]`` tensors (``B`` sequences, ``T`` tokens) and a bool ``action_mask``
-(True on tokens the policy sampled), keyword-only scalars, and returns tensors or named tuples. The
-formulas as implemented are in docs/algorithms.md. The three estimators with a fixed public API:
+(True on tokens the policy sampled), keyword-only scalars (named tuples of scalars where several
+travel together: :class:`ClipSpec`, :class:`AggSpec`), and returns tensors or named tuples. The
+formulas as implemented are in docs/algorithms.md. Each name lives in one module:
 
-- ``gae(rewards, values, action_mask, *, gamma, lam) -> (advantages, returns)``
-- ``vtrace(rewards, values, log_rho, action_mask, *, gamma, lam, rho_bar, c_bar, pg_rho_bar)
-  -> (vs, pg_advantages)``
-- ``clipped_td(rewards, values, log_rho, action_mask, *, gamma, lam_critic, lam_actor, low, high, ...)
-  -> (advantages, returns)``
+- :mod:`copc.ops.masked`: masked reductions, normalisation, the one loss aggregator;
+- :mod:`copc.ops.importance`: ratios, clips, masks, ESS and KL diagnostics;
+- :mod:`copc.ops.scans`: the shared reverse-scan kernels (only ``discounted_reverse_cumsum`` here);
+- :mod:`copc.ops.advantages`: GAE, V-trace, group baselines; :mod:`copc.ops.corrected_advantages`:
+  COPC's ``clipped_td`` and BRACE;
+- :mod:`copc.ops.policy_losses`: the one PPO formula, PPO, bypass PPO, PG;
+  :mod:`copc.ops.corrected_policy_losses`: decoupled, TIS, IcePop, COPC, SAO's DIS;
+- :mod:`copc.ops.value_losses`: critic losses and the explained variance.
 """
 
-from copc.ops.advantages import *  # noqa: F403
-from copc.ops.advantages import __all__ as _advantages_all
-from copc.ops.importance import *  # noqa: F403
-from copc.ops.importance import __all__ as _importance_all
-from copc.ops.masked import *  # noqa: F403
-from copc.ops.masked import __all__ as _masked_all
-from copc.ops.policy_losses import *  # noqa: F403
-from copc.ops.policy_losses import __all__ as _policy_all
-from copc.ops.value_losses import *  # noqa: F403
-from copc.ops.value_losses import __all__ as _value_all
+from copc.ops.advantages import (
+    GAEOutput,
+    GroupMode,
+    VTraceOutput,
+    broadcast_to_tokens,
+    fold_rewards,
+    gae,
+    group_advantages,
+    vtrace,
+)
+from copc.ops.corrected_advantages import (
+    BraceOutput,
+    ClippedTDOutput,
+    TraceKind,
+    brace,
+    clipped_td,
+)
+from copc.ops.corrected_policy_losses import (
+    CapMode,
+    MaskSource,
+    WeightMode,
+    band_weight,
+    copc_policy_loss,
+    decoupled_ppo_loss,
+    dis_loss,
+    icepop_loss,
+    tis_ppo_loss,
+)
+from copc.ops.importance import (
+    LOG_RATIO_CLAMP,
+    ClipFractions,
+    KLEstimates,
+    band_mask,
+    clip_fractions,
+    clip_ratio,
+    importance_diagnostics,
+    k3_from_log,
+    kl_estimators,
+    log_ratio,
+    mask_fraction,
+    mean_abs_log_ratio,
+    ratio_from_log,
+    sequence_band_mask,
+    sequence_ess,
+    sequence_log_weights,
+    token_ess,
+    truncated_is,
+)
+from copc.ops.masked import (
+    ADVANTAGE_NORMS,
+    LOSS_AGG_MODES,
+    TOKEN_MEAN,
+    AdvantageNorm,
+    AggSpec,
+    LossAgg,
+    agg_loss,
+    at_least_float32,
+    check_bt,
+    check_mask,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    normalize_advantages,
+    zero_where_not,
+)
+from copc.ops.policy_losses import (
+    CLIP_HIGHER,
+    PPO_CLIP,
+    ClipSpec,
+    Denominator,
+    PolicyLossOutput,
+    SurrogateTerms,
+    aggregate_policy_loss,
+    bypass_ppo_loss,
+    check_loss_inputs,
+    clipped_surrogate,
+    pg_loss,
+    policy_stats,
+    ppo_clip_loss,
+    weighted_ppo_loss,
+)
+from copc.ops.scans import (
+    discounted_reverse_cumsum,
+)
+from copc.ops.value_losses import (
+    EXPLAINED_VAR_MIN_VAR,
+    ValueLossOutput,
+    ValuePenalty,
+    clipped_value_loss,
+    explained_variance,
+    huber_value_loss,
+    mse_value_loss,
+    value_penalty,
+)
 
 __all__ = [
-    *_advantages_all,
-    *_importance_all,
-    *_masked_all,
-    *_policy_all,
-    *_value_all,
+    "ADVANTAGE_NORMS",
+    "CLIP_HIGHER",
+    "EXPLAINED_VAR_MIN_VAR",
+    "LOG_RATIO_CLAMP",
+    "LOSS_AGG_MODES",
+    "PPO_CLIP",
+    "TOKEN_MEAN",
+    "AdvantageNorm",
+    "AggSpec",
+    "BraceOutput",
+    "CapMode",
+    "ClipFractions",
+    "ClipSpec",
+    "ClippedTDOutput",
+    "Denominator",
+    "GAEOutput",
+    "GroupMode",
+    "KLEstimates",
+    "LossAgg",
+    "MaskSource",
+    "PolicyLossOutput",
+    "SurrogateTerms",
+    "TraceKind",
+    "VTraceOutput",
+    "ValueLossOutput",
+    "ValuePenalty",
+    "WeightMode",
+    "agg_loss",
+    "aggregate_policy_loss",
+    "at_least_float32",
+    "band_mask",
+    "band_weight",
+    "brace",
+    "broadcast_to_tokens",
+    "bypass_ppo_loss",
+    "check_bt",
+    "check_loss_inputs",
+    "check_mask",
+    "clip_fractions",
+    "clip_ratio",
+    "clipped_surrogate",
+    "clipped_td",
+    "clipped_value_loss",
+    "copc_policy_loss",
+    "decoupled_ppo_loss",
+    "dis_loss",
+    "discounted_reverse_cumsum",
+    "explained_variance",
+    "fold_rewards",
+    "gae",
+    "group_advantages",
+    "huber_value_loss",
+    "icepop_loss",
+    "importance_diagnostics",
+    "k3_from_log",
+    "kl_estimators",
+    "log_ratio",
+    "mask_fraction",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "mean_abs_log_ratio",
+    "mse_value_loss",
+    "normalize_advantages",
+    "pg_loss",
+    "policy_stats",
+    "ppo_clip_loss",
+    "ratio_from_log",
+    "sequence_band_mask",
+    "sequence_ess",
+    "sequence_log_weights",
+    "tis_ppo_loss",
+    "token_ess",
+    "truncated_is",
+    "value_penalty",
+    "vtrace",
+    "weighted_ppo_loss",
+    "zero_where_not",
 ]

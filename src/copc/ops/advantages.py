@@ -1,4 +1,4 @@
-"""The advantage channel: GAE, V-trace, COPC clipped-ratio TD sums, BRACE, group advantages.
+"""Advantage estimators without a clipped correction: GAE, V-trace, group baselines, reward folding.
 
 Notation: ``B`` sequences, ``T`` token positions, ``action_mask: [B, T] bool`` True on tokens the policy
 sampled (prompt and tool-output tokens False). ``values[b, t]`` is the pre-update ``V(s_t)`` of the state
@@ -12,27 +12,23 @@ Rewards, values and log-ratios at non-action positions are ignored (fold rewards
 :func:`fold_rewards`); outputs are exactly 0 there. Weights are detached; ratios come from a log-ratio
 clamped to +-20, in float32.
 
-This module defines GAE, V-trace and :func:`fold_rewards`, and re-exports the rest of the channel so
-every estimator imports from here: ``clipped_td`` and BRACE from :mod:`copc.ops.corrected_advantages`,
-group advantages from :mod:`copc.ops.group_baselines`, and :func:`discounted_reverse_cumsum` from
-:mod:`copc.ops.scans` (the shared scans, bridge and compaction; how they run is described there).
+This module defines GAE, V-trace, the critic-free group baselines (GRPO, Dr. GRPO, RLOO) and
+:func:`fold_rewards`. COPC's ``clipped_td`` and BRACE live in :mod:`copc.ops.corrected_advantages`;
+the shared scans, bridge and compaction in :mod:`copc.ops.scans` (how they run is described there).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
-from copc.ops.corrected_advantages import BraceOutput, ClippedTDOutput, TraceKind, brace, clipped_td
-from copc.ops.group_baselines import GroupMode, broadcast_to_tokens, group_advantages
 from copc.ops.masked import check_bt, check_mask
 from copc.ops.scans import (
     action_sums,
     check_float32,
     check_lambda,
     clean_log_rho,
-    discounted_reverse_cumsum,
     on_actions,
     pack_td,
     reverse_linear_scan,
@@ -42,21 +38,17 @@ from copc.ops.scans import (
 )
 
 __all__ = [
-    "BraceOutput",
-    "ClippedTDOutput",
     "GAEOutput",
     "GroupMode",
-    "TraceKind",
     "VTraceOutput",
-    "brace",
     "broadcast_to_tokens",
-    "clipped_td",
-    "discounted_reverse_cumsum",
     "fold_rewards",
     "gae",
     "group_advantages",
     "vtrace",
 ]
+
+GroupMode = Literal["grpo", "drgrpo", "rloo"]
 
 
 class GAEOutput(NamedTuple):
@@ -66,7 +58,9 @@ class GAEOutput(NamedTuple):
 
 class VTraceOutput(NamedTuple):
     vs: torch.Tensor  # [B, T] float32 value targets, 0 off action tokens
-    pg_advantages: torch.Tensor  # [B, T] float32, 0 off action tokens
+    pg_advantages: torch.Tensor  # [B, T] float32 A^pg = pg_rho * pg_td, 0 off action tokens
+    pg_rho: torch.Tensor  # [B, T] float32 rho^pg_s = min(pg_rho_bar, w_s), 0 off action tokens
+    pg_td: torch.Tensor  # [B, T] float32 r_s + gamma v_{s+1} - V(s_s) (A^pg before rho^pg), 0 off action tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +123,9 @@ def vtrace(
 
     Args: as :func:`gae`, plus ``log_rho: [B, T] float32`` ``= logp_old - logp_behav`` (detached).
 
-    Returns: ``VTraceOutput(vs, pg_advantages)``, ``[B, T] float32``, 0 off action tokens.
+    Returns: ``VTraceOutput(vs, pg_advantages, pg_rho, pg_td)``, ``[B, T] float32``, 0 off action
+    tokens; ``pg_advantages = pg_rho * pg_td`` (the factors are returned so that a normalisation can
+    act on ``pg_td`` inside the importance weight, as the baseline ``V(s_s)`` does).
     """
     check_lambda("lam", lam)
     delta = td_residuals(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
@@ -137,9 +133,11 @@ def vtrace(
     rho = pk.weight.clamp(max=rho_bar)
     trace = lam * pk.weight.clamp(max=c_bar)
     excess = reverse_linear_scan(rho * pk.delta, gamma * trace)  # v_s - V(s_s)
-    pg = pk.weight.clamp(max=pg_rho_bar) * (pk.delta + gamma * shift_left(excess))
+    pg_rho = pk.weight.clamp(max=pg_rho_bar)
+    pg_td = pk.delta + gamma * shift_left(excess)
     cp = pk.cp
-    return VTraceOutput(on_actions(action_mask, unpack(excess, cp) + values), unpack(pg, cp))
+    vs = on_actions(action_mask, unpack(excess, cp) + values)
+    return VTraceOutput(vs, unpack(pg_rho * pg_td, cp), unpack(pg_rho, cp), unpack(pg_td, cp))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,3 +162,55 @@ def fold_rewards(token_rewards: torch.Tensor, action_mask: torch.Tensor) -> torc
     kept = torch.where(has_action, token_rewards, torch.zeros_like(token_rewards))
     folded = torch.zeros_like(kept).scatter_add(1, target, kept)
     return torch.where(action_mask, folded, torch.zeros_like(folded))
+
+
+# ----------------------------------------------------------------------------------------------
+# Group baselines: sequence-level, critic-free (``scores: [B] float32`` per sequence in, ``[B]`` out,
+# then copied onto the action tokens of each row)
+
+
+def group_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, *, mode: GroupMode, eps: float = 1e-6
+) -> torch.Tensor:
+    """Per-sequence group-relative advantages. ``scores: [B] float32``, ``group_ids: [B]`` integer.
+
+    ::
+
+        grpo:    (R_i - mean_g) / (std_g + eps)     (Bessel-corrected std, as torch.std / verl)
+        drgrpo:  R_i - mean_g                       (Dr. GRPO: no std division)
+        rloo:    R_i - (sum_g - R_i) / (n_g - 1)    (leave-one-out mean)
+
+    A group of one sequence has no baseline: its advantage is 0 in every mode. Returns ``[B] float32``.
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be [B], got shape {tuple(scores.shape)}")
+    check_float32("scores", scores)
+    if group_ids.shape != scores.shape or group_ids.is_floating_point():
+        raise ValueError(f"group_ids must be an integer [B] tensor like scores, got {group_ids.dtype} {tuple(group_ids.shape)}")
+    if mode not in ("grpo", "drgrpo", "rloo"):
+        raise ValueError(f"unknown group advantage mode {mode!r}; valid: grpo, drgrpo, rloo")
+    uniq, inverse = torch.unique(group_ids, return_inverse=True)
+    zeros = torch.zeros(uniq.numel(), dtype=scores.dtype, device=scores.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(scores))
+    total = zeros.index_add(0, inverse, scores)
+    n_i, sum_i = count[inverse], total[inverse]
+    mean_i = sum_i / n_i
+    centred = scores - mean_i
+    single = n_i < 2
+    if mode == "drgrpo":
+        adv = centred
+    elif mode == "rloo":
+        adv = scores - (sum_i - scores) / (n_i - 1).clamp(min=1)
+    else:
+        sq = zeros.index_add(0, inverse, centred * centred)
+        std_i = torch.sqrt(sq[inverse] / (n_i - 1).clamp(min=1))
+        adv = centred / (std_i + eps)
+    return torch.where(single, torch.zeros_like(adv), adv)
+
+
+def broadcast_to_tokens(per_seq: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """``per_seq: [B]`` copied onto every action token of its row; exactly 0 elsewhere. ``[B, T]``."""
+    check_mask("action_mask", action_mask)
+    if per_seq.shape != action_mask.shape[:1]:
+        raise ValueError(f"per_seq must be [B] = {tuple(action_mask.shape[:1])}, got {tuple(per_seq.shape)}")
+    return torch.where(action_mask, per_seq[:, None], torch.zeros((), dtype=per_seq.dtype))

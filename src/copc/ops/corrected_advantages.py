@@ -3,8 +3,7 @@
 Both weight the bridged TD residuals by clipped (COPC) or capped (BRACE) behaviour ratios ``w = pi_old /
 mu`` (``log_rho = logp_old - logp_behav``). Notation and conventions (action tokens only, tool spans
 bridged, outputs 0 off action tokens, detached weights from a log-ratio clamped to +-20) as in
-:mod:`copc.ops.advantages`, which re-exports everything here; the shared scans and compaction live in
-:mod:`copc.ops.scans`.
+:mod:`copc.ops.advantages`; the shared scans and compaction live in :mod:`copc.ops.scans`.
 """
 
 from __future__ import annotations

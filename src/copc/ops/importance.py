@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from copc.ops.masked import check_bt, check_mask, masked_mean, zero_where_not
+from copc.ops.masked import at_least_float32, check_bt, check_mask, masked_mean, zero_where_not
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -28,6 +28,7 @@ __all__ = [
     "clip_fractions",
     "clip_ratio",
     "importance_diagnostics",
+    "k3_from_log",
     "kl_estimators",
     "log_ratio",
     "mask_fraction",
@@ -43,11 +44,6 @@ __all__ = [
 LOG_RATIO_CLAMP = 20.0
 
 
-def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
-    """float32 for lower precisions; float64 stays float64 (so gradcheck can run in double)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 def log_ratio(
     logp_num: torch.Tensor,
     logp_den: torch.Tensor,
@@ -59,14 +55,14 @@ def log_ratio(
     check_bt("logp_num", logp_num)
     check_bt("logp_den", logp_den, logp_num)
     check_mask("action_mask", action_mask, logp_num)
-    diff = (_at_least_f32(logp_num) - _at_least_f32(logp_den)).clamp(-clamp, clamp)
+    diff = (at_least_float32(logp_num) - at_least_float32(logp_den)).clamp(-clamp, clamp)
     return torch.where(action_mask, diff, torch.zeros_like(diff))
 
 
 def ratio_from_log(log_r: torch.Tensor, action_mask: torch.Tensor, *, clamp: float = LOG_RATIO_CLAMP) -> torch.Tensor:
     """``exp(clamp(log_r))`` on action tokens, exactly 1 elsewhere. ``[B, T] float32``."""
     check_mask("action_mask", action_mask, log_r)
-    log_r = _at_least_f32(log_r)
+    log_r = at_least_float32(log_r)
     safe = torch.where(action_mask, log_r, torch.zeros_like(log_r))
     return torch.exp(safe.clamp(-clamp, clamp))
 
@@ -239,6 +235,15 @@ class KLEstimates(NamedTuple):
     k3: torch.Tensor
 
 
+def k3_from_log(log_r: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator ``r - 1 - log r = expm1(log r) - log r >= 0`` (Schulman's approx KL).
+
+    ``log_r: [B, T]`` a clean log-ratio (clamped, 0 off the action tokens: :func:`log_ratio`), so the
+    result is 0 off the action tokens. Elementwise; the gradient flows when ``log_r`` carries one.
+    """
+    return torch.expm1(log_r) - log_r
+
+
 def kl_estimators(log_r: torch.Tensor, action_mask: torch.Tensor) -> KLEstimates:
     """Means over action tokens of three estimators of ``KL(pi_sample || pi_other)``.
 
@@ -260,7 +265,7 @@ def _kl_of(lr: torch.Tensor, count: torch.Tensor) -> KLEstimates:
     """k1/k2/k3 token means from a clean log-ratio (clamped, 0 off the ``count`` action tokens)."""
     k1 = _mean_of(-lr, count)
     k2 = _mean_of(0.5 * lr * lr, count)
-    k3 = _mean_of(torch.expm1(lr) - lr, count)  # 0 off the mask: expm1(0) - 0
+    k3 = _mean_of(k3_from_log(lr), count)  # 0 off the mask: expm1(0) - 0
     return KLEstimates(k1=k1, k2=k2, k3=k3)
 
 

@@ -7,23 +7,31 @@ position never reaches an output or a gradient (``nan * 0 == nan``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 __all__ = [
+    "ADVANTAGE_NORMS",
     "LOSS_AGG_MODES",
+    "TOKEN_MEAN",
+    "AdvantageNorm",
+    "AggSpec",
     "LossAgg",
     "agg_loss",
+    "at_least_float32",
     "check_bt",
     "check_mask",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "normalize_advantages",
     "zero_where_not",
 ]
 
+AdvantageNorm = Literal["whiten", "scale", "center", "none"]
+ADVANTAGE_NORMS: tuple[str, ...] = ("whiten", "scale", "center", "none")
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
@@ -31,6 +39,38 @@ LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
 )
+
+
+class AggSpec(NamedTuple):
+    """How a per-token loss becomes a scalar: :func:`agg_loss`'s mode and the minibatch's GLOBAL counts.
+
+    Give every micro-batch the counts of its whole minibatch (all micro-batches, all ranks); then the
+    micro-batch losses sum to the minibatch loss (gradient accumulation).
+    """
+
+    #: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm.
+    mode: LossAgg = "token-mean"
+    #: action tokens of the minibatch (token-mean); None = this batch's own count.
+    num_tokens: float | torch.Tensor | None = None
+    #: sequences with at least one counted token (seq-* modes); None = this batch's own count.
+    num_seqs: float | torch.Tensor | None = None
+    #: the constant of seq-mean-token-sum-norm (Dr. GRPO); None = T.
+    norm_length: float | None = None
+
+    def reduce(self, loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:func:`agg_loss` of ``loss`` over ``mask`` with this spec."""
+        return agg_loss(
+            loss, mask, self.mode, num_tokens=self.num_tokens, num_seqs=self.num_seqs, norm_length=self.norm_length
+        )
+
+
+#: The default aggregation: token-mean over this batch's own tokens (no accumulation).
+TOKEN_MEAN = AggSpec()
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """float32 for lower precisions; float64 stays float64 (so ``gradcheck`` runs in double precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def check_bt(name: str, tensor: torch.Tensor, like: torch.Tensor | None = None) -> None:
@@ -77,19 +117,53 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = Tru
 
 
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8, shift_mean: bool = True
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps: float = 1e-8,
+    shift_mean: bool = True,
+    std_floor: float = 0.0,
 ) -> torch.Tensor:
-    """``(x - m) * rsqrt(v + eps)`` with m, v the masked mean and Bessel-corrected variance.
+    """``(x - m) * rsqrt(max(v + eps, floor^2))`` with m, v the masked mean and Bessel-corrected variance.
 
-    Statistics come from every masked-in token of the tensor (the whole step's batch: spec 9.3); the
-    result is 0 at masked-out positions. ``shift_mean=False`` only rescales.
+    That is ``(x - m) / max(sqrt(v + eps), std_floor)``: with a floor, a batch whose advantages barely
+    vary (every reward equal, only critic noise left) is not blown up to unit scale. Statistics come
+    from every masked-in token of the tensor (the whole step's batch: spec 9.3); the result is 0 at
+    masked-out positions. ``shift_mean=False`` only rescales. ``std_floor = 0``: plain whitening.
     """
     check_mask("mask", mask, values)
+    if not std_floor >= 0:
+        raise ValueError(f"std_floor must be >= 0 (0 = no floor), got {std_floor}")
     values = zero_where_not(mask, values)  # NaN-safe forward *and* backward at masked positions
     mean = masked_mean(values, mask)
     var = masked_var(values, mask)
     centred = values - mean if shift_mean else values
-    return zero_where_not(mask, centred * torch.rsqrt(var + eps))
+    return zero_where_not(mask, centred * torch.rsqrt((var + eps).clamp(min=std_floor * std_floor)))
+
+
+def normalize_advantages(
+    values: torch.Tensor, mask: torch.Tensor, *, mode: AdvantageNorm, std_floor: float = 0.0, eps: float = 1e-8
+) -> torch.Tensor:
+    """Advantage normalisation over the masked-in tokens (the step's batch). ``[B, T]`` in and out.
+
+    ::
+
+        whiten:  (A - m) / max(sqrt(v + eps), std_floor)
+        scale:   A / max(sqrt(v + eps), std_floor)          (no mean shift: signs are kept)
+        center:  A - m
+        none:    A
+
+    m, v: masked mean and Bessel-corrected variance (:func:`masked_whiten`); 0 at masked-out positions.
+    """
+    check_mask("mask", mask, values)
+    if mode == "whiten" or mode == "scale":
+        return masked_whiten(values, mask, eps=eps, shift_mean=mode == "whiten", std_floor=std_floor)
+    values = zero_where_not(mask, values)
+    if mode == "center":
+        return zero_where_not(mask, values - masked_mean(values, mask))
+    if mode == "none":
+        return values
+    raise ValueError(f"unknown advantage normalisation {mode!r}; valid: {', '.join(ADVANTAGE_NORMS)}")
 
 
 def agg_loss(

@@ -1,8 +1,8 @@
 """The shared TD/trace machinery of the advantage channel: scans, the tool-span bridge, compaction.
 
-The kernels under :mod:`copc.ops.advantages` (GAE, V-trace, group baselines) and
-:mod:`copc.ops.corrected_advantages` (``clipped_td``, BRACE); only :func:`discounted_reverse_cumsum` is
-part of the ``copc.ops`` facade. Notation and conventions as in :mod:`copc.ops.advantages`: ``[B, T]``
+The kernels under :mod:`copc.ops.advantages` (GAE, V-trace) and :mod:`copc.ops.corrected_advantages`
+(``clipped_td``, BRACE); only :func:`discounted_reverse_cumsum` is part of the ``copc.ops`` facade.
+Notation and conventions as in :mod:`copc.ops.advantages`: ``[B, T]``
 float32 tensors, ``action_mask`` True on sampled tokens, and every recursion runs over action tokens
 only, bridging tool-output spans.
 

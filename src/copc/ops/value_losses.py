@@ -10,8 +10,9 @@ correction, spec 9.3). Spec section 2 / verl ``compute_value_loss``::
     f(d)   = d^2 / 2                                  ("mse": L_V = 1/2 agg(max(...)))
     f(d)   = d^2 / 2 if |d| <= delta else delta (|d| - delta/2)   ("huber", AReaL ppo_critic_loss_fn)
 
-Aggregated with :func:`copc.ops.masked.agg_loss` (token-mean over all policy tokens by default; give
-the GLOBAL minibatch count under gradient accumulation). Pure: no ``.item()``, no in-place writes.
+Aggregated with :func:`copc.ops.masked.agg_loss` through an :class:`~copc.ops.masked.AggSpec`
+(token-mean over all policy tokens by default; give the GLOBAL minibatch count under gradient
+accumulation). :func:`explained_variance` is the one definition of the critic's explained variance. Pure: no ``.item()``, no in-place writes.
 """
 
 from __future__ import annotations
@@ -20,18 +21,24 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from copc.ops.masked import LossAgg, agg_loss, check_bt, check_mask, masked_mean, masked_var, zero_where_not
+from copc.ops.masked import TOKEN_MEAN, AggSpec, check_bt, check_mask, masked_mean, masked_var, zero_where_not
 
 __all__ = [
+    "EXPLAINED_VAR_MIN_VAR",
     "ValueLossOutput",
     "ValuePenalty",
     "clipped_value_loss",
+    "explained_variance",
     "huber_value_loss",
     "mse_value_loss",
     "value_penalty",
 ]
 
 ValuePenalty = Literal["mse", "huber"]
+
+#: Below this Var(G) the explained variance is undefined (targets that do not vary, e.g. every reward
+#: equal) and reported as 0 instead of a ratio of rounding noise.
+EXPLAINED_VAR_MIN_VAR = 1e-8
 
 
 class ValueLossOutput(NamedTuple):
@@ -57,6 +64,18 @@ def value_penalty(diff: torch.Tensor, *, kind: ValuePenalty = "mse", huber_delta
     raise ValueError(f"value loss kind must be 'mse' or 'huber', got {kind!r}")
 
 
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``1 - Var(G - V) / Var(G)`` over ``mask`` (Bessel-corrected variances), 0-d float32, detached.
+
+    0 where ``Var(G) <= EXPLAINED_VAR_MIN_VAR`` (undefined). ``returns``, ``values``: ``[B, T]`` float.
+    """
+    check_mask("mask", mask, returns)
+    g = returns.detach().to(torch.float32)
+    var_g = masked_var(g, mask)
+    explained = 1.0 - masked_var(g - values.detach().to(torch.float32), mask) / var_g.clamp(min=EXPLAINED_VAR_MIN_VAR)
+    return torch.where(var_g > EXPLAINED_VAR_MIN_VAR, explained, torch.zeros_like(explained))
+
+
 def clipped_value_loss(
     values: torch.Tensor,
     values_old: torch.Tensor | None,
@@ -66,10 +85,7 @@ def clipped_value_loss(
     clip_eps: float | None = 0.5,
     kind: ValuePenalty = "mse",
     huber_delta: float = 1.0,
-    loss_agg: LossAgg = "token-mean",
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    norm_length: float | None = None,
+    agg: AggSpec = TOKEN_MEAN,
 ) -> ValueLossOutput:
     """PPO value loss ``max(f(V - G), f(V_clip - G))`` (see module docstring), aggregated.
 
@@ -80,10 +96,10 @@ def clipped_value_loss(
         action_mask: ``[B, T]`` bool.
         clip_eps: eps_v (0.5 in verl and BRACE); None disables value clipping.
         kind, huber_delta: the penalty f.
-        loss_agg, num_tokens, num_seqs, norm_length: see :func:`copc.ops.masked.agg_loss`.
+        agg: the aggregation and the GLOBAL counts (:class:`~copc.ops.masked.AggSpec`).
 
     Stats: ``value/clip_frac`` (the clipped branch is strictly larger), ``value/mean_abs_err``,
-    ``value/explained_var`` (1 - Var(G - V) / Var(G), over this micro-batch).
+    ``value/explained_var`` (:func:`explained_variance` over this micro-batch).
     """
     check_mask("action_mask", action_mask)
     check_bt("values", values, action_mask)
@@ -105,42 +121,21 @@ def clipped_value_loss(
         clipped_frac = masked_mean((clipped.detach() > per_token.detach()).to(torch.float32), action_mask)
         per_token = torch.maximum(per_token, clipped)
     per_token = zero_where_not(action_mask, per_token)
-    loss = agg_loss(
-        per_token, action_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
-    )
+    loss = agg.reduce(per_token, action_mask)
     err = (g - v).detach().to(torch.float32)
-    var_g = masked_var(g.detach().to(torch.float32), action_mask)
-    explained = 1.0 - masked_var(err, action_mask) / var_g.clamp(min=1e-8)
     stats = {
         "value/clip_frac": clipped_frac,
         "value/mean_abs_err": masked_mean(err.abs(), action_mask),
-        "value/explained_var": torch.where(var_g > 0, explained, torch.zeros_like(explained)),
+        "value/explained_var": explained_variance(g, v, action_mask),
     }
     return ValueLossOutput(loss, per_token, stats)
 
 
 def mse_value_loss(
-    values: torch.Tensor,
-    returns: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    loss_agg: LossAgg = "token-mean",
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    norm_length: float | None = None,
+    values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor, *, agg: AggSpec = TOKEN_MEAN
 ) -> ValueLossOutput:
     """Unclipped ``1/2 agg((V - G)^2)`` (IMPALA's baseline loss, spec section 4)."""
-    return clipped_value_loss(
-        values,
-        None,
-        returns,
-        action_mask,
-        clip_eps=None,
-        loss_agg=loss_agg,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        norm_length=norm_length,
-    )
+    return clipped_value_loss(values, None, returns, action_mask, clip_eps=None, agg=agg)
 
 
 def huber_value_loss(
@@ -149,22 +144,7 @@ def huber_value_loss(
     action_mask: torch.Tensor,
     *,
     huber_delta: float = 1.0,
-    loss_agg: LossAgg = "token-mean",
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    norm_length: float | None = None,
+    agg: AggSpec = TOKEN_MEAN,
 ) -> ValueLossOutput:
     """Unclipped Huber loss ``agg(huber_delta(V - G))``."""
-    return clipped_value_loss(
-        values,
-        None,
-        returns,
-        action_mask,
-        clip_eps=None,
-        kind="huber",
-        huber_delta=huber_delta,
-        loss_agg=loss_agg,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        norm_length=norm_length,
-    )
+    return clipped_value_loss(values, None, returns, action_mask, clip_eps=None, kind="huber", huber_delta=huber_delta, agg=agg)

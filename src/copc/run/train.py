@@ -90,6 +90,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     policy, tokenizer = load_policy(model_dir)
     critic = ValueModel.from_policy(policy) if method.needs_critic else None
     trainer = ActorCriticTrainer(policy, critic, method, replace(cfg.trainer, temperature=cfg.rollout.temperature,
+                                                                 top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                                                  seed=cfg.seed))
     eval_model, _ = load_policy(model_dir)
     source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir)

@@ -121,11 +121,20 @@ class Minibatch:
         index: ``[b] int64`` row indices into the step's batch.
         num_tokens: action tokens over all rows of the minibatch (the ``token-mean`` denominator).
         num_seqs: rows of the minibatch with at least one action token (the ``seq-*`` denominators).
+        loss_tokens: the actor loss's token denominator when it is not ``num_tokens`` (the kept tokens
+            under ``policy.denominator = "kept"``); None = ``num_tokens``. KL, entropy and statistics
+            always divide by ``num_tokens``.
     """
 
     index: torch.Tensor
     num_tokens: int
     num_seqs: int
+    loss_tokens: int | None = None
+
+    @property
+    def actor_tokens(self) -> int:
+        """The actor loss's token denominator: ``loss_tokens`` if set, else ``num_tokens``."""
+        return self.num_tokens if self.loss_tokens is None else self.loss_tokens
 
 
 def split_minibatches(

@@ -5,15 +5,19 @@ Notation: ``B`` trajectories, ``T`` tokens; ``mu`` = behaviour log-probs recorde
 
 One step, in order:
 
-1. no-grad forwards: ``old_t = log pi_old(a_t | s_t)`` (only when the method needs it; otherwise
-   ``old := mu``, async PPO 3a) and the critic's ``V_t = V(s_t)`` (when the method has a critic);
+1. no-grad forwards in eval mode (no dropout): ``old_t = log pi_old(a_t | s_t)`` (only when the method
+   needs it; otherwise ``old := mu``, async PPO 3a) and the critic's ``V_t = V(s_t)`` (when the method
+   has a critic); log-probs under the sampler's transform (temperature, top-k, top-p);
 2. rewards folded onto policy tokens, behaviour log-ratio ``log w_t = clamp(old_t - mu_t, +-20)``;
-3. the advantage channel: ``advantages`` (whitened once over the whole batch when the method says so)
-   and critic targets ``returns``;
+3. the advantage channel: ``advantages`` (normalised once over the loss tokens of the whole batch when
+   the method says so) and critic targets ``returns``;
 4. ``K_critic`` epochs over critic minibatches (clipped value loss against ``V_old``);
 5. unless in critic warm-up: ``ppo_epochs`` passes over ``actor_minibatches`` minibatches of the
    policy channel's loss (+ optional k3 KL to a reference, - entropy bonus), each optimizer step
-   accumulating micro-batches that all divide by the minibatch's **global** token count;
+   accumulating micro-batches that all divide by the minibatch's **global** token count (the actor
+   loss by its denominator, all or kept tokens; the KL and entropy terms by the valid tokens);
+   for methods without an ``old`` forward the ``ratio/...`` diagnostics are those of ``cur/mu`` on
+   the first minibatch (``cur`` is then still the step-start policy);
 6. ``version += 1``: the new weights are what a driver publishes next.
 
 Truncated trajectories (``truncation``): ``terminal`` (V after the last token = 0), ``bootstrap``
@@ -25,7 +29,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal
 
 import torch
@@ -34,10 +41,15 @@ from torch import nn
 from copc import tracking as m
 from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
 from copc.channels.methods import MethodConfig
-from copc.models.hf import position_ids_from_mask, token_logprobs
-from copc.ops.importance import log_ratio
-from copc.ops.masked import masked_mean, masked_var, zero_where_not
+from copc.models.hf import LogProbTransform, token_logprobs, token_logprobs_and_entropy
+from copc.ops import (
+    k3_from_log,
+    log_ratio,
+    zero_where_not,
+)
+from copc.rollout.engine import truncated_logprobs
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
+from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
 
 __all__ = ["ActorCriticTrainer", "StepTensors", "TrainerConfig"]
 
@@ -81,6 +93,10 @@ class TrainerConfig:
     """Weight of the entropy bonus (subtracted from the actor loss)."""
     temperature: float = 1.0
     """Sampling temperature; log-probs are computed under the same transform as sampling (spec 14)."""
+    top_p: float = 1.0
+    """Sampling top-p (1 = off): log-probs come from the same truncated, renormalised distribution."""
+    top_k: int = 0
+    """Sampling top-k (0 = off): log-probs come from the same truncated, renormalised distribution."""
     truncation: Truncation = "terminal"
     """How truncated episodes end: terminal | bootstrap | mask (spec section 0)."""
     shuffle: bool = True
@@ -103,6 +119,10 @@ class TrainerConfig:
         for name in ("kl_coef", "entropy_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"trainer.top_p must be in (0, 1] (1 = off; use the rollout's), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"trainer.top_k must be >= 0 (0 = off; use the rollout's), got {self.top_k}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"trainer.optimizer must be adamw or sgd, got {self.optimizer!r}")
         if self.truncation not in TRUNCATION_MODES:
@@ -122,6 +142,7 @@ class StepTensors:
         advantages: the advantage channel's output (whitened when the method whitens).
         returns: critic targets.
         loss_mask: ``[B, T] bool``, the action tokens that enter the losses (truncation = mask drops rows).
+        adv_stats: the advantage channel's detached diagnostics (``adv/...``, ``returns/...``, ``ratio/...``).
     """
 
     logp_old: torch.Tensor
@@ -130,6 +151,21 @@ class StepTensors:
     advantages: torch.Tensor
     returns: torch.Tensor
     loss_mask: torch.Tensor
+    adv_stats: dict[str, torch.Tensor]
+
+
+@contextmanager
+def _eval_mode(*modules: nn.Module | None) -> Iterator[None]:
+    """Run no-grad forwards without dropout; restore each module's train/eval flag afterwards."""
+    present = [mod for mod in modules if mod is not None]
+    flags = [mod.training for mod in present]
+    for mod in present:
+        mod.eval()
+    try:
+        yield
+    finally:
+        for mod, flag in zip(present, flags, strict=True):
+            mod.train(flag)
 
 
 def _trim(index: torch.Tensor, attention_mask: torch.Tensor) -> int:
@@ -196,13 +232,24 @@ class ActorCriticTrainer:
         return {k: v.detach() for k, v in self.policy.state_dict().items()}
 
     # ------------------------------------------------------------------ forwards
+    def _sampler_transform(self) -> tuple[float, LogProbTransform | None]:
+        """``(temperature, transform)`` for the log-prob helpers: the sampler's own distribution (temperature
+        only without top-k / top-p, else the engine's ``truncated_logprobs``), so ``w = old / mu`` is 1 at
+        staleness 0 (docs/algorithms.md, "Sampling transform")."""
+        cfg = self.config
+        if cfg.top_p >= 1.0 and cfg.top_k == 0:
+            return cfg.temperature, None
+        return 1.0, partial(truncated_logprobs, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+
     def _logp(self, model: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
         length = _trim(index, batch.attention_mask)
+        temperature, transform = self._sampler_transform()
         return token_logprobs(
             model,  # type: ignore[arg-type]  # any causal LM module; typed as PreTrainedModel upstream
             batch.input_ids[index, :length],
             batch.attention_mask[index, :length],
-            temperature=self.config.temperature,
+            temperature=temperature,
+            transform=transform,
         )
 
     def _values(self, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
@@ -222,22 +269,24 @@ class ActorCriticTrainer:
     def prepare(self, batch: TrainBatch) -> StepTensors:
         """Steps 1-3 of the algorithm: no-grad forwards, behaviour ratios, the advantage channel."""
         action_mask = batch.action_mask
-        if self.method.needs_old_forward:
-            logp_old = zero_where_not(action_mask, self._full(lambda b, r: self._logp(self.policy, b, r), batch))
-        else:
-            logp_old = batch.logp_behav  # async PPO 3a: the behaviour policy stands in for "old"
-        values_old = (
-            zero_where_not(action_mask, self._full(self._values, batch))
-            if self.critic is not None
-            else torch.zeros_like(batch.logp_behav)
-        )
+        with _eval_mode(self.policy, self.critic):
+            if self.method.needs_old_forward:
+                logp_old = zero_where_not(action_mask, self._full(lambda b, r: self._logp(self.policy, b, r), batch))
+            else:
+                logp_old = batch.logp_behav  # async PPO 3a: the behaviour policy stands in for "old"
+            values_old = (
+                zero_where_not(action_mask, self._full(self._values, batch))
+                if self.critic is not None
+                else torch.zeros_like(batch.logp_behav)
+            )
         log_w = log_ratio(logp_old, batch.logp_behav, action_mask)
         loss_mask = action_mask
         bootstrap = None
         if self.config.truncation == "mask":
             loss_mask = action_mask & ~batch.truncated[:, None]
         elif self.config.truncation == "bootstrap" and self.critic is not None:
-            bootstrap = torch.where(batch.truncated, self._last_values(batch), 0.0)
+            with _eval_mode(self.critic):
+                bootstrap = torch.where(batch.truncated, self._last_values(batch), 0.0)
         adv = compute_advantages(
             self.method.advantage,
             rewards=batch.token_rewards,
@@ -247,8 +296,8 @@ class ActorCriticTrainer:
             scores=batch.scores,
             group_ids=batch.group_ids,
             bootstrap_value=bootstrap,
+            stats_mask=loss_mask,
         )
-        self._adv_stats = adv.stats
         return StepTensors(
             logp_old=logp_old.detach(),
             values_old=values_old.detach(),
@@ -256,6 +305,7 @@ class ActorCriticTrainer:
             advantages=zero_where_not(loss_mask, adv.advantages.detach()),
             returns=zero_where_not(loss_mask, adv.returns.detach()),
             loss_mask=loss_mask,
+            adv_stats=adv.stats,
         )
 
     @torch.no_grad()
@@ -312,7 +362,10 @@ class ActorCriticTrainer:
         out[m.GRAD_CRITIC_NORM] = sum(norms) / max(len(norms), 1)
         return out
 
-    def _actor_loss(self, batch: TrainBatch, st: StepTensors, rows: torch.Tensor, mb: Minibatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _actor_loss(
+        self, batch: TrainBatch, st: StepTensors, rows: torch.Tensor, mb: Minibatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The actor loss of micro-batch ``rows``, its stats, and the detached ``cur`` log-probs ``[b, t]``."""
         length = _trim(rows, batch.attention_mask)
         mask = st.loss_mask[rows, :length]
         logp, entropy = self._logp_entropy(self.policy, batch, rows)
@@ -323,7 +376,7 @@ class ActorCriticTrainer:
             logp_behav=batch.logp_behav[rows, :length],
             advantages=st.advantages[rows, :length],
             action_mask=mask,
-            num_tokens=mb.num_tokens,
+            num_tokens=mb.actor_tokens,
             num_seqs=mb.num_seqs,
         )
         loss, stats = res.loss, dict(res.stats)
@@ -331,46 +384,56 @@ class ActorCriticTrainer:
             assert self.reference is not None
             with torch.no_grad():
                 logp_ref = self._logp(self.reference, batch, rows)
-            # k3 estimator of KL(pi || ref): exp(ref - cur) - (ref - cur) - 1 >= 0, on action tokens.
-            diff = (logp_ref - logp).clamp(-20.0, 20.0)
-            kl = zero_where_not(mask, torch.exp(diff) - diff - 1.0)
+            # k3 estimator of KL(pi || ref) on action tokens: r - 1 - log r >= 0 with r = ref / cur.
+            kl = k3_from_log(log_ratio(logp_ref, logp, mask))
             loss = loss + self.config.kl_coef * kl.sum() / max(mb.num_tokens, 1)
             stats[m.LOSS_KL] = kl.sum().detach() / max(mb.num_tokens, 1)
         if entropy is not None:
             ent = zero_where_not(mask, entropy).sum() / max(mb.num_tokens, 1)
             loss = loss - self.config.entropy_coef * ent
             stats[m.LOSS_ENTROPY] = ent.detach()
-        return loss, stats
+        return loss, stats, logp.detach()
 
     def _logp_entropy(self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (with grad) and, when the entropy bonus is on, per-token entropies ``[b, t] float32``."""
         if self.config.entropy_coef == 0:
             return self._logp(model, batch, rows), None
         length = _trim(rows, batch.attention_mask)
-        return logprobs_and_entropy(
-            model,
+        temperature, transform = self._sampler_transform()
+        return token_logprobs_and_entropy(
+            model,  # type: ignore[arg-type]  # any causal LM module
             batch.input_ids[rows, :length],
             batch.attention_mask[rows, :length],
-            temperature=self.config.temperature,
+            temperature=temperature,
+            transform=transform,
         )
 
     def _actor_updates(self, batch: TrainBatch, st: StepTensors) -> dict[str, float]:
         count = self.config.actor_minibatches or self.method.policy.minibatches
         stats_acc: dict[str, float] = {}
         losses, norms = [], []
+        ratio_stats: dict[str, float] = {}
         for epoch in range(self.config.ppo_epochs):
             for mb in self._minibatches(st.loss_mask, count, salt=100 + epoch):
                 mb = self._actor_denominator(batch, st, mb)
+                first = epoch == 0 and not ratio_stats and not self.method.needs_old_forward
+                cur = torch.zeros(len(mb.index), batch.input_ids.shape[1]) if first else None
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 for rows in micro_batches(mb.index, self.config.micro_batch_size):
-                    loss, stats = self._actor_loss(batch, st, rows, mb)
+                    loss, stats, logp = self._actor_loss(batch, st, rows, mb)
                     loss.backward()
                     losses.append(float(loss.detach()))
                     _accumulate(stats_acc, stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
+                    if cur is not None:
+                        cur[torch.isin(mb.index, rows), : logp.shape[1]] = logp.float()
+                if cur is not None:
+                    adv = self.method.advantage
+                    ratio_stats = current_ratio_stats(cur, batch.logp_behav[mb.index], st.loss_mask[mb.index],
+                                                      clip_low=adv.ratio_low, clip_high=adv.ratio_high)
                 norms.append(_clip(self.policy, self.config.max_grad_norm))
                 self.actor_optimizer.step()
         updates = max(1, self.config.ppo_epochs * count)
-        out = {k: v / updates for k, v in stats_acc.items()}
+        out = {k: v / updates for k, v in stats_acc.items()} | ratio_stats
         out[m.LOSS_POLICY] = sum(losses) / updates
         out[m.GRAD_ACTOR_NORM] = sum(norms) / max(len(norms), 1)
         return out
@@ -391,15 +454,16 @@ class ActorCriticTrainer:
             logp_behav=batch.logp_behav[idx],
             action_mask=st.loss_mask[idx],
         )
-        return Minibatch(index=idx, num_tokens=int(tokens), num_seqs=mb.num_seqs)
+        return replace(mb, loss_tokens=int(tokens))
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One training step (module docstring); returns its metrics and advances :attr:`version`."""
         start = time.perf_counter()
         self.policy.train()
         st = self.prepare(batch)
-        metrics = diagnostics(batch, st)
-        metrics.update({k: float(v) for k, v in self._adv_stats.items()})
+        metrics = step_diagnostics(batch, loss_mask=st.loss_mask, returns=st.returns, values_old=st.values_old,
+                                   log_w=st.log_w)
+        metrics.update({k: float(v) for k, v in st.adv_stats.items()})
         if self.critic is not None:
             self.critic.train()
             metrics.update(self._critic_updates(batch, st))
@@ -411,31 +475,6 @@ class ActorCriticTrainer:
         metrics[m.TIME_TRAIN] = elapsed
         metrics[m.PERF_TRAIN_TOKENS_PER_S] = int(batch.attention_mask.sum()) / max(elapsed, 1e-9)
         return metrics
-
-
-def logprobs_and_entropy(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs (as :func:`copc.models.hf.token_logprobs`) and entropies ``H(pi(. | x_<t))``, one forward.
-
-    ``entropy[:, t] = -sum_v p_v log p_v`` of the tempered distribution that predicts token t (computed
-    from position t-1's logits), 0 where token t has no real predecessor. Both ``[B, T] float32``.
-    """
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask.long(),
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
-    logprobs = torch.log_softmax(out.logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
-    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(dim=-1)
-    has_prefix = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
-    zero = picked.new_zeros(picked.shape[0], 1)
-    return (
-        torch.cat([zero, zero_where_not(has_prefix, picked)], dim=1),
-        torch.cat([zero, zero_where_not(has_prefix, entropy)], dim=1),
-    )
 
 
 def _optimizer(model: nn.Module, config: TrainerConfig, lr: float) -> torch.optim.Optimizer:
@@ -457,40 +496,3 @@ def _clip(model: nn.Module, max_norm: float) -> float:
 def _accumulate(acc: dict[str, float], stats: dict[str, torch.Tensor], *, weight: float) -> None:
     for key, value in stats.items():
         acc[key] = acc.get(key, 0.0) + weight * float(value)
-
-
-@torch.no_grad()
-def diagnostics(batch: TrainBatch, st: StepTensors) -> dict[str, float]:
-    """Step-start diagnostics of the batch (spec 9.5, step 6), before any update.
-
-    - ``critic/explained_var = 1 - Var(G - V_old) / Var(G)`` over loss tokens;
-    - ``critic/value_bias`` ``b = E_pi[R] - E_mu[R]`` and ``critic/value_bias_gap`` ``g = |v1 - E_pi[R]|``
-      (BRACE eq. 7) with ``E_pi[R] = sum_i W_i R_i / sum_i W_i``, ``W_i = exp(sum_t log w_it)`` (self-
-      normalised, computed as a softmax in log space) and ``v1`` the batch mean of V at each row's first
-      action token;
-    - realized staleness is computed by the driver, which knows the consuming version.
-    """
-    mask = st.loss_mask
-    rows = mask.any(dim=-1)
-    out: dict[str, float] = {
-        m.REWARD_MEAN: float(batch.scores.mean()),
-        m.BATCH_ACTION_TOKENS: float(batch.num_action_tokens),
-        m.BATCH_SEQUENCES: float(batch.batch_size),
-        m.BATCH_TRUNCATED_FRAC: float(batch.truncated.float().mean()),
-    }
-    var_g = masked_var(st.returns, mask)
-    var_res = masked_var(st.returns - st.values_old, mask)
-    # Undefined when the targets do not vary (e.g. every reward 0): report 0 rather than +-1e12.
-    out[m.CRITIC_EXPLAINED_VAR] = float(1.0 - var_res / var_g) if float(var_g) > 1e-8 else 0.0
-    out[m.CRITIC_VALUES_MEAN] = float(masked_mean(st.values_old, mask))
-    out[m.CRITIC_RETURNS_MEAN] = float(masked_mean(st.returns, mask))
-    if bool(rows.any()):
-        seq_log_w = zero_where_not(batch.action_mask, st.log_w).sum(dim=-1)[rows]
-        weights = torch.softmax(seq_log_w.double(), dim=0)
-        scores = batch.scores[rows].double()
-        e_pi = float((weights * scores).sum())
-        first = batch.action_mask.float().argmax(dim=-1)[rows]
-        v1 = float(st.values_old[rows].gather(1, first[:, None]).mean())
-        out[m.CRITIC_VALUE_BIAS] = e_pi - float(scores.mean())
-        out[m.CRITIC_VALUE_BIAS_GAP] = abs(v1 - e_pi)
-    return out
