@@ -1,0 +1,212 @@
+"""Memory and process-count limits for a run's whole process tree, with cgroups (v2, or v1's memory
+and pids hierarchies).
+
+Each sandbox owns one pool directory per controller (``copc-sbx-<pid>-<n>``, under the caller's own
+cgroup so the caller's limits still hold) and makes a fresh child cgroup per run. The run's first
+process joins it from inside the jail before it runs anything, and every process it forks inherits
+it; only root can move a process out, and the code is never root. A run's cgroup is removed once its
+processes are gone; pool directories of callers that died (SIGKILL) are removed by the next sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+POOL_PREFIX = "copc-sbx-"
+_POOL_RE = re.compile(rf"^{POOL_PREFIX}(\d+)-\d+$")
+_COUNTER = itertools.count()
+
+
+def _read(path: str) -> str:
+    with open(path) as handle:
+        return handle.read()
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(value)
+
+
+def _own_paths() -> dict[str, str]:
+    """controller (or "" for v2) -> this process's cgroup path, from /proc/self/cgroup."""
+    paths: dict[str, str] = {}
+    for line in _read("/proc/self/cgroup").splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            paths[controller] = path
+    return paths
+
+
+def _mounts() -> dict[str, str]:
+    """controller (or "" for the v2 unified hierarchy) -> mount point, from /proc/self/mountinfo."""
+    found: dict[str, str] = {}
+    for line in _read("/proc/self/mountinfo").splitlines():
+        left, _, right = line.partition(" - ")
+        fstype, _, options = right.split(" ")[:3]
+        mount_point = left.split(" ")[4]
+        if fstype == "cgroup2":
+            found.setdefault("", mount_point)
+        elif fstype == "cgroup":
+            for option in options.split(","):
+                if option in ("memory", "pids"):
+                    found.setdefault(option, mount_point)
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_tree(path: str) -> bool:
+    """rmdir ``path`` and its child cgroups, deepest first; False when some still hold processes."""
+    ok = True
+    with contextlib.suppress(OSError):
+        for name in os.listdir(path):
+            child = os.path.join(path, name)
+            if os.path.isdir(child):
+                ok = _remove_tree(child) and ok
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        ok = False
+    return ok
+
+
+@dataclass
+class CgroupPool:
+    """One sandbox's cgroup directories: ``dirs`` maps a controller name to its host directory."""
+
+    version: str
+    """"v2" (one directory, both controllers) or "v1" (a memory and a pids directory)."""
+    dirs: dict[str, str]
+
+    def create_run(self, run: str, *, memory_bytes: int, max_procs: int) -> None:
+        """The run's cgroup in every directory, with its limits (no swap: the memory cap is real)."""
+        for controller, base in self.dirs.items():
+            path = os.path.join(base, run)
+            os.mkdir(path)
+            if self.version == "v2":
+                _write(f"{path}/memory.max", str(memory_bytes))
+                with contextlib.suppress(OSError):
+                    _write(f"{path}/memory.swap.max", "0")
+                _write(f"{path}/pids.max", str(max_procs))
+            elif controller == "memory":
+                _write(f"{path}/memory.limit_in_bytes", str(memory_bytes))
+                with contextlib.suppress(OSError):
+                    _write(f"{path}/memory.memsw.limit_in_bytes", str(memory_bytes))
+            else:
+                _write(f"{path}/pids.max", str(max_procs))
+
+    def oom_kills(self, run: str) -> int:
+        """Processes of the run the kernel killed for hitting the memory cap."""
+        base = self.dirs["unified" if self.version == "v2" else "memory"]
+        name = "memory.events" if self.version == "v2" else "memory.oom_control"
+        try:
+            text = _read(os.path.join(base, run, name))
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def kill(self, run: str) -> None:
+        """SIGKILL every process of the run (host pids), whatever the fork server does."""
+        base = self.dirs["unified" if self.version == "v2" else "pids"]
+        path = os.path.join(base, run)
+        if self.version == "v2" and os.path.exists(f"{path}/cgroup.kill"):
+            with contextlib.suppress(OSError):
+                _write(f"{path}/cgroup.kill", "1")
+                return
+        for _ in range(8):  # the tree may fork while it is killed; pids.max bounds how much
+            try:
+                pids = [int(p) for p in _read(f"{path}/cgroup.procs").split()]
+            except OSError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def remove(self, run: str) -> bool:
+        """Remove the run's cgroups; False when processes are still in them (try again later)."""
+        return all([_remove_tree(os.path.join(base, run)) for base in self.dirs.values()])
+
+    def close(self) -> None:
+        for base in self.dirs.values():
+            _remove_tree(base)
+
+
+def reap_stale_pools() -> list[str]:
+    """Remove pool directories whose owning process is gone; returns what was removed."""
+    removed: list[str] = []
+    try:
+        mounts, own = _mounts(), _own_paths()
+    except OSError:
+        return removed
+    for controller, mount_point in mounts.items():
+        parent = mount_point + own.get(controller, "/")
+        with contextlib.suppress(OSError):
+            for name in os.listdir(parent):
+                match = _POOL_RE.match(name)
+                if match and not _pid_alive(int(match.group(1))):
+                    path = os.path.join(parent, name)
+                    if _remove_tree(path):
+                        removed.append(path)
+    return removed
+
+
+def open_pool() -> tuple[CgroupPool | None, str]:
+    """A fresh pool for this process, or (None, why not) when the machine gives no usable cgroups."""
+    try:
+        mounts, own = _mounts(), _own_paths()
+    except OSError as exc:
+        return None, f"cannot read the cgroup setup: {exc}"
+    reap_stale_pools()
+    name = f"{POOL_PREFIX}{os.getpid()}-{next(_COUNTER)}"
+    if "memory" in mounts and "pids" in mounts:
+        dirs = {c: os.path.join(mounts[c] + own.get(c, "/"), name) for c in ("memory", "pids")}
+        made: list[str] = []
+        try:
+            for path in dirs.values():
+                os.mkdir(path)
+                made.append(path)
+            return CgroupPool("v1", dirs), ""
+        except OSError as exc:
+            for path in made:
+                _remove_tree(path)
+            reason = f"cgroup v1 memory/pids not writable here ({exc})"
+    else:
+        reason = "no cgroup v1 memory and pids hierarchies"
+    if "" in mounts:
+        parent = mounts[""] + own.get("", "/")
+        try:
+            available = _read(f"{parent}/cgroup.controllers").split()
+            if not {"memory", "pids"} <= set(available):
+                return None, f"{reason}; cgroup v2 at {parent} offers {available}, not memory and pids"
+            path = os.path.join(parent, name)
+            os.mkdir(path)
+            try:
+                _write(f"{path}/cgroup.subtree_control", "+memory +pids")
+            except OSError:
+                _remove_tree(path)
+                raise
+            return CgroupPool("v2", {"unified": path}), ""
+        except OSError as exc:
+            return None, f"{reason}; cgroup v2 at {parent} cannot delegate memory and pids ({exc})"
+    return None, reason
