@@ -79,6 +79,8 @@ class SandboxConfig:
     """Modules the warm fork server imports once, so a run that imports them pays nothing."""
 
     def __post_init__(self) -> None:
+        for name in ("allow_missing", "preload"):  # lists from YAML/JSON: keep the config hashable
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         checks: list[tuple[bool, str]] = [
             (0 < self.timeout_s <= 3600, f"timeout_s={self.timeout_s} must be in (0, 3600] seconds"),
             (self.cpu_s is None or 1 <= self.cpu_s <= 3600, f"cpu_s={self.cpu_s} must be None or an integer in [1, 3600]"),

@@ -135,6 +135,10 @@ def bwrap_command(
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
+    # Directories above the interpreter (e.g. /root of a pyenv install, mode 0700 on the host) are made
+    # traversable, not listable, so the code's uid can reach the interpreter and nothing beside it.
+    for ancestor in _ancestors((interpreter.executable, *interpreter.library_dirs)):
+        argv += ["--perms", "0711", "--dir", ancestor]
     for directory in interpreter.library_dirs:
         argv += ["--ro-bind", directory, directory]
     argv += ["--ro-bind", interpreter.executable, interpreter.executable]
@@ -146,6 +150,18 @@ def bwrap_command(
         argv += ["--bind", host_dir, f"{CGROUP_MOUNT}/{name}"]
     argv += ["--remount-ro", "/", "--chdir", "/tmp", "--"]
     return argv
+
+
+def _ancestors(paths: tuple[str, ...]) -> list[str]:
+    """Proper ancestors of ``paths`` outside the system directories bound whole, top first."""
+    found: list[str] = []
+    for path in paths:
+        parts = path.strip("/").split("/")[:-1]
+        for depth in range(1, len(parts) + 1):
+            ancestor = "/" + "/".join(parts[:depth])
+            if ancestor not in found and not _under(ancestor, ("/usr/lib", "/usr/lib64", "/lib", "/lib64")):
+                found.append(ancestor)
+    return found
 
 
 def _under(path: str, parents: tuple[str, ...]) -> bool:
