@@ -47,6 +47,15 @@ def _bounded(result: SandboxResult) -> None:
     assert result.duration_s < TIMEOUT_S + SLACK_S, f"took {result.duration_s:.2f}s: {result}"
 
 
+def _code_fault_or_overloaded(result: SandboxResult) -> None:
+    """The code's fault; or, on a machine so loaded that the code got less than its CPU budget before
+    the wall cap, the machine's, and the error says so."""
+    if result.fault == "infra":
+        assert result.timed_out and "machine overloaded" in (result.error or ""), result
+    else:
+        assert result.fault == "code", result
+
+
 def _still_works(sandbox: PythonSandbox) -> None:
     again = sandbox.run("print(6 * 7)")
     assert again.ok and again.stdout == "42\n", again
@@ -314,9 +323,11 @@ def test_no_user_namespaces_mounts_or_ptrace(sandbox: PythonSandbox) -> None:
 def test_infinite_loop(sandbox: PythonSandbox) -> None:
     result = sandbox.run("while True:\n    pass\n")
     _bounded(result)
-    assert result.exit_code is None and result.error is not None and result.fault == "code"
-    # Either the CPU rlimit (2 s of CPU) or the wall clock (3 s) ends it, whichever comes first.
-    assert "cpu time limit" in result.error or result.timed_out, result.error
+    assert result.exit_code is None and result.error is not None
+    # The CPU budget (2 s) ends it: the code's fault. On a machine so loaded that it got under 2 s of
+    # CPU in 3 s of wall clock, the wall cap ends it and says so: the machine's fault.
+    _code_fault_or_overloaded(result)
+    assert "cpu time limit" in result.error or result.timed_out, result
     _still_works(sandbox)
 
 
@@ -435,7 +446,8 @@ def test_recursion_bomb(sandbox: PythonSandbox) -> None:
     code = "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1) + 1\nf(0)\n"
     result = sandbox.run(code)
     _bounded(result)
-    assert result.error is not None and result.exit_code != 0 and result.fault == "code", result
+    assert result.error is not None and result.exit_code != 0, result
+    _code_fault_or_overloaded(result)
     _still_works(sandbox)
 
 

@@ -1,25 +1,26 @@
 """Memory and process-count limits for a run's whole process tree, with cgroups (v2, or v1's memory
 and pids hierarchies).
 
-Each sandbox owns one pool directory per controller (``copc-sbx-<pid>-<n>``, under the caller's own
-cgroup so the caller's limits still hold) and makes a fresh child cgroup per run. The run's first
+Each sandbox owns one pool directory per controller (``copc-sbx-u<uid>``, named after the first uid
+it leases, so unique machine-wide; under the caller's own cgroup so the caller's limits still hold) and makes a fresh child cgroup per run. The run's first
 process joins it from inside the jail before it runs anything, and every process it forks inherits
 it; only root can move a process out, and the code is never root. A run's cgroup is removed once its
-processes are gone; pool directories of callers that died (SIGKILL) are removed by the next sandbox.
+processes are gone; pool directories of callers that died (SIGKILL) are removed by the next sandbox
+(a pool is stale when nobody holds the lease of its uid).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import re
 import signal
 from dataclasses import dataclass
 
-POOL_PREFIX = "copc-sbx-"
-_POOL_RE = re.compile(rf"^{POOL_PREFIX}(\d+)-\d+$")
-_COUNTER = itertools.count()
+from copc.tools.sandbox.identity import lease_is_free
+
+POOL_PREFIX = "copc-sbx-u"
+_POOL_RE = re.compile(rf"^{POOL_PREFIX}(\d+)$")
 
 
 def _read(path: str) -> str:
@@ -56,16 +57,6 @@ def _mounts() -> dict[str, str]:
                 if option in ("memory", "pids"):
                     found.setdefault(option, mount_point)
     return found
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove_tree(path: str) -> bool:
@@ -153,7 +144,7 @@ class CgroupPool:
 
 
 def reap_stale_pools() -> list[str]:
-    """Remove pool directories whose owning process is gone; returns what was removed."""
+    """Remove pool directories whose uid lease nobody holds (their caller is gone); returns what was removed."""
     removed: list[str] = []
     try:
         mounts, own = _mounts(), _own_paths()
@@ -164,21 +155,22 @@ def reap_stale_pools() -> list[str]:
         with contextlib.suppress(OSError):
             for name in os.listdir(parent):
                 match = _POOL_RE.match(name)
-                if match and not _pid_alive(int(match.group(1))):
+                if match and lease_is_free(int(match.group(1))):
                     path = os.path.join(parent, name)
                     if _remove_tree(path):
                         removed.append(path)
     return removed
 
 
-def open_pool() -> tuple[CgroupPool | None, str]:
-    """A fresh pool for this process, or (None, why not) when the machine gives no usable cgroups."""
+def open_pool(uid: int) -> tuple[CgroupPool | None, str]:
+    """A fresh pool named after ``uid`` (a lease this process holds), or (None, why not) when the
+    machine gives no usable cgroups."""
     try:
         mounts, own = _mounts(), _own_paths()
     except OSError as exc:
         return None, f"cannot read the cgroup setup: {exc}"
     reap_stale_pools()
-    name = f"{POOL_PREFIX}{os.getpid()}-{next(_COUNTER)}"
+    name = f"{POOL_PREFIX}{uid}"
     if "memory" in mounts and "pids" in mounts:
         dirs = {c: os.path.join(mounts[c] + own.get(c, "/"), name) for c in ("memory", "pids")}
         made: list[str] = []

@@ -20,6 +20,7 @@ A ``kill`` request sends SIGTERM to R, which SIGKILLs I (the whole namespace die
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -296,10 +297,8 @@ def start_run(req: dict, fds: list[int], params: dict) -> int:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             runner(req, fds, params)
         except BaseException as exc:
-            try:
+            with contextlib.suppress(OSError):
                 report(fds[3], {"setup_error": f"{type(exc).__name__}: {exc}"})
-            except OSError:
-                pass
         os._exit(125)
     for fd in fds:
         os.close(fd)
@@ -318,7 +317,7 @@ def serve(params: dict) -> None:
     by_id: dict[int, int] = {}
     sock.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
     while True:
-        readable = select.select([sock, wake_r], [], [])[0]
+        readable = select.select([sock.fileno(), wake_r], [], [])[0]
         if wake_r in readable:
             while True:
                 try:
@@ -337,7 +336,7 @@ def serve(params: dict) -> None:
                     run_id = runs.pop(pid)
                     by_id.pop(run_id, None)
                     sock.send(json.dumps({"op": "done", "id": run_id}).encode())
-        if sock in readable:
+        if sock.fileno() in readable:
             message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
             if not message:  # the host is gone: end every run and ourselves
                 for pid in runs:

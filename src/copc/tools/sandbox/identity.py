@@ -25,6 +25,21 @@ def lease_dir() -> str:
     return path
 
 
+def lease_is_free(uid: int) -> bool:
+    """True when no process holds the lease of ``uid`` (checked by taking and dropping it)."""
+    try:
+        fd = os.open(os.path.join(lease_dir(), f"{uid}.lock"), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 class UidLeases:
     """``count`` distinct uids from ``[uid_base, uid_base + 65536)``, held until :meth:`release`."""
 

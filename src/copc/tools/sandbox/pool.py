@@ -40,7 +40,7 @@ class ForkServer:
         self._pending: dict[int, DoneCallback] = {}
         self._pending_lock = threading.Lock()
         self._alive = True
-        self._log = tempfile.TemporaryFile()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's stderr, read if it fails)
         argv = [*prefix, python, "-I", "-S", "-B", "-X", "utf8", "-c", _SERVER_SOURCE,
                 json.dumps(params | {"control_fd": child.fileno()})]
         try:
@@ -77,9 +77,11 @@ class ForkServer:
         try:
             with self._send_lock:
                 socket.send_fds(self._sock, [json.dumps(request | {"op": "run", "id": run_id}).encode()], fds)
-        except OSError:
+        except OSError as exc:
             with self._pending_lock:
                 self._pending.pop(run_id, None)
+                if isinstance(exc, (BrokenPipeError, ConnectionError)):
+                    self._alive = False  # the server is gone; its listener will see it too
             raise
 
     def kill(self, run_id: int) -> None:
@@ -95,9 +97,10 @@ class ForkServer:
             os.killpg(self._proc.pid, 9)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=5)
+        self._log.close()
 
     def _log_tail(self) -> str:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             self._log.seek(0)
             text = self._log.read().decode("utf-8", "replace").strip()
             return text.splitlines()[-1][:300] if text else f"exit status {self._proc.poll()}"

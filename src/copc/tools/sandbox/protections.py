@@ -33,8 +33,10 @@ _PROBE = r"""
 import ctypes, json, os, resource, socket
 status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
 libc = ctypes.CDLL(None, use_errno=True)
-userns = libc.unshare(0x10000000)
-userns_errno = ctypes.get_errno()
+pid = os.fork()
+if pid == 0:  # try a user namespace in a child: where it works, it would change this process's uid
+    os._exit(ctypes.get_errno() if libc.unshare(0x10000000) != 0 else 0)
+userns_errno = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 vfs = os.statvfs("/tmp")
 print(json.dumps({
     "root": sorted(os.listdir("/")),
@@ -44,7 +46,7 @@ print(json.dumps({
     "uid": os.getuid(),
     "caps_zero": all(int(status[k].split()[0], 16) == 0 for k in ("CapEff", "CapPrm", "CapBnd", "CapInh", "CapAmb")),
     "no_new_privs": status.get("NoNewPrivs", "0").strip() == "1",
-    "seccomp": status.get("Seccomp", "0").strip() == "2" and userns != 0 and userns_errno == 1,
+    "seccomp": status.get("Seccomp", "0").strip() == "2" and userns_errno == 1,
     "cgroup": open("/proc/self/cgroup").read().split(),
     "tmp_bytes": vfs.f_blocks * vfs.f_frsize, "tmp_files": vfs.f_files, "cwd": os.getcwd(),
     "rlimits": {n: list(resource.getrlimit(getattr(resource, n)))
@@ -87,14 +89,13 @@ def _judge(seen: dict, config: SandboxConfig, sandbox: Runner) -> tuple[dict[str
         "RLIMIT_NOFILE": [config.max_open_files] * 2,
         "RLIMIT_CORE": [0, 0],
     }
-    run_cgroup = re.compile(r"copc-sbx-\d+-\d+/r\d+$")
+    run_cgroup = re.compile(r"copc-sbx-u\d+/r\d+$")
     lines = {line.split(":", 2)[1]: line.split(":", 2)[2] for line in seen["cgroup"]}
-    in_run = {c for c, path in lines.items() for name in (c.split(",") or [c]) if run_cgroup.search(path)}
-    joined = {name for c in in_run for name in c.split(",")}
+    joined = {name for c, path in lines.items() if run_cgroup.search(path) for name in c.split(",")}
     found = {
         "minimal_filesystem": not seen["visible"] and set(seen["root"]) <= allowed_root,
         "network_namespace": seen["ifaces"] == ["lo"],
-        "pid_namespace": seen["pids"] == [1, 2],
+        "pid_namespace": seen["pids"] == [1, 2],  # its init and itself (the child was reaped)
         "private_scratch": seen["cwd"] == "/tmp" and seen["tmp_bytes"] == config.disk_mb << 20
         and seen["tmp_files"] == config.max_files,
         "unprivileged_uid": seen["uid"] not in (0, os.geteuid()) and seen["uid"] in sandbox.uids(),

@@ -47,21 +47,25 @@ class Runner:
     def run(self, code: str) -> SandboxResult:
         """Run ``code`` as a script; never raises for anything the code does; returns by ``timeout_s + 1``."""
         start = time.monotonic()
-        try:
-            parts = self._get_parts()
-        except (OSError, SandboxUnavailable) as exc:
-            return _infra(f"sandbox could not start: {exc}", start)
-        got, uid = parts.slots.acquire(self.config.timeout_s)
-        if not got:
-            return _infra(f"machine overloaded: no free sandbox slot within {self.config.timeout_s}s", start)
-        run_id = next(_RUN_IDS)
-        try:
-            ended = self._launch(parts, run_id, uid, code, start)
-        except OSError as exc:  # the machine, not the code: out of pids, fds, memory ...
-            parts.finish(run_id, uid, None)
-            return _infra(f"sandbox setup failed: {type(exc).__name__}: {exc}", start)
-        oom_kills = parts.cgroups.oom_kills(f"r{run_id}") if parts.cgroups else 0
-        return describe(ended, self.config, oom_kills, time.monotonic() - start)
+        for attempt in (1, 2):  # a second time only when the fork server was found dead
+            try:
+                parts = self._get_parts()
+            except (OSError, SandboxUnavailable) as exc:
+                return _infra(f"sandbox could not start: {exc}", start)
+            got, uid = parts.slots.acquire(max(0.0, start + self.config.timeout_s - time.monotonic()))
+            if not got:
+                return _infra(f"machine overloaded: no free sandbox slot within {self.config.timeout_s}s", start)
+            run_id = next(_RUN_IDS)
+            try:
+                ended = self._launch(parts, run_id, uid, code, start)
+            except OSError as exc:  # the machine, not the code: out of pids, fds, memory ...
+                parts.finish(run_id, uid, None)
+                if attempt == 1 and not parts.server.alive:
+                    continue
+                return _infra(f"sandbox setup failed: {type(exc).__name__}: {exc}", start)
+            oom_kills = parts.cgroups.oom_kills(f"r{run_id}") if parts.cgroups else 0
+            return describe(ended, self.config, oom_kills, time.monotonic() - start)
+        raise AssertionError("unreachable")
 
     def uids(self) -> list[int]:
         """The uids this sandbox holds leases on (empty before its first run, or when uids are not dropped)."""
@@ -142,7 +146,7 @@ class _Parts:
         bwrap = find_bwrap()
         as_root = os.geteuid() == 0
         self.leases = UidLeases(config.uid_base, config.max_concurrent) if as_root else None
-        self.cgroups: CgroupPool | None = open_pool()[0] if as_root else None
+        self.cgroups: CgroupPool | None = open_pool(self.leases.uids[0])[0] if self.leases else None
         interpreter = find_interpreter(config.python_executable)
         seccomp = seccomp_program()
         cgroup_dirs = {path: name for name, path in (self.cgroups.dirs.items() if self.cgroups else [])}
