@@ -514,3 +514,36 @@ def test_no_free_slot_is_infra_and_bounded() -> None:
     finally:
         busy.join()
         sandbox.close()
+
+
+def test_the_tool_loop_counts_infrastructure_failures_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox failure is not the model's tool error: ToolEnv counts it as tool_infra_errors."""
+    from copc.tasks.envs import PYTHON_TAGS, ToolEnv
+    from copc.tasks.tooling import SandboxTool
+
+    class Exact:
+        def grade(self, answer_text: str) -> float:
+            return float(answer_text == "42")
+
+    tool = SandboxTool(timeout_s=3.0, max_output_chars=300)
+    env = ToolEnv("q", syntax=PYTHON_TAGS, tool=tool, grader=Exact(), max_tool_calls=4)
+    assert env.step("<python>print(6 * 7)</python>").observation == "<output>42</output>"
+    code_error = env.step("<python>1 / 0</python>")
+    assert code_error.info["tool_errors"] == 1 and code_error.info["tool_infra_errors"] == 0
+
+    def no_memory(*args: object) -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "memfd_create", no_memory)  # the machine fails, not the code
+    infra = env.step("<python>print(1)</python>")
+    assert infra.info["tool_errors"] == 1 and infra.info["tool_infra_errors"] == 1
+    assert "sandbox setup failed" in (infra.observation or "")
+
+
+def test_protections_may_be_waived_by_name_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from copc.tools.sandbox import ALLOW_MISSING_ENV, allow_missing_from_env
+
+    monkeypatch.setenv(ALLOW_MISSING_ENV, "seccomp, cgroup_memory")
+    assert allow_missing_from_env() == ("seccomp", "cgroup_memory")
+    monkeypatch.setenv(ALLOW_MISSING_ENV, "")
+    assert allow_missing_from_env() == ()

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from copc.tasks.envs import ToolReply
+
 if TYPE_CHECKING:  # imported lazily at run time: the tools are heavy and run in worker processes
     from copc.tools.retriever import BM25Retriever
     from copc.tools.sandbox import PythonSandbox
@@ -32,20 +34,21 @@ class SandboxTool:
 
     def _get_sandbox(self) -> PythonSandbox:
         if self._sandbox is None:
-            from copc.tools.sandbox import PythonSandbox, SandboxConfig
+            from copc.tools.sandbox import PythonSandbox, SandboxConfig, allow_missing_from_env
 
-            self._sandbox = PythonSandbox(SandboxConfig(timeout_s=self.timeout_s))
+            # Raises SandboxUnavailable when a required protection is missing: the run stops, loudly.
+            self._sandbox = PythonSandbox(SandboxConfig(timeout_s=self.timeout_s, allow_missing=allow_missing_from_env()))
         return self._sandbox
 
-    def call(self, request: str) -> tuple[str, bool]:
-        """Run ``request`` as Python; returns the formatted output and whether it failed."""
+    def call(self, request: str) -> ToolReply:
+        """Run ``request`` as Python; the formatted output, whether it failed, and whether the sandbox did."""
         from copc.tools.sandbox import format_observation
 
         if not request.strip():
-            return "Error: empty code block; write Python code that prints the result.", True
+            return ToolReply("Error: empty code block; write Python code that prints the result.", True)
         result = self._get_sandbox().run(request)
         failed = result.exit_code != 0 or result.timed_out or bool(result.error)
-        return format_observation(result, self.max_output_chars), failed
+        return ToolReply(format_observation(result, self.max_output_chars), failed, result.infra_failed)
 
 
 def format_passages(contents: list[str], max_chars: int) -> str:

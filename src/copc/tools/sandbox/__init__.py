@@ -10,17 +10,20 @@
 """
 
 from copc.tools.sandbox.config import (
+    ALLOW_MISSING_ENV,
     PROTECTIONS,
     Fault,
     SandboxConfig,
     SandboxResult,
     SandboxUnavailable,
+    allow_missing_from_env,
     format_observation,
 )
 from copc.tools.sandbox.protections import active_protections, require_protections, write_protections
 from copc.tools.sandbox.python_sandbox import PythonSandbox
 
 __all__ = [
+    "ALLOW_MISSING_ENV",
     "PROTECTIONS",
     "Fault",
     "PythonSandbox",
@@ -28,6 +31,7 @@ __all__ = [
     "SandboxResult",
     "SandboxUnavailable",
     "active_protections",
+    "allow_missing_from_env",
     "format_observation",
     "require_protections",
     "write_protections",

@@ -36,6 +36,16 @@ PROTECTIONS: dict[str, str] = {
 }
 
 
+#: Environment variable naming protections that may be missing (comma-separated), for tool sandboxes
+#: built inside tasks, where no SandboxConfig is written by hand.
+ALLOW_MISSING_ENV = "COPC_SANDBOX_ALLOW_MISSING"
+
+
+def allow_missing_from_env() -> tuple[str, ...]:
+    """The protections named in ``$COPC_SANDBOX_ALLOW_MISSING`` (empty: every protection is required)."""
+    return tuple(name.strip() for name in os.environ.get(ALLOW_MISSING_ENV, "").split(",") if name.strip())
+
+
 class SandboxUnavailable(RuntimeError):
     """A required protection is missing, or the sandbox could not be started: refusing to run code."""
 

@@ -84,6 +84,22 @@ class ForkServer:
                     self._alive = False  # the server is gone; its listener will see it too
             raise
 
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the server's whole process tree (finished runs included: each
+        run's processes are reaped inside the tree, so their time adds up in the server's own)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total, todo = 0.0, [self._proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += sum(int(v) for v in fields[11:15]) / tick  # utime stime cutime cstime
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+        return total
+
     def kill(self, run_id: int) -> None:
         with contextlib.suppress(OSError), self._send_lock:
             self._sock.send(json.dumps({"op": "kill", "id": run_id}).encode())

@@ -19,7 +19,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from copc.tools.sandbox.config import PROTECTIONS, SandboxConfig, SandboxUnavailable
+from copc.tools.sandbox.config import ALLOW_MISSING_ENV, PROTECTIONS, SandboxConfig, SandboxUnavailable
 from copc.tools.sandbox.jail import find_bwrap, find_interpreter, seccomp_program
 from copc.tools.sandbox.runner import ENV, Runner
 
@@ -180,7 +180,7 @@ def require_protections(config: SandboxConfig) -> dict[str, bool]:
         named = "; ".join(f"{k}: {reasons.get(k, 'not in force')}" for k in missing)
         raise SandboxUnavailable(
             f"sandbox refuses to start, missing protection(s) {named}. To run without them, set "
-            f"SandboxConfig(allow_missing={tuple(missing)!r}) (tool config: sandbox.allow_missing)"
+            f"SandboxConfig(allow_missing={tuple(missing)!r}) or {ALLOW_MISSING_ENV}={','.join(missing)}"
         )
     return dict(found)
 

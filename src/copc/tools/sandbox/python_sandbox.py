@@ -33,6 +33,11 @@ class PythonSandbox:
         """The uids leased to this sandbox's runs (empty before the first run)."""
         return self._runner.uids()
 
+    def server_cpu_s(self) -> float:
+        """CPU seconds used by the fork server and every run so far. ``RUSAGE_CHILDREN`` of the caller
+        does not see them (the server is a child that does not exit): add this to measure tool CPU."""
+        return self._runner.server_cpu_s()
+
     def close(self) -> None:
         """End the fork server, release the uids and cgroups (also done at process exit)."""
         self._runner.close()

@@ -72,6 +72,11 @@ class Runner:
         parts = self._parts
         return parts.leases.uids if parts is not None and parts.leases is not None else []
 
+    def server_cpu_s(self) -> float:
+        """CPU seconds the fork server's process tree (every run so far included) has used; 0 before it starts."""
+        parts = self._parts
+        return parts.server.cpu_s() if parts is not None else 0.0
+
     def close(self) -> None:
         """End the fork server and release the uids and cgroups (also done when the process exits)."""
         with self._lock:
