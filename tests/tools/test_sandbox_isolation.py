@@ -168,7 +168,7 @@ def test_a_hostile_neighbour_does_not_change_our_results() -> None:
     def ours(offset: int) -> None:
         for i in range(offset, 24, 2):
             r = sandbox.run(f"import fractions\nprint(sum(fractions.Fraction(1, k) for k in range(1, {i + 2})))\n")
-            results.append((i, r.stdout, r.error or ""))
+            results.append((i, r.stdout, r.fault))
 
     threads = [threading.Thread(target=ours, args=(k,)) for k in range(2)]
     for thread in threads:
@@ -179,7 +179,11 @@ def test_a_hostile_neighbour_does_not_change_our_results() -> None:
     from fractions import Fraction
 
     expected = {i: f"{sum(Fraction(1, k) for k in range(1, i + 2))}\n" for i in range(24)}
-    assert {i: out for i, out, _ in results} == expected, [r for r in results if r[2]]
+    # Never a wrong answer, never blamed on the code. On this shared 2-vCPU machine (often at load 10
+    # from other test runs) a run may still miss its wall cap: then it must say it was the machine's.
+    wrong = [r for r in results if not (r[1] == expected[r[0]] and r[2] == "none") and r[2] != "infra"]
+    infra = [r for r in results if r[2] == "infra"]
+    assert len(results) == 24 and not wrong and len(infra) <= 2, (wrong, infra)
     assert not set(their_uids) & set(sandbox.uids())
     sandbox.close()
 

@@ -1,5 +1,5 @@
 """Memory and process-count limits for a run's whole process tree, with cgroups (v2, or v1's memory
-and pids hierarchies).
+and pids hierarchies), and, where the cpu controller is writable too, one CPU share per run.
 
 Each sandbox owns one pool directory per controller (``copc-sbx-u<uid>``, named after the first uid
 it leases, so unique machine-wide; under the caller's own cgroup so the caller's limits still hold) and makes a fresh child cgroup per run. The run's first
@@ -54,7 +54,7 @@ def _mounts() -> dict[str, str]:
             found.setdefault("", mount_point)
         elif fstype == "cgroup":
             for option in options.split(","):
-                if option in ("memory", "pids"):
+                if option in ("memory", "pids", "cpu"):
                     found.setdefault(option, mount_point)
     return found
 
@@ -98,8 +98,10 @@ class CgroupPool:
                 _write(f"{path}/memory.limit_in_bytes", str(memory_bytes))
                 with contextlib.suppress(OSError):
                     _write(f"{path}/memory.memsw.limit_in_bytes", str(memory_bytes))
-            else:
+            elif controller == "pids":
                 _write(f"{path}/pids.max", str(max_procs))
+            # "cpu": no limit, only grouping: the scheduler shares the CPU between runs (and between
+            # sandboxes), not between processes, so a fork bomb of 16 spinners gets one run's share.
 
     def oom_kills(self, run: str) -> int:
         """Processes of the run the kernel killed for hitting the memory cap."""
@@ -178,6 +180,11 @@ def open_pool(uid: int) -> tuple[CgroupPool | None, str]:
             for path in dirs.values():
                 os.mkdir(path)
                 made.append(path)
+            if "cpu" in mounts:  # optional: fair CPU shares per run where the hierarchy is writable
+                cpu_dir = os.path.join(mounts["cpu"] + own.get("cpu", "/"), name)
+                with contextlib.suppress(OSError):
+                    os.mkdir(cpu_dir)
+                    dirs["cpu"] = cpu_dir
             return CgroupPool("v1", dirs), ""
         except OSError as exc:
             for path in made:
@@ -198,6 +205,9 @@ def open_pool(uid: int) -> tuple[CgroupPool | None, str]:
             except OSError:
                 _remove_tree(path)
                 raise
+            if "cpu" in available:  # optional, as for v1
+                with contextlib.suppress(OSError):
+                    _write(f"{path}/cgroup.subtree_control", "+cpu")
             return CgroupPool("v2", {"unified": path}), ""
         except OSError as exc:
             return None, f"{reason}; cgroup v2 at {parent} cannot delegate memory and pids ({exc})"
