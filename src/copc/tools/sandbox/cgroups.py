@@ -2,11 +2,12 @@
 and pids hierarchies), and, where the cpu controller is writable too, one CPU share per run.
 
 Each sandbox owns one pool directory per controller (``copc-sbx-u<uid>``, named after the first uid
-it leases, so unique machine-wide; under the caller's own cgroup so the caller's limits still hold) and makes a fresh child cgroup per run. The run's first
+it leases, so unique machine-wide; under the caller's own cgroup so the caller's limits still hold)
+and one child cgroup per slot (``s<uid>``), reused by the slot's runs one after another: a slot is
+reused only once its previous run's PID namespace is empty, so its cgroup is empty too. A run's first
 process joins it from inside the jail before it runs anything, and every process it forks inherits
-it; only root can move a process out, and the code is never root. A run's cgroup is removed once its
-processes are gone; pool directories of callers that died (SIGKILL) are removed by the next sandbox
-(a pool is stale when nobody holds the lease of its uid).
+it; only root can move a process out, and the code is never root. Pool directories of callers that
+died (SIGKILL) are removed by the next sandbox (a pool is stale when nobody holds the lease of its uid).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class CgroupPool:
     """"v2" (one directory, both controllers) or "v1" (a memory and a pids directory)."""
     dirs: dict[str, str]
 
-    def create_run(self, run: str, *, memory_bytes: int, max_procs: int) -> None:
-        """The run's cgroup in every directory, with its limits (no swap: the memory cap is real)."""
+    def create_group(self, run: str, *, memory_bytes: int, max_procs: int) -> None:
+        """A slot's cgroup in every directory, with its limits (no swap: the memory cap is real)."""
         for controller, base in self.dirs.items():
             path = os.path.join(base, run)
             os.mkdir(path)
@@ -104,7 +105,7 @@ class CgroupPool:
             # sandboxes), not between processes, so a fork bomb of 16 spinners gets one run's share.
 
     def oom_kills(self, run: str) -> int:
-        """Processes of the run the kernel killed for hitting the memory cap."""
+        """Processes of the group the kernel killed for hitting the memory cap (cumulative)."""
         base = self.dirs["unified" if self.version == "v2" else "memory"]
         name = "memory.events" if self.version == "v2" else "memory.oom_control"
         try:
@@ -135,10 +136,6 @@ class CgroupPool:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-
-    def remove(self, run: str) -> bool:
-        """Remove the run's cgroups; False when processes are still in them (try again later)."""
-        return all([_remove_tree(os.path.join(base, run)) for base in self.dirs.values()])
 
     def close(self) -> None:
         for base in self.dirs.values():

@@ -66,7 +66,8 @@ class ForkServer:
 
     @property
     def alive(self) -> bool:
-        return self._alive
+        """False once the server is known dead: its socket closed, or its bwrap process exited."""
+        return self._alive and self._proc.poll() is None
 
     def submit(self, run_id: int, request: dict[str, object], fds: list[int], on_done: DoneCallback) -> None:
         """Send a run with its four fds; ``on_done(error)`` is called once its namespace is empty."""

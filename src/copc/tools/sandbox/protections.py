@@ -89,7 +89,7 @@ def _judge(seen: dict, config: SandboxConfig, sandbox: Runner) -> tuple[dict[str
         "RLIMIT_NOFILE": [config.max_open_files] * 2,
         "RLIMIT_CORE": [0, 0],
     }
-    run_cgroup = re.compile(r"copc-sbx-u\d+/r\d+$")
+    run_cgroup = re.compile(r"copc-sbx-u\d+/s\d+$")
     lines = {line.split(":", 2)[1]: line.split(":", 2)[2] for line in seen["cgroup"]}
     joined = {name for c, path in lines.items() if run_cgroup.search(path) for name in c.split(",")}
     found = {

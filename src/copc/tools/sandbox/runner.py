@@ -4,10 +4,11 @@
 without the required protections); the probe uses a ``Runner`` directly.
 
 Per sandbox (lazily, and again if it dies): machine-wide uid leases (one per concurrent run), a cgroup
-pool, and the fork server under ``bwrap``. Per run: a slot (bounded wait), a fresh cgroup, a memfd with
+per uid slot, and the fork server under ``bwrap``. Per run: a slot (bounded wait: its uid and its
+cgroup, empty since the slot's previous run's namespace emptied), a memfd with
 the code and three pipes, handed to the server; the caller's thread reads the pipes until the run's
 status arrives or ``timeout_s + 0.5`` s pass, then returns. Everything else (the kill of a run that
-overran, waiting for its namespace to empty, removing its cgroup, releasing its slot) happens on the
+overran, waiting for its namespace to empty, releasing its slot) happens on the
 listener thread or in the kernel, off the caller's path. ``docs/sandbox.md`` has the threat model.
 """
 
@@ -56,6 +57,7 @@ class Runner:
             if not got:
                 return _infra(f"machine overloaded: no free sandbox slot within {self.config.timeout_s}s", start)
             run_id = next(_RUN_IDS)
+            oom_before = parts.cgroups.oom_kills(_group(uid)) if parts.cgroups else 0
             try:
                 ended = self._launch(parts, run_id, uid, code, start)
             except OSError as exc:  # the machine, not the code: out of pids, fds, memory ...
@@ -63,7 +65,7 @@ class Runner:
                 if attempt == 1 and not parts.server.alive:
                     continue
                 return _infra(f"sandbox setup failed: {type(exc).__name__}: {exc}", start)
-            oom_kills = parts.cgroups.oom_kills(f"r{run_id}") if parts.cgroups else 0
+            oom_kills = parts.cgroups.oom_kills(_group(uid)) - oom_before if parts.cgroups else 0
             return describe(ended, self.config, oom_kills, time.monotonic() - start)
         raise AssertionError("unreachable")
 
@@ -94,12 +96,9 @@ class Runner:
 
     def _launch(self, parts: _Parts, run_id: int, uid: int | None, code: str, start: float) -> Ended:
         cfg = self.config
-        run = f"r{run_id}"
-        if parts.cgroups is not None:
-            parts.cgroups.create_run(run, memory_bytes=cfg.memory_mb << 20, max_procs=cfg.max_procs)
         request: dict[str, object] = {
             "uid": uid,
-            "cgroup": run,
+            "cgroup": _group(uid),
             "wall_s": cfg.timeout_s,
             "disk_kb": cfg.disk_mb * 1024,
             "max_files": cfg.max_files,
@@ -139,7 +138,7 @@ class Runner:
         if not ended.status:  # no word from the run's init: end it from outside, without waiting
             parts.server.kill(run_id)
             if parts.cgroups is not None:
-                parts.cgroups.kill(run)
+                parts.cgroups.kill(_group(uid))
         return ended
 
 
@@ -152,6 +151,9 @@ class _Parts:
         as_root = os.geteuid() == 0
         self.leases = UidLeases(config.uid_base, config.max_concurrent) if as_root else None
         self.cgroups: CgroupPool | None = open_pool(self.leases.uids[0])[0] if self.leases else None
+        if self.cgroups is not None and self.leases is not None:
+            for uid in self.leases.uids:
+                self.cgroups.create_group(_group(uid), memory_bytes=config.memory_mb << 20, max_procs=config.max_procs)
         interpreter = find_interpreter(config.python_executable)
         seccomp = seccomp_program()
         cgroup_dirs = {path: name for name, path in (self.cgroups.dirs.items() if self.cgroups else [])}
@@ -179,12 +181,9 @@ class _Parts:
         atexit.register(self.close)
 
     def finish(self, run_id: int, uid: int | None, error: str | None) -> None:
-        """The run's namespace is empty (or it never started): remove its cgroup, free its slot."""
-        if self.cgroups is not None:
-            run = f"r{run_id}"
-            if not self.cgroups.remove(run):  # still emptying: kill and retry once, off the caller's path
-                self.cgroups.kill(run)
-                threading.Timer(1.0, self.cgroups.remove, args=(run,)).start()
+        """The run's namespace is empty (or it never started, or the server died): free its slot."""
+        if error is not None and self.cgroups is not None:
+            self.cgroups.kill(_group(uid))  # whatever is left of it, before its uid and cgroup are reused
         self.slots.release(uid)
 
     def close(self) -> None:
@@ -202,6 +201,11 @@ class _Parts:
 
 # --------------------------------------------------------------------------------------------------
 # Whose fault, and a message for people.
+
+
+def _group(uid: int | None) -> str:
+    """The cgroup of a slot (cgroups exist only with leased uids, i.e. a root caller)."""
+    return f"s{uid}"
 
 
 def _infra(message: str, start: float) -> SandboxResult:
