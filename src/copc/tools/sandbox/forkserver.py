@@ -6,7 +6,7 @@ imports the preloaded modules once, then serves run requests from its control so
 passed to the interpreter with ``-c``: the jail cannot see this file. Per request (``run``) it forks::
 
     fork server (warm, never runs model code)
-      └─ R  unshare(mount, PID, IPC); joins the run's cgroups; hides the cgroup mounts; fresh tmpfs
+      └─ R  unshare(mount, PID, IPC, network); joins the run's cgroups; hides the cgroup mounts; fresh tmpfs
             for /tmp (the scratch dir) and /dev/shm; waits for I
            └─ I  pid 1 of the run's PID namespace: mounts its /proc, forks C, enforces the wall cap,
                  reports how C ended on the status fd, exits (the kernel then kills what is left)
@@ -33,7 +33,7 @@ import time
 import traceback
 import types
 
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x08000000
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x20000000, 0x08000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_SECUREBITS = 1, 22, 24, 28
@@ -248,7 +248,10 @@ def reap_orphans(code_pid: int) -> None:
 
 
 def runner(req: dict, fds: list[int], params: dict) -> None:
-    check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare(mount, pid, ipc)")
+    # A network namespace per run too (unless the network was asked for): abstract Unix sockets live
+    # in the network namespace, and would otherwise let two concurrent runs talk.
+    net = CLONE_NEWNET if params["netns_per_run"] else 0
+    check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | net), "unshare(mount, pid, ipc, net)")
     mount("none", "/", None, MS_REC | MS_PRIVATE, None)
     for directory in params["cgroup_dirs"]:  # join first: the scratch tmpfs pages are charged to it
         with open(f"{directory}/{req['cgroup']}/cgroup.procs", "w") as handle:

@@ -170,6 +170,7 @@ class _Parts:
             "cgroup_dirs": inside,
             "hide": hide,
             "site_paths": list(interpreter.site_dirs) if config.site_packages else [],
+            "netns_per_run": not config.network,
         }
         try:
             self.server = ForkServer(prefix, interpreter.executable, params, SERVER_START_TIMEOUT_S)
