@@ -25,6 +25,7 @@ import ctypes
 import gc
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -156,8 +157,6 @@ def code_process(req: dict, code_fd: int, out_fd: int, err_fd: int, seccomp_bpf:
         chunks.append(chunk)
     source = b"".join(chunks)
     os.closerange(3, 1 << 16)
-    import resource
-
     for name, soft, hard in req["rlimits"]:
         resource.setrlimit(getattr(resource, name), (soft, hard))
     drop_privileges(req["uid"], seccomp_bpf)
