@@ -33,7 +33,14 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
-from copc.tools.sandbox import PythonSandbox, SandboxConfig, format_observation
+from copc.tasks.envs import Tool
+from copc.tools.sandbox import (
+    PythonSandbox,
+    SandboxConfig,
+    allow_missing_from_env,
+    format_observation,
+    shared_sandbox,
+)
 from copc.tools.sandbox.jail import bwrap_command, find_bwrap, find_interpreter
 
 PROGRAMS = {
@@ -110,20 +117,24 @@ def nsjail_call(code: str) -> Callable[[], object] | None:
     return lambda: subprocess.run(argv, capture_output=True, timeout=30)
 
 
-def arith_batch_cpu(make_tool: Callable[[], _Tool], extra_cpu: Callable[[], float], episodes: int = 64) -> tuple[float, int]:
-    """CPU seconds of the tool calls of ``episodes`` arith_tool episodes (their SFT demo calls)."""
+def arith_batch_cpu(make_tool: Callable[[], Tool], extra_cpu: Callable[[], float], episodes: int = 64) -> tuple[float, int]:
+    """CPU seconds of the tool calls of ``episodes`` arith_tool episodes (their SFT demo calls), with a
+    new tool per episode, as ``ArithToolTask.make_env`` makes them."""
     from copc.tasks.arith_tool import ArithToolConfig, ArithToolTask
 
     task = ArithToolTask(ArithToolConfig())
-    calls = [seg.text[len("<python>"):-len("</python>")] for demo in task.sft_demos(episodes, seed=0)
-             for seg in demo.segments if seg.is_action and seg.text.startswith("<python>")]
-    tool = make_tool()
-    tool.call("print(0)")  # start-up is once per worker, not per batch
+    demos = task.sft_demos(episodes, seed=0)
+    make_tool().call("print(0)")  # start-up is once per worker process, not per batch
     cpu0 = _cpu_self() + _cpu_children() + extra_cpu()
-    for code in calls:
-        tool.call(code)
+    calls = 0
+    for demo in demos:
+        tool = make_tool()
+        for seg in demo.segments:
+            if seg.is_action and seg.text.startswith("<python>"):
+                tool.call(seg.text[len("<python>"):-len("</python>")])
+                calls += 1
     time.sleep(0.2)
-    return _cpu_self() + _cpu_children() + extra_cpu() - cpu0, len(calls)
+    return _cpu_self() + _cpu_children() + extra_cpu() - cpu0, calls
 
 
 def main() -> None:
@@ -151,23 +162,27 @@ def main() -> None:
             text = f"{figures[0]:>8.1f} {figures[1]:>8.1f}" if figures else "   (not installed here)"
             print(f"{name:<12} {program:<8} {text}")
     print("\narith_tool, tool calls of a 64-episode batch (the SFT demonstrations' <python> calls):")
-    tool_sandbox = PythonSandbox(SandboxConfig(timeout_s=5.0))  # what SandboxTool builds
-    cpu, n = arith_batch_cpu(lambda: _Tool(tool_sandbox), tool_sandbox.server_cpu_s)
+    from copc.tasks.tooling import SandboxTool
+
+    shared = shared_sandbox(SandboxConfig(timeout_s=5.0, allow_missing=allow_missing_from_env()))  # SandboxTool's
+    cpu, n = arith_batch_cpu(lambda: SandboxTool(timeout_s=5.0, max_output_chars=300), shared.server_cpu_s)
     if legacy_module is not None:
-        legacy_sandbox = legacy_module.PythonSandbox(legacy_module.SandboxConfig(timeout_s=5.0))
-        legacy_cpu, _ = arith_batch_cpu(lambda: _Tool(legacy_sandbox), lambda: 0.0)
+        legacy_cpu, _ = arith_batch_cpu(
+            lambda: _Tool(legacy_module.PythonSandbox(legacy_module.SandboxConfig(timeout_s=5.0))), lambda: 0.0
+        )
         print(f"  legacy: {legacy_cpu:.2f} s CPU for {n} calls")
     print(f"  copc:   {cpu:.2f} s CPU for {n} calls")
 
 
 class _Tool:
-    """The SandboxTool path: run the call, format the observation."""
+    """The pre-v2 SandboxTool path: run the call, format the observation."""
 
     def __init__(self, sandbox: object) -> None:
         self._sandbox = sandbox
 
-    def call(self, code: str) -> str:
-        return format_observation(self._sandbox.run(code), 300)  # type: ignore[attr-defined]
+    def call(self, code: str) -> tuple[str, bool]:
+        result = self._sandbox.run(code)  # type: ignore[attr-defined]
+        return format_observation(result, 300), not result.ok
 
 
 if __name__ == "__main__":

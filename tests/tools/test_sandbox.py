@@ -574,3 +574,21 @@ def test_protections_may_be_waived_by_name_from_the_environment(monkeypatch: pyt
     assert allow_missing_from_env() == ("seccomp", "cgroup_memory")
     monkeypatch.setenv(ALLOW_MISSING_ENV, "")
     assert allow_missing_from_env() == ()
+
+
+def _fork_servers() -> int:
+    """bwrap children of this process: one per started sandbox."""
+    children = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        children += (task / "children").read_text().split()
+    return sum(1 for pid in children if b"bwrap" in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
+def test_tools_of_many_episodes_share_one_warm_sandbox() -> None:
+    """A task makes one SandboxTool per episode: they must not start one fork server each."""
+    from copc.tasks.tooling import SandboxTool
+
+    before = _fork_servers()
+    tools = [SandboxTool(timeout_s=3.5, max_output_chars=300) for _ in range(5)]
+    assert [tool.call(f"print({i})").text for i, tool in enumerate(tools)] == ["0", "1", "2", "3", "4"]
+    assert _fork_servers() <= before + 1

@@ -34,10 +34,12 @@ class SandboxTool:
 
     def _get_sandbox(self) -> PythonSandbox:
         if self._sandbox is None:
-            from copc.tools.sandbox import PythonSandbox, SandboxConfig, allow_missing_from_env
+            from copc.tools.sandbox import SandboxConfig, allow_missing_from_env, shared_sandbox
 
-            # Raises SandboxUnavailable when a required protection is missing: the run stops, loudly.
-            self._sandbox = PythonSandbox(SandboxConfig(timeout_s=self.timeout_s, allow_missing=allow_missing_from_env()))
+            # One warm sandbox per process, shared by every episode's tool. Raises SandboxUnavailable
+            # when a required protection is missing: the run stops, loudly.
+            config = SandboxConfig(timeout_s=self.timeout_s, allow_missing=allow_missing_from_env())
+            self._sandbox = shared_sandbox(config)
         return self._sandbox
 
     def call(self, request: str) -> ToolReply:

@@ -20,7 +20,7 @@ from copc.tools.sandbox.config import (
     format_observation,
 )
 from copc.tools.sandbox.protections import active_protections, require_protections, write_protections
-from copc.tools.sandbox.python_sandbox import PythonSandbox
+from copc.tools.sandbox.python_sandbox import PythonSandbox, shared_sandbox
 
 __all__ = [
     "ALLOW_MISSING_ENV",
@@ -34,5 +34,6 @@ __all__ = [
     "allow_missing_from_env",
     "format_observation",
     "require_protections",
+    "shared_sandbox",
     "write_protections",
 ]

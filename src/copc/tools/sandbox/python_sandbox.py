@@ -3,6 +3,9 @@ config requires, then hands each run to a :class:`~copc.tools.sandbox.runner.Run
 
 from __future__ import annotations
 
+import os
+import threading
+
 from copc.tools.sandbox.config import SandboxConfig, SandboxResult
 from copc.tools.sandbox.protections import active_protections, require_protections
 from copc.tools.sandbox.runner import Runner
@@ -41,3 +44,17 @@ class PythonSandbox:
     def close(self) -> None:
         """End the fork server, release the uids and cgroups (also done at process exit)."""
         self._runner.close()
+
+
+_SHARED: dict[tuple[int, SandboxConfig], PythonSandbox] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_sandbox(config: SandboxConfig) -> PythonSandbox:
+    """One sandbox per config and process, for callers that make many short-lived tools (one per
+    episode): they share its warm fork server and its slots instead of starting one each."""
+    key = (os.getpid(), config)
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = PythonSandbox(config)
+        return _SHARED[key]
