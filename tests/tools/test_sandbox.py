@@ -120,6 +120,21 @@ def test_threads_still_work_under_seccomp(sandbox: PythonSandbox) -> None:
     assert sandbox.run(code).stdout == "[7]\n"
 
 
+def test_extension_modules_subprocesses_and_spawn_work(sandbox: PythonSandbox) -> None:
+    """The jail holds what the interpreter needs: its shared libraries (sqlite3 loads libsqlite3 from
+    /usr/lib), its own binary (a subprocess, multiprocessing's spawn) and /dev/shm."""
+    code = (
+        "import multiprocessing as mp, sqlite3, subprocess, sys\n"
+        "print(sqlite3.connect(':memory:').execute('select 6 * 7').fetchone()[0])\n"
+        "print(subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True, text=True).stdout.strip())\n"
+        "if __name__ == '__main__':\n"
+        "    with mp.get_context('spawn').Pool(2) as pool:\n"
+        "        print(pool.map(abs, [-1, -2]))\n"
+    )
+    result = sandbox.run(code)
+    assert result.ok and result.stdout == "42\n5\n[1, 2]\n", result
+
+
 def test_runs_do_not_see_each_other(sandbox: PythonSandbox) -> None:
     """A run's files, shared memory, processes and module state are gone for the next one."""
     first = sandbox.run(

@@ -127,6 +127,8 @@ def bwrap_command(
     argv += [] if network else ["--unshare-net"]
     argv += ["--cap-add", "ALL"] if as_root else ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL"]
     argv += ["--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin"]
+    # Parents bwrap creates itself get mode 0700; the code's uid must traverse /usr to reach the libraries.
+    argv += ["--perms", "0755", "--dir", "/usr"]
     for top in ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32"):
         if os.path.isdir(top) and not os.path.islink(top):
             argv += ["--ro-bind", top, top]
