@@ -123,11 +123,11 @@ def test_threads_still_work_under_seccomp(sandbox: PythonSandbox) -> None:
 def test_extension_modules_subprocesses_and_spawn_work(sandbox: PythonSandbox) -> None:
     """The jail holds what the interpreter needs: its shared libraries (sqlite3 loads libsqlite3 from
     /usr/lib), its own binary (a subprocess, multiprocessing's spawn) and /dev/shm."""
-    code = (
+    code = (  # spawn re-imports main.py in its children: everything under the guard, as usual
         "import multiprocessing as mp, sqlite3, subprocess, sys\n"
-        "print(sqlite3.connect(':memory:').execute('select 6 * 7').fetchone()[0])\n"
-        "print(subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True, text=True).stdout.strip())\n"
         "if __name__ == '__main__':\n"
+        "    print(sqlite3.connect(':memory:').execute('select 6 * 7').fetchone()[0])\n"
+        "    print(subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True, text=True).stdout.strip())\n"
         "    with mp.get_context('spawn').Pool(2) as pool:\n"
         "        print(pool.map(abs, [-1, -2]))\n"
     )
