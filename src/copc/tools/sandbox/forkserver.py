@@ -267,16 +267,26 @@ def runner(req: dict, fds: list[int], params: dict) -> None:
             os.chown("/tmp/.shm", uid, uid)
         mount("/tmp/.shm", "/dev/shm", None, MS_BIND, None)
     seccomp_bpf = bytes.fromhex(params["seccomp_bpf"])
+    init: list[int] = []
+
+    def on_kill(*_: object) -> None:
+        """A kill request (SIGTERM) ends I, and so the namespace; before I exists, R just leaves."""
+        if not init:
+            os._exit(0)
+        os.kill(init[0], signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, on_kill)  # before the fork, so no kill request is lost
     pid = os.fork()
     if pid == 0:
         try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             init_process(req, fds, seccomp_bpf)
         except BaseException as exc:
             report(fds[3], {"setup_error": f"{type(exc).__name__}: {exc}"})
         os._exit(125)
+    init.append(pid)
     for fd in fds:
         os.close(fd)
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
     while True:
         try:
             os.waitpid(pid, 0)  # returns once the namespace is empty (its init is reaped last)

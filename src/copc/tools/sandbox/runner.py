@@ -114,11 +114,12 @@ class Runner:
             ],
         }
         code_fd = os.memfd_create("code", os.MFD_CLOEXEC)
-        # errors="replace": a lone surrogate in generated text becomes "?" instead of an exception here.
-        os.write(code_fd, code.encode("utf-8", errors="replace"))
-        os.lseek(code_fd, 0, os.SEEK_SET)
-        pipes = [os.pipe() for _ in range(3)]
+        pipes: list[tuple[int, int]] = []
         try:
+            # errors="replace": a lone surrogate in generated text becomes "?" instead of an exception here.
+            os.write(code_fd, code.encode("utf-8", errors="replace"))
+            os.lseek(code_fd, 0, os.SEEK_SET)
+            pipes += [os.pipe() for _ in range(3)]
             parts.server.submit(run_id, request, [code_fd, *(w for _, w in pipes)],
                                 lambda error: parts.finish(run_id, uid, error))
         except OSError:
@@ -147,16 +148,30 @@ class _Parts:
 
     def __init__(self, config: SandboxConfig) -> None:
         self.pid = os.getpid()
-        bwrap = find_bwrap()
         as_root = os.geteuid() == 0
+        self.cgroups: CgroupPool | None = None
         self.leases = UidLeases(config.uid_base, config.max_concurrent) if as_root else None
-        self.cgroups: CgroupPool | None = open_pool(self.leases.uids[0])[0] if self.leases else None
-        if self.cgroups is not None and self.leases is not None:
-            for uid in self.leases.uids:
-                self.cgroups.create_group(_group(uid), memory_bytes=config.memory_mb << 20, max_procs=config.max_procs)
+        try:
+            self.server = self._start(config, as_root)
+        except BaseException:
+            self._release()
+            raise
+        uids: list[int | None] = list(self.leases.uids) if self.leases else [None] * config.max_concurrent
+        self.slots = Slots(uids)
+        atexit.register(self.close)
+
+    def _start(self, config: SandboxConfig, as_root: bool) -> ForkServer:
+        if self.leases is not None:
+            pool = open_pool(self.leases.uids[0])[0]
+            self.cgroups = pool
+            if pool is not None:
+                for uid in self.leases.uids:
+                    # + 2: the run's own R and I (the sandbox's) are in the cgroup beside the code's processes.
+                    pool.create_group(_group(uid), memory_bytes=config.memory_mb << 20, max_procs=config.max_procs + 2)
         interpreter = find_interpreter(config.python_executable)
         seccomp = seccomp_program()
         cgroup_dirs = {path: name for name, path in (self.cgroups.dirs.items() if self.cgroups else [])}
+        bwrap = find_bwrap()
         if bwrap is not None:
             prefix = bwrap_command(bwrap, interpreter, network=config.network, as_root=as_root,
                                    site_packages=config.site_packages, cgroup_dirs=cgroup_dirs)
@@ -172,14 +187,7 @@ class _Parts:
             "site_paths": list(interpreter.site_dirs) if config.site_packages else [],
             "netns_per_run": not config.network,
         }
-        try:
-            self.server = ForkServer(prefix, interpreter.executable, params, SERVER_START_TIMEOUT_S)
-        except BaseException:
-            self._release()
-            raise
-        uids: list[int | None] = list(self.leases.uids) if self.leases else [None] * config.max_concurrent
-        self.slots = Slots(uids)
-        atexit.register(self.close)
+        return ForkServer(prefix, interpreter.executable, params, SERVER_START_TIMEOUT_S)
 
     def finish(self, run_id: int, uid: int | None, error: str | None) -> None:
         """The run's namespace is empty (or it never started, or the server died): free its slot."""
