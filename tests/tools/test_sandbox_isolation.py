@@ -92,6 +92,19 @@ def test_missing_seccomp_refuses_to_start(monkeypatch: pytest.MonkeyPatch, fresh
         PythonSandbox(CONFIG)
 
 
+def test_a_task_tool_without_its_protections_stops_the_run(monkeypatch: pytest.MonkeyPatch, fresh_probe: object) -> None:
+    """The episode loop turns an exception of env.step into a zero-reward episode, so the check is
+    made when the tool is built (make_env, before any episode), not at its first call."""
+    from copc.tasks.tooling import SandboxTool
+
+    for module in (runner_module, protections_module):
+        monkeypatch.setattr(module, "seccomp_program", lambda: None)
+    with pytest.raises(SandboxUnavailable, match="COPC_SANDBOX_ALLOW_MISSING=seccomp"):
+        SandboxTool(timeout_s=3.0, max_output_chars=300)
+    monkeypatch.setenv("COPC_SANDBOX_ALLOW_MISSING", "seccomp")  # asked for by name: it runs
+    assert SandboxTool(timeout_s=3.0, max_output_chars=300).call("print(1)").text == "1"
+
+
 def test_probe_that_cannot_finish_refuses_instead_of_degrading(
     monkeypatch: pytest.MonkeyPatch, fresh_probe: object
 ) -> None:

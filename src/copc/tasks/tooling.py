@@ -13,7 +13,7 @@ from copc.tasks.envs import ToolReply
 
 if TYPE_CHECKING:  # imported lazily at run time: the tools are heavy and run in worker processes
     from copc.tools.retriever import BM25Retriever
-    from copc.tools.sandbox import PythonSandbox
+    from copc.tools.sandbox import PythonSandbox, SandboxConfig
 
 
 class SandboxTool:
@@ -25,22 +25,29 @@ class SandboxTool:
     """
 
     def __init__(self, *, timeout_s: float, max_output_chars: int) -> None:
+        from copc.tools.sandbox import require_protections
+
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
         self._sandbox: PythonSandbox | None = None
+        # Checked where the env is made, outside the episode loop (which turns an exception of
+        # env.step into a zero-reward episode): a missing protection stops the run, in one line.
+        require_protections(self._config())
 
     def __getstate__(self) -> dict[str, object]:
         return {"timeout_s": self.timeout_s, "max_output_chars": self.max_output_chars, "_sandbox": None}
 
     def _get_sandbox(self) -> PythonSandbox:
         if self._sandbox is None:
-            from copc.tools.sandbox import SandboxConfig, allow_missing_from_env, shared_sandbox
+            from copc.tools.sandbox import shared_sandbox
 
-            # One warm sandbox per process, shared by every episode's tool. Raises SandboxUnavailable
-            # when a required protection is missing: the run stops, loudly.
-            config = SandboxConfig(timeout_s=self.timeout_s, allow_missing=allow_missing_from_env())
-            self._sandbox = shared_sandbox(config)
+            self._sandbox = shared_sandbox(self._config())  # one warm sandbox per process, for every episode
         return self._sandbox
+
+    def _config(self) -> SandboxConfig:
+        from copc.tools.sandbox import SandboxConfig, allow_missing_from_env
+
+        return SandboxConfig(timeout_s=self.timeout_s, allow_missing=allow_missing_from_env())
 
     def call(self, request: str) -> ToolReply:
         """Run ``request`` as Python; the formatted output, whether it failed, and whether the sandbox did."""
