@@ -18,13 +18,14 @@ policy generated up to (and including) a stop string, or up to end-of-sequence. 
 EOS without a step): there is no answer to grade, so the reward is 0.
 
 Counters in ``info`` (summed over the episode on the final step): ``tool_calls``, ``tool_errors``,
-``void_turn``, ``correct``, ``turns``.
+``tool_infra_errors`` (calls the tool's machinery failed, e.g. the sandbox could not run the code: not
+the model's error, so not in ``tool_errors``), ``void_turn``, ``correct``, ``turns``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from copc.types import EnvStep, StopReason
 
@@ -37,11 +38,21 @@ class Grader(Protocol):
         ...
 
 
+class ToolReply(NamedTuple):
+    """What a tool call gives back, for tools that can tell their own failure from the request's."""
+
+    text: str
+    failed: bool
+    #: The tool's machinery failed (the sandbox could not start, the machine was overloaded), not the
+    #: request: counted as ``tool_infra_errors``, never as the model's ``tool_errors``.
+    infra_failed: bool = False
+
+
 class Tool(Protocol):
     """One tool: takes the body of a call (code, query) and returns the text to show and a failure flag."""
 
-    def call(self, request: str) -> tuple[str, bool]:
-        """Returns ``(observation_text, failed)``; never raises on bad requests (errors become text)."""
+    def call(self, request: str) -> tuple[str, bool] | ToolReply:
+        """Returns ``(observation_text, failed)`` or a :class:`ToolReply`; never raises on bad requests."""
         ...
 
 
@@ -127,7 +138,8 @@ class ToolEnv:
         self._grader = grader
         self._max_tool_calls = max_tool_calls
         self._response: list[str] = []
-        self._counts = {"tool_calls": 0.0, "tool_errors": 0.0, "void_turn": 0.0, "correct": 0.0, "turns": 0.0}
+        self._counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_infra_errors": 0.0, "void_turn": 0.0,
+                        "correct": 0.0, "turns": 0.0}
         self._done = False
 
     @property
@@ -164,8 +176,10 @@ class ToolEnv:
             self._counts["tool_errors"] += 1
             text = f"Error: no tool calls left (limit {self._max_tool_calls}); give the final answer."
         else:
-            text, failed = self._tool.call(call)
-            self._counts["tool_errors"] += float(failed)
+            reply = self._tool.call(call)
+            text, failed = reply[0], reply[1]
+            infra = isinstance(reply, ToolReply) and reply.infra_failed
+            self._counts["tool_infra_errors" if infra else "tool_errors"] += float(failed or infra)
         return f"{self._syntax.obs_open}{text}{self._syntax.obs_close}"
 
     def _end(self, reward: float) -> EnvStep:

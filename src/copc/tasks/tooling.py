@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from copc.tasks.envs import ToolReply
+
 if TYPE_CHECKING:  # imported lazily at run time: the tools are heavy and run in worker processes
     from copc.tools.retriever import BM25Retriever
-    from copc.tools.sandbox import PythonSandbox
+    from copc.tools.sandbox import PythonSandbox, SandboxConfig
 
 
 class SandboxTool:
@@ -23,29 +25,39 @@ class SandboxTool:
     """
 
     def __init__(self, *, timeout_s: float, max_output_chars: int) -> None:
+        from copc.tools.sandbox import require_protections
+
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
         self._sandbox: PythonSandbox | None = None
+        # Checked where the env is made, outside the episode loop (which turns an exception of
+        # env.step into a zero-reward episode): a missing protection stops the run, in one line.
+        require_protections(self._config())
 
     def __getstate__(self) -> dict[str, object]:
         return {"timeout_s": self.timeout_s, "max_output_chars": self.max_output_chars, "_sandbox": None}
 
     def _get_sandbox(self) -> PythonSandbox:
         if self._sandbox is None:
-            from copc.tools.sandbox import PythonSandbox, SandboxConfig
+            from copc.tools.sandbox import shared_sandbox
 
-            self._sandbox = PythonSandbox(SandboxConfig(timeout_s=self.timeout_s))
+            self._sandbox = shared_sandbox(self._config())  # one warm sandbox per process, for every episode
         return self._sandbox
 
-    def call(self, request: str) -> tuple[str, bool]:
-        """Run ``request`` as Python; returns the formatted output and whether it failed."""
+    def _config(self) -> SandboxConfig:
+        from copc.tools.sandbox import SandboxConfig, allow_missing_from_env
+
+        return SandboxConfig(timeout_s=self.timeout_s, allow_missing=allow_missing_from_env())
+
+    def call(self, request: str) -> ToolReply:
+        """Run ``request`` as Python; the formatted output, whether it failed, and whether the sandbox did."""
         from copc.tools.sandbox import format_observation
 
         if not request.strip():
-            return "Error: empty code block; write Python code that prints the result.", True
+            return ToolReply("Error: empty code block; write Python code that prints the result.", True)
         result = self._get_sandbox().run(request)
         failed = result.exit_code != 0 or result.timed_out or bool(result.error)
-        return format_observation(result, self.max_output_chars), failed
+        return ToolReply(format_observation(result, self.max_output_chars), failed, result.infra_failed)
 
 
 def format_passages(contents: list[str], max_chars: int) -> str:

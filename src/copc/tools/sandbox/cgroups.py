@@ -1,0 +1,211 @@
+"""Memory and process-count limits for a run's whole process tree, with cgroups (v2, or v1's memory
+and pids hierarchies), and, where the cpu controller is writable too, one CPU share per run.
+
+Each sandbox owns one pool directory per controller (``copc-sbx-u<uid>``, named after the first uid
+it leases, so unique machine-wide; under the caller's own cgroup so the caller's limits still hold)
+and one child cgroup per slot (``s<uid>``), reused by the slot's runs one after another: a slot is
+reused only once its previous run's PID namespace is empty, so its cgroup is empty too. A run's first
+process joins it from inside the jail before it runs anything, and every process it forks inherits
+it; only root can move a process out, and the code is never root. Pool directories of callers that
+died (SIGKILL) are removed by the next sandbox (a pool is stale when nobody holds the lease of its uid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+from copc.tools.sandbox.identity import lease_is_free
+
+POOL_PREFIX = "copc-sbx-u"
+_POOL_RE = re.compile(rf"^{POOL_PREFIX}(\d+)$")
+
+
+def _read(path: str) -> str:
+    with open(path) as handle:
+        return handle.read()
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(value)
+
+
+def _own_paths() -> dict[str, str]:
+    """controller (or "" for v2) -> this process's cgroup path, from /proc/self/cgroup."""
+    paths: dict[str, str] = {}
+    for line in _read("/proc/self/cgroup").splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            paths[controller] = path
+    return paths
+
+
+def _mounts() -> dict[str, str]:
+    """controller (or "" for the v2 unified hierarchy) -> mount point, from /proc/self/mountinfo."""
+    found: dict[str, str] = {}
+    for line in _read("/proc/self/mountinfo").splitlines():
+        left, _, right = line.partition(" - ")
+        fstype, _, options = right.split(" ")[:3]
+        mount_point = left.split(" ")[4]
+        if fstype == "cgroup2":
+            found.setdefault("", mount_point)
+        elif fstype == "cgroup":
+            for option in options.split(","):
+                if option in ("memory", "pids", "cpu"):
+                    found.setdefault(option, mount_point)
+    return found
+
+
+def _remove_tree(path: str) -> bool:
+    """rmdir ``path`` and its child cgroups, deepest first; False when some still hold processes."""
+    ok = True
+    with contextlib.suppress(OSError):
+        for name in os.listdir(path):
+            child = os.path.join(path, name)
+            if os.path.isdir(child):
+                ok = _remove_tree(child) and ok
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        ok = False
+    return ok
+
+
+@dataclass
+class CgroupPool:
+    """One sandbox's cgroup directories: ``dirs`` maps a controller name to its host directory."""
+
+    version: str
+    """"v2" (one directory, both controllers) or "v1" (a memory and a pids directory)."""
+    dirs: dict[str, str]
+
+    def create_group(self, run: str, *, memory_bytes: int, max_procs: int) -> None:
+        """A slot's cgroup in every directory, with its limits (no swap: the memory cap is real)."""
+        for controller, base in self.dirs.items():
+            path = os.path.join(base, run)
+            os.mkdir(path)
+            if self.version == "v2":
+                _write(f"{path}/memory.max", str(memory_bytes))
+                with contextlib.suppress(OSError):
+                    _write(f"{path}/memory.swap.max", "0")
+                _write(f"{path}/pids.max", str(max_procs))
+            elif controller == "memory":
+                _write(f"{path}/memory.limit_in_bytes", str(memory_bytes))
+                with contextlib.suppress(OSError):
+                    _write(f"{path}/memory.memsw.limit_in_bytes", str(memory_bytes))
+            elif controller == "pids":
+                _write(f"{path}/pids.max", str(max_procs))
+            # "cpu": no limit, only grouping: the scheduler shares the CPU between runs (and between
+            # sandboxes), not between processes, so a fork bomb of 16 spinners gets one run's share.
+
+    def oom_kills(self, run: str) -> int:
+        """Processes of the group the kernel killed for hitting the memory cap (cumulative)."""
+        base = self.dirs["unified" if self.version == "v2" else "memory"]
+        name = "memory.events" if self.version == "v2" else "memory.oom_control"
+        try:
+            text = _read(os.path.join(base, run, name))
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def kill(self, run: str) -> None:
+        """SIGKILL every process of the run (host pids), whatever the fork server does."""
+        base = self.dirs["unified" if self.version == "v2" else "pids"]
+        path = os.path.join(base, run)
+        if self.version == "v2" and os.path.exists(f"{path}/cgroup.kill"):
+            with contextlib.suppress(OSError):
+                _write(f"{path}/cgroup.kill", "1")
+                return
+        for _ in range(8):  # the tree may fork while it is killed; pids.max bounds how much
+            try:
+                pids = [int(p) for p in _read(f"{path}/cgroup.procs").split()]
+            except OSError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        for base in self.dirs.values():
+            _remove_tree(base)
+
+
+def reap_stale_pools() -> list[str]:
+    """Remove pool directories whose uid lease nobody holds (their caller is gone); returns what was removed."""
+    removed: list[str] = []
+    try:
+        mounts, own = _mounts(), _own_paths()
+    except OSError:
+        return removed
+    for controller, mount_point in mounts.items():
+        parent = mount_point + own.get(controller, "/")
+        with contextlib.suppress(OSError):
+            for name in os.listdir(parent):
+                match = _POOL_RE.match(name)
+                if match and lease_is_free(int(match.group(1))):
+                    path = os.path.join(parent, name)
+                    if _remove_tree(path):
+                        removed.append(path)
+    return removed
+
+
+def open_pool(uid: int) -> tuple[CgroupPool | None, str]:
+    """A fresh pool named after ``uid`` (a lease this process holds), or (None, why not) when the
+    machine gives no usable cgroups."""
+    try:
+        mounts, own = _mounts(), _own_paths()
+    except OSError as exc:
+        return None, f"cannot read the cgroup setup: {exc}"
+    reap_stale_pools()
+    name = f"{POOL_PREFIX}{uid}"
+    if "memory" in mounts and "pids" in mounts:
+        dirs = {c: os.path.join(mounts[c] + own.get(c, "/"), name) for c in ("memory", "pids")}
+        made: list[str] = []
+        try:
+            for path in dirs.values():
+                os.mkdir(path)
+                made.append(path)
+            if "cpu" in mounts:  # optional: fair CPU shares per run where the hierarchy is writable
+                cpu_dir = os.path.join(mounts["cpu"] + own.get("cpu", "/"), name)
+                with contextlib.suppress(OSError):
+                    os.mkdir(cpu_dir)
+                    dirs["cpu"] = cpu_dir
+            return CgroupPool("v1", dirs), ""
+        except OSError as exc:
+            for path in made:
+                _remove_tree(path)
+            reason = f"cgroup v1 memory/pids not writable here ({exc})"
+    else:
+        reason = "no cgroup v1 memory and pids hierarchies"
+    if "" in mounts:
+        parent = mounts[""] + own.get("", "/")
+        try:
+            available = _read(f"{parent}/cgroup.controllers").split()
+            if not {"memory", "pids"} <= set(available):
+                return None, f"{reason}; cgroup v2 at {parent} offers {available}, not memory and pids"
+            path = os.path.join(parent, name)
+            os.mkdir(path)
+            try:
+                _write(f"{path}/cgroup.subtree_control", "+memory +pids")
+            except OSError:
+                _remove_tree(path)
+                raise
+            if "cpu" in available:  # optional, as for v1
+                with contextlib.suppress(OSError):
+                    _write(f"{path}/cgroup.subtree_control", "+cpu")
+            return CgroupPool("v2", {"unified": path}), ""
+        except OSError as exc:
+            return None, f"{reason}; cgroup v2 at {parent} cannot delegate memory and pids ({exc})"
+    return None, reason
