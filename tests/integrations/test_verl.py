@@ -436,3 +436,15 @@ def test_docs_command_composes_with_verls_hydra_config_and_selects_copc(monkeypa
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.28)
     assert get_trainer_cls(cfg.trainer.v1.trainer_mode) is plugin.CopcTrainerColocateAsync
     assert cfg.actor_rollout_ref.model.path.startswith("Qwen/Qwen3")
+
+
+def test_a_composed_struct_config_without_a_copc_section_gets_copcs_defaults() -> None:
+    from hydra import compose, initialize_config_dir
+
+    overrides = ["algorithm.adv_estimator=copc_vtrace", "critic.enable=True", "algorithm.lam=0.95"]
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    channels = plugin.check_verl_config(cfg)  # Hydra's struct mode: the absent copc section is not an error
+    vtrace_preset = get_method("vtrace").advantage
+    assert channels.advantage == dataclasses.replace(vtrace_preset, lam_critic=0.95, lam_actor=0.95)
+    assert channels.policy == get_method("copc").policy
