@@ -448,3 +448,12 @@ def test_a_composed_struct_config_without_a_copc_section_gets_copcs_defaults() -
     vtrace_preset = get_method("vtrace").advantage
     assert channels.advantage == dataclasses.replace(vtrace_preset, lam_critic=0.95, lam_actor=0.95)
     assert channels.policy == get_method("copc").policy
+
+
+def test_trainer_logs_its_channels_at_start_up(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    assert plugin._log.isEnabledFor(20)  # INFO gets through although verl leaves the root logger at WARNING
+    monkeypatch.setattr(plugin.PPOTrainerSync, "__init__", lambda self, config: None)  # no Ray, no workers
+    with caplog.at_level("INFO", logger="copc.integrations.verl"):
+        trainer = get_trainer_cls("copc")(verl_config())
+    assert trainer._copc == plugin.check_verl_config(verl_config())
+    assert "copc trainer: CopcChannels(policy=PolicyChannelConfig(objective='copc'" in caplog.text

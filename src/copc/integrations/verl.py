@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -51,6 +52,8 @@ from copc.methods import get_method
 from copc.ops import band_weight, log_ratio, masked_mean, weighted_ppo_loss
 
 _log = logging.getLogger(__name__)
+# As verl's own modules do: verl's basic config leaves the root at WARNING, so INFO needs the logger's level.
+_log.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 
 def _fail_loud(what: str) -> None:
