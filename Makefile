@@ -4,8 +4,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# verl lives in its own environment (about 2 GB with CPU torch), so `make test` stays light.
+VERL_VENV := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: setup train test test-slow lint bench clean
+.PHONY: setup setup-verl train test test-slow test-verl lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +19,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+$(VERL_STAMP): pyproject.toml
+	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q --upgrade pip
+	# torch first, with the pin: plain verl then keeps it (verl's vllm/sglang/fsdp/cpu extras would pin 2.11).
+	$(VERL_VENV)/bin/pip install -q "torch>=2.4,<=2.13.0"
+	$(VERL_VENV)/bin/pip install -q -e ".[dev,verl]"
+	touch $(VERL_STAMP)
+
+setup-verl: $(VERL_STAMP)
 
 train: $(STAMP)
 	$(BIN)/copc train
@@ -30,10 +43,14 @@ test: lint
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+# The verl plugin's tests, in the verl environment (CI runs them after `make test`).
+test-verl: $(VERL_STAMP)
+	$(VERL_VENV)/bin/python -m pytest -q -m verl tests/integrations
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ops_bench.py
 	$(BIN)/python benchmarks/engine_bench.py
 	$(BIN)/python benchmarks/step_time.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VERL_VENV) build *.egg-info

@@ -1,0 +1,413 @@
+"""COPC inside verl: both channels as a verl plugin, loaded by ``import verl`` in every process.
+
+``pip install copc[verl]`` registers this module under verl's ``verl.plugins`` entry-point group
+(``copc = "copc.integrations.verl"``); verl imports it at the end of ``import verl`` (driver, TaskRunner
+and every Ray worker), and importing it registers, through verl's own registries:
+
+- the policy loss ``copc`` (``actor_rollout_ref.actor.policy_loss.loss_mode=copc``): COPC's masked
+  policy channel ``l_t = omega_t * PPOclip(exp(cur_t - old_t), A_t)`` (copc ``weighted_ppo_loss``),
+  aggregated by verl's own ``agg_loss(..., **config.global_batch_info)`` so verl's data-parallel
+  normalisation and every ``loss_agg_mode`` hold. PPO clip, dual clip and aggregation come from verl's
+  actor config (``clip_ratio_low``/``clip_ratio_high``, ``clip_ratio_c``, ``loss_agg_mode``,
+  ``loss_scale_factor``); entropy and KL are added by verl after the call.
+- the trainers ``copc`` (verl's sync trainer), ``copc_colocate_async`` and ``copc_separate_async``
+  (``trainer.v1.trainer_mode=...``): verl's v1 trainers whose advantage step is copc's advantage
+  channel on verl's batch, once per step: ``log_w = clamp(old - mu, +-20)`` from ``old_log_probs`` and
+  ``rollout_log_probs``; advantages and critic targets from copc's estimator (``clipped_td``, ``vtrace``
+  or ``brace``) on ``token_level_rewards``, the critic's ``values`` and ``response_mask`` (tool tokens
+  of multi-turn rollouts are False there and are bridged, as verl's GAE does); and the policy weight
+  ``omega = M * w`` (``M = 1[mask_low <= w <= mask_high]``, spec 9.3) written as verl's
+  ``rollout_is_weights``, which verl hands to the actor loss. Both channels read the same ``log_w``.
+- the advantage estimators ``copc_clipped_td``, ``copc_vtrace``, ``copc_brace``
+  (``algorithm.adv_estimator=...``) choose copc's estimator. verl calls a registered estimator with
+  rewards and a mask only (no values, no log-probs), so these entries only say, if a plain verl trainer
+  calls them, to set ``trainer.v1.trainer_mode`` to a copc trainer.
+
+How this deviates from copc's own trainer: the band mask is fixed at the step start (verl's actor loss
+never sees ``rollout_log_probs``, so ``policy.mask_source='current'`` is refused); masked tokens stay
+in the denominator (``policy.denominator='all'``: verl's global token counts include them); the dual
+clip is verl's ``clip_ratio_c`` (copc's preset has it off). copc options that verl's config has no
+field for live in a top-level ``copc`` section of verl's config (``+copc.policy.mask_high=5``,
+``+copc.advantage.ratio_low=0.9``) and are validated by copc's own config checks at start-up; gamma
+and lambda are verl's ``algorithm.gamma`` / ``algorithm.lam``. docs/verl.md has a full command.
+
+verl logs a plugin that fails to import only at debug level, so this module logs every failure at
+ERROR (with the traceback) before re-raising. Metrics: the driver logs ``copc/...`` (advantage and ratio
+diagnostics, policy mask rate), the actor ``actor/copc/policy/...`` (clip and mask fractions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+# copc names used here (one block, so a move of copc's layout is one edit).
+from copc.channels import AdvantageChannelConfig, PolicyChannelConfig, compute_advantages
+from copc.methods import get_method
+from copc.ops import band_weight, log_ratio, masked_mean, weighted_ppo_loss
+
+_log = logging.getLogger(__name__)
+# As verl's own modules do: verl's basic config leaves the root at WARNING, so INFO needs the logger's level.
+_log.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+
+
+def _fail_loud(what: str) -> None:
+    """Log the exception being handled at ERROR (verl would log it at debug and go on without copc)."""
+    _log.error(
+        "copc's verl plugin failed to %s; policy_loss.loss_mode=copc and trainer.v1.trainer_mode=copc* "
+        "will be unknown to verl. Fix the error below (pip install 'copc[verl]' installs what it needs).",
+        what,
+        exc_info=True,
+    )
+
+
+try:
+    import transfer_queue as tq
+    from tensordict import TensorDict
+    from verl.protocol import DataProto
+    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+    from verl.trainer.ppo.utils import need_critic
+    from verl.trainer.ppo.v1 import (
+        PPOTrainer,
+        PPOTrainerColocateAsync,
+        PPOTrainerSeparateAsync,
+        PPOTrainerSync,
+        register_trainer,
+    )
+    from verl.workers.utils.padding import response_to_nested
+except Exception:
+    _fail_loud("import verl's v1 trainer")
+    raise
+
+__all__ = [
+    "ESTIMATORS",
+    "LOSS_NAME",
+    "TRAINERS",
+    "CopcChannels",
+    "CopcStep",
+    "channels_from_verl_config",
+    "copc_advantage_step",
+    "copc_policy_loss",
+]
+
+#: verl's name of copc's policy loss (``actor_rollout_ref.actor.policy_loss.loss_mode``).
+LOSS_NAME = "copc"
+#: ``algorithm.adv_estimator`` -> the copc preset whose advantage channel (and defaults) it runs.
+ESTIMATORS: dict[str, str] = {"copc_clipped_td": "copc", "copc_vtrace": "vtrace", "copc_brace": "brace"}
+_TRAINER_HINT = "set trainer.v1.trainer_mode=copc (or copc_colocate_async / copc_separate_async)"
+
+# One line per missing input, naming the verl option that provides it.
+MISSING_ROLLOUT = (
+    "copc needs the sampler's log-probs (rollout_log_probs): set actor_rollout_ref.rollout.calculate_log_probs=True"
+)
+MISSING_VALUES = "copc's advantage channel needs critic values (values): set critic.enable=True"
+MISSING_OLD = (
+    "copc needs the recomputed old_log_probs: set algorithm.rollout_correction.bypass_mode=False"
+)
+MISSING_WEIGHTS = f"policy_loss.loss_mode=copc needs the weights copc's trainer writes (rollout_is_weights): {_TRAINER_HINT}"
+
+# copc.policy fields verl's config has no place for; the rest of COPC's policy channel is verl's actor config.
+_POLICY_FIELDS = ("mask_low", "mask_high", "weight_mode")
+_POLICY_ELSEWHERE = {
+    "clip_low": "actor_rollout_ref.actor.clip_ratio_low",
+    "clip_high": "actor_rollout_ref.actor.clip_ratio_high",
+    "dual_clip_c": "actor_rollout_ref.actor.clip_ratio_c",
+    "loss_agg": "actor_rollout_ref.actor.loss_agg_mode",
+    "norm_length": "actor_rollout_ref.actor.loss_scale_factor",
+    "minibatches": "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "objective": "actor_rollout_ref.actor.policy_loss.loss_mode",
+}
+_ADVANTAGE_ELSEWHERE = {
+    "estimator": "algorithm.adv_estimator",
+    "gamma": "algorithm.gamma",
+    "lam_critic": "algorithm.lam",
+}
+
+
+class CopcChannels(NamedTuple):
+    """The two channel configs a copc trainer runs in verl (built once at start-up)."""
+
+    policy: PolicyChannelConfig
+    advantage: AdvantageChannelConfig
+
+
+class CopcStep(NamedTuple):
+    """What copc's advantage step writes into verl's batch; all ``[B, T]`` float32, 0 off the mask."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    rollout_is_weights: torch.Tensor  # omega = M * w (or M): the policy channel's per-token weight
+    metrics: dict[str, torch.Tensor]  # detached scalars, ``copc/...``
+
+
+def _get(config: Any, dotted: str, default: Any = None) -> Any:
+    node = config
+    for key in dotted.split("."):
+        if node is None or not hasattr(node, "get"):
+            return default
+        node = node.get(key, None)
+    return default if node is None else node
+
+
+def _plain(section: Any) -> dict[str, Any]:
+    """A config section (OmegaConf node or mapping) as a plain dict."""
+    if section is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(section, DictConfig):
+            return dict(OmegaConf.to_container(section, resolve=True))  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover - verl depends on omegaconf
+        pass
+    if not isinstance(section, Mapping):
+        raise ValueError(f"the copc section of verl's config must be a mapping, got {section!r}")
+    return dict(section)
+
+
+def _overrides(section: dict[str, Any], name: str, allowed: tuple[str, ...] | None, elsewhere: dict[str, str]) -> dict[str, Any]:
+    for key in section:
+        if key in elsewhere:
+            raise ValueError(f"copc.{name}.{key} is verl's {elsewhere[key]}; set it there instead")
+        if allowed is not None and key not in allowed:
+            raise ValueError(f"copc.{name}.{key} is not a copc option in verl; valid: {', '.join(allowed)}")
+    return section
+
+
+def channels_from_verl_config(config: Any) -> CopcChannels:
+    """copc's channel configs from verl's full config; fails at start-up with one line per problem.
+
+    Policy channel: copc's ``copc`` preset with ``copc.policy.{mask_low, mask_high, weight_mode}``.
+    Advantage channel: the preset named by ``algorithm.adv_estimator`` (``copc_clipped_td`` -> ``copc``,
+    ``copc_vtrace`` -> ``vtrace``, ``copc_brace`` -> ``brace``) with gamma = ``algorithm.gamma``,
+    lambda (critic and actor) = ``algorithm.lam`` and any ``copc.advantage.<field>``.
+    """
+    estimator = str(_get(config, "algorithm.adv_estimator", ""))
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"copc's trainer runs copc's advantage channel: set algorithm.adv_estimator to one of "
+            f"{', '.join(ESTIMATORS)} (got {estimator!r})"
+        )
+    section = _plain(_get(config, "copc"))
+    unknown = sorted(set(section) - {"policy", "advantage"})
+    if unknown:
+        raise ValueError(f"unknown copc section(s) {unknown} in verl's config; valid: copc.policy, copc.advantage")
+    policy_over = _overrides(_plain(section.get("policy")), "policy", _POLICY_FIELDS, _POLICY_ELSEWHERE)
+    adv_over = _overrides(_plain(section.get("advantage")), "advantage", None, _ADVANTAGE_ELSEWHERE)
+    policy = dataclasses.replace(get_method("copc").policy, **policy_over)
+    lam = float(_get(config, "algorithm.lam", 1.0))
+    defaults = {"gamma": float(_get(config, "algorithm.gamma", 1.0)), "lam_critic": lam, "lam_actor": lam}
+    try:
+        advantage = dataclasses.replace(get_method(ESTIMATORS[estimator]).advantage, **{**defaults, **adv_over})
+    except TypeError as exc:  # an unknown field name
+        raise ValueError(f"copc.advantage: {exc}; see copc.channels.AdvantageChannelConfig for the fields") from None
+    return CopcChannels(policy, advantage)
+
+
+def check_verl_config(config: Any) -> CopcChannels:
+    """Everything a copc trainer needs from verl's config, checked before any worker starts."""
+    channels = channels_from_verl_config(config)
+    if not need_critic(config):
+        raise ValueError(MISSING_VALUES)
+    if not _get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
+        raise ValueError(MISSING_ROLLOUT)
+    correction = _get(config, "algorithm.rollout_correction")
+    if _get(correction, "bypass_mode", False):
+        raise ValueError(MISSING_OLD)
+    for key in ("rollout_is", "rollout_rs"):
+        if _get(correction, key) is not None:
+            raise ValueError(
+                f"copc's policy channel replaces verl's rollout correction: set algorithm.rollout_correction.{key}=null"
+            )
+    return channels
+
+
+def copc_advantage_step(
+    channels: CopcChannels,
+    *,
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    old_log_probs: torch.Tensor | None,
+    rollout_log_probs: torch.Tensor | None,
+    response_mask: torch.Tensor,
+) -> CopcStep:
+    """Both channels' step-start quantities on verl's padded batch (``[B, T]``, right-padded responses).
+
+    Args:
+        token_level_rewards: ``[B, T]`` float, verl's rewards (score on the last response token, KL
+            penalty on every token if ``use_kl_in_reward``); rewards off the mask are folded back.
+        values: ``[B, T]`` float, the critic's pre-update V(s_t) at response positions.
+        old_log_probs: ``[B, T]`` float, verl's recomputed proximal log-probs (old_t).
+        rollout_log_probs: ``[B, T]`` float, the sampler's log-probs (mu_t).
+        response_mask: ``[B, T]`` bool or 0/1, True on sampled tokens (tool output False).
+    """
+    if rollout_log_probs is None:
+        raise ValueError(MISSING_ROLLOUT)
+    if values is None:
+        raise ValueError(MISSING_VALUES)
+    if old_log_probs is None:
+        raise ValueError(MISSING_OLD)
+    mask = response_mask.bool()
+    log_w = log_ratio(old_log_probs.float(), rollout_log_probs.float(), mask)
+    adv = compute_advantages(
+        channels.advantage, rewards=token_level_rewards.float(), values=values.float(), log_w=log_w, action_mask=mask
+    )
+    p = channels.policy
+    weight, keep = band_weight(log_w, mask, low=p.mask_low, high=p.mask_high, mode=p.weight_mode)
+    metrics = {f"copc/{name}": value for name, value in adv.stats.items()}
+    metrics["copc/policy/mask_frac"] = masked_mean((mask & ~keep).float(), mask)
+    metrics["copc/policy/weight_mean"] = masked_mean(weight, mask)
+    return CopcStep(adv.advantages, adv.returns, weight.detach(), metrics)
+
+
+def copc_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl policy loss ``copc``: ``omega_t * PPOclip(u_t, A_t)`` per token, aggregated by verl.
+
+    verl's ``PolicyLossFn`` signature; all tensors ``[B, T]`` (a micro-batch). ``rollout_is_weights``
+    is omega from :func:`copc_advantage_step` (written by copc's trainer). Returns ``(loss, metrics)``
+    with metrics as 0-d tensors (verl's ``Metric`` reads them).
+    """
+    if config is None:
+        raise ValueError("policy loss copc needs verl's actor config (config=...)")
+    if rollout_is_weights is None:
+        raise ValueError(MISSING_WEIGHTS)
+    mask = response_mask.bool()
+    clip = config.get("clip_ratio", 0.2)
+    clip_low = config.get("clip_ratio_low", None)
+    clip_high = config.get("clip_ratio_high", None)
+    weight = torch.where(mask, rollout_is_weights.float(), torch.zeros((), device=mask.device))
+    out = weighted_ppo_loss(
+        log_prob,
+        old_log_prob,
+        advantages,
+        mask,
+        weight=weight,
+        keep=weight > 0,
+        clip_low=clip if clip_low is None else clip_low,
+        clip_high=clip if clip_high is None else clip_high,
+        dual_clip_c=config.get("clip_ratio_c", 3.0),
+    )
+    loss = core_algos.agg_loss(
+        loss_mat=out.per_token, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.get("global_batch_info", {})
+    )
+    return loss, {f"copc/{name}": value for name, value in out.stats.items()}
+
+
+def _estimator_stub(name: str) -> Any:
+    def estimator(**_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise ValueError(f"algorithm.adv_estimator={name} needs critic values and log-probs: {_TRAINER_HINT}")
+
+    estimator.__name__ = f"{name}_needs_copc_trainer"
+    return estimator
+
+
+_STUBS = {name: _estimator_stub(name) for name in ESTIMATORS}
+
+
+class CopcAdvantageMixin:
+    """Replaces a verl v1 trainer's advantage step with copc's; put it before the verl trainer class."""
+
+    config: Any
+    _copc: CopcChannels
+
+    def __init__(self, config: Any) -> None:
+        self._copc = check_verl_config(config)  # before any worker or Ray actor starts
+        _log.info("copc trainer: %s", self._copc)
+        super().__init__(config)  # type: ignore[call-arg]
+
+    def _compute_advantage(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        """verl's step 7 (``PPOTrainer._compute_advantage``) with copc's two channels.
+
+        Reads the step's batch from TransferQueue, applies verl's in-reward KL if configured, and writes
+        back ``advantages``, ``returns`` (critic targets) and ``rollout_is_weights`` (omega).
+        """
+        use_kl = bool(self.config.algorithm.use_kl_in_reward)
+        fields = ["response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "values"]
+        if use_kl:
+            fields.append("ref_log_prob")
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        nested_mask = data["response_mask"]
+        proto = DataProto(batch=data.to_padded_tensor())
+        proto.batch["token_level_scores"] = proto.batch["rm_scores"]
+        if use_kl:
+            proto, kl_metrics = apply_kl_penalty(
+                proto, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty  # type: ignore[attr-defined]
+            )
+            metrics.update(kl_metrics)
+        else:
+            proto.batch["token_level_rewards"] = proto.batch["token_level_scores"]
+        padded = proto.batch
+        step = copc_advantage_step(
+            self._copc,
+            token_level_rewards=padded["token_level_rewards"],
+            values=padded.get("values", None),
+            old_log_probs=padded.get("old_log_probs", None),
+            rollout_log_probs=padded.get("rollout_log_probs", None),
+            response_mask=padded["response_mask"],
+        )
+        metrics.update({name: float(value) for name, value in step.metrics.items()})
+        out = {
+            "advantages": step.advantages,
+            "returns": step.returns,
+            "rollout_is_weights": step.rollout_is_weights,
+        }
+        if use_kl:
+            out["token_level_rewards"] = padded["token_level_rewards"]
+        nested = {name: response_to_nested(value, nested_mask) for name, value in out.items()}
+        return tq.kv_batch_put(
+            keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(nested, batch_size=len(batch))
+        )
+
+
+class CopcTrainerSync(CopcAdvantageMixin, PPOTrainerSync):
+    """verl's synchronous v1 trainer with copc's advantage step (``trainer.v1.trainer_mode=copc``)."""
+
+
+class CopcTrainerColocateAsync(CopcAdvantageMixin, PPOTrainerColocateAsync):
+    """verl's colocated async trainer (partial rollouts) with copc's advantage step."""
+
+
+class CopcTrainerSeparateAsync(CopcAdvantageMixin, PPOTrainerSeparateAsync):
+    """verl's separate-pool async trainer (``parameter_sync_step``) with copc's advantage step."""
+
+
+#: ``trainer.v1.trainer_mode`` -> copc trainer class.
+TRAINERS: dict[str, type[PPOTrainer]] = {
+    "copc": CopcTrainerSync,
+    "copc_colocate_async": CopcTrainerColocateAsync,
+    "copc_separate_async": CopcTrainerSeparateAsync,
+}
+
+
+def _register() -> None:
+    """Register the loss, the estimators' stubs and the trainers in verl's registries (idempotent)."""
+    existing = core_algos.POLICY_LOSS_REGISTRY.get(LOSS_NAME)
+    if existing is not None and existing is not copc_policy_loss:
+        # verl's register_policy_loss overwrites silently; never replace someone else's loss.
+        raise ValueError(f"verl already has a policy loss named {LOSS_NAME!r} ({existing!r}); copc will not overwrite it")
+    core_algos.register_policy_loss(LOSS_NAME)(copc_policy_loss)
+    for name, stub in _STUBS.items():
+        core_algos.register_adv_est(name)(stub)  # verl rejects a different function under the same name
+    for name, cls in TRAINERS.items():
+        register_trainer(name)(cls)
+
+
+try:
+    _register()
+except Exception:
+    _fail_loud("register with verl")
+    raise
