@@ -27,18 +27,8 @@ from copc.experiments.results import (
     t_interval,
     write_record,
 )
-from copc.experiments.sweep import (
-    SpecError,
-    cell_state,
-    estimate_seconds,
-    evaluations,
-    expand,
-    load_spec,
-    parse_spec,
-    resolve,
-    sweep_cli,
-    timing_key,
-)
+from copc.experiments.sweep import cell_state, estimate_seconds, evaluations, resolve, sweep_cli, timing_key
+from copc.experiments.sweep_spec import SpecError, expand, load_spec, parse_spec
 from copc.run.config import load_run_config
 from copc.tracking import Tracker
 
@@ -224,6 +214,11 @@ def test_cell_states(tmp_path):
     assert cell_state(cfg, tmp_path / "run", record_path)[0] == "recorded"
     state, detail = cell_state({**cfg, "seed": 3}, tmp_path / "run", record_path)
     assert state == "conflict" and "move the record away" in detail
+    # a record of the same config with fewer steps is extended from the run's checkpoint
+    write_record(record_path, {"version": 1, "config_hash": config_hash(cfg), "config": cfg, "steps": 10})
+    assert cell_state({**cfg, "steps": 20}, tmp_path / "run", record_path) == ("resume", "from step 10")
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # ... but not without one
+    assert cell_state({**cfg, "steps": 20}, tmp_path / "run", record_path)[0] == "conflict"
 
 
 def test_estimates_count_steps_and_evaluations():
@@ -231,12 +226,20 @@ def test_estimates_count_steps_and_evaluations():
     assert evaluations(cfg) == 13  # before, 11 during (25 .. 275), after
     assert evaluations(cfg, start=100) == 8  # 125 .. 275, after
     assert evaluations(replace(cfg, eval=replace(cfg.eval, prompts=0))) == 0
-    table = {timing_key(cfg): {"step_seconds": 2.0, "eval_seconds": 10.0}}
+    cfg = replace(cfg, rollout=replace(cfg.rollout, prompts_per_batch=8))
+    table: dict[str, dict[str, object]] = {timing_key(cfg): {"step_seconds": 2.0, "eval_seconds": 10.0}}
     assert estimate_seconds(cfg, table) == (300 * 2.0 + 13 * 10.0, "measured")
     other = load_run_config(None, ["steps=10", "task=kv_search", "task_options={hard: true}", "method=vtrace"])
     seconds, note = estimate_seconds(other, table)
     assert seconds == 10 * 2.0 + 2 * 10.0 and note.startswith("borrowed")
     assert estimate_seconds(load_run_config(None, []), table) == (None, "no measurement for this task")
+    # a borrowed entry that records its episodes is scaled: 16 x 4 episodes per batch against 8 x 4, and
+    # 200 x (8 samples + greedy) per evaluation against 200 x (1 + greedy)
+    table[timing_key(cfg)].update({"batch_episodes": 32, "eval_episodes": 400})
+    bigger = load_run_config(None, ["steps=10", "task=kv_search", "task_options={hard: true}",
+                                    "rollout.prompts_per_batch=16", "eval.samples=8"])
+    seconds, note = estimate_seconds(bigger, table)
+    assert seconds == pytest.approx(10 * 2.0 * 2 + 2 * 10.0 * 4.5) and note.endswith("scaled by episodes")
 
 
 # ------------------------------------------------------------------------------- committed YAML files

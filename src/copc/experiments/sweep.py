@@ -44,19 +44,16 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from itertools import product
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from copc.config import ConfigError, load_yaml, to_dict
 from copc.experiments.results import (
-    SUMMARY_METRICS,
     build_record,
     config_hash,
     load_records,
@@ -65,156 +62,15 @@ from copc.experiments.results import (
     report_text,
     write_record,
 )
+from copc.experiments.sweep_spec import Cell, SpecError, SweepSpec, expand, load_spec
 from copc.run.config import RunConfig, load_run_config
 from copc.trainer.checkpoint import list_checkpoints
 
-__all__ = ["Cell", "SweepSpec", "cell_state", "estimate_seconds", "expand", "load_spec", "sweep_cli"]
+__all__ = ["cell_state", "estimate_seconds", "resolve", "sweep_cli"]
 
 #: An added parallel process must raise the probe's total throughput by this fraction of one process.
 PROBE_MIN_GAIN = 0.6
-#: Characters allowed in axis and level names (they become file names).
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 STEP_TIMES = "step_times.json"
-
-
-# ------------------------------------------------------------------------------------------ the spec
-@dataclass(frozen=True)
-class SweepSpec:
-    experiment: str
-    description: str
-    seeds: tuple[int, ...]
-    shared: tuple[str, ...]
-    axes: dict[str, dict[str, tuple[str, ...]]]
-    grids: tuple[dict[str, tuple[str, ...]], ...]
-    baseline: dict[str, str]
-    report: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One grid point and one seed: its id, its levels (axis -> level) and every override it runs with."""
-
-    cell_id: str
-    levels: tuple[tuple[str, str], ...]
-    seed: int
-    overrides: tuple[str, ...]
-
-
-class SpecError(ConfigError):
-    """A sweep file that cannot be expanded (the message names the file, the entry and the fix)."""
-
-
-def _overrides(value: object, where: str) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if isinstance(value, Mapping):
-        return tuple(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in value.items())
-    if not isinstance(value, list) or not all(isinstance(v, str) and "=" in v for v in value):
-        raise SpecError(f"{where}: expected a list of key=value overrides, got {value!r}")
-    return tuple(value)
-
-
-def _name(value: object, where: str) -> str:
-    text = str(value)
-    if not _NAME.match(text):
-        raise SpecError(f"{where}: {text!r} must be letters, digits and . _ + - (it becomes a file name)")
-    return text
-
-
-def _parse_axis(name: str, value: object, where: str) -> dict[str, tuple[str, ...]]:
-    if isinstance(value, Mapping) and set(value) == {"key", "values"}:
-        key, values = value["key"], value["values"]
-        if not isinstance(values, list) or not values:
-            raise SpecError(f"{where}: 'values' must be a non-empty list")
-        return {_name(v, f"{where}.values"): (f"{key}={v}",) for v in values}
-    if not isinstance(value, Mapping) or not value:
-        raise SpecError(f"{where}: expected level -> overrides, or {{key: K, values: [...]}}")
-    return {_name(level, where): _overrides(ov, f"{where}.{level}") for level, ov in value.items()}
-
-
-def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepSpec:
-    """A :class:`SweepSpec` from the YAML mapping (module docstring); :class:`SpecError` on bad input."""
-    known = {"experiment", "description", "seeds", "shared", "axes", "grids", "baseline", "report"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise SpecError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
-    if "experiment" not in data or "axes" not in data:
-        raise SpecError(f"{source}: needs 'experiment' (a name) and 'axes' (axis -> level -> overrides)")
-    experiment = _name(data["experiment"], f"{source}: experiment")
-    seeds_value = data.get("seeds", 1)
-    if isinstance(seeds_value, int) and seeds_value >= 1:
-        seeds = tuple(range(seeds_value))
-    elif isinstance(seeds_value, list) and seeds_value and all(isinstance(s, int) for s in seeds_value):
-        seeds = tuple(seeds_value)
-    else:
-        raise SpecError(f"{source}: seeds must be a count >= 1 or a list of integers, got {seeds_value!r}")
-    axes_value = data["axes"]
-    if not isinstance(axes_value, Mapping) or not axes_value:
-        raise SpecError(f"{source}: axes must map axis names to their levels")
-    axes = {_name(a, f"{source}: axes"): _parse_axis(str(a), v, f"{source}: axes.{a}") for a, v in axes_value.items()}
-    grids_value = data.get("grids") or [{a: "all" for a in axes}]
-    if not isinstance(grids_value, list):
-        raise SpecError(f"{source}: grids must be a list of {{axis: [levels] | all}}")
-    grids = []
-    for i, grid in enumerate(grids_value):
-        where = f"{source}: grids[{i}]"
-        if not isinstance(grid, Mapping) or not grid:
-            raise SpecError(f"{where}: expected {{axis: [levels] | all}}")
-        parsed = {}
-        for axis, levels in grid.items():
-            if axis not in axes:
-                raise SpecError(f"{where}: unknown axis {axis!r}; axes: {', '.join(axes)}")
-            chosen = list(axes[axis]) if levels == "all" else [str(v) for v in (levels if isinstance(levels, list) else [levels])]
-            missing = [lv for lv in chosen if lv not in axes[axis]]
-            if missing:
-                raise SpecError(f"{where}: axis {axis!r} has no level {missing[0]!r}; levels: {', '.join(axes[axis])}")
-            parsed[axis] = tuple(chosen)
-        grids.append(parsed)
-    baseline_value = data.get("baseline") or {}
-    if not isinstance(baseline_value, Mapping):
-        raise SpecError(f"{source}: baseline must map axes to levels, e.g. {{method: ppo_sync}}")
-    baseline = {str(a): str(lv) for a, lv in baseline_value.items()}
-    for axis, level in baseline.items():
-        if axis not in axes or level not in axes[axis]:
-            raise SpecError(f"{source}: baseline {axis}={level} is not a level of the axes")
-    report_value = data.get("report") or ["eval_last_half", "eval_final", "greedy_last_half"]
-    if not isinstance(report_value, list):
-        raise SpecError(f"{source}: report must be a list of metric names; valid: {', '.join(SUMMARY_METRICS)}")
-    report = tuple(str(r) for r in report_value)
-    bad = [r for r in report if r not in SUMMARY_METRICS]
-    if bad:
-        raise SpecError(f"{source}: report metric {bad[0]!r} unknown; valid: {', '.join(SUMMARY_METRICS)}")
-    return SweepSpec(experiment=experiment, description=str(data.get("description", "")), seeds=seeds,
-                     shared=_overrides(data.get("shared", []), f"{source}: shared"), axes=axes,
-                     grids=tuple(grids), baseline=baseline, report=report)
-
-
-def load_spec(path: str | os.PathLike[str]) -> SweepSpec:
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise SpecError(f"cannot read sweep file {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise SpecError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
-    if not isinstance(data, Mapping):
-        raise SpecError(f"{path}: expected a mapping with experiment, axes, ...")
-    return parse_spec(data, str(path))
-
-
-def expand(spec: SweepSpec) -> list[Cell]:
-    """Every cell of every grid, seed outermost (a partial sweep holds complete seed pairs); duplicates once."""
-    cells: dict[str, Cell] = {}
-    for seed in spec.seeds:
-        for grid in spec.grids:
-            axes = [a for a in spec.axes if a in grid]  # the spec's axis order, whatever the grid's
-            for combo in product(*(grid[a] for a in axes)):
-                levels = tuple(zip(axes, combo, strict=True))
-                level_overrides = tuple(o for a, lv in levels for o in spec.axes[a][lv])
-                cell_id = "__".join([*(f"{a}={lv}" for a, lv in levels), f"seed={seed}"])
-                cells.setdefault(cell_id, Cell(cell_id, levels, seed, (*spec.shared, *level_overrides)))
-    return list(cells.values())
 
 
 def resolve(cell: Cell, run_dir: Path) -> RunConfig:
@@ -239,19 +95,27 @@ def _same_except_steps(a: Mapping[str, object], b: Mapping[str, object]) -> bool
 
 def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -> tuple[str, str]:
     """``(state, detail)``: ``recorded``, ``finished`` (run done, record missing), ``resume`` (from a
-    checkpoint), ``fresh``, or ``conflict`` (record or run directory of a different config)."""
-    want = config_hash(config)
+    checkpoint), ``fresh``, or ``conflict`` (record or run directory of a different config).
+
+    A record or run of the same config with fewer ``steps`` is extended: resumed from its last checkpoint
+    (the record is replaced when the longer run ends). The extended run trains exactly as a longer run
+    from that checkpoint would; it lacks the one evaluation the longer run makes at the shorter run's
+    last step (that run's final evaluation is dropped on resume).
+    """
+    want, steps = config_hash(config), int(config["steps"])  # type: ignore[call-overload]
+    saved = _saved_config(run_dir)
+    checkpoints = list_checkpoints(run_dir)
     if record_path.is_file():
         try:
             record = read_record(record_path)
         except ValueError as err:
             return "conflict", str(err)
-        if record.get("config_hash") != want:
+        if record.get("config_hash") == want:
+            return "recorded", ""
+        shorter = isinstance(record.get("config"), dict) and _same_except_steps(record["config"], config)  # type: ignore[arg-type]
+        if not (shorter and int(record["steps"]) < steps and saved is not None and checkpoints):  # type: ignore[call-overload]
             return "conflict", (f"{record_path} was made by config {record.get('config_hash')}, the file now gives "
                                 f"{want}; move the record away to re-run the cell")
-        return "recorded", ""
-    saved = _saved_config(run_dir)
-    checkpoints = list_checkpoints(run_dir)
     if saved is None:
         return "fresh", ""
     if config_hash(saved) == want and (run_dir / "summary.json").is_file():
@@ -259,9 +123,9 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -
             done = int(json.loads((run_dir / "summary.json").read_text()).get("steps", -1))
         except (OSError, ValueError):
             done = -1
-        if done == int(config["steps"]):  # type: ignore[call-overload]
+        if done == steps:
             return "finished", ""
-    if checkpoints and _same_except_steps(saved, config) and max(checkpoints) <= int(config["steps"]):  # type: ignore[call-overload]
+    if checkpoints and _same_except_steps(saved, config) and max(checkpoints) <= steps:
         return "resume", f"from step {max(checkpoints)}"
     if checkpoints:
         return "conflict", f"{run_dir} holds a run of another config; move it away to re-run the cell"
@@ -305,12 +169,23 @@ def timing_from_record(record: Mapping[str, object], cfg: RunConfig) -> dict[str
     n_evals = max(1, evaluations(cfg))
     rest = max(0.0, float(wall) - float(step) * cfg.steps)
     return {"step_seconds": float(step), "eval_seconds": rest / n_evals, "source": f"record {record['cell']}",
-            "steps": record["steps"]}
+            "steps": record["steps"], **episodes(cfg)}
+
+
+def episodes(cfg: RunConfig) -> dict[str, int]:
+    """Episodes of one training batch and of one evaluation (sampled and greedy): what the costs scale with."""
+    per_prompt = cfg.eval.samples + (1 if cfg.eval.greedy else 0)
+    return {"batch_episodes": cfg.rollout.prompts_per_batch * cfg.rollout.group_size,
+            "eval_episodes": cfg.eval.prompts * per_prompt}
 
 
 def estimate_seconds(cfg: RunConfig, table: Mapping[str, Mapping[str, object]], start: int = 0
                      ) -> tuple[float | None, str]:
-    """``(seconds, where the figures come from)`` for the steps ``start .. cfg.steps`` of ``cfg``."""
+    """``(seconds, where the figures come from)`` for the steps ``start .. cfg.steps`` of ``cfg``.
+
+    A kind never measured borrows the figures of the same task and method, else of the same task, scaled
+    by the episodes per batch and per evaluation (:func:`episodes`) when the entry records them.
+    """
     key = timing_key(cfg)
     task, _, method, _ = key.split("/")
     entry, note = table.get(key), "measured"
@@ -321,6 +196,11 @@ def estimate_seconds(cfg: RunConfig, table: Mapping[str, Mapping[str, object]], 
             return None, "no measurement for this task"
         entry, note = table[near[0]], f"borrowed from {near[0]}"
     step, per_eval = float(entry["step_seconds"]), float(entry["eval_seconds"])  # type: ignore[arg-type]
+    mine = episodes(cfg)
+    if note != "measured" and entry.get("batch_episodes") and entry.get("eval_episodes"):
+        step *= mine["batch_episodes"] / float(entry["batch_episodes"])  # type: ignore[arg-type]
+        per_eval *= mine["eval_episodes"] / float(entry["eval_episodes"])  # type: ignore[arg-type]
+        note += ", scaled by episodes"
     return (cfg.steps - start) * step + evaluations(cfg, start) * per_eval, note
 
 
@@ -488,7 +368,8 @@ def probe_step_time(cell: Cell, paths: Paths, *, steps: int, nice: int, log: Cal
     times = [float(r[TIME_STEP]) for r in read_metrics(run_dir) if TIME_STEP in r]
     step = sum(times) / len(times)
     entry = {"step_seconds": step, "eval_seconds": max(0.0, wall - step * len(times)) / 2,
-             "source": f"probe of {steps} steps", "steps": steps, "measured": time.strftime("%Y-%m-%d %H:%M")}
+             "source": f"probe of {steps} steps", "steps": steps, "measured": time.strftime("%Y-%m-%d %H:%M"),
+             **episodes(cfg)}
     store_step_time(paths.results, key, entry)
     return entry
 
@@ -549,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nice", type=int, default=10, help="niceness of the train processes (0: none)")
     parser.add_argument("--results", default="results", help="results folder (records under <results>/<experiment>)")
     parser.add_argument("--runs", default=None, help="run directories (default runs/sweep/<experiment>)")
+    parser.add_argument("--steps", type=int, default=0, help="train every cell for this many steps instead "
+                        "(a later run with more steps extends the runs from their checkpoints)")
     parser.add_argument("--only", default=None, metavar="SUBSTRING", help="only the cells whose id contains this")
     return parser
 
@@ -564,11 +447,13 @@ def _baseline(text: str | None, spec: SweepSpec) -> dict[str, str]:
 
 def sweep_cli(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
-    if args.jobs < 0 or args.measure < 0:
-        print("copc sweep: error: --jobs and --measure must be >= 0", file=sys.stderr)
+    if args.jobs < 0 or args.measure < 0 or args.steps < 0:
+        print("copc sweep: error: --jobs, --measure and --steps must be >= 0", file=sys.stderr)
         return 2
     spec = load_spec(args.file)
     cells = expand(spec)
+    if args.steps:
+        cells = [replace(c, overrides=(*c.overrides, f"steps={args.steps}")) for c in cells]
     if args.only:
         cells = [c for c in cells if args.only in c.cell_id]
         if not cells:
