@@ -243,13 +243,25 @@ def test_estimates_count_steps_and_evaluations():
 
 
 # ------------------------------------------------------------------------------- committed YAML files
-def test_committed_experiments_parse_and_every_cell_resolves(tmp_path):
-    files = sorted(EXPERIMENTS.glob("*.yaml"))
-    assert files, "no experiments/*.yaml"
-    for path in files:
-        spec = load_spec(path)
-        for cell in expand(spec):
-            resolve(cell, tmp_path / cell.cell_id)  # fails naming the cell
+#: Experiments whose cells need what copc train cannot do yet (the file's BLOCKED comment says what).
+BLOCKED = {"e2_joint_sweep.yaml"}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXPERIMENTS.glob("*.yaml") if p.name not in BLOCKED))
+def test_committed_experiments_parse_and_every_cell_resolves(name, tmp_path):
+    spec = load_spec(EXPERIMENTS / name)
+    cells = expand(spec)
+    assert cells and all(c.overrides for c in cells)
+    for cell in cells:
+        resolve(cell, tmp_path / cell.cell_id)  # fails naming the cell
+
+
+@pytest.mark.xfail(strict=True, reason="RunConfig cannot set a preset's parameters (method_overrides)")
+def test_e2_joint_sweep_resolves_once_run_config_takes_method_overrides(tmp_path):
+    spec = load_spec(EXPERIMENTS / "e2_joint_sweep.yaml")
+    assert len(expand(spec)) == 3 * 4 * 3 * 2
+    for cell in expand(spec):
+        resolve(cell, tmp_path / cell.cell_id)
 
 
 def test_kv_search_testbed_file_shares_the_testbed_settings():
