@@ -59,7 +59,7 @@ def test_grid_expands_to_every_cell_seed_outermost_without_duplicates():
     cells = expand(parse_spec(GRID))
     ids = [c.cell_id for c in cells]
     per_seed = ["method=ppo_sync", "method=copc__s=8", "method=copc__s=16"]  # the 3rd grid repeats a cell
-    assert ids == [f"{c}__seed={s}" for s in (0, 1) for c in per_seed]
+    assert ids == [f"{c}__seed{s}" for s in (0, 1) for c in per_seed]
     copc16 = cells[2]
     assert copc16.levels == (("method", "copc"), ("s", "16")) and copc16.seed == 0
     assert copc16.overrides == ("steps=5", "method=copc", "staleness.staleness=16")
@@ -69,8 +69,8 @@ def test_grid_expands_to_every_cell_seed_outermost_without_duplicates():
 def test_no_grids_crosses_every_axis():
     spec = parse_spec({**GRID, "grids": None, "seeds": [7]})
     assert [c.cell_id for c in expand(spec)] == [
-        "method=ppo_sync__s=8__seed=7", "method=ppo_sync__s=16__seed=7",
-        "method=copc__s=8__seed=7", "method=copc__s=16__seed=7",
+        "method=ppo_sync__s=8__seed7", "method=ppo_sync__s=16__seed7",
+        "method=copc__s=8__seed7", "method=copc__s=16__seed7",
     ]
 
 
@@ -95,7 +95,7 @@ def test_bad_sweep_file_fails_in_one_line_naming_it(change, needle):
 
 def test_bad_cell_config_names_the_cell(tmp_path):
     cell = expand(parse_spec({**GRID, "shared": ["trainer.actor_lrr=1"]}))[0]
-    with pytest.raises(Exception, match=r"cell method=ppo_sync__seed=0: .*actor_lr"):
+    with pytest.raises(Exception, match=r"cell method=ppo_sync__seed0: .*actor_lr"):
         resolve(cell, tmp_path)
 
 
@@ -175,9 +175,9 @@ def test_subsample_curve_golden():
 
 def test_record_round_trips_and_is_small(tmp_path):
     config = fake_run(tmp_path / "run", 100, ["method=ppo"])
-    record = build_record(tmp_path / "run", experiment="demo", cell_id="method=ppo__seed=0",
+    record = build_record(tmp_path / "run", experiment="demo", cell_id="method=ppo__seed0",
                           levels={"method": "ppo"}, config=config, wall_seconds=300.0)
-    path = write_record(tmp_path / "results" / "demo" / "method=ppo__seed=0.json", record)
+    path = write_record(tmp_path / "results" / "demo" / "method=ppo__seed0.json", record)
     assert read_record(path) == json.loads(json.dumps(record))
     assert path.stat().st_size < 12_000
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
@@ -270,6 +270,14 @@ def test_kv_search_testbed_file_shares_the_testbed_settings():
     sync, lagged = testbed.arms_for(16)
     arms = data["axes"]["arm"]
     assert set(sync.overrides) <= set(arms[sync.name]) and set(lagged.overrides) <= set(arms[lagged.name])
+    # copc testbed --layout sweep --analyse-only reads the sweep's run directories
+    ids = {c.cell_id for c in expand(load_spec(EXPERIMENTS / "kv_search_testbed.yaml"))}
+    assert ids == {testbed.run_dir_for(Path("r"), a, s, "sweep").name for a in (sync, lagged) for s in (0, 1, 2)}
+    cfg = load_run_config(None, list(testbed.base_overrides("kv_search")))
+    assert (cfg.task, cfg.task_options) == ("kv_search", {"hard": True})
+    assert testbed.base_overrides("arith_tool") == testbed.BASE_OVERRIDES
+    with pytest.raises(ValueError, match="--task must be one of"):
+        testbed.base_overrides("math")
 
 
 # ------------------------------------------------------------------------------------- end to end

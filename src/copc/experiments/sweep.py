@@ -21,7 +21,7 @@ The YAML file (``experiments/*.yaml`` are the committed ones)::
     baseline: {method: ppo_sync}         # what --report pairs the other cells with
     report: [eval_last_half, eval_final] # the record figures --report tabulates (optional)
 
-A cell is one grid point and one seed, its id ``axis=level__axis=level__seed=N``; it runs as
+A cell is one grid point and one seed, its id ``axis=level__axis=level__seedN``; it runs as
 ``nice -n 10 python -m copc.cli train`` with one torch thread into ``runs/sweep/<experiment>/<cell-id>``
 (log beside it). When it finishes, its record (copc.experiments.results) is written atomically to
 ``results/<experiment>/<cell-id>.json``. On the next invocation a cell with a record is skipped, a run

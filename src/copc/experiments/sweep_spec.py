@@ -159,6 +159,6 @@ def expand(spec: SweepSpec) -> list[Cell]:
             for combo in product(*(grid[a] for a in axes)):
                 levels = tuple(zip(axes, combo, strict=True))
                 level_overrides = tuple(o for a, lv in levels for o in spec.axes[a][lv])
-                cell_id = "__".join([*(f"{a}={lv}" for a, lv in levels), f"seed={seed}"])
+                cell_id = "__".join([*(f"{a}={lv}" for a, lv in levels), f"seed{seed}"])
                 cells.setdefault(cell_id, Cell(cell_id, levels, seed, (*spec.shared, *level_overrides)))
     return list(cells.values())

@@ -90,8 +90,13 @@ def arms_for(staleness: int) -> tuple[Arm, Arm]:
     return sync, lagged
 
 
-def run_dir_for(root: Path, arm: Arm, seed: int) -> Path:
-    return root / f"{arm.name}_seed{seed}"
+#: How run directories are named: by ``copc testbed``, or by ``copc sweep`` with the arms on an ``arm`` axis
+#: (experiments/kv_search_testbed.yaml).
+LAYOUTS = ("testbed", "sweep")
+
+
+def run_dir_for(root: Path, arm: Arm, seed: int, layout: str = "testbed") -> Path:
+    return root / (f"arm={arm.name}__seed{seed}" if layout == "sweep" else f"{arm.name}_seed{seed}")
 
 
 def train_command(arm: Arm, seed: int, run_dir: Path, steps: int, eval_every: int, extra: Sequence[str],
@@ -205,9 +210,10 @@ def _describe(values: np.ndarray) -> dict[str, float]:
             "std": float(values.std(ddof=1)) if values.size > 1 else 0.0}
 
 
-def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_window: int = 20) -> dict[str, object]:
+def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_window: int = 20,
+            layout: str = "testbed") -> dict[str, object]:
     """Curves and the paired comparison of the first arm (sync) with each other arm, seed by seed."""
-    runs = {f"{arm.name}_seed{s}": read_metrics(run_dir_for(root, arm, s)) for arm in arms for s in seeds}
+    runs = {f"{arm.name}_seed{s}": read_metrics(run_dir_for(root, arm, s, layout)) for arm in arms for s in seeds}
     report: dict[str, object] = {"seeds": list(seeds), "reward_window": reward_window, "arms": {}}
     arm_reports: dict[str, dict[str, object]] = {}
     for arm in arms:
@@ -237,7 +243,7 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
         after_start = shared[shared > 0]
         ia, ib = np.searchsorted(steps, after_start), np.searchsorted(steps_b, after_start)
         per_seed = (a[:, ia] - b[:, ib]).mean(1) if after_start.size else np.zeros(len(seeds))
-        n = _eval_episodes(run_dir_for(root, sync, seeds[0]))
+        n = _eval_episodes(run_dir_for(root, sync, seeds[0], layout))
         # binomial standard error of each seed's mean gap (independent evaluations of n episodes each)
         var = (a[:, ia] * (1 - a[:, ia]) + b[:, ib] * (1 - b[:, ib])) / n if n else None
         sampling_se = np.sqrt(var.sum(1)) / max(1, after_start.size) if var is not None else None
@@ -261,7 +267,7 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
 
 
 def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, reward_window: int = 20,
-         prefix: str = "testbed", task: str = "arith_tool") -> list[Path]:
+         prefix: str = "testbed", task: str = "arith_tool", layout: str = "testbed") -> list[Path]:
     """``<prefix>_curves.png`` and ``<prefix>_staleness.png`` (seed mean, min-max band)."""
     import matplotlib
 
@@ -269,7 +275,8 @@ def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, re
     import matplotlib.pyplot as plt
 
     labels = {f"{arm.name}_seed{s}": arm.label for arm in arms for s in seeds}
-    runs = {str(run_dir_for(root, arm, s)): read_metrics(run_dir_for(root, arm, s)) for arm in arms for s in seeds}
+    runs = {str(run_dir_for(root, arm, s, layout)): read_metrics(run_dir_for(root, arm, s, layout))
+            for arm in arms for s in seeds}
     figures = {
         f"{prefix}_curves.png": (
             f"Sync PPO vs uncorrected async PPO ({task} hard; {len(seeds)} seed{'s' if len(seeds) > 1 else ''}: "
@@ -324,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default runs/testbed, runs/testbed_<task> for another task)")
     parser.add_argument("--out", default="docs/figures", help="folder for testbed[_<task>]_*.png and .json")
     parser.add_argument("--analyse-only", action="store_true", help="do not train; redraw from existing runs")
+    parser.add_argument("--layout", default="testbed", choices=LAYOUTS,
+                        help="run directory names of copc testbed, or of copc sweep (with --analyse-only)")
     parser.add_argument("overrides", nargs="*", help="extra copc train overrides for every run (key=value)")
     return parser
 
@@ -346,6 +355,9 @@ def testbed_cli(argv: Sequence[str]) -> int:
     prefix = "testbed" if args.task == "arith_tool" else f"testbed_{args.task}"
     root, out, seeds = Path(args.runs or f"runs/{prefix}"), Path(args.out), list(range(args.seeds))
     root.mkdir(parents=True, exist_ok=True)
+    if args.layout == "sweep" and not args.analyse_only:
+        print("copc testbed: error: --layout sweep reads runs of copc sweep; add --analyse-only", file=sys.stderr)
+        return 2
     if not args.analyse_only:
         print(f"[testbed] warm start: {prepare_warmstart([*base, *args.overrides])}", flush=True)
         jobs = [(arm, seed) for seed in seeds for arm in arms]
@@ -354,16 +366,17 @@ def testbed_cli(argv: Sequence[str]) -> int:
         if failures:
             print(f"copc testbed: error: runs failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)
             return 1
-    missing = [str(run_dir_for(root, a, s)) for a in arms for s in seeds if not (run_dir_for(root, a, s) / "metrics.jsonl").is_file()]
+    missing = [str(run_dir_for(root, a, s, args.layout)) for a in arms for s in seeds
+               if not (run_dir_for(root, a, s, args.layout) / "metrics.jsonl").is_file()]
     if missing:
         print(f"copc testbed: error: no metrics in {', '.join(missing)}; run without --analyse-only", file=sys.stderr)
         return 2
-    report = analyse(root, arms, seeds)
+    report = analyse(root, arms, seeds, layout=args.layout)
     report["command"] = {"steps": args.steps, "staleness": args.staleness, "eval_every": args.eval_every,
                          "task": args.task, "overrides": [*base, *args.overrides]}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{prefix}.json").write_text(json.dumps(report, indent=2))
-    for path in draw(root, arms, seeds, out, prefix=prefix, task=args.task):
+    for path in draw(root, arms, seeds, out, prefix=prefix, task=args.task, layout=args.layout):
         print(path)
     print(out / f"{prefix}.json")
     print(summary_text(report))
