@@ -241,8 +241,10 @@ class Paths:
 
 
 def train_command(cell: Cell, run_dir: Path, *, resume: bool, nice: int) -> list[str]:
-    """``nice -n N python -m copc.cli train --no-progress ...`` of one cell."""
-    prefix = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
+    """``nice -n K python -m copc.cli train --no-progress ...`` of one cell, K raising this process's
+    niceness to ``nice`` (the sweep itself may already run under ``nice``)."""
+    raise_by = nice - os.nice(0)
+    prefix = ["nice", "-n", str(raise_by)] if raise_by > 0 and shutil.which("nice") else []
     return [*prefix, sys.executable, "-m", "copc.cli", "train", "--no-progress", *cell.overrides,
             f"seed={cell.seed}", f"run_dir={run_dir}", f"resume={'true' if resume else 'false'}"]
 
