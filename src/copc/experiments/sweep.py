@@ -135,7 +135,8 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -
 # ---------------------------------------------------------------------------------------- step times
 def timing_key(cfg: RunConfig) -> str:
     """What a step's cost depends on: task setting, rollout and eval sizes, method and driver."""
-    size = json.dumps([cfg.task_options, to_dict(cfg.rollout), to_dict(cfg.eval)], sort_keys=True, default=str)
+    size = json.dumps([cfg.task_options, to_dict(cfg.rollout), cfg.eval.prompts, cfg.eval.samples, cfg.eval.greedy],
+                      sort_keys=True, default=str)
     return f"{cfg.task}/{hashlib.sha256(size.encode()).hexdigest()[:8]}/{cfg.method}/{cfg.driver.kind}"
 
 
