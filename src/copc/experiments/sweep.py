@@ -481,6 +481,8 @@ def sweep_cli(argv: Sequence[str]) -> int:
                     table[key] = probe_step_time(cell, paths, steps=args.measure, nice=args.nice)
         print(plan_text(spec, cells, paths, args.jobs or 1))
         return 0
+    if args.nice > os.nice(0):
+        os.nice(args.nice - os.nice(0))  # the warm-start builds below run in this process
     jobs = args.jobs or measure_capacity()
     paths.runs.mkdir(parents=True, exist_ok=True)
     print(f"[sweep] {spec.experiment}: {len(cells)} cells, {jobs} at a time", flush=True)
