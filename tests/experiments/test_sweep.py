@@ -17,6 +17,7 @@ from copc.config import dump_yaml, to_dict
 from copc.experiments import testbed
 from copc.experiments.results import (
     build_record,
+    collapse_step,
     config_hash,
     load_records,
     paired_differences,
@@ -146,6 +147,21 @@ def test_paired_differences_pair_seeds_with_the_baseline_of_the_same_other_level
     assert seeds8 == [0] and interval8.mean == pytest.approx(0.05) and interval8.low is None
     text = report_text(records, ["eval_last_half"], {"method": "ppo_sync"})
     assert "method=copc s=16" in text and "0.120 [" in text and " *" in text
+
+
+def test_collapse_detector_golden():
+    def run(values):
+        return {"evals": [{"step": 25 * i, "greedy_accuracy": v} for i, v in enumerate(values)]}
+
+    # best 0.5 at step 50; 0.35, 0.3, 0.2 are all > 0.1 below it from step 75: a collapse at 75
+    assert collapse_step(run([0.2, 0.4, 0.5, 0.35, 0.3, 0.2])) == 75
+    # a dip of two evaluations that recovers is not a collapse (patience 3), nor a drop of exactly 0.1
+    assert collapse_step(run([0.2, 0.5, 0.3, 0.3, 0.5, 0.4, 0.4, 0.4])) is None
+    # the running best counts only earlier evaluations: a new best restarts the count
+    assert collapse_step(run([0.5, 0.3, 0.3, 0.7, 0.5, 0.5, 0.5]), patience=3) == 100
+    assert collapse_step(run([0.5, 0.3]), patience=1) == 25
+    with pytest.raises(ValueError):
+        collapse_step(run([0.1]), margin=0.0)
 
 
 # -------------------------------------------------------------------------------------------- records

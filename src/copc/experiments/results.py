@@ -42,6 +42,7 @@ __all__ = [
     "SUMMARY_METRICS",
     "Interval",
     "build_record",
+    "collapse_step",
     "config_hash",
     "load_records",
     "machine_info",
@@ -297,6 +298,31 @@ def t_interval(values: Iterable[float], confidence: float = 0.95) -> Interval:
         return Interval(mean, None, None, 1)
     half = student_t_quantile(0.5 + confidence / 2.0, data.size - 1) * float(data.std(ddof=1)) / math.sqrt(data.size)
     return Interval(mean, mean - half, mean + half, int(data.size))
+
+
+def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy", *, margin: float = 0.1,
+                  patience: int = 3) -> int | None:
+    """E4's collapse detector: the step of the first evaluation that starts a run of ``patience``
+    consecutive evaluations all more than ``margin`` below the running best of ``metric`` so far (the
+    best over the evaluations before each one); None when the run never collapses.
+
+    A dip that recovers within ``patience - 1`` evaluations is not a collapse; a run that ends inside
+    its drop before ``patience`` evaluations is not counted either (too short to tell).
+    """
+    if margin <= 0 or patience < 1:
+        raise ValueError(f"collapse_step needs margin > 0 and patience >= 1, got {margin}, {patience}")
+    evals = record.get("evals")
+    points = [(int(e["step"]), float(e[metric])) for e in evals if metric in e] if isinstance(evals, list) else []
+    best, start, length = float("-inf"), None, 0
+    for step, value in points:
+        if value < best - margin:
+            start, length = (step, 1) if length == 0 else (start, length + 1)
+            if length >= patience:
+                return start
+        else:
+            length = 0
+        best = max(best, value)
+    return None
 
 
 # ------------------------------------------------------------------------------------------ tables
