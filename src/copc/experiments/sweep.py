@@ -346,10 +346,18 @@ def prepare_warmstarts(cells: Sequence[Cell], paths: Paths, log: Callable[[str],
             log(f"[sweep] warm start {cfg.task}: {policy_path(cfg, paths.runs)}")
 
 
+def _children_cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def probe_step_time(cell: Cell, paths: Paths, *, steps: int, nice: int, log: Callable[[str], None] = print
                     ) -> dict[str, object]:
     """Run ``cell`` for ``steps`` steps (evaluating only before and after) and measure its step and eval
-    seconds; stored in ``results/step_times.json`` under the cell's timing key."""
+    seconds; stored in ``results/step_times.json`` under the cell's timing key, with ``core_share``: the
+    CPU seconds the run got per wall second (1.0 on an idle core; less on a busy shared machine)."""
     from copc.tracking import TIME_STEP, read_metrics
 
     cfg = resolve(cell, paths.run_dir(cell))
@@ -361,17 +369,18 @@ def probe_step_time(cell: Cell, paths: Paths, *, steps: int, nice: int, log: Cal
                  (*cell.overrides, f"steps={steps}", "eval.every=0", "checkpoint_every=0", "plots=false"))
     run_dir.mkdir(parents=True)
     log(f"[sweep] probe {key}: {steps} steps of {cell.cell_id}")
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _children_cpu_seconds()
     with (run_dir / "probe.log").open("wb") as out:
         code = subprocess.call(train_command(probe, run_dir, resume=False, nice=nice), stdout=out,
                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _children_cpu_seconds() - cpu_start
     if code != 0:
         raise SpecError(f"probe of {cell.cell_id} failed (exit {code}); see {run_dir / 'probe.log'}")
     times = [float(r[TIME_STEP]) for r in read_metrics(run_dir) if TIME_STEP in r]
     step = sum(times) / len(times)
     entry = {"step_seconds": step, "eval_seconds": max(0.0, wall - step * len(times)) / 2,
              "source": f"probe of {steps} steps", "steps": steps, "measured": time.strftime("%Y-%m-%d %H:%M"),
+             "core_share": round(cpu / wall, 3),
              **episodes(cfg)}
     store_step_time(paths.results, key, entry)
     return entry
@@ -408,8 +417,9 @@ def plan_text(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, jobs: int) -
     for key, note in sorted(used.items()):
         entry = table.get(key)
         if note == "measured" and entry:
+            share = f", at {float(entry['core_share']):.0%} of a core" if entry.get("core_share") else ""  # type: ignore[arg-type]
             lines.append(f"  {key}: {float(entry['step_seconds']):.2f} s/step, {float(entry['eval_seconds']):.0f} s/eval "  # type: ignore[arg-type]
-                         f"({entry.get('source')})")
+                         f"({entry.get('source')}{share})")
         else:
             lines.append(f"  {key}: {note}")
     lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
