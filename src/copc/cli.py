@@ -1,10 +1,11 @@
-"""The ``copc`` command line: ``copc train | eval | sft | lab | testbed | plot | bench``.
+"""The ``copc`` command line: ``copc train | eval | sft | lab | testbed | sweep | plot | bench``.
 
     copc train [--config FILE.yaml] [key.sub=value ...]   train (no arguments: the embedded default)
     copc eval --checkpoint RUN_DIR|HF_DIR [--task NAME]   avg@k, unbiased pass@k, greedy accuracy
     copc sft --task NAME                                  build the warm-started tiny policy
     copc lab explain|sweep ...                            exact bias/variance lab on small MDPs
     copc testbed [--seeds 3 --steps 200 --staleness 16]   sync PPO vs uncorrected async PPO, curves
+    copc sweep FILE.yaml [--dry-run | --report]           a grid of copc train runs, one record each
     copc plot RUN_DIR... [--out DIR] [--mean-seeds]       redraw one run, or overlay several
     copc bench NAME [ARGS...]                             run benchmarks/NAME.py
 
@@ -40,6 +41,7 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
         "testbed_cli",
         "does staleness hurt here? sync PPO vs uncorrected async PPO at fixed lag, several seeds",
     ),
+    "sweep": ("copc.experiments.sweep", "sweep_cli", "run a grid of copc train runs from a YAML, one record each"),
 }
 LOCAL = {
     "plot": "redraw a run's plots, or overlay several runs: copc plot RUN_DIR... [--out DIR]",
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training with Coupled Off-Policy Correction.",
         epilog="\n".join(f"  {name:<6} {text}" for name, text in _help_lines()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="copc [--version] {train,eval,sft,lab,testbed,plot,bench} ...",
+        usage="copc [--version] {train,eval,sft,lab,testbed,sweep,plot,bench} ...",
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     return parser

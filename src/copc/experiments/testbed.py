@@ -41,17 +41,30 @@ from copc.tracking import read_metrics
 
 __all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]
 
-#: Overrides every testbed run shares: the hard task from its default warm start, batches of 8 prompts x 4
-#: samples and half the default actor learning rate (so sync PPO takes longer to plateau; with 16
-#: prompts and lr 2e-4 it plateaued by step ~40, docs/testbed.md), held-out evaluation on 200 prompts,
-#: no per-run plots.
-BASE_OVERRIDES: tuple[str, ...] = (
-    "task_options.hard=true",
+#: The hard setting of each task ``copc testbed --task`` knows (arith_tool is the copc train default task).
+TASK_SETTINGS: dict[str, tuple[str, ...]] = {
+    "arith_tool": ("task_options.hard=true",),
+    "kv_search": ("task=kv_search", "task_options={hard: true}"),
+}
+#: Overrides every testbed run shares beside its task setting: batches of 8 prompts x 4 samples and half
+#: the default actor learning rate (so sync PPO takes longer to plateau; with 16 prompts and lr 2e-4 it
+#: plateaued by step ~40 on arith_tool, docs/testbed.md), held-out evaluation on 200 prompts, no per-run
+#: plots.
+COMMON_OVERRIDES: tuple[str, ...] = (
     "rollout.prompts_per_batch=8",
     "trainer.actor_lr=1e-4",
     "eval.prompts=200",
     "plots=false",
 )
+#: The arith_tool testbed: the hard task from its default warm start and the common overrides.
+BASE_OVERRIDES: tuple[str, ...] = (*TASK_SETTINGS["arith_tool"], *COMMON_OVERRIDES)
+
+
+def base_overrides(task: str) -> tuple[str, ...]:
+    """The overrides every testbed run on ``task`` shares (its hard setting, then the common ones)."""
+    if task not in TASK_SETTINGS:
+        raise ValueError(f"--task must be one of {', '.join(TASK_SETTINGS)}; got {task!r}")
+    return (*TASK_SETTINGS[task], *COMMON_OVERRIDES)
 
 
 @dataclass(frozen=True)
@@ -77,16 +90,22 @@ def arms_for(staleness: int) -> tuple[Arm, Arm]:
     return sync, lagged
 
 
-def run_dir_for(root: Path, arm: Arm, seed: int) -> Path:
-    return root / f"{arm.name}_seed{seed}"
+#: How run directories are named: by ``copc testbed``, or by ``copc sweep`` with the arms on an ``arm`` axis
+#: (experiments/kv_search_testbed.yaml).
+LAYOUTS = ("testbed", "sweep")
 
 
-def train_command(arm: Arm, seed: int, run_dir: Path, steps: int, eval_every: int, extra: Sequence[str]) -> list[str]:
+def run_dir_for(root: Path, arm: Arm, seed: int, layout: str = "testbed") -> Path:
+    return root / (f"arm={arm.name}__seed{seed}" if layout == "sweep" else f"{arm.name}_seed{seed}")
+
+
+def train_command(arm: Arm, seed: int, run_dir: Path, steps: int, eval_every: int, extra: Sequence[str],
+                  base: Sequence[str] = BASE_OVERRIDES) -> list[str]:
     """The ``copc train`` command of one run (resumes when the run directory holds a checkpoint)."""
     resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     return [
         sys.executable, "-m", "copc.cli", "train", "--no-progress",
-        *BASE_OVERRIDES, *arm.overrides, *extra,
+        *base, *arm.overrides, *extra,
         f"steps={steps}", f"eval.every={eval_every}", f"seed={seed}", f"run_dir={run_dir}",
         f"resume={'true' if resume else 'false'}",
     ]
@@ -112,7 +131,8 @@ def prepare_warmstart(overrides: Sequence[str]) -> Path:
 
 
 def run_all(
-    jobs: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str], parallel: int
+    jobs: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str], parallel: int,
+    base: Sequence[str] = BASE_OVERRIDES,
 ) -> list[str]:
     """Run the missing jobs, ``parallel`` at a time (one torch thread each); returns failures."""
     pending = [(arm, seed) for arm, seed in jobs if not finished(run_dir_for(root, arm, seed), steps)]
@@ -126,7 +146,7 @@ def run_all(
             arm, seed = pending.pop(0)
             run_dir = run_dir_for(root, arm, seed)
             run_dir.mkdir(parents=True, exist_ok=True)
-            command = train_command(arm, seed, run_dir, steps, eval_every, extra)
+            command = train_command(arm, seed, run_dir, steps, eval_every, extra, base)
             log = (root / f"{run_dir.name}.log").open("ab")
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             print(f"[testbed] start {run_dir.name}: {' '.join(command[3:])}", flush=True)
@@ -190,9 +210,10 @@ def _describe(values: np.ndarray) -> dict[str, float]:
             "std": float(values.std(ddof=1)) if values.size > 1 else 0.0}
 
 
-def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_window: int = 20) -> dict[str, object]:
+def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_window: int = 20,
+            layout: str = "testbed") -> dict[str, object]:
     """Curves and the paired comparison of the first arm (sync) with each other arm, seed by seed."""
-    runs = {f"{arm.name}_seed{s}": read_metrics(run_dir_for(root, arm, s)) for arm in arms for s in seeds}
+    runs = {f"{arm.name}_seed{s}": read_metrics(run_dir_for(root, arm, s, layout)) for arm in arms for s in seeds}
     report: dict[str, object] = {"seeds": list(seeds), "reward_window": reward_window, "arms": {}}
     arm_reports: dict[str, dict[str, object]] = {}
     for arm in arms:
@@ -222,7 +243,7 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
         after_start = shared[shared > 0]
         ia, ib = np.searchsorted(steps, after_start), np.searchsorted(steps_b, after_start)
         per_seed = (a[:, ia] - b[:, ib]).mean(1) if after_start.size else np.zeros(len(seeds))
-        n = _eval_episodes(run_dir_for(root, sync, seeds[0]))
+        n = _eval_episodes(run_dir_for(root, sync, seeds[0], layout))
         # binomial standard error of each seed's mean gap (independent evaluations of n episodes each)
         var = (a[:, ia] * (1 - a[:, ia]) + b[:, ib] * (1 - b[:, ib])) / n if n else None
         sampling_se = np.sqrt(var.sum(1)) / max(1, after_start.size) if var is not None else None
@@ -245,24 +266,26 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
     return report
 
 
-def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, reward_window: int = 20) -> list[Path]:
-    """``testbed_curves.png`` and ``testbed_staleness.png`` (seed mean, min-max band)."""
+def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, reward_window: int = 20,
+         prefix: str = "testbed", task: str = "arith_tool", layout: str = "testbed") -> list[Path]:
+    """``<prefix>_curves.png`` and ``<prefix>_staleness.png`` (seed mean, min-max band)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = {f"{arm.name}_seed{s}": arm.label for arm in arms for s in seeds}
-    runs = {str(run_dir_for(root, arm, s)): read_metrics(run_dir_for(root, arm, s)) for arm in arms for s in seeds}
+    runs = {str(run_dir_for(root, arm, s, layout)): read_metrics(run_dir_for(root, arm, s, layout))
+            for arm in arms for s in seeds}
     figures = {
-        "testbed_curves.png": (
-            f"Sync PPO vs uncorrected async PPO (hard task; {len(seeds)} seed{'s' if len(seeds) > 1 else ''}: "
+        f"{prefix}_curves.png": (
+            f"Sync PPO vs uncorrected async PPO ({task} hard; {len(seeds)} seed{'s' if len(seeds) > 1 else ''}: "
             "mean and min-max)",
             (("held-out accuracy, avg@1 sampled", m.EVAL_ACCURACY, 1),
              ("held-out accuracy, greedy", m.EVAL_GREEDY_ACCURACY, 1),
              (f"train reward (moving average of {reward_window} steps)", m.REWARD_MEAN, reward_window)),
         ),
-        "testbed_staleness.png": (
+        f"{prefix}_staleness.png": (
             "What the lagged arm sees",
             (("realized staleness per token, mean [versions]", m.STALENESS_MEAN, 1),
              ("PPO clip active at 1 - eps (5-step average)", m.POLICY_CLIP_FRAC_LOW, 5),
@@ -298,14 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="copc testbed",
         description="Sync PPO vs uncorrected async PPO at fixed lag S on the hard task, several seeds.",
     )
+    parser.add_argument("--task", default="arith_tool", choices=sorted(TASK_SETTINGS), help="the task's hard setting")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (0 .. N-1)")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--staleness", type=int, default=16, help="fixed lag S of the async arm")
     parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation every N steps")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one torch thread each)")
-    parser.add_argument("--runs", default="runs/testbed", help="folder of the run directories and logs")
-    parser.add_argument("--out", default="docs/figures", help="folder for testbed_*.png and testbed.json")
+    parser.add_argument("--runs", default=None, help="folder of the run directories and logs "
+                        "(default runs/testbed, runs/testbed_<task> for another task)")
+    parser.add_argument("--out", default="docs/figures", help="folder for testbed[_<task>]_*.png and .json")
     parser.add_argument("--analyse-only", action="store_true", help="do not train; redraw from existing runs")
+    parser.add_argument("--layout", default="testbed", choices=LAYOUTS,
+                        help="run directory names of copc testbed, or of copc sweep (with --analyse-only)")
     parser.add_argument("overrides", nargs="*", help="extra copc train overrides for every run (key=value)")
     return parser
 
@@ -324,28 +351,34 @@ def testbed_cli(argv: Sequence[str]) -> int:
     except ValueError as err:
         print(f"copc testbed: error: {err}", file=sys.stderr)
         return 2
-    root, out, seeds = Path(args.runs), Path(args.out), list(range(args.seeds))
+    base = base_overrides(args.task)
+    prefix = "testbed" if args.task == "arith_tool" else f"testbed_{args.task}"
+    root, out, seeds = Path(args.runs or f"runs/{prefix}"), Path(args.out), list(range(args.seeds))
     root.mkdir(parents=True, exist_ok=True)
+    if args.layout == "sweep" and not args.analyse_only:
+        print("copc testbed: error: --layout sweep reads runs of copc sweep; add --analyse-only", file=sys.stderr)
+        return 2
     if not args.analyse_only:
-        print(f"[testbed] warm start: {prepare_warmstart([*BASE_OVERRIDES, *args.overrides])}", flush=True)
+        print(f"[testbed] warm start: {prepare_warmstart([*base, *args.overrides])}", flush=True)
         jobs = [(arm, seed) for seed in seeds for arm in arms]
         failures = run_all(jobs, root, steps=args.steps, eval_every=args.eval_every, extra=args.overrides,
-                           parallel=args.parallel)
+                           parallel=args.parallel, base=base)
         if failures:
             print(f"copc testbed: error: runs failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)
             return 1
-    missing = [str(run_dir_for(root, a, s)) for a in arms for s in seeds if not (run_dir_for(root, a, s) / "metrics.jsonl").is_file()]
+    missing = [str(run_dir_for(root, a, s, args.layout)) for a in arms for s in seeds
+               if not (run_dir_for(root, a, s, args.layout) / "metrics.jsonl").is_file()]
     if missing:
         print(f"copc testbed: error: no metrics in {', '.join(missing)}; run without --analyse-only", file=sys.stderr)
         return 2
-    report = analyse(root, arms, seeds)
+    report = analyse(root, arms, seeds, layout=args.layout)
     report["command"] = {"steps": args.steps, "staleness": args.staleness, "eval_every": args.eval_every,
-                         "overrides": [*BASE_OVERRIDES, *args.overrides]}
+                         "task": args.task, "overrides": [*base, *args.overrides]}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "testbed.json").write_text(json.dumps(report, indent=2))
-    for path in draw(root, arms, seeds, out):
+    (out / f"{prefix}.json").write_text(json.dumps(report, indent=2))
+    for path in draw(root, arms, seeds, out, prefix=prefix, task=args.task, layout=args.layout):
         print(path)
-    print(out / "testbed.json")
+    print(out / f"{prefix}.json")
     print(summary_text(report))
     return 0
 

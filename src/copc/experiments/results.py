@@ -1,0 +1,412 @@
+"""The results store of ``copc sweep``: one small JSON record per finished run, and the table over seeds.
+
+A record (``results/<experiment>/<cell-id>.json``, a few KB) keeps what a comparison needs once the run
+directory is gone: the resolved config and its hash, the cell's levels and seed, every held-out
+evaluation, the train-reward curve averaged into at most :data:`CURVE_POINTS` bins, the summary figures,
+step times, wall seconds and the machine. Records are written atomically (a temporary sibling, then
+``os.replace``), so a reader never sees half a record, and a cell whose record exists is finished.
+
+Summary figures of one run (``record["summary"]``):
+
+- ``eval_last_half``: mean held-out avg@k over the evaluations in the last half of training
+  (``step >= steps / 2``, the final evaluation included);
+- ``eval_final`` / ``greedy_final``: the final evaluation (sampled avg@k, greedy accuracy);
+- ``greedy_last_half``: as ``eval_last_half`` for greedy accuracy (greedy EM on search);
+- ``eval_after_start``: mean over every evaluation after step 0;
+- ``train_reward_last``: mean train reward over the last 20% of the steps.
+
+Across seeds, :func:`t_interval` gives the mean with its Student-t interval, and :func:`paired_differences`
+pairs each cell's seeds with the baseline's (same seed = same prompts and warm start) and gives the mean
+difference with its interval. Both are exact for normal data; with 3 seeds the intervals are wide, which
+is the honest width.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from copc import tracking as m
+
+__all__ = [
+    "CURVE_POINTS",
+    "RECORD_VERSION",
+    "SUMMARY_METRICS",
+    "Interval",
+    "build_record",
+    "collapse_step",
+    "config_hash",
+    "load_records",
+    "machine_info",
+    "paired_differences",
+    "read_record",
+    "report_text",
+    "student_t_quantile",
+    "subsample_curve",
+    "t_interval",
+    "write_record",
+]
+
+#: Bump when the record layout changes (readers refuse a newer version).
+RECORD_VERSION = 1
+#: The train-reward curve is averaged into at most this many bins.
+CURVE_POINTS = 60
+#: Config keys that do not change what a run computes (left out of the hash).
+UNHASHED_KEYS = ("run_dir", "resume", "plots", "checkpoint_every", "keep_checkpoints")
+#: The per-run figures a report can tabulate (record["summary"] keys).
+SUMMARY_METRICS = (
+    "eval_last_half", "eval_final", "greedy_last_half", "greedy_final", "eval_after_start", "train_reward_last",
+)
+
+
+# ------------------------------------------------------------------------------------------ records
+def config_hash(config: Mapping[str, object]) -> str:
+    """16 hex digits of the SHA-256 of the config (as a plain dict) without :data:`UNHASHED_KEYS`."""
+    kept = {k: v for k, v in config.items() if k not in UNHASHED_KEYS}
+    text = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def machine_info() -> dict[str, object]:
+    """Where the run ran: host, CPU model and count, Python and torch versions."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform()}
+
+
+def subsample_curve(steps: Sequence[int], values: Sequence[float], points: int = CURVE_POINTS) -> list[list[float]]:
+    """``[[last step of the bin, mean of the bin], ...]``: the curve cut into at most ``points`` equal bins."""
+    if len(steps) != len(values):
+        raise ValueError(f"subsample_curve: {len(steps)} steps but {len(values)} values")
+    if not steps:
+        return []
+    bins = np.array_split(np.arange(len(steps)), min(points, len(steps)))
+    return [[int(steps[b[-1]]), float(np.mean([values[i] for i in b]))] for b in bins]
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def _summary_figures(evals: list[dict[str, float]], rewards: list[float], steps: int) -> dict[str, float | None]:
+    def mean_of(rows: list[dict[str, float]], key: str) -> float | None:
+        values = [r[key] for r in rows if key in r]
+        return float(np.mean(values)) if values else None
+
+    last_half = [e for e in evals if e["step"] >= steps / 2]
+    after_start = [e for e in evals if e["step"] > 0]
+    final = evals[-1] if evals and evals[-1]["step"] >= steps else None
+    tail = rewards[-max(1, len(rewards) // 5):] if rewards else []
+    return {
+        "eval_last_half": mean_of(last_half, "accuracy"),
+        "eval_final": final.get("accuracy") if final else None,
+        "greedy_last_half": mean_of(last_half, "greedy_accuracy"),
+        "greedy_final": final.get("greedy_accuracy") if final else None,
+        "eval_after_start": mean_of(after_start, "accuracy"),
+        "train_reward_last": float(np.mean(tail)) if tail else None,
+    }
+
+
+def build_record(
+    run_dir: Path,
+    *,
+    experiment: str,
+    cell_id: str,
+    levels: Mapping[str, str],
+    config: Mapping[str, object],
+    wall_seconds: float | None = None,
+    machine: Mapping[str, object] | None = None,
+) -> dict[str, object]:
+    """The record of the finished run in ``run_dir`` (its ``summary.json`` and ``metrics.jsonl``).
+
+    ``config`` is the resolved RunConfig as a dict; ``wall_seconds`` the sweep's own total over the
+    run's processes (a resumed run's ``summary.json`` only knows its last process).
+    """
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = m.read_metrics(run_dir)
+    eval_keys = {m.EVAL_ACCURACY: "accuracy", m.EVAL_GREEDY_ACCURACY: "greedy_accuracy",
+                 m.EVAL_PASS_AT_K: "pass_at_k", m.EVAL_TOOL_USE_RATE: "tool_use_rate"}
+    evals = []
+    for row in rows:
+        if m.EVAL_ACCURACY in row:
+            point: dict[str, float] = {"step": int(row["step"])}
+            point.update({short: float(row[key]) for key, short in eval_keys.items() if key in row})
+            evals.append(point)
+    train = [r for r in rows if m.REWARD_MEAN in r]
+    reward_steps = [int(r["step"]) for r in train]
+    rewards = [float(r[m.REWARD_MEAN]) for r in train]
+    step_times = [float(r[m.TIME_STEP]) for r in train if m.TIME_STEP in r]
+    steps = int(summary["steps"])
+    return {
+        "version": RECORD_VERSION,
+        "experiment": experiment,
+        "cell": cell_id,
+        "levels": dict(levels),
+        "seed": int(config["seed"]),  # type: ignore[call-overload]
+        "config_hash": config_hash(config),
+        "config": dict(config),
+        "steps": steps,
+        "evals": evals,
+        "train_reward": subsample_curve(reward_steps, rewards),
+        "summary": _summary_figures(evals, rewards, steps),
+        "step_seconds": {
+            "median": _median(step_times),
+            "mean": float(np.mean(step_times)) if step_times else None,
+            "generate_median": _median([float(r[m.TIME_GENERATE]) for r in train if m.TIME_GENERATE in r]),
+            "train_median": _median([float(r[m.TIME_TRAIN]) for r in train if m.TIME_TRAIN in r]),
+        },
+        "wall_seconds": wall_seconds if wall_seconds is not None else summary.get("wall_seconds"),
+        "wall_seconds_last_process": summary.get("wall_seconds"),
+        "machine": dict(machine) if machine is not None else machine_info(),
+    }
+
+
+def write_record(path: Path, record: Mapping[str, object]) -> Path:
+    """Write ``record`` to ``path`` atomically (temporary sibling, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w") as handle:
+        json.dump(record, handle, indent=1, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_record(path: Path) -> dict[str, object]:
+    """One record; fails in one line on a record this copc cannot read."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable sweep record ({err}); delete it to re-run the cell") from None
+    if not isinstance(record, dict) or int(record.get("version", 0)) > RECORD_VERSION:
+        raise ValueError(f"{path}: record version {record.get('version') if isinstance(record, dict) else '?'} "
+                         f"is newer than this copc reads ({RECORD_VERSION}); update copc")
+    return record
+
+
+def load_records(folder: Path) -> list[dict[str, object]]:
+    """Every record of one experiment folder, in file-name order (temporary files skipped)."""
+    if not folder.is_dir():
+        return []
+    return [read_record(p) for p in sorted(folder.glob("*.json")) if not p.name.startswith(".")]
+
+
+# ------------------------------------------------------------------------------------- interval maths
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta (modified Lentz; Numerical Recipes 6.4)."""
+
+    def nonzero(v: float) -> float:
+        return v if abs(v) > 1e-300 else 1e-300
+
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 / nonzero(1.0 - qab * x / qap)
+    h = d
+    for k in range(1, 300):
+        m2 = 2 * k
+        aa = k * (b - k) * x / ((qam + m2) * (a + m2))  # even step
+        d, c = 1.0 / nonzero(1.0 + aa * d), nonzero(1.0 + aa / c)
+        h *= d * c
+        aa = -(a + k) * (qab + k) * x / ((a + m2) * (qap + m2))  # odd step
+        d, c = 1.0 / nonzero(1.0 + aa * d), nonzero(1.0 + aa / c)
+        h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betai(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def _t_cdf(t: float, df: float) -> float:
+    tail = 0.5 * _betai(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def student_t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on the exact CDF)."""
+    if not 0.0 < p < 1.0 or df <= 0:
+        raise ValueError(f"student_t_quantile needs 0 < p < 1 and df > 0, got p={p}, df={df}")
+    if p < 0.5:
+        return -student_t_quantile(1.0 - p, df)
+    low, high = 0.0, 1.0
+    while _t_cdf(high, df) < p:
+        high *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        if _t_cdf(mid, df) < p:
+            low = mid
+        else:
+            high = mid
+        if high - low < 1e-12 * max(1.0, high):
+            break
+    return 0.5 * (low + high)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean of ``n`` values with its two-sided t interval ``[low, high]`` (None bounds when n < 2)."""
+
+    mean: float
+    low: float | None
+    high: float | None
+    n: int
+
+    def text(self, digits: int = 3) -> str:
+        if self.low is None or self.high is None:
+            return f"{self.mean:.{digits}f} (n={self.n})"
+        return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}] (n={self.n})"
+
+    def excludes_zero(self) -> bool:
+        return self.low is not None and self.high is not None and (self.low > 0 or self.high < 0)
+
+
+def t_interval(values: Iterable[float], confidence: float = 0.95) -> Interval:
+    """Mean and Student-t interval ``mean -+ t_{(1+c)/2, n-1} s / sqrt(n)`` (s: sample std, ddof 1)."""
+    data = np.asarray(list(values), dtype=float)
+    if data.size == 0:
+        raise ValueError("t_interval needs at least one value")
+    mean = float(data.mean())
+    if data.size < 2:
+        return Interval(mean, None, None, 1)
+    half = student_t_quantile(0.5 + confidence / 2.0, data.size - 1) * float(data.std(ddof=1)) / math.sqrt(data.size)
+    return Interval(mean, mean - half, mean + half, int(data.size))
+
+
+def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy", *, margin: float = 0.1,
+                  patience: int = 3) -> int | None:
+    """E4's collapse detector: the step of the first evaluation that starts a run of ``patience``
+    consecutive evaluations all more than ``margin`` below the running best of ``metric`` so far (the
+    best over the evaluations before each one); None when the run never collapses.
+
+    A dip that recovers within ``patience - 1`` evaluations is not a collapse; a run that ends inside
+    its drop before ``patience`` evaluations is not counted either (too short to tell).
+    """
+    if margin <= 0 or patience < 1:
+        raise ValueError(f"collapse_step needs margin > 0 and patience >= 1, got {margin}, {patience}")
+    evals = record.get("evals")
+    points = [(int(e["step"]), float(e[metric])) for e in evals if metric in e] if isinstance(evals, list) else []
+    best, start, length = float("-inf"), None, 0
+    for step, value in points:
+        if value < best - margin:
+            start, length = (step, 1) if length == 0 else (start, length + 1)
+            if length >= patience:
+                return start
+        else:
+            length = 0
+        best = max(best, value)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ tables
+def _group_key(record: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
+    levels = record["levels"]
+    assert isinstance(levels, dict)
+    return tuple((str(k), str(v)) for k, v in levels.items())
+
+
+def group_text(key: tuple[tuple[str, str], ...]) -> str:
+    return " ".join(f"{axis}={level}" for axis, level in key) or "(one cell)"
+
+
+def _metric(record: Mapping[str, object], metric: str) -> float | None:
+    summary = record.get("summary")
+    value = summary.get(metric) if isinstance(summary, dict) else None
+    return float(value) if value is not None else None
+
+
+def by_group(records: Sequence[Mapping[str, object]], metric: str) -> dict[tuple[tuple[str, str], ...], dict[int, float]]:
+    """``{levels: {seed: value}}`` for the records that have ``metric``."""
+    groups: dict[tuple[tuple[str, str], ...], dict[int, float]] = {}
+    for record in records:
+        value = _metric(record, metric)
+        if value is not None:
+            groups.setdefault(_group_key(record), {})[int(record["seed"])] = value  # type: ignore[call-overload]
+    return groups
+
+
+def paired_differences(
+    records: Sequence[Mapping[str, object]], metric: str, baseline: Mapping[str, str], confidence: float = 0.95
+) -> dict[tuple[tuple[str, str], ...], tuple[Interval, list[int]]]:
+    """For each group other than the baseline: the t interval of ``group - baseline`` over shared seeds.
+
+    ``baseline`` names levels (``{"method": "ppo_sync"}``); a group is compared with the baseline group
+    whose levels agree with it on every axis the baseline does not name (so ``method=copc s=16`` is paired
+    with ``method=ppo_sync`` alone when the baseline group has no ``s`` axis). Returns the interval and the
+    seeds used, for each group with at least one shared seed.
+    """
+    groups = by_group(records, metric)
+    base_groups = [k for k in groups if all(dict(k).get(a) == lv for a, lv in baseline.items())]
+    out: dict[tuple[tuple[str, str], ...], tuple[Interval, list[int]]] = {}
+    for key, values in groups.items():
+        if key in base_groups:
+            continue
+        levels = dict(key)
+        match = [b for b in base_groups
+                 if all(levels.get(a) == lv for a, lv in b if a not in baseline)]
+        if not match:
+            continue
+        base = groups[match[0]]
+        seeds = sorted(set(values) & set(base))
+        if seeds:
+            out[key] = (t_interval([values[s] - base[s] for s in seeds], confidence), seeds)
+    return out
+
+
+def report_text(
+    records: Sequence[Mapping[str, object]],
+    metrics: Sequence[str] = ("eval_last_half", "eval_final", "greedy_last_half"),
+    baseline: Mapping[str, str] | None = None,
+    confidence: float = 0.95,
+) -> str:
+    """The table of one experiment: per group and metric, mean [95% t interval] over seeds, and the
+    paired difference from ``baseline`` with its interval (marked ``*`` where it excludes 0)."""
+    if not records:
+        return "no finished records"
+    pct = f"{100 * confidence:g}%"
+    lines = [f"{len(records)} records; mean [{pct} t interval over seeds] (n = seeds)"]
+    for metric in metrics:
+        groups = by_group(records, metric)
+        if not groups:
+            continue
+        lines.append(f"\n{metric}:")
+        diffs = paired_differences(records, metric, baseline, confidence) if baseline else {}
+        width = max(len(group_text(k)) for k in groups)
+        for key, values in groups.items():
+            row = f"  {group_text(key):<{width}}  {t_interval(values.values(), confidence).text()}"
+            if key in diffs:
+                interval, _ = diffs[key]
+                mark = " *" if interval.excludes_zero() else ""
+                row += f"   minus {group_text(tuple(baseline.items())) if baseline else ''}: "
+                row += f"{interval.text()}{mark}"
+            lines.append(row)
+    if baseline:
+        lines.append(f"\n* the {pct} interval of the paired difference excludes 0")
+    return "\n".join(lines)

@@ -1,0 +1,505 @@
+"""``copc sweep FILE.yaml``: run a grid of ``copc train`` configurations and keep one record per run.
+
+    copc sweep experiments/kv_search_testbed.yaml --dry-run     # the plan and its estimated hours
+    copc sweep experiments/kv_search_testbed.yaml --jobs 1      # run the missing cells, one at a time
+    copc sweep experiments/kv_search_testbed.yaml --report      # the table of the finished records
+
+The YAML file (``experiments/*.yaml`` are the committed ones)::
+
+    experiment: kv_search_testbed        # results/<experiment>/, runs/sweep/<experiment>/
+    description: sync PPO vs async PPO at lag 16 on kv_search hard
+    seeds: [0, 1, 2]                     # or a count: 3 -> 0, 1, 2
+    shared: [task=kv_search, steps=300]  # copc train overrides of every cell
+    axes:                                # axis -> level -> overrides of that level
+      method:
+        ppo_sync: [method=ppo, driver.kind=sync]
+        async_ppo: [method=async_ppo, driver.kind=sync, staleness.mode=fixed_lag]
+      s: {key: staleness.staleness, values: [8, 16]}   # shorthand: level "8" = [staleness.staleness=8]
+    grids:                               # optional (default: every axis crossed with every other)
+      - {method: [ppo_sync]}             # axes a grid leaves out are not applied
+      - {method: [async_ppo], s: all}
+    baseline: {method: ppo_sync}         # what --report pairs the other cells with
+    report: [eval_last_half, eval_final] # the record figures --report tabulates (optional)
+
+A cell is one grid point and one seed, its id ``axis=level__axis=level__seedN``; it runs as
+``nice -n 10 python -m copc.cli train`` with one torch thread into ``runs/sweep/<experiment>/<cell-id>``
+(log beside it). When it finishes, its record (copc.experiments.results) is written atomically to
+``results/<experiment>/<cell-id>.json``. On the next invocation a cell with a record is skipped, a run
+directory that finished without a record gets its record, one with a checkpoint is resumed
+(``resume=true``; a larger ``steps`` extends it), and one without a checkpoint starts again. A run
+directory or record made by a different config is never reused: the sweep stops and names it.
+
+Cells run ``--jobs`` at a time; by default as many as a short CPU probe finds the machine has free
+cores for (each added process must add at least :data:`PROBE_MIN_GAIN` of a core's throughput).
+
+Estimates (``--dry-run``) come from ``results/step_times.json``: per task setting, method and driver,
+the seconds of one training step and of one evaluation, filled from every finished record and, with
+``--measure``, from a short probe run of each missing kind. A kind never measured borrows the closest
+measured one (same task and method, then same task) and the plan says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from copc.config import ConfigError, load_yaml, to_dict
+from copc.experiments.results import (
+    build_record,
+    config_hash,
+    load_records,
+    machine_info,
+    read_record,
+    report_text,
+    write_record,
+)
+from copc.experiments.sweep_spec import Cell, SpecError, SweepSpec, expand, load_spec
+from copc.run.config import RunConfig, load_run_config
+from copc.trainer.checkpoint import list_checkpoints
+
+__all__ = ["cell_state", "estimate_seconds", "resolve", "sweep_cli"]
+
+#: An added parallel process must raise the probe's total throughput by this fraction of one process.
+PROBE_MIN_GAIN = 0.6
+STEP_TIMES = "step_times.json"
+
+
+def resolve(cell: Cell, run_dir: Path) -> RunConfig:
+    """The RunConfig the cell trains with (fails with a ConfigError naming the cell)."""
+    try:
+        return load_run_config(None, [*cell.overrides, f"seed={cell.seed}", f"run_dir={run_dir}"])
+    except ConfigError as err:
+        raise ConfigError(f"cell {cell.cell_id}: {' '.join(str(err).split())}") from None
+
+
+# ---------------------------------------------------------------------------------- state of a cell
+def _saved_config(run_dir: Path) -> dict[str, object] | None:
+    try:
+        return to_dict(load_yaml(RunConfig, run_dir / "config.yaml"))  # type: ignore[return-value]
+    except (OSError, ConfigError, ValueError):
+        return None
+
+
+def _same_except_steps(a: Mapping[str, object], b: Mapping[str, object]) -> bool:
+    return config_hash({**a, "steps": 0}) == config_hash({**b, "steps": 0})
+
+
+def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -> tuple[str, str]:
+    """``(state, detail)``: ``recorded``, ``finished`` (run done, record missing), ``resume`` (from a
+    checkpoint), ``fresh``, or ``conflict`` (record or run directory of a different config).
+
+    A record or run of the same config with fewer ``steps`` is extended: resumed from its last checkpoint
+    (the record is replaced when the longer run ends). The extended run trains exactly as a longer run
+    from that checkpoint would; it lacks the one evaluation the longer run makes at the shorter run's
+    last step (that run's final evaluation is dropped on resume).
+    """
+    want, steps = config_hash(config), int(config["steps"])  # type: ignore[call-overload]
+    saved = _saved_config(run_dir)
+    checkpoints = list_checkpoints(run_dir)
+    if record_path.is_file():
+        try:
+            record = read_record(record_path)
+        except ValueError as err:
+            return "conflict", str(err)
+        if record.get("config_hash") == want:
+            return "recorded", ""
+        shorter = isinstance(record.get("config"), dict) and _same_except_steps(record["config"], config)  # type: ignore[arg-type]
+        if not (shorter and int(record["steps"]) < steps and saved is not None and checkpoints):  # type: ignore[call-overload]
+            return "conflict", (f"{record_path} was made by config {record.get('config_hash')}, the file now gives "
+                                f"{want}; move the record away to re-run the cell")
+    if saved is None:
+        return "fresh", ""
+    if config_hash(saved) == want and (run_dir / "summary.json").is_file():
+        try:
+            done = int(json.loads((run_dir / "summary.json").read_text()).get("steps", -1))
+        except (OSError, ValueError):
+            done = -1
+        if done == steps:
+            return "finished", ""
+    if checkpoints and _same_except_steps(saved, config) and max(checkpoints) <= steps:
+        return "resume", f"from step {max(checkpoints)}"
+    if checkpoints:
+        return "conflict", f"{run_dir} holds a run of another config; move it away to re-run the cell"
+    return "fresh", "restart (no checkpoint)"
+
+
+# ---------------------------------------------------------------------------------------- step times
+def timing_key(cfg: RunConfig) -> str:
+    """What a step's cost depends on: task setting, rollout and eval sizes, method and driver."""
+    size = json.dumps([cfg.task_options, to_dict(cfg.rollout), cfg.eval.prompts, cfg.eval.samples, cfg.eval.greedy],
+                      sort_keys=True, default=str)
+    return f"{cfg.task}/{hashlib.sha256(size.encode()).hexdigest()[:8]}/{cfg.method}/{cfg.driver.kind}"
+
+
+def evaluations(cfg: RunConfig, start: int = 0) -> int:
+    """Held-out evaluations a run from ``start`` to ``cfg.steps`` performs (before, every, after)."""
+    if cfg.eval.prompts == 0:
+        return 0
+    every = [d for d in range(cfg.eval.every, cfg.steps, cfg.eval.every)] if cfg.eval.every else []
+    return (1 if start == 0 else 0) + sum(1 for d in every if d > start) + 1
+
+
+def load_step_times(results: Path) -> dict[str, dict[str, object]]:
+    try:
+        return dict(json.loads((results / STEP_TIMES).read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def store_step_time(results: Path, key: str, entry: Mapping[str, object]) -> None:
+    table = load_step_times(results)
+    table[key] = dict(entry)
+    write_record(results / STEP_TIMES, dict(sorted(table.items())))
+
+
+def timing_from_record(record: Mapping[str, object], cfg: RunConfig) -> dict[str, object] | None:
+    """Seconds per step (median) and per evaluation (the rest of the wall time, startup included)."""
+    times, wall = record.get("step_seconds"), record.get("wall_seconds")
+    step = times.get("mean") if isinstance(times, dict) else None
+    if step is None or not isinstance(wall, (int, float)):
+        return None
+    n_evals = max(1, evaluations(cfg))
+    rest = max(0.0, float(wall) - float(step) * cfg.steps)
+    return {"step_seconds": float(step), "eval_seconds": rest / n_evals, "source": f"record {record['cell']}",
+            "steps": record["steps"], **episodes(cfg)}
+
+
+def episodes(cfg: RunConfig) -> dict[str, int]:
+    """Episodes of one training batch and of one evaluation (sampled and greedy): what the costs scale with."""
+    per_prompt = cfg.eval.samples + (1 if cfg.eval.greedy else 0)
+    return {"batch_episodes": cfg.rollout.prompts_per_batch * cfg.rollout.group_size,
+            "eval_episodes": cfg.eval.prompts * per_prompt}
+
+
+def estimate_seconds(cfg: RunConfig, table: Mapping[str, Mapping[str, object]], start: int = 0
+                     ) -> tuple[float | None, str]:
+    """``(seconds, where the figures come from)`` for the steps ``start .. cfg.steps`` of ``cfg``.
+
+    A kind never measured borrows the figures of the same task and method, else of the same task, scaled
+    by the episodes per batch and per evaluation (:func:`episodes`) when the entry records them.
+    """
+    key = timing_key(cfg)
+    task, _, method, _ = key.split("/")
+    entry, note = table.get(key), "measured"
+    if entry is None:
+        near = [k for k in table if k.split("/")[0] == task and k.split("/")[2] == method]
+        near = near or [k for k in table if k.split("/")[0] == task]
+        if not near:
+            return None, "no measurement for this task"
+        entry, note = table[near[0]], f"borrowed from {near[0]}"
+    step, per_eval = float(entry["step_seconds"]), float(entry["eval_seconds"])  # type: ignore[arg-type]
+    mine = episodes(cfg)
+    if note != "measured" and entry.get("batch_episodes") and entry.get("eval_episodes"):
+        step *= mine["batch_episodes"] / float(entry["batch_episodes"])  # type: ignore[arg-type]
+        per_eval *= mine["eval_episodes"] / float(entry["eval_episodes"])  # type: ignore[arg-type]
+        note += ", scaled by episodes"
+    return (cfg.steps - start) * step + evaluations(cfg, start) * per_eval, note
+
+
+# ------------------------------------------------------------------------------------------ capacity
+_PROBE = "import time\nt=time.perf_counter()\nx=0\nfor i in range(3_000_000): x+=i*i\nprint(time.perf_counter()-t)"
+
+
+def measure_capacity(max_jobs: int | None = None) -> int:
+    """How many CPU-bound processes the machine runs now at nearly full speed each.
+
+    Runs a ~0.3 s pure-Python loop in 1, 2, ... processes at once; ``k`` processes are accepted while
+    the total throughput keeps rising by at least :data:`PROBE_MIN_GAIN` of one process per process
+    added. On a shared machine the answer is a snapshot; ``--jobs`` overrides it.
+    """
+    limit = max(1, min(max_jobs or os.cpu_count() or 1, os.cpu_count() or 1))
+    throughput, best = [], 1
+    for k in range(1, limit + 1):
+        procs = [subprocess.Popen([sys.executable, "-c", _PROBE], stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        seconds = [float(p.communicate(timeout=120)[0]) for p in procs]
+        throughput.append(k / max(seconds))
+        if k > 1 and throughput[-1] < throughput[-2] + PROBE_MIN_GAIN * throughput[0]:
+            break
+        best = k
+    return best
+
+
+# --------------------------------------------------------------------------------------------- running
+@dataclass
+class Paths:
+    results: Path
+    runs: Path
+
+    def run_dir(self, cell: Cell) -> Path:
+        return self.runs / cell.cell_id
+
+    def record(self, experiment: str, cell: Cell) -> Path:
+        return self.results / experiment / f"{cell.cell_id}.json"
+
+
+def train_command(cell: Cell, run_dir: Path, *, resume: bool, nice: int) -> list[str]:
+    """``nice -n K python -m copc.cli train --no-progress ...`` of one cell, K raising this process's
+    niceness to ``nice`` (the sweep itself may already run under ``nice``)."""
+    raise_by = nice - os.nice(0)
+    prefix = ["nice", "-n", str(raise_by)] if raise_by > 0 and shutil.which("nice") else []
+    return [*prefix, sys.executable, "-m", "copc.cli", "train", "--no-progress", *cell.overrides,
+            f"seed={cell.seed}", f"run_dir={run_dir}", f"resume={'true' if resume else 'false'}"]
+
+
+def _add_wall(run_dir: Path, seconds: float) -> float:
+    """Accumulate the wall seconds of the run's processes in ``run_dir/sweep_wall.json``; the total."""
+    path = run_dir / "sweep_wall.json"
+    try:
+        total = float(json.loads(path.read_text())["wall_seconds"])
+    except (OSError, ValueError, KeyError):
+        total = 0.0
+    total += seconds
+    path.write_text(json.dumps({"wall_seconds": total}))
+    return total
+
+
+def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, object]) -> Path:
+    """Write the record of the cell's finished run directory; its path."""
+    run_dir = paths.run_dir(cell)
+    try:
+        wall: float | None = float(json.loads((run_dir / "sweep_wall.json").read_text())["wall_seconds"])
+    except (OSError, ValueError, KeyError):
+        wall = None
+    record = build_record(run_dir, experiment=spec.experiment, cell_id=cell.cell_id, levels=dict(cell.levels),
+                          config=config, wall_seconds=wall, machine=machine_info())
+    path = write_record(paths.record(spec.experiment, cell), record)
+    cfg = resolve(cell, run_dir)
+    timing = timing_from_record(record, cfg)
+    if timing is not None:
+        store_step_time(paths.results, timing_key(cfg), timing)
+    return path
+
+
+def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int, nice: int,
+              log: Callable[[str], None] = print) -> list[str]:
+    """Run or record every cell not yet recorded, ``jobs`` at a time; returns the ids that failed."""
+    pending: list[tuple[Cell, dict[str, object], bool]] = []
+    for cell in cells:
+        run_dir = paths.run_dir(cell)
+        config: dict[str, object] = dict(to_dict(resolve(cell, run_dir)))
+        state, detail = cell_state(config, run_dir, paths.record(spec.experiment, cell))
+        if state == "conflict":
+            raise SpecError(f"cell {cell.cell_id}: {detail}")
+        if state == "recorded":
+            continue
+        if state == "finished":
+            log(f"[sweep] {cell.cell_id}: finished run, record {finish_cell(spec, cell, paths, config)}")
+            continue
+        if state == "fresh" and run_dir.exists():
+            shutil.rmtree(run_dir)  # no checkpoint: nothing to resume, and a half metrics.jsonl would mix in
+        pending.append((cell, config, state == "resume"))
+    running: list[tuple[Cell, dict[str, object], subprocess.Popen[bytes], float]] = []
+    failures: list[str] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                cell, config, resume = pending.pop(0)
+                run_dir = paths.run_dir(cell)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                command = train_command(cell, run_dir, resume=resume, nice=nice)
+                with (paths.runs / f"{cell.cell_id}.log").open("ab") as out:
+                    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+                log(f"[sweep] start {cell.cell_id}{' (resume)' if resume else ''} pid {proc.pid}")
+                running.append((cell, config, proc, time.perf_counter()))
+            time.sleep(1.0)
+            for item in list(running):
+                cell, config, proc, start = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                took = time.perf_counter() - start
+                _add_wall(paths.run_dir(cell), took)
+                if proc.returncode == 0:
+                    record = finish_cell(spec, cell, paths, config)
+                    log(f"[sweep] done  {cell.cell_id} in {took / 60:.1f} min: {record}")
+                else:
+                    failures.append(cell.cell_id)
+                    log(f"[sweep] FAILED {cell.cell_id} (exit {proc.returncode}); see {paths.runs / cell.cell_id}.log")
+    finally:
+        for cell, _, proc, start in running:  # interrupted: stop our children, keep their checkpoints
+            proc.terminate()
+            proc.wait(timeout=60)
+            _add_wall(paths.run_dir(cell), time.perf_counter() - start)
+    return failures
+
+
+def prepare_warmstarts(cells: Sequence[Cell], paths: Paths, log: Callable[[str], None] = print) -> None:
+    """Build every warm start the cells need once, before cells start in parallel (cached)."""
+    from copc.run.build import policy_path
+
+    seen: set[str] = set()
+    for cell in cells:
+        cfg = resolve(cell, paths.run_dir(cell))
+        key = json.dumps([cfg.task, cfg.task_options, to_dict(cfg.model)], sort_keys=True, default=str)
+        if cfg.model.policy == "warmstart" and key not in seen:
+            seen.add(key)
+            log(f"[sweep] warm start {cfg.task}: {policy_path(cfg, paths.runs)}")
+
+
+def _children_cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def probe_step_time(cell: Cell, paths: Paths, *, steps: int, nice: int, log: Callable[[str], None] = print
+                    ) -> dict[str, object]:
+    """Run ``cell`` for ``steps`` steps (evaluating only before and after) and measure its step and eval
+    seconds; stored in ``results/step_times.json`` under the cell's timing key, with ``core_share``: the
+    CPU seconds the run got per wall second (1.0 on an idle core; less on a busy shared machine)."""
+    from copc.tracking import TIME_STEP, read_metrics
+
+    cfg = resolve(cell, paths.run_dir(cell))
+    key = timing_key(cfg)
+    run_dir = paths.runs.parent / "_probe" / key.replace("/", "_")
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    probe = Cell(cell.cell_id, cell.levels, cell.seed,
+                 (*cell.overrides, f"steps={steps}", "eval.every=0", "checkpoint_every=0", "plots=false"))
+    run_dir.mkdir(parents=True)
+    log(f"[sweep] probe {key}: {steps} steps of {cell.cell_id}")
+    start, cpu_start = time.perf_counter(), _children_cpu_seconds()
+    with (run_dir / "probe.log").open("wb") as out:
+        code = subprocess.call(train_command(probe, run_dir, resume=False, nice=nice), stdout=out,
+                               stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall, cpu = time.perf_counter() - start, _children_cpu_seconds() - cpu_start
+    if code != 0:
+        raise SpecError(f"probe of {cell.cell_id} failed (exit {code}); see {run_dir / 'probe.log'}")
+    times = [float(r[TIME_STEP]) for r in read_metrics(run_dir) if TIME_STEP in r]
+    step = sum(times) / len(times)
+    entry = {"step_seconds": step, "eval_seconds": max(0.0, wall - step * len(times)) / 2,
+             "source": f"probe of {steps} steps", "steps": steps, "measured": time.strftime("%Y-%m-%d %H:%M"),
+             "core_share": round(cpu / wall, 3),
+             **episodes(cfg)}
+    store_step_time(paths.results, key, entry)
+    return entry
+
+
+# ------------------------------------------------------------------------------------------- the plan
+def plan_text(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, jobs: int) -> str:
+    """One line per cell (state, steps, estimate), the step-time table used, and the totals."""
+    table = load_step_times(paths.results)
+    lines = [f"experiment {spec.experiment}: {len(cells)} cells ({len(spec.seeds)} seeds), "
+             f"records in {paths.results / spec.experiment}, runs in {paths.runs}"]
+    if spec.description:
+        lines.append(f"  {spec.description}")
+    total, unknown, used = 0.0, 0, {}
+    counts: dict[str, int] = {}
+    width = max(len(c.cell_id) for c in cells)
+    for cell in cells:
+        run_dir = paths.run_dir(cell)
+        cfg = resolve(cell, run_dir)
+        state, detail = cell_state(to_dict(cfg), run_dir, paths.record(spec.experiment, cell))
+        counts[state] = counts.get(state, 0) + 1
+        start = max(list_checkpoints(run_dir), default=0) if state == "resume" else 0
+        seconds, note = (0.0, "") if state in ("recorded", "finished") else estimate_seconds(cfg, table, start)
+        if seconds is None:
+            unknown += 1
+        else:
+            total += seconds
+        if note:
+            used[timing_key(cfg)] = note
+        estimate = "?" if seconds is None else f"{seconds / 3600:.2f} h"
+        lines.append(f"  {cell.cell_id:<{width}}  {state:<8} {cfg.task:<10} {cfg.method:<10} "
+                     f"{cfg.steps:>4} steps  {estimate:>8}  {detail}")
+    lines.append("step times (results/step_times.json; s/step, s/eval):")
+    for key, note in sorted(used.items()):
+        entry = table.get(key)
+        if note == "measured" and entry:
+            share = f", at {float(entry['core_share']):.0%} of a core" if entry.get("core_share") else ""  # type: ignore[arg-type]
+            lines.append(f"  {key}: {float(entry['step_seconds']):.2f} s/step, {float(entry['eval_seconds']):.0f} s/eval "  # type: ignore[arg-type]
+                         f"({entry.get('source')}{share})")
+        else:
+            lines.append(f"  {key}: {note}")
+    lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    lines.append(f"estimated {total / 3600:.1f} machine-hours of one process; {total / 3600 / jobs:.1f} h of wall "
+                 f"at {jobs} at a time" + (f"; {unknown} cells without an estimate (--measure)" if unknown else ""))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="copc sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", help="sweep YAML (experiments/*.yaml)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and its estimated hours; run nothing")
+    parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
+                        help="with --dry-run: probe each unmeasured task/method/driver for STEPS steps first")
+    parser.add_argument("--report", action="store_true", help="print the table of the finished records")
+    parser.add_argument("--baseline", default=None, metavar="AXIS=LEVEL[,AXIS=LEVEL]",
+                        help="the cells --report pairs the others with (default: the file's baseline)")
+    parser.add_argument("--jobs", type=int, default=0, help="cells at a time (default: the measured capacity)")
+    parser.add_argument("--nice", type=int, default=10, help="niceness of the train processes (0: none)")
+    parser.add_argument("--results", default="results", help="results folder (records under <results>/<experiment>)")
+    parser.add_argument("--runs", default=None, help="run directories (default runs/sweep/<experiment>)")
+    parser.add_argument("--steps", type=int, default=0, help="train every cell for this many steps instead "
+                        "(a later run with more steps extends the runs from their checkpoints)")
+    parser.add_argument("--only", default=None, metavar="SUBSTRING", help="only the cells whose id contains this")
+    return parser
+
+
+def _baseline(text: str | None, spec: SweepSpec) -> dict[str, str]:
+    if text is None:
+        return spec.baseline
+    pairs = [p.split("=", 1) for p in text.split(",") if p]
+    if any(len(p) != 2 for p in pairs):
+        raise SpecError(f"--baseline {text!r}: expected axis=level[,axis=level]")
+    return {a: lv for a, lv in pairs}
+
+
+def sweep_cli(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    if args.jobs < 0 or args.measure < 0 or args.steps < 0:
+        print("copc sweep: error: --jobs, --measure and --steps must be >= 0", file=sys.stderr)
+        return 2
+    spec = load_spec(args.file)
+    cells = expand(spec)
+    if args.steps:
+        cells = [replace(c, overrides=(*c.overrides, f"steps={args.steps}")) for c in cells]
+    if args.only:
+        cells = [c for c in cells if args.only in c.cell_id]
+        if not cells:
+            print(f"copc sweep: error: no cell id contains {args.only!r}", file=sys.stderr)
+            return 2
+    paths = Paths(Path(args.results), Path(args.runs) if args.runs else Path("runs") / "sweep" / spec.experiment)
+    if args.report:
+        records = load_records(paths.results / spec.experiment)
+        print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
+        print(report_text(records, spec.report, _baseline(args.baseline, spec) or None))
+        return 0
+    if args.dry_run:
+        if args.measure:
+            from copc.run.build import quiet_transformers
+
+            quiet_transformers()
+            table = load_step_times(paths.results)
+            prepare_warmstarts(cells, paths)
+            for cell in cells:
+                key = timing_key(resolve(cell, paths.run_dir(cell)))
+                if key not in table:
+                    table[key] = probe_step_time(cell, paths, steps=args.measure, nice=args.nice)
+        print(plan_text(spec, cells, paths, args.jobs or 1))
+        return 0
+    if args.nice > os.nice(0):
+        os.nice(args.nice - os.nice(0))  # the warm-start builds below run in this process
+    jobs = args.jobs or measure_capacity()
+    paths.runs.mkdir(parents=True, exist_ok=True)
+    print(f"[sweep] {spec.experiment}: {len(cells)} cells, {jobs} at a time", flush=True)
+    prepare_warmstarts(cells, paths, log=lambda s: print(s, flush=True))
+    failures = run_cells(spec, cells, paths, jobs=jobs, nice=args.nice, log=lambda s: print(s, flush=True))
+    if failures:
+        print(f"copc sweep: error: cells failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)
+        return 1
+    print(report_text(load_records(paths.results / spec.experiment), spec.report, spec.baseline or None))
+    return 0

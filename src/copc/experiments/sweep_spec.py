@@ -1,0 +1,164 @@
+"""The sweep file of ``copc sweep`` (format: copc.experiments.sweep) and its expansion into cells.
+
+A :class:`SweepSpec` names the experiment, its seeds, the overrides every cell shares, the axes (axis ->
+level -> the overrides of that level) and the grids (which levels of which axes are crossed); a
+:class:`Cell` is one grid point and one seed. Bad input fails with a :class:`SpecError` that names the
+file, the entry and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+
+from copc.config import ConfigError
+from copc.experiments.results import SUMMARY_METRICS
+
+__all__ = ["Cell", "SpecError", "SweepSpec", "expand", "load_spec", "parse_spec"]
+
+#: Characters allowed in axis and level names (they become file names).
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    experiment: str
+    description: str
+    seeds: tuple[int, ...]
+    shared: tuple[str, ...]
+    axes: dict[str, dict[str, tuple[str, ...]]]
+    grids: tuple[dict[str, tuple[str, ...]], ...]
+    baseline: dict[str, str]
+    report: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One grid point and one seed: its id, its levels (axis -> level) and every override it runs with."""
+
+    cell_id: str
+    levels: tuple[tuple[str, str], ...]
+    seed: int
+    overrides: tuple[str, ...]
+
+
+class SpecError(ConfigError):
+    """A sweep file that cannot be expanded (the message names the file, the entry and the fix)."""
+
+
+def _overrides(value: object, where: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, Mapping):
+        return tuple(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in value.items())
+    if not isinstance(value, list) or not all(isinstance(v, str) and "=" in v for v in value):
+        raise SpecError(f"{where}: expected a list of key=value overrides, got {value!r}")
+    return tuple(value)
+
+
+def _name(value: object, where: str) -> str:
+    text = str(value)
+    if not _NAME.match(text):
+        raise SpecError(f"{where}: {text!r} must be letters, digits and . _ + - (it becomes a file name)")
+    return text
+
+
+def _parse_axis(name: str, value: object, where: str) -> dict[str, tuple[str, ...]]:
+    if isinstance(value, Mapping) and set(value) == {"key", "values"}:
+        key, values = value["key"], value["values"]
+        if not isinstance(values, list) or not values:
+            raise SpecError(f"{where}: 'values' must be a non-empty list")
+        return {_name(v, f"{where}.values"): (f"{key}={v}",) for v in values}
+    if not isinstance(value, Mapping) or not value:
+        raise SpecError(f"{where}: expected level -> overrides, or {{key: K, values: [...]}}")
+    return {_name(level, where): _overrides(ov, f"{where}.{level}") for level, ov in value.items()}
+
+
+def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepSpec:
+    """A :class:`SweepSpec` from the YAML mapping (module docstring); :class:`SpecError` on bad input."""
+    known = {"experiment", "description", "seeds", "shared", "axes", "grids", "baseline", "report"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SpecError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+    if "experiment" not in data or "axes" not in data:
+        raise SpecError(f"{source}: needs 'experiment' (a name) and 'axes' (axis -> level -> overrides)")
+    experiment = _name(data["experiment"], f"{source}: experiment")
+    seeds_value = data.get("seeds", 1)
+    if isinstance(seeds_value, int) and seeds_value >= 1:
+        seeds = tuple(range(seeds_value))
+    elif isinstance(seeds_value, list) and seeds_value and all(isinstance(s, int) for s in seeds_value):
+        seeds = tuple(seeds_value)
+    else:
+        raise SpecError(f"{source}: seeds must be a count >= 1 or a list of integers, got {seeds_value!r}")
+    axes_value = data["axes"]
+    if not isinstance(axes_value, Mapping) or not axes_value:
+        raise SpecError(f"{source}: axes must map axis names to their levels")
+    axes = {_name(a, f"{source}: axes"): _parse_axis(str(a), v, f"{source}: axes.{a}") for a, v in axes_value.items()}
+    grids_value = data.get("grids") or [{a: "all" for a in axes}]
+    if not isinstance(grids_value, list):
+        raise SpecError(f"{source}: grids must be a list of {{axis: [levels] | all}}")
+    grids = []
+    for i, grid in enumerate(grids_value):
+        where = f"{source}: grids[{i}]"
+        if not isinstance(grid, Mapping) or not grid:
+            raise SpecError(f"{where}: expected {{axis: [levels] | all}}")
+        parsed = {}
+        for axis, levels in grid.items():
+            if axis not in axes:
+                raise SpecError(f"{where}: unknown axis {axis!r}; axes: {', '.join(axes)}")
+            chosen = list(axes[axis]) if levels == "all" else [str(v) for v in (levels if isinstance(levels, list) else [levels])]
+            missing = [lv for lv in chosen if lv not in axes[axis]]
+            if missing:
+                raise SpecError(f"{where}: axis {axis!r} has no level {missing[0]!r}; levels: {', '.join(axes[axis])}")
+            parsed[axis] = tuple(chosen)
+        grids.append(parsed)
+    baseline_value = data.get("baseline") or {}
+    if not isinstance(baseline_value, Mapping):
+        raise SpecError(f"{source}: baseline must map axes to levels, e.g. {{method: ppo_sync}}")
+    baseline = {str(a): str(lv) for a, lv in baseline_value.items()}
+    for axis, level in baseline.items():
+        if axis not in axes or level not in axes[axis]:
+            raise SpecError(f"{source}: baseline {axis}={level} is not a level of the axes")
+    report_value = data.get("report") or ["eval_last_half", "eval_final", "greedy_last_half"]
+    if not isinstance(report_value, list):
+        raise SpecError(f"{source}: report must be a list of metric names; valid: {', '.join(SUMMARY_METRICS)}")
+    report = tuple(str(r) for r in report_value)
+    bad = [r for r in report if r not in SUMMARY_METRICS]
+    if bad:
+        raise SpecError(f"{source}: report metric {bad[0]!r} unknown; valid: {', '.join(SUMMARY_METRICS)}")
+    return SweepSpec(experiment=experiment, description=str(data.get("description", "")), seeds=seeds,
+                     shared=_overrides(data.get("shared", []), f"{source}: shared"), axes=axes,
+                     grids=tuple(grids), baseline=baseline, report=report)
+
+
+def load_spec(path: str | os.PathLike[str]) -> SweepSpec:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise SpecError(f"cannot read sweep file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{path}: expected a mapping with experiment, axes, ...")
+    return parse_spec(data, str(path))
+
+
+def expand(spec: SweepSpec) -> list[Cell]:
+    """Every cell of every grid, seed outermost (a partial sweep holds complete seed pairs); duplicates once."""
+    cells: dict[str, Cell] = {}
+    for seed in spec.seeds:
+        for grid in spec.grids:
+            axes = [a for a in spec.axes if a in grid]  # the spec's axis order, whatever the grid's
+            for combo in product(*(grid[a] for a in axes)):
+                levels = tuple(zip(axes, combo, strict=True))
+                level_overrides = tuple(o for a, lv in levels for o in spec.axes[a][lv])
+                cell_id = "__".join([*(f"{a}={lv}" for a, lv in levels), f"seed{seed}"])
+                cells.setdefault(cell_id, Cell(cell_id, levels, seed, (*spec.shared, *level_overrides)))
+    return list(cells.values())
