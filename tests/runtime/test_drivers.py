@@ -30,7 +30,7 @@ from copc.trainer.checkpoint import load_latest
 from copc.trainer.trainer import TrainerConfig
 
 #: Metrics that measure time (and so differ between runs) or depend on who generated the batch.
-VOLATILE = ("time/", "perf/", "buffer/")
+VOLATILE = ("time/", "perf/", "buffer/", "runtime/")
 
 
 def small_config(run_dir: Path, *, driver: str, mode: str = "fixed_lag", s: int = 0, steps: int = 3,

@@ -67,7 +67,7 @@ def test_math_tool_equivalent_answers_are_accepted():
 def test_bad_rows_name_the_file_row_and_fix(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n" + json.dumps({"problem": "2+2?"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl, row 2: column 'answer' is missing.*set answer_key="):
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: column 'answer' is missing.*set answer_key="):
         get_task("math_tool", data=str(bad)).prompts("train")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"problem": "1+1?", "answer": "2"}\n{not json\n')
