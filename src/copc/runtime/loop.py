@@ -134,7 +134,7 @@ def check_finite(step: int, metrics: Mapping[str, float], weights: Mapping[str, 
     bad = [k for k, v in metrics.items() if k.startswith(("loss/", "grad/")) and not math.isfinite(v)]
     if bad:
         raise NonFiniteError(
-            f"step {step}: {bad[0]} is {metrics[bad[0]]}; stopped before publishing or saving these "
+            f"step {step}: {bad[0]} is {metrics[bad[0]]} (not finite); stopped before publishing or saving these "
             "weights (the last checkpoint is the last good state); lower the learning rate or check the data"
         )
     for name, tensor in weights.items():
