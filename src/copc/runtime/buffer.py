@@ -1,8 +1,13 @@
 """The trajectory buffer between rollout workers and the trainer, governed by a staleness policy.
 
-Producers (a receiver thread, or the sync driver) call :meth:`TrajectoryBuffer.put`; the trainer calls
-:meth:`TrajectoryBuffer.get_batch` (``None`` = not ready yet, wait) or :meth:`wait_batch`. The policy
-rules are the pure functions of :mod:`copc.runtime.staleness`:
+Two paths. **Whole batches** (the async driver): :meth:`TrajectoryBuffer.put_batch` stores generated
+batch ``j`` and :meth:`TrajectoryBuffer.take_batch` hands step ``j`` exactly that batch, whatever its
+size (a generator that filters groups returns fewer than ``B``) and including trajectories without a
+sampled token (counted in ``buffer/empty_kept``), so a step never waits for a trajectory that will not
+come and groups are never split. **Single trajectories**: producers call :meth:`TrajectoryBuffer.put`
+and the trainer :meth:`TrajectoryBuffer.get_batch` (``None`` = not ready yet, wait) or
+:meth:`wait_batch`, which select ``B`` by the policy rules, the pure functions of
+:mod:`copc.runtime.staleness`:
 
 - ``fixed_lag``: trajectories are grouped by version (``min_t v_t``); step ``n`` takes ``B`` of version
   ``max(0, n - s)`` in arrival order. Trajectories of a version no later step can consume are counted

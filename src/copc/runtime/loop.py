@@ -70,7 +70,8 @@ class StopSignals:
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            if handler is not None:  # None: installed from C; nothing Python can put back
+                signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
