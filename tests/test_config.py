@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 
@@ -40,6 +40,7 @@ class StaleCfg:
 
 @dataclass(frozen=True)
 class RootCfg:
+    INFINITE_OK: ClassVar[tuple[str, ...]] = ("window",)  # inf = no window
     method: Literal["ppo", "copc"] = "copc"
     """Preset."""
     seed: int = 0
@@ -210,3 +211,23 @@ def test_enum_fields():
     with pytest.raises(ConfigError) as err:
         apply_overrides(EnumCfg(), ["stop=done"])
     assert "valid choices: 'answer', 'eos'" in _one_line(err)
+
+
+def test_non_finite_floats_are_refused_unless_the_field_allows_inf(tmp_path):
+    """Issue 18, defect 6: optim.lr=inf trained NaN weights; nan is never a setting."""
+    for text in ("optim.lr=inf", "optim.lr=-inf", "optim.lr=.nan", "window=.nan"):
+        with pytest.raises(ConfigError) as err:
+            apply_overrides(RootCfg(), [text])
+        line = _one_line(err)
+        assert text.split("=")[0] in line and ("finite" in line or "nan" in line), line
+    assert apply_overrides(RootCfg(), ["window=inf"]).window == math.inf  # RootCfg.INFINITE_OK
+    with pytest.raises(ConfigError, match=r"optim\.lr"):
+        from_dict(RootCfg, {"optim": {"lr": float("inf")}})
+
+
+def test_an_empty_yaml_file_is_an_error_not_the_defaults(tmp_path):
+    for text in ("", "# only a comment\n"):
+        path = tmp_path / "empty.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match="is empty"):
+            load_yaml(RootCfg, path)

@@ -6,7 +6,10 @@ knows nothing about any particular component. It turns plain data (a YAML file, 
 overrides) into those dataclasses, checking every value against the field's annotation:
 
 - ``bool`` accepts only true/false (not 0/1); ``int`` rejects bools; ``float`` accepts ints and the
-  strings ``inf``/``-inf``/``nan``; ``str``; ``Literal[...]`` (the valid choices are listed on error);
+  strings ``inf``/``-inf``; ``str``; ``Literal[...]`` (the valid choices are listed on error);
+- every ``float`` field must be finite (``nan`` never is a setting; ``actor_lr=inf`` would train NaN
+  weights), except the fields a config class names in its ``INFINITE_OK`` class variable, where
+  ``inf`` means "no bound";
 - ``X | None`` / ``Optional[X]`` and other unions (first member that accepts the value wins);
 - ``tuple[X, ...]``, ``tuple[X, Y]``, ``list[X]``, ``dict[str, X]``;
 - nested dataclasses (a mapping, merged over the current or default section).
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import os
 import types
 import typing
@@ -169,7 +173,7 @@ def _coerce_scalar(value: object, tp: object, where: str) -> object:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "infinity", "nan"):
+        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "infinity", "-infinity"):
             return float(value.strip().lower().replace("infinity", "inf"))
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if tp is str:
@@ -183,8 +187,21 @@ def _coerce_scalar(value: object, tp: object, where: str) -> object:
     raise ConfigError(f"{where}: unsupported annotation {_describe(tp)} in a config class")
 
 
+def _check_finite(cls: type, kwargs: Mapping[str, object], section: str) -> None:
+    """Every float value given must be finite, but ``inf`` in a field ``cls.INFINITE_OK`` names."""
+    allowed = getattr(cls, "INFINITE_OK", ())
+    for key, value in kwargs.items():
+        if not isinstance(value, float) or math.isfinite(value):
+            continue
+        if math.isnan(value):
+            raise ConfigError(f"{_join(section, key)}: nan is not a valid setting; give a number")
+        if key not in allowed:
+            raise ConfigError(f"{_join(section, key)}: {value} is not allowed here; give a finite number")
+
+
 def _construct(cls: type[T], kwargs: Mapping[str, object], section: str) -> T:
     """Call ``cls(**kwargs)``; a range check failing in ``__post_init__`` becomes a one-line ConfigError."""
+    _check_finite(cls, kwargs, section)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -281,7 +298,11 @@ def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
     except yaml.YAMLError as err:
         first = " ".join(str(err).split())
         raise ConfigError(f"config file {path} is not valid YAML: {first}") from None
-    if data is not None and not isinstance(data, Mapping):
+    if data is None:
+        raise ConfigError(
+            f"config file {path} is empty; write the keys to change (or leave out --config for the defaults)"
+        )
+    if not isinstance(data, Mapping):
         raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
     try:
         return from_dict(cls, data)
@@ -381,10 +402,10 @@ def check_one_of(field: str, value: object, valid: tuple[object, ...]) -> None:
 
 
 def check_positive(owner: str, **values: float) -> None:
-    """Raise naming the first field of ``owner`` that is not > 0."""
+    """Raise naming the first field of ``owner`` that is not a finite number > 0."""
     for key, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{owner}.{key} must be > 0, got {value!r}")
+        if not 0 < value < math.inf:
+            raise ValueError(f"{owner}.{key} must be > 0 and finite, got {value!r}")
 
 
 def check_fraction(owner: str, **values: float) -> None:

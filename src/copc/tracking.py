@@ -102,6 +102,10 @@ BUFFER_CONSUMED = "buffer/consumed"
 BUFFER_OVER_BOUND = "buffer/over_bound"
 BUFFER_REQUEUED = "buffer/requeued"
 BUFFER_DROPPED = "buffer/dropped"
+BUFFER_EMPTY_KEPT = "buffer/empty_kept"
+RUNTIME_WORKER_RESTARTS = "runtime/worker_restarts"
+RUNTIME_JOURNAL_DAMAGED = "runtime/journal_damaged"
+ROLLOUT_EMPTY_FRAC = "rollout/empty_frac"
 TRAIN_VERSION = "train/version"
 TRAIN_ACTOR_FROZEN = "train/actor_frozen"
 
@@ -181,6 +185,10 @@ METRICS: dict[str, str] = {
     BUFFER_OVER_BOUND: "trajectories consumed with lag > s in bounded mode (cumulative; not dropped)",
     BUFFER_REQUEUED: "in-flight prompts requeued on resume (cumulative)",
     BUFFER_DROPPED: "trajectories dropped for any reason (cumulative; never for age)",
+    BUFFER_EMPTY_KEPT: "trajectories without a sampled token kept in their batch (cumulative; rows without action tokens)",
+    RUNTIME_WORKER_RESTARTS: "rollout workers restarted after a death, error or timeout (cumulative)",
+    RUNTIME_JOURNAL_DAMAGED: "damaged journal entries set aside on resume and generated again (cumulative)",
+    ROLLOUT_EMPTY_FRAC: "fraction of trajectories of the batch without a sampled token (prompt fills the context)",
     TRAIN_VERSION: "policy version after the step",
     TRAIN_ACTOR_FROZEN: "1 while the critic warms up and the actor is frozen",
 }

@@ -63,16 +63,14 @@ def test_analyse_pairs_seeds_and_excludes_the_shared_start(tmp_path):
     assert arm["plateau_step"] == 4 and arm["plateau_step_per_seed"] == [4, 0]
 
 
-def test_train_command_resumes_only_with_a_checkpoint(tmp_path):
+def test_train_command_always_resumes(tmp_path):
     sync, lagged = arms_for(8)
     run_dir = run_dir_for(tmp_path, lagged, 2)
     command = train_command(lagged, 2, run_dir, steps=30, eval_every=10, extra=["trainer.actor_lr=1e-4"])
     assert command[2:5] == ["copc.cli", "train", "--no-progress"]
     for item in ("staleness.mode=fixed_lag", "staleness.staleness=8", "method=async_ppo", "seed=2",
-                 "steps=30", "trainer.actor_lr=1e-4", "resume=false", "task_options.hard=true"):
-        assert item in command
-    (run_dir / "checkpoints" / "step-10").mkdir(parents=True)
-    assert "resume=true" in train_command(lagged, 2, run_dir, steps=30, eval_every=10, extra=[])
+                 "steps=30", "trainer.actor_lr=1e-4", "resume=true", "task_options.hard=true"):
+        assert item in command  # resume=true: continues a checkpoint, or starts at step 0 without one
     assert "method=ppo" in train_command(sync, 0, run_dir, steps=30, eval_every=10, extra=[])
 
 

@@ -29,8 +29,10 @@ from verl.trainer.ppo.v1 import get_trainer_cls  # noqa: E402
 from verl.workers.config import FSDPActorConfig  # noqa: E402
 
 import copc.integrations.verl as plugin  # noqa: E402
-from copc.methods import get_method  # noqa: E402
+from copc.channels.methods import get_method  # noqa: E402
 from copc.ops import (  # noqa: E402
+    AggSpec,
+    ClipSpec,
     brace,
     clipped_td,
     copc_policy_loss,
@@ -184,8 +186,8 @@ def test_policy_loss_equals_copc_policy_loss(mode: str, weight_mode: str) -> Non
     ref_logp = batch["log_prob"].clone().requires_grad_(True)
     ref = copc_policy_loss(
         ref_logp, batch["old_log_probs"], batch["rollout_log_probs"], batch["advantages"], mask,
-        mask_low=0.5, mask_high=1.5, weight_mode=weight_mode, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0,
-        loss_agg=mode,  # type: ignore[arg-type]
+        mask_low=0.5, mask_high=1.5, weight_mode=weight_mode, clip=ClipSpec(0.2, 0.28, 3.0),
+        agg=AggSpec(mode),  # type: ignore[arg-type]
     )
     close(loss, ref.loss)
     loss.backward()
@@ -211,7 +213,7 @@ def test_policy_loss_honours_verls_agg_loss_and_global_batch_info(mode: str) -> 
     )
     per_token = copc_policy_loss(
         batch["log_prob"], batch["old_log_probs"], batch["rollout_log_probs"], batch["advantages"], mask,
-        mask_low=0.5, mask_high=2.0, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0,
+        mask_low=0.5, mask_high=2.0, clip=ClipSpec(0.2, 0.28, 3.0),
     ).per_token
     close(loss, core_algos.agg_loss(per_token, mask, mode, **info))
 

@@ -191,3 +191,44 @@ def test_partial_rollout_is_filed_under_its_oldest_version():
     assert buf.metrics()["buffer/dropped_unscheduled"] == 1
     buf.put([mixed])
     assert ids(buf.get_batch(2)) == ["mixed"]
+
+
+def test_a_batch_with_empty_trajectories_is_consumed_whole():
+    """Issue 10, defect 1: a prompt that fills the context yields a trajectory with no sampled token.
+    ``put`` drops it (counted), so a step waiting for B trajectories of that batch waits forever;
+    ``put_batch`` keeps it under the batch's version and ``take_batch`` returns the whole batch."""
+    for mode, s in (("fixed_lag", 0), ("fixed_lag", 2), ("bounded", 0), ("bounded", 1)):
+        old = TrajectoryBuffer(StalenessConfig(mode=mode, staleness=s), batch_size=3)  # type: ignore[arg-type]
+        old.put([traj(0, "a"), traj(-1, "empty"), traj(0, "b")])
+        assert old.get_batch(0) is None  # B - 1 stored: the old async path never got its batch
+        buf = TrajectoryBuffer(StalenessConfig(mode=mode, staleness=s), batch_size=3)  # type: ignore[arg-type]
+        buf.put_batch(0, 0, [traj(0, "a"), traj(-1, "empty"), traj(0, "b")])
+        assert ids(buf.take_batch(0)) == ["a", "empty", "b"]
+        metrics = buf.metrics()
+        assert metrics["buffer/empty_kept"] == 1 and metrics["buffer/dropped"] == 0
+        assert metrics["buffer/consumed"] == 3
+
+
+def test_batches_of_any_size_are_one_step_each_and_clear_their_requests():
+    """A generator that filters groups (DAPO dynamic sampling) returns fewer than B trajectories:
+    step n still consumes batch n whole, and the batch's admitted requests leave the in-flight list."""
+    buf = TrajectoryBuffer(StalenessConfig(mode="bounded", staleness=1), batch_size=4)
+    requests = [Prompt(id=f"q{i}", text=str(i), answers=("x",)) for i in range(4)]
+    assert len(buf.admit(0, requests)) == 4
+    buf.put_batch(1, 0, [traj(0, f"b1-{i}") for i in range(5)])
+    buf.put_batch(0, 0, [traj(0, "q0"), traj(0, "q2")], requests=requests)
+    assert buf.in_flight() == []
+    assert buf.take_batch(2) is None
+    assert ids(buf.take_batch(0)) == ["q0", "q2"]
+    assert len(buf.take_batch(1) or []) == 5
+    restored = TrajectoryBuffer(StalenessConfig(mode="bounded", staleness=1), batch_size=4)
+    buf.put_batch(2, 1, [traj(1, "c"), traj(-1, "e")])
+    restored.load_state_dict(_round_trip(buf.state_dict()))
+    assert ids(restored.take_batch(2)) == ["c", "e"]  # batch membership and the empty row survive
+
+
+def test_fixed_lag_take_batch_refuses_a_batch_of_the_wrong_version():
+    buf = TrajectoryBuffer(StalenessConfig(mode="fixed_lag", staleness=1), batch_size=1)
+    buf.put_batch(3, 0, [traj(0, "late")])
+    with pytest.raises(RuntimeError, match="needs version 2"):
+        buf.take_batch(3)

@@ -67,7 +67,7 @@ def test_math_tool_equivalent_answers_are_accepted():
 def test_bad_rows_name_the_file_row_and_fix(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n" + json.dumps({"problem": "2+2?"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl, row 2: column 'answer' is missing.*set answer_key="):
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: column 'answer' is missing.*set answer_key="):
         get_task("math_tool", data=str(bad)).prompts("train")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"problem": "1+1?", "answer": "2"}\n{not json\n')
@@ -119,3 +119,22 @@ def test_search_qa_em_against_any_gold_and_empty_query():
     assert "empty query" in step.observation and step.info["tool_errors"] == 1
     void = env.step("<think>hmm</think>")
     assert void.done and void.reward == 0.0 and void.info["void_turn"] == 1.0
+
+
+def test_row_errors_count_lines_in_the_file_and_refuse_non_text(tmp_path):
+    """Issue 18, defect 7: errors counted rows within the split, and true/0.1 became "True"/"0.1"."""
+    from copc.tasks.datasets import DataError
+
+    good = json.dumps({"problem": "1+1?", "answer": "2"})
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([good, good, "", good, json.dumps({"problem": "p", "answer": 0.1})]) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl, line 5: column 'answer' holds the float 0\.1"):
+        get_task("math_tool", data=str(path), eval_size=2).prompts("train")  # row 2 of the train split
+    prompts = get_task("math_tool", data=str(path), eval_size=1).prompts("train", 2)
+    assert [p.meta["row"] for p in prompts] == [2, 4]  # file lines, blank line 3 skipped
+    path.write_bytes(good.encode() + b'\n{"problem": "\xff", "answer": "1"}\n')
+    with pytest.raises(DataError, match=r"line 2: not valid UTF-8 \(byte 0xff at column 14\)"):
+        get_task("math_tool", data=str(path)).prompts("train")
+    path.write_text(good + "\n")
+    with pytest.raises(DataError, match="eval_size=1 leaves no train rows"):
+        get_task("math_tool", data=str(path), eval_size=1).prompts("train")

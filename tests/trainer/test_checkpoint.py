@@ -145,6 +145,9 @@ def test_load_latest_ignores_partial_and_corrupt(tmp_path):
     with pytest.raises(CheckpointError):
         load_checkpoint(newest)
     assert load_latest(tmp_path)[0] == 1  # type: ignore[index]
+    skipped: list[str] = []  # the fallback is reported (issue 18: it said nothing)
+    assert load_latest(tmp_path, on_skip=skipped.append)[0] == 1  # type: ignore[index]
+    assert len(skipped) == 1 and "step_00000002" in skipped[0] and "sha256" in skipped[0]
     # a garbage pointer is ignored too
     (root / "latest").write_text("../../etc\n")
     assert load_latest(tmp_path)[0] == 1  # type: ignore[index]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 
@@ -80,6 +80,7 @@ POLICY_OBJECTIVES: Registry[PolicyObjective] = Registry("policy objective")
 class PolicyChannelConfig:
     """Actor loss: objective, PPO clip, behaviour-ratio mask/weight, aggregation (spec 2-9)."""
 
+    INFINITE_OK: ClassVar[tuple[str, ...]] = ("mask_high", "weight_cap")  # inf = no bound (copc.config)
     objective: str = "ppo"
     """Registered actor loss: ppo, bypass_ppo, decoupled, tis, icepop, copc, dis, pg."""
     clip_low: float = 0.2

@@ -101,13 +101,13 @@ def run_dir_for(root: Path, arm: Arm, seed: int, layout: str = "testbed") -> Pat
 
 def train_command(arm: Arm, seed: int, run_dir: Path, steps: int, eval_every: int, extra: Sequence[str],
                   base: Sequence[str] = BASE_OVERRIDES) -> list[str]:
-    """The ``copc train`` command of one run (resumes when the run directory holds a checkpoint)."""
-    resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    """The ``copc train`` command of one run: always ``resume=true`` (continues from the last checkpoint;
+    a run directory without one, e.g. killed before its first checkpoint, starts again at step 0)."""
     return [
         sys.executable, "-m", "copc.cli", "train", "--no-progress",
         *base, *arm.overrides, *extra,
         f"steps={steps}", f"eval.every={eval_every}", f"seed={seed}", f"run_dir={run_dir}",
-        f"resume={'true' if resume else 'false'}",
+        "resume=true",
     ]
 
 

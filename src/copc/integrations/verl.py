@@ -48,8 +48,8 @@ import torch
 
 # copc names used here (one block, so a move of copc's layout is one edit).
 from copc.channels import AdvantageChannelConfig, PolicyChannelConfig, compute_advantages
-from copc.methods import get_method
-from copc.ops import band_weight, log_ratio, masked_mean, weighted_ppo_loss
+from copc.channels.methods import get_method
+from copc.ops import ClipSpec, band_weight, log_ratio, masked_mean, weighted_ppo_loss
 
 _log = logging.getLogger(__name__)
 # As verl's own modules do: verl's basic config leaves the root at WARNING, so INFO needs the logger's level.
@@ -297,9 +297,11 @@ def copc_policy_loss(
         mask,
         weight=weight,
         keep=weight > 0,
-        clip_low=clip if clip_low is None else clip_low,
-        clip_high=clip if clip_high is None else clip_high,
-        dual_clip_c=config.get("clip_ratio_c", 3.0),
+        clip=ClipSpec(
+            low=clip if clip_low is None else clip_low,
+            high=clip if clip_high is None else clip_high,
+            dual_c=config.get("clip_ratio_c", 3.0),
+        ),
     )
     loss = core_algos.agg_loss(
         loss_mat=out.per_token, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.get("global_batch_info", {})

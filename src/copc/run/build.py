@@ -1,10 +1,12 @@
 """Building a run's pieces from its :class:`~copc.run.config.RunConfig`: the policy folder (warm start,
-tiny model or an HF folder), the run directory, the seeds, and the driver's batch source.
+tiny model or an HF folder), the run directory (never reused by accident), the seeds, the check that
+every training prompt fits the context, and the driver's batch source.
 """
 
 from __future__ import annotations
 
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -16,11 +18,19 @@ from copc.config import ConfigError
 from copc.models.hf import load_policy
 from copc.rollout.generator import RolloutGenerator
 from copc.run.config import RunConfig, resolve_rollout
-from copc.runtime.async_local import AsyncSource, WorkerSpec
+from copc.runtime.async_local import AsyncSource
 from copc.runtime.sync import SyncSource
+from copc.runtime.workers import WorkerSpec
 from copc.tasks import Task
+from copc.tasks.datasets import DataError
 
-__all__ = ["build_source", "make_run_dir", "policy_path", "quiet_transformers", "seed_everything"]
+__all__ = [
+    "RUN_ENTRIES", "build_source", "check_prompts_fit", "make_run_dir", "policy_path", "quiet_transformers",
+    "seed_everything",
+]
+
+#: What ``copc train`` writes into a run directory (``overwrite=true`` removes exactly these).
+RUN_ENTRIES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "rollouts", "tb", "plots", "tiny_init")
 
 
 def policy_path(cfg: RunConfig, scratch: Path) -> Path:
@@ -50,13 +60,54 @@ def policy_path(cfg: RunConfig, scratch: Path) -> Path:
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
+    """The run directory, created; an existing run there is continued (``resume=true``), replaced
+    (``overwrite=true``) or refused (:class:`ConfigError`): a run is never overwritten by accident."""
+    if cfg.resume and not cfg.run_dir:
+        raise ConfigError("resume=true needs run_dir=<the run directory to continue>")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("resume=true and overwrite=true contradict each other: continue the run or replace it")
     if cfg.run_dir:
         path = Path(cfg.run_dir)
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{stamp}-{cfg.method}-{cfg.task}-s{cfg.staleness.staleness}-seed{cfg.seed}"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run_dir {path} is a file, not a directory")
+    existing = [name for name in RUN_ENTRIES if (path / name).exists()]
+    if existing and not cfg.resume:
+        if not cfg.overwrite:
+            raise ConfigError(
+                f"run_dir {path} already holds a run ({', '.join(existing)}); pass resume=true to continue it, "
+                "overwrite=true to replace it, or choose another run_dir"
+            )
+        for name in existing:
+            target = path / name
+            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def check_prompts_fit(task: Task, tokenizer: PreTrainedTokenizerBase, context_limit: int) -> int:
+    """Refuse (one line, file and line named) training prompts of ``context_limit`` tokens or more.
+
+    Such a prompt leaves no room for a single sampled token: every episode of it would be empty. The
+    check runs once at start-up on the train split; returns the number of prompts checked.
+    """
+    prompts = task.prompts("train")
+    too_long = []
+    for start in range(0, len(prompts), 256):
+        chunk = prompts[start : start + 256]
+        encoded = tokenizer([p.text for p in chunk], add_special_tokens=True)["input_ids"]
+        too_long += [(p, len(ids)) for p, ids in zip(chunk, encoded, strict=True) if len(ids) >= context_limit]
+    if too_long:
+        prompt, length = too_long[0]
+        where = str(prompt.meta.get("where", f"prompt {prompt.id}"))
+        raise DataError(
+            f"{where}: prompt is {length} tokens, >= rollout.context_limit={context_limit} "
+            f"({len(too_long)} of {len(prompts)} train prompts are too long); shorten or remove them, "
+            "or raise rollout.context_limit"
+        )
+    return len(prompts)
 
 
 def seed_everything(seed: int) -> None:
@@ -82,7 +133,8 @@ def build_source(
         seed=cfg.seed,
     )
     return AsyncSource(spec, cfg.staleness, weights, num_workers=cfg.driver.num_workers,
-                       journal_dir=run_dir / "rollouts")
+                       journal_dir=run_dir / "rollouts", max_restarts=cfg.driver.max_worker_restarts,
+                       batch_timeout_s=cfg.driver.batch_timeout_s or None)
 
 
 def quiet_transformers() -> None:

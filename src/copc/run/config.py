@@ -52,12 +52,18 @@ class DriverConfig:
     """Rollout worker processes (async driver)."""
     trainer_threads: int = 1
     """torch threads of the trainer process (each worker uses one)."""
+    max_worker_restarts: int = 3
+    """Rollout worker failures survived (restart, batch requested again); one more ends the run."""
+    batch_timeout_s: float = 3600.0
+    """A worker holding one batch longer than this is restarted (counts as a failure); 0 = no limit."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("sync", "async"):
             raise ValueError(f"driver.kind must be one of sync, async; got {self.kind!r}")
         if self.num_workers < 1 or self.trainer_threads < 1:
             raise ValueError("driver.num_workers and driver.trainer_threads must be >= 1")
+        if self.max_worker_restarts < 0 or not 0 <= self.batch_timeout_s < float("inf"):
+            raise ValueError("driver.max_worker_restarts must be >= 0 and driver.batch_timeout_s finite and >= 0")
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,9 @@ class RunConfig:
     run_dir: str = ""
     """Run directory ('' = runs/<time>-<method>-<task>)."""
     resume: bool = False
-    """Continue from the latest checkpoint in run_dir."""
+    """Continue from the latest checkpoint in run_dir (needs run_dir; no checkpoint yet: start at step 0)."""
+    overwrite: bool = False
+    """Replace a run already in run_dir (without it, an existing run there is an error)."""
     checkpoint_every: int = 20
     """Checkpoint every this many steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 2

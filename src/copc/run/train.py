@@ -23,7 +23,9 @@ before and after training on held-out prompts and writes a run directory:
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -39,7 +41,14 @@ from copc.config import ConfigError, dump_yaml, to_dict
 from copc.eval.evaluate import evaluate
 from copc.models.hf import ValueModel, load_policy
 from copc.rollout.generator import GeneratedBatch
-from copc.run.build import build_source, make_run_dir, policy_path, quiet_transformers, seed_everything
+from copc.run.build import (
+    build_source,
+    check_prompts_fit,
+    make_run_dir,
+    policy_path,
+    quiet_transformers,
+    seed_everything,
+)
 from copc.run.config import (
     RunConfig,
     load_run_config,
@@ -47,12 +56,20 @@ from copc.run.config import (
 )
 from copc.run.plots import plot_run
 from copc.runtime.async_local import AsyncSource
-from copc.runtime.loop import LoopResult, run_loop
+from copc.runtime.loop import Interrupted, LoopResult, RunError, StopSignals, run_loop
 from copc.runtime.staleness import realized_staleness
 from copc.runtime.sync import SyncSource
 from copc.tasks import Task, get_task
+from copc.tasks.datasets import DataError
 from copc.tracking import Tracker
-from copc.trainer.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
+from copc.trainer.checkpoint import (
+    CheckpointError,
+    capture_rng_state,
+    list_checkpoints,
+    load_latest,
+    restore_rng_state,
+    save_checkpoint,
+)
 from copc.trainer.trainer import ActorCriticTrainer
 
 __all__ = ["TrainResult", "train", "train_cli"]
@@ -77,33 +94,115 @@ def checkpoint_payload(
     }
 
 
+#: Settings a resumed run must share with the checkpoint it continues (anything else may change:
+#: steps, checkpointing, eval, plots, worker count, threads).
+RESUME_MUST_MATCH = ("task", "task_options", "method", "seed", "model", "rollout", "trainer", "staleness", "driver.kind")
+
+
+def _first_difference(saved: object, current: object, prefix: str) -> tuple[str, object, object] | None:
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current)):
+            found = _first_difference(saved.get(key), current.get(key), f"{prefix}.{key}")
+            if found is not None:
+                return found
+        return None
+    return None if saved == current else (prefix, saved, current)
+
+
+def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path) -> None:
+    """Refuse (one line) to resume with another method, batch size, task ... than the checkpoint's."""
+    current = to_dict(cfg)
+    for dotted in RESUME_MUST_MATCH:
+        a: object = saved
+        b: object = current
+        for part in dotted.split("."):
+            a = a.get(part) if isinstance(a, dict) else None
+            b = b.get(part) if isinstance(b, dict) else None
+        found = _first_difference(a, b, dotted)
+        if found is not None:
+            key, old, new = found
+            raise ConfigError(
+                f"resume: {where} was made with {key}={json.dumps(old)}, this config has {json.dumps(new)}; "
+                "resume with the same setting or start a new run_dir"
+            )
+
+
+def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, object]] | None:
+    """The checkpoint ``resume=true`` continues from, saying on stderr what it skipped; None = none yet.
+
+    Raises :class:`CheckpointError` when checkpoints exist but none is usable (resuming from step 0
+    would silently throw the run away).
+    """
+    skipped: list[str] = []
+    found = load_latest(run_dir, on_skip=skipped.append)
+    for reason in skipped:
+        print(f"warning: {reason}; falling back to an older checkpoint", file=sys.stderr, flush=True)
+    if found is None and list_checkpoints(run_dir):
+        raise CheckpointError(
+            f"every checkpoint under {run_dir / 'checkpoints'} is damaged ({'; '.join(skipped)}); nothing to "
+            "resume from: restore a backup, or start over with overwrite=true"
+        )
+    if found is None:
+        print(f"note: {run_dir} has no checkpoint yet; starting from step 0", file=sys.stderr, flush=True)
+        return None
+    step, payload = found
+    check_resume_config(cfg, payload.get("config", {}), run_dir / "checkpoints" / f"step_{step:08d}")  # type: ignore[arg-type]
+    if skipped:
+        print(f"note: resuming from the older checkpoint of step {step}", file=sys.stderr, flush=True)
+    return found
+
+
+@dataclass
+class _Saved:
+    step: int = -1
+
+
+def _save(cfg: RunConfig, run_dir: Path, done: int, trainer: ActorCriticTrainer, source: SyncSource | AsyncSource,
+          eval_before: dict[str, float] | None, saved: _Saved) -> None:
+    payload = checkpoint_payload(cfg, done, trainer, source)
+    payload["eval_before"] = eval_before
+    save_checkpoint(run_dir, done, payload, keep=cfg.keep_checkpoints)
+    saved.step = done
+    if isinstance(source, AsyncSource):
+        source.prune_journal(int(payload["source"]["next_put"]))  # type: ignore[index]
+
+
 def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
-    """Run ``cfg`` end to end (module docstring) and return the run directory and its summary."""
+    """Run ``cfg`` end to end (module docstring) and return the run directory and its summary.
+
+    Raises :class:`~copc.runtime.loop.Interrupted` on Ctrl-C / SIGTERM after saving the last completed
+    step (when the stop came at a step boundary), and the runtime's errors (docs/reliability.md).
+    """
     wall = time.perf_counter()
     torch.set_num_threads(cfg.driver.trainer_threads)
     seed_everything(cfg.seed)
     run_dir = make_run_dir(cfg)
+    resumed = find_checkpoint(cfg, run_dir) if cfg.resume else None
     dump_yaml(cfg, run_dir / "config.yaml")
     method = resolve_method(cfg)
     task = get_task(cfg.task, **cfg.task_options)
     model_dir = policy_path(cfg, run_dir)
     policy, tokenizer = load_policy(model_dir)
+    check_prompts_fit(task, tokenizer, cfg.rollout.context_limit)
     critic = ValueModel.from_policy(policy) if method.needs_critic else None
     trainer = ActorCriticTrainer(policy, critic, method, replace(cfg.trainer, temperature=cfg.rollout.temperature,
                                                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                                                  seed=cfg.seed))
     eval_model, _ = load_policy(model_dir)
     source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir)
-    start_step, summary_before = 0, None
-    resumed = load_latest(run_dir) if cfg.resume else None
+    start_step, summary_before, saved = 0, None, _Saved()
     if resumed is not None:
-        _, payload = resumed
+        saved.step, payload = resumed
         trainer.load_state_dict(payload["trainer"])  # type: ignore[arg-type]
         source.load_state_dict(payload["source"])  # type: ignore[arg-type]
         restore_rng_state(payload["rng"])  # type: ignore[arg-type]
         start_step = int(payload["next_step"])  # type: ignore[call-overload]
         summary_before = payload.get("eval_before")
-    tracker = Tracker(run_dir, resume_step=start_step if resumed is not None else None)
+    # A resumed run drops the records of the steps it redoes (all of them when no checkpoint was made).
+    tracker = Tracker(run_dir, resume_step=start_step if cfg.resume else None)
+    signals = StopSignals()
+    signals.install()
+    finished = False
     try:
         if summary_before is None:
             summary_before = evaluate(eval_model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777)
@@ -112,9 +211,20 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
         if isinstance(source, AsyncSource):
             source.start()
         loop = _run_with_progress(cfg, trainer, source, tracker, run_dir, start_step, tokenizer,
-                                  summary_before, eval_model, task, show_progress)  # type: ignore[arg-type]
+                                  summary_before, eval_model, task, show_progress, saved, signals)  # type: ignore[arg-type]
+        finished = True
+    except Interrupted as stop:
+        if stop.clean and trainer.version > max(saved.step, start_step):
+            _save(cfg, run_dir, trainer.version, trainer, source, summary_before, saved)  # type: ignore[arg-type]
+        what = f"checkpoint of step {saved.step} kept" if saved.step >= 0 else "no checkpoint yet"
+        print(f"stopped by {stop.signal_name} after {trainer.version} steps; {what}; continue with "
+              f"resume=true run_dir={run_dir}", file=sys.stderr, flush=True)
+        raise
     finally:
         source.close()
+        signals.restore()
+        if not finished:
+            tracker.close()
     eval_model.load_state_dict(trainer.policy.state_dict())
     after = evaluate(eval_model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777)
     if after:
@@ -122,6 +232,8 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     tracker.close()
     summary = _summary(cfg, summary_before, after, loop, time.perf_counter() - wall, run_dir)  # type: ignore[arg-type]
     summary["restored_batches"] = source.restored if isinstance(source, AsyncSource) else 0
+    summary["worker_restarts"] = source.restarts if isinstance(source, AsyncSource) else 0
+    summary["journal_damaged"] = len(source.damaged) if isinstance(source, AsyncSource) else 0
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
         if cfg.plots:
@@ -143,6 +255,8 @@ def _run_with_progress(
     eval_model: PreTrainedModel,
     task: Task,
     show_progress: bool,
+    saved: _Saved,
+    signals: StopSignals,
 ) -> LoopResult:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -160,11 +274,7 @@ def _run_with_progress(
         lags = realized_staleness(batch.trajectories, step).token_values()
         tracker.log(step, metrics, histograms={m.STALENESS_HIST: lags})
         if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-            payload = checkpoint_payload(cfg, done, trainer, source)
-            payload["eval_before"] = eval_before
-            save_checkpoint(run_dir, done, payload, keep=cfg.keep_checkpoints)
-            if isinstance(source, AsyncSource):
-                source.prune_journal(int(payload["source"]["next_put"]))  # type: ignore[index]
+            _save(cfg, run_dir, done, trainer, source, eval_before, saved)
         status = (
             f"step {done}  reward {metrics['reward/mean']:.3f}  acc {metrics['rollout/accuracy']:.3f}  "
             f"stale {metrics['staleness/mean']:.1f}"
@@ -173,7 +283,7 @@ def _run_with_progress(
 
     with progress:
         return run_loop(trainer, source, start_step=start_step, steps=cfg.steps,
-                        pad_id=int(tokenizer.pad_token_id), on_step=on_step)  # type: ignore[arg-type]
+                        pad_id=int(tokenizer.pad_token_id), on_step=on_step, signals=signals)  # type: ignore[arg-type]
 
 
 def _summary(
@@ -245,9 +355,23 @@ def train_cli(argv: Sequence[str]) -> int:
     quiet_transformers()
     try:
         cfg = load_run_config(args.config, args.overrides)
-    except ConfigError as err:
+        result = train(cfg, show_progress=not args.no_progress)
+    except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result = train(cfg, show_progress=not args.no_progress)
+    except (RunError, CheckpointError) as err:  # RolloutError carries the worker's traceback after its line
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Interrupted as stop:  # the message was printed by train()
+        return 128 + int(getattr(signal, stop.signal_name, signal.SIGINT))
+    except OSError as err:  # a full disk outside the checkpoint (metrics, plots, config)
+        if err.errno != errno.ENOSPC:
+            raise
+        print(f"error: no space left on device at {err.filename or run_dir_of(args)}", file=sys.stderr)
+        return 1
     print_summary(result.summary)
     return 0
+
+
+def run_dir_of(args: argparse.Namespace) -> str:
+    return next((o.split("=", 1)[1] for o in args.overrides if o.startswith("run_dir=")), "the run directory")

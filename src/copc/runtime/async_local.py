@@ -1,212 +1,65 @@
 """The asynchronous driver on one machine: rollout worker processes generate while the trainer trains.
 
-Pieces (all in this module, over the shared components of :mod:`copc.runtime.sync`):
+This module is the driver's *policy*: which batch to request, from which worker, and what a death
+means. Processes, pipes and shared-memory weights are the transport of :mod:`copc.runtime.workers`.
 
-- **Weight ring** (:class:`WeightRing`): ``R`` slots of shared-memory tensors, each tagged with the
-  version it holds (``-1`` while being written). The trainer publishes version ``v`` into slot
-  ``v mod R``; a worker copies the slot it needs under the ring's lock and checks the tag, so a torn or
-  overwritten read is impossible. ``R = s + 2`` keeps every version a ``fixed_lag`` request can still
-  ask for (request ``j`` needs ``max(0, j - s)``, and the trainer cannot publish ``j - s + R`` before
-  consuming batch ``j``).
-- **Workers** (``torch.multiprocessing``, ``forkserver`` start method: fresh processes like ``spawn``,
-  forked from a server that imported torch and copc once): each loads the policy and the task, then loops: take a
-  request ``(j, version)``, copy those weights (``fixed_lag``: exactly ``max(0, j - s)``; ``bounded``:
-  the newest), generate batch ``j`` (:class:`~copc.runtime.sync.RolloutGenerator`), send it back.
-- **Admission** (main process): batch ``j`` is requested once the buffer's admission rule allows it,
-  ``floor(N_r / B) <= i + s`` with ``N_r = j·B`` (:mod:`copc.runtime.staleness`), so the trainer
-  waits only when the batch it needs is not generated yet.
-- **Receiver thread**: writes each finished batch to the journal (``rollouts/batch_XXXXXXXX.pt``,
-  written to a temp file then ``os.replace``: never half-written), then hands batches to the
-  :class:`~copc.runtime.buffer.TrajectoryBuffer` in batch order (so data order does not depend on
-  which worker finished first).
+- **Admission** (main thread): batch ``j`` is requested once the buffer's admission rule allows it,
+  ``floor(N_r / B) <= i + s`` with ``N_r = j·B`` (:mod:`copc.runtime.staleness`); ``fixed_lag`` asks
+  for version exactly ``max(0, j - s)``, ``bounded`` for the newest at the time a worker starts it.
+- **Assignment**: requests wait in a queue and go to an idle worker, one at a time per worker. A worker
+  whose weights are newer than a ``fixed_lag`` request's version cannot take it (a generator's versions
+  never go back); a freshly started worker (version 0) can take any.
+- **Receiver thread**: journals each finished batch (:mod:`copc.runtime.journal`; a failed write ends
+  the run with its one-line reason), then hands batches to the buffer in batch order, so data order
+  does not depend on which worker finished first. Step ``n`` consumes batch ``n`` whole
+  (:meth:`~copc.runtime.buffer.TrajectoryBuffer.take_batch`): a batch of any size, empty trajectories
+  included, is one step.
+- **Deaths**: a worker that dies, reports an error, or holds a batch longer than ``batch_timeout_s`` is
+  restarted and its batch requested again (same index, so the same prompts and seeds; same version
+  under ``fixed_lag``, the newest under ``bounded``). Restarts are counted
+  (``runtime/worker_restarts``); the ``max_restarts + 1``-th failure ends the run with the worker's
+  own error (its traceback, or how it exited).
+- **Nothing waits forever**: :meth:`AsyncSource.next_batch` raises when the receiver thread has
+  failed or stopped, and when batch ``n`` is neither stored, nor being generated, nor queued.
 
 **Checkpoint and resume.** :meth:`AsyncSource.state_dict` holds the weight versions still needed by
 unconsumed ``fixed_lag`` batches, the buffer (stored trajectories, prompts in flight) and the request
 counters. On resume, journaled batches the checkpoint did not hold are restored (a batch completed
-after the last checkpoint is not lost), and only batches that were still being generated are requested
-again, with the same seeds and versions, so a resumed ``fixed_lag`` run is identical to an
-uninterrupted one. Journal files of consumed batches are deleted once a checkpoint covers them.
+after the last checkpoint is not lost); a damaged journal entry is set aside (``*.damaged``), named on
+stderr and generated again; batches that were still being generated are requested again with the same
+seeds and versions, so a resumed ``fixed_lag`` run is identical to an uninterrupted one. A run that
+starts without a checkpoint clears the journal (entries of an earlier attempt belong to no timeline).
 """
 
 from __future__ import annotations
 
-import io
-import multiprocessing.context
 import os
-import queue
+import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-from copc.rollout.generator import GeneratedBatch, RolloutConfig, RolloutGenerator, batch_prompts
-from copc.runtime.buffer import (
-    TrajectoryBuffer,
-    prompt_from_dict,
-    prompt_to_dict,
-    trajectory_from_dict,
-    trajectory_to_dict,
-)
+from copc import tracking as m
+from copc.rollout.generator import GeneratedBatch, batch_prompts
+from copc.runtime.buffer import TrajectoryBuffer
+from copc.runtime.journal import Journal, JournalDamage, JournalError
+from copc.runtime.loop import RunError
 from copc.runtime.staleness import StalenessConfig, source_version
+from copc.runtime.workers import WeightRing, WorkerPool, WorkerSpec, decode_batch
+from copc.types import Prompt
 
-__all__ = ["AsyncSource", "WeightRing", "WorkerSpec"]
+__all__ = ["AsyncSource", "RolloutError"]
 
 _POLL_S = 0.05
-#: Modules the fork server imports once; every worker forks from it with them loaded (torch, transformers
-#: and the tasks take 5-15 s to import on a busy 2-core machine).
-_PRELOAD = ["copc.runtime.async_local", "copc.models", "copc.tasks", "copc.rollout.episode"]
 
 
-def _context() -> multiprocessing.context.ForkServerContext:
-    """``forkserver``: each worker is a fresh process as with ``spawn`` (nothing inherited from the
-    trainer: no threads, no CUDA state), but forked from a server that has already imported the heavy
-    modules, so starting a worker costs milliseconds after the first one."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-_ORPHAN_CHECK_S = 0.5
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs to build its generator (picklable)."""
-
-    model_path: str
-    """HF directory of the policy (architecture and tokenizer; weights come from the ring)."""
-    task: str
-    """Task name for ``copc.tasks.get_task``."""
-    task_options: dict[str, str | int | float | bool | None] = field(default_factory=dict)
-    """Task config values."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    seed: int = 0
-    num_threads: int = 1
-    """torch threads per worker process."""
-
-
-class WeightRing:
-    """Versioned policy weights in shared memory (module docstring).
-
-    Each slot is one flat shared buffer per dtype (tensors are views into it), so passing the ring to a
-    worker sends a handful of file descriptors, not one per parameter tensor per slot.
-    """
-
-    def __init__(self, template: Mapping[str, torch.Tensor], slots: int) -> None:
-        ctx = _context()
-        self.layout: list[tuple[str, str, tuple[int, ...], int]] = []  # name, dtype, shape, offset
-        sizes: dict[str, int] = {}
-        for name, tensor in template.items():
-            key = str(tensor.dtype)
-            self.layout.append((name, key, tuple(tensor.shape), sizes.get(key, 0)))
-            sizes[key] = sizes.get(key, 0) + tensor.numel()
-        dtypes = {str(t.dtype): t.dtype for t in template.values()}
-        self.buffers = [
-            {key: torch.zeros(size, dtype=dtypes[key]).share_memory_() for key, size in sizes.items()}
-            for _ in range(slots)
-        ]
-        self.tags = ctx.Array("q", [-1] * slots, lock=False)
-        self.latest = ctx.Value("q", -1, lock=False)
-        self.lock = ctx.Lock()
-
-    def _views(self, slot: int) -> dict[str, torch.Tensor]:
-        views = {}
-        for name, key, shape, offset in self.layout:
-            numel = int(torch.Size(shape).numel())
-            views[name] = self.buffers[slot][key][offset : offset + numel].view(shape)
-        return views
-
-    def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        slot = version % len(self.buffers)
-        with self.lock:
-            self.tags[slot] = -1
-            for name, view in self._views(slot).items():
-                view.copy_(weights[name])
-            self.tags[slot] = version
-            self.latest.value = max(self.latest.value, version)
-
-    def read(self, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
-        """A private copy of ``version`` (None = the newest) and its tag."""
-        with self.lock:
-            wanted = self.latest.value if version is None else version
-            slot = wanted % len(self.buffers)
-            if wanted < 0 or self.tags[slot] != wanted:
-                raise RuntimeError(
-                    f"weights of version {wanted} are not in the ring (slot holds {self.tags[slot]}); "
-                    "the ring is too small for this staleness"
-                )
-            return wanted, {k: v.clone() for k, v in self._views(slot).items()}
-
-
-def _encode(batch: GeneratedBatch) -> bytes:
-    buf = io.BytesIO()
-    torch.save(
-        {
-            "index": batch.index,
-            "version": batch.version,
-            "generate_s": batch.generate_s,
-            "trajectories": [trajectory_to_dict(t) for t in batch.trajectories],
-            "info": dict(batch.info),
-            "rejected": [prompt_to_dict(p) for p in batch.rejected],
-        },
-        buf,
-    )
-    return buf.getvalue()
-
-
-def _decode(payload: bytes) -> GeneratedBatch:
-    data = torch.load(io.BytesIO(payload), weights_only=True)
-    return GeneratedBatch(
-        index=int(data["index"]),
-        version=int(data["version"]),
-        trajectories=[trajectory_from_dict(d) for d in data["trajectories"]],
-        generate_s=float(data["generate_s"]),
-        info={str(k): float(v) for k, v in data.get("info", {}).items()},
-        rejected=[prompt_from_dict(p) for p in data.get("rejected", [])],
-    )
-
-
-def _worker_main(
-    spec: WorkerSpec, ring: WeightRing, requests: mp.Queue, results: mp.Queue, trainer_alive: Connection
-) -> None:
-    """Worker process: build a generator, then serve ``(batch_index, version | None)`` requests.
-
-    Exits on a ``None`` request, or by itself when the trainer has died: ``trainer_alive`` is the read
-    end of a pipe only the trainer holds open, so it reads EOF once the trainer is gone (a SIGKILLed
-    trainer cannot tell it to stop; an orphan must not keep a CPU busy).
-    """
-    try:
-        torch.set_num_threads(spec.num_threads)
-        from transformers.utils import logging as hf_logging
-
-        from copc.models import load_policy
-
-        hf_logging.disable_progress_bar()
-        from copc.tasks import get_task
-
-        model, tokenizer = load_policy(spec.model_path)
-        task = get_task(spec.task, **spec.task_options)  # type: ignore[arg-type]
-        generator = RolloutGenerator(model, tokenizer, task, spec.rollout, seed=spec.seed)
-        while True:
-            try:
-                message = requests.get(timeout=_ORPHAN_CHECK_S)
-            except queue.Empty:
-                if trainer_alive.poll():  # EOF: the trainer's end is closed
-                    return
-                continue
-            if message is None:
-                return
-            index, wanted = message
-            version, weights = ring.read(wanted)
-            generator.load(weights, version)
-            results.put(("ok", _encode(generator.generate(index))))
-    except Exception:  # a worker failure must reach the trainer, never hang it
-        results.put(("error", traceback.format_exc()))
+class RolloutError(RunError):
+    """The async driver cannot go on (a worker failed too often, a thread died, a journal write failed)."""
 
 
 class AsyncSource:
@@ -218,6 +71,8 @@ class AsyncSource:
         initial_weights: version-0 policy weights (the trainer's starting point).
         num_workers: rollout processes.
         journal_dir: where finished batches are journaled (None = no journal, nothing survives a kill).
+        max_restarts: worker failures survived (restart + re-request); one more ends the run.
+        batch_timeout_s: a worker holding one batch longer than this is killed and restarted (None = no limit).
     """
 
     def __init__(
@@ -228,6 +83,8 @@ class AsyncSource:
         *,
         num_workers: int = 1,
         journal_dir: str | os.PathLike[str] | None = None,
+        max_restarts: int = 3,
+        batch_timeout_s: float | None = None,
     ) -> None:
         from copc.tasks import get_task
 
@@ -236,9 +93,8 @@ class AsyncSource:
         self.buffer = TrajectoryBuffer(staleness, self.batch_size)
         self.pool = get_task(spec.task, **spec.task_options).prompts("train")  # type: ignore[arg-type]
         self.ring = WeightRing(initial_weights, slots=staleness.staleness + 2)
-        self.journal = Path(journal_dir) if journal_dir is not None else None
-        if self.journal is not None:
-            self.journal.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(journal_dir) if journal_dir is not None else None
+        self.max_restarts, self.batch_timeout_s = max_restarts, batch_timeout_s
         self.version = 0
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.next_request = 0  # first batch index not requested yet
@@ -248,45 +104,38 @@ class AsyncSource:
         self.generate_s: dict[int, float] = {}
         self.batch_info: dict[int, dict[str, float]] = {}  # the generator's counters, by batch index
         self.restored = 0
-        self._error: str | None = None
-        self._lock = threading.Lock()
-        ctx = _context()
-        self.requests: mp.Queue = ctx.Queue()
-        self.results: mp.Queue = ctx.Queue()
-        alive_r, self._alive_w = ctx.Pipe(duplex=False)
-        self.workers = [
-            ctx.Process(
-                target=_worker_main, args=(spec, self.ring, self.requests, self.results, alive_r), daemon=True
-            )
-            for _ in range(num_workers)
-        ]
+        self.damaged: list[str] = []
+        self.restarts = 0
+        self._resumed = False
+        self._fatal: str | None = None
+        self._lock = threading.RLock()
+        self._queue: deque[tuple[int, int | None]] = deque()  # requests no worker has taken yet
+        self.workers = WorkerPool(spec, self.ring, num_workers)
+        self._assigned: dict[int, tuple[int, int | None, float]] = {}  # slot -> (index, version, since)
+        self._worker_version = [0] * num_workers
         self._stop = threading.Event()
-        self._receiver = threading.Thread(target=self._receive, daemon=True)
+        self._receiver = threading.Thread(target=self._receive, name="copc-receiver", daemon=True)
         self._started = False
         self._publish_local(0, initial_weights)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Start the workers and the receiver, and issue the first admitted requests."""
-        for proc in self.workers:
-            proc.start()
-        self._receiver.start()
+        if self.journal is not None and not self._resumed:
+            self.journal.clear()
+        for slot in range(len(self.workers)):
+            self.workers.start(slot)
         self._started = True
+        self._receiver.start()
         self._admit()
 
     def close(self) -> None:
-        """Stop the workers (their in-flight batches are abandoned; the journal keeps finished ones)."""
+        """Stop the receiver and every worker (in-flight batches are abandoned; the journal keeps finished ones)."""
         if not self._started:
             return
-        for _ in self.workers:
-            self.requests.put(None)
         self._stop.set()
-        for proc in self.workers:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-        self._receiver.join(timeout=5)
+        self._receiver.join(timeout=10)
+        self.workers.close()
         self._started = False
 
     # ------------------------------------------------------------------ weights and admission
@@ -305,43 +154,101 @@ class AsyncSource:
         self._publish_local(version, weights)
         self._admit()
 
+    def _requests_of(self, index: int) -> list[Prompt]:
+        prompts = batch_prompts(self.pool, self.spec.seed, index, self.spec.rollout.prompts_per_batch)
+        return [p for p in prompts for _ in range(self.spec.rollout.group_size)]
+
     def _admit(self) -> None:
         while self.buffer.can_request(self.version):
-            prompts = batch_prompts(self.pool, self.spec.seed, self.next_request, self.spec.rollout.prompts_per_batch)
-            group = self.spec.rollout.group_size
-            admitted = self.buffer.admit(self.version, [p for p in prompts for _ in range(group)])
+            admitted = self.buffer.admit(self.version, self._requests_of(self.next_request))
             if len(admitted) != self.batch_size:
-                raise RuntimeError(f"admission split batch {self.next_request}: {len(admitted)} of {self.batch_size}")
+                raise RolloutError(f"admission split batch {self.next_request}: {len(admitted)} of {self.batch_size}")
             if self.next_request in self.prefetched:  # finished before a crash: journaled, not regenerated
                 self._accept(self.prefetched.pop(self.next_request))
             else:
                 self._request(self.next_request)
             self.next_request += 1
 
-    def _request(self, index: int) -> None:
+    def _request(self, index: int, *, first: bool = False) -> None:
         wanted = source_version(index, self.staleness.staleness) if self.staleness.mode == "fixed_lag" else None
-        self.requests.put((index, wanted))
+        with self._lock:
+            if first:
+                self._queue.appendleft((index, wanted))
+            else:
+                self._queue.append((index, wanted))
+            if self._started:
+                self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Give queued requests to idle workers (caller holds the lock)."""
+        for slot in range(len(self.workers)):
+            if slot in self._assigned or self.workers.pid(slot) is None:
+                continue
+            for k, (index, wanted) in enumerate(self._queue):
+                if wanted is None or wanted >= self._worker_version[slot]:
+                    del self._queue[k]
+                    if self.workers.send(slot, index, wanted):
+                        self._assigned[slot] = (index, wanted, time.monotonic())
+                    else:  # died meanwhile: the receiver sees the death and restarts it
+                        self._queue.appendleft((index, wanted))
+                    break
 
     # ------------------------------------------------------------------ results
-    def _journal_path(self, index: int) -> Path:
-        assert self.journal is not None
-        return self.journal / f"batch_{index:08d}.pt"
-
     def _receive(self) -> None:
-        while not self._stop.is_set():
+        try:
+            while not self._stop.is_set():
+                for event in self.workers.wait(_POLL_S):
+                    if event.payload is not None:
+                        self._on_batch(event.slot, event.payload)
+                    elif event.error is not None:
+                        self._on_failure(event.slot, event.error)
+                self._check_timeouts()
+                with self._lock:
+                    self._dispatch()
+        except RolloutError as err:
+            self._fatal = str(err)
+        except BaseException:  # any failure of this thread must end the run, with its traceback)
+            self._fatal = f"the receiver thread failed:\n{traceback.format_exc()}"
+
+    def _on_batch(self, slot: int, payload: bytes) -> None:
+        batch = decode_batch(payload)
+        if self.journal is not None:
             try:
-                kind, payload = self.results.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            if kind == "error":
-                self._error = str(payload)
-                continue
-            batch = _decode(payload)
-            if self.journal is not None:
-                tmp = self._journal_path(batch.index).with_suffix(".tmp")
-                tmp.write_bytes(payload)
-                os.replace(tmp, self._journal_path(batch.index))
+                self.journal.write(batch.index, payload)
+            except JournalError as err:
+                raise RolloutError(f"rollout journal: {err}") from None
+        with self._lock:  # one step: the batch is never "neither assigned nor stored" (see _coming)
             self._accept(batch)
+            self._assigned.pop(slot, None)
+            self._worker_version[slot] = max(self._worker_version[slot], batch.version)
+
+    def _on_failure(self, slot: int, error: str) -> None:
+        with self._lock:
+            lost = self._assigned.pop(slot, None)
+            self.restarts += 1
+            what = f"batch {lost[0]}" if lost else "no batch"
+            if self.restarts > self.max_restarts:
+                raise RolloutError(
+                    f"rollout worker {slot} failed ({what}), restart limit driver.max_worker_restarts="
+                    f"{self.max_restarts} reached; its error:\n{error.rstrip()}"
+                )
+            last = error.strip().splitlines()[-1] if error.strip() else "no message"
+            print(f"warning: rollout worker {slot} failed ({last}); restarting it "
+                  f"({self.restarts} of {self.max_restarts} restarts), {what} requested again",
+                  file=sys.stderr, flush=True)
+            self.workers.start(slot)
+            self._worker_version[slot] = 0
+            if lost is not None:
+                self._queue.appendleft((lost[0], lost[1]))
+            self._dispatch()
+
+    def _check_timeouts(self) -> None:
+        if self.batch_timeout_s is None:
+            return
+        now = time.monotonic()
+        for slot, (index, _, since) in list(self._assigned.items()):
+            if now - since > self.batch_timeout_s:
+                self._on_failure(slot, f"no batch {index} after {self.batch_timeout_s:.0f} s (driver.batch_timeout_s)")
 
     def _accept(self, batch: GeneratedBatch) -> None:
         with self._lock:
@@ -352,26 +259,52 @@ class AsyncSource:
                 ready = self.pending.pop(self.next_put)
                 self.generate_s[ready.index] = ready.generate_s
                 self.batch_info[ready.index] = ready.info
-                self.buffer.put(ready.trajectories)
-                if ready.rejected:  # dropped by dynamic sampling: clear their admitted prompts, counted
-                    self.buffer.record_drop("rejected", len(ready.rejected), ready.rejected)
+                self.buffer.put_batch(ready.index, ready.version, ready.trajectories,
+                                      requests=self._requests_of(ready.index))
+                if ready.rejected:  # groups dynamic sampling dropped (their requests are cleared above)
+                    self.buffer.record_drop("rejected", len(ready.rejected))
                 self.next_put += 1
 
+    def _coming(self, step: int) -> bool:
+        """Whether batch ``step`` is stored, pending, being generated or queued (else nothing brings it)."""
+        with self._lock:
+            return (
+                step < self.next_put
+                or step in self.pending
+                or any(index == step for index, _, _ in self._assigned.values())
+                or any(index == step for index, _ in self._queue)
+            )
+
     def next_batch(self, step: int) -> tuple[GeneratedBatch, float]:
-        """Batch ``step`` (blocking) and the seconds the trainer waited for it."""
+        """Batch ``step`` (blocking, with liveness checks) and the seconds the trainer waited for it."""
         start = time.perf_counter()
         while True:
-            if self._error is not None:
-                raise RuntimeError(f"a rollout worker failed:\n{self._error}")
-            trajectories = self.buffer.wait_batch(step, timeout_s=_POLL_S)
+            if self._fatal is not None:
+                raise RolloutError(self._fatal)
+            if not self._started:
+                raise RolloutError("next_batch before start(): the async source is not running")
+            trajectories = self.buffer.take_batch(step, timeout_s=_POLL_S)
             if trajectories is not None:
                 break
-            if self._started and not any(p.is_alive() for p in self.workers):
-                raise RuntimeError("every rollout worker has exited; see the error above")
+            if not self._receiver.is_alive():
+                raise RolloutError(self._fatal or "the receiver thread stopped; no batch can arrive")
+            if not self._coming(step):
+                raise RolloutError(
+                    f"batch {step} is neither stored nor requested (next request {self.next_request}, "
+                    f"next put {self.next_put}): the driver cannot make progress"
+                )
         waited = time.perf_counter() - start
-        version = min(t.min_version for t in trajectories)
+        sampled = [t.min_version for t in trajectories if t.min_version >= 0]
+        version = min(sampled) if sampled else source_version(step, self.staleness.staleness)
         info = self.batch_info.pop(step, {})
         return GeneratedBatch(step, version, trajectories, self.generate_s.pop(step, 0.0), info), waited
+
+    def metrics(self) -> dict[str, float]:
+        """Buffer counters and driver counters (cumulative)."""
+        out = self.buffer.metrics()
+        out[m.RUNTIME_WORKER_RESTARTS] = float(self.restarts)
+        out[m.RUNTIME_JOURNAL_DAMAGED] = float(len(self.damaged))
+        return out
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
@@ -382,41 +315,56 @@ class AsyncSource:
                 "next_request": self.next_request,
                 "next_put": self.next_put,
                 "buffer": self.buffer.state_dict(),
+                "restarts": self.restarts,
             }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore before :meth:`start`: weights, buffer, journaled batches; re-request the rest."""
         if self._started:
             raise RuntimeError("load_state_dict must run before start()")
+        self._resumed = True
         snapshots: dict[int, dict[str, torch.Tensor]] = dict(state["snapshots"])  # type: ignore[call-overload]
         for version in sorted(snapshots):
             self.ring.publish(version, snapshots[version])
         self.snapshots = snapshots
         self.version = int(state["version"])  # type: ignore[call-overload]
+        self.restarts = int(state.get("restarts", 0))  # type: ignore[call-overload]
         self.buffer.load_state_dict(state["buffer"])  # type: ignore[arg-type]
         self.buffer.take_requeued()  # regenerated below by batch index (same prompts, same seeds)
         self.next_put = int(state["next_put"])  # type: ignore[call-overload]
         requested = int(state["next_request"])  # type: ignore[call-overload]
         if self.journal is not None:
-            for path in sorted(self.journal.glob("batch_*.pt")):
-                index = int(path.stem.split("_")[1])
-                if index < self.next_put:
-                    continue  # consumed or held by the checkpointed buffer already
-                self.restored += 1
-                batch = _decode(path.read_bytes())
-                if index < requested:
-                    self._accept(batch)
-                else:  # requested after the checkpoint: handed over when admission reaches it
-                    self.prefetched[index] = batch
+            self._restore_journal(requested)
         for index in range(self.next_put, requested):
             if index not in self.pending:
                 self._request(index)
         self.next_request = requested
 
+    def _restore_journal(self, requested: int) -> None:
+        assert self.journal is not None
+        self.journal.remove_temps()
+        for index in self.journal.indices():
+            if index < self.next_put:
+                continue  # consumed or held by the checkpointed buffer already
+            try:
+                batch = self.journal.read(index)
+            except JournalDamage as err:
+                moved = self.journal.set_aside(index)
+                self.damaged.append(str(moved))
+                print(f"warning: {err}; set aside as {moved.name}, batch {index} will be generated again",
+                      file=sys.stderr, flush=True)
+                continue
+            self.restored += 1
+            if index < requested:
+                self._accept(batch)
+            else:  # requested after the checkpoint: handed over when admission reaches it
+                self.prefetched[index] = batch
+
     def prune_journal(self, consumed_before: int) -> None:
         """Delete journaled batches ``< consumed_before`` (a checkpoint at that step covers them)."""
-        if self.journal is None:
-            return
-        for path in self.journal.glob("batch_*.pt"):
-            if int(path.stem.split("_")[1]) < consumed_before:
-                path.unlink(missing_ok=True)
+        if self.journal is not None:
+            self.journal.prune(consumed_before)
+
+    @property
+    def journal_dir(self) -> Path | None:
+        return self.journal.directory if self.journal is not None else None

@@ -1,8 +1,13 @@
 """The trajectory buffer between rollout workers and the trainer, governed by a staleness policy.
 
-Producers (a receiver thread, or the sync driver) call :meth:`TrajectoryBuffer.put`; the trainer calls
-:meth:`TrajectoryBuffer.get_batch` (``None`` = not ready yet, wait) or :meth:`wait_batch`. The policy
-rules are the pure functions of :mod:`copc.runtime.staleness`:
+Two paths. **Whole batches** (the async driver): :meth:`TrajectoryBuffer.put_batch` stores generated
+batch ``j`` and :meth:`TrajectoryBuffer.take_batch` hands step ``j`` exactly that batch, whatever its
+size (a generator that filters groups returns fewer than ``B``) and including trajectories without a
+sampled token (counted in ``buffer/empty_kept``), so a step never waits for a trajectory that will not
+come and groups are never split. **Single trajectories**: producers call :meth:`TrajectoryBuffer.put`
+and the trainer :meth:`TrajectoryBuffer.get_batch` (``None`` = not ready yet, wait) or
+:meth:`wait_batch`, which select ``B`` by the policy rules, the pure functions of
+:mod:`copc.runtime.staleness`:
 
 - ``fixed_lag``: trajectories are grouped by version (``min_t v_t``); step ``n`` takes ``B`` of version
   ``max(0, n - s)`` in arrival order. Trajectories of a version no later step can consume are counted
@@ -50,8 +55,9 @@ DROP_REASONS: tuple[str, ...] = ("unscheduled", "empty", "rejected", "timeout", 
 @dataclass
 class _Entry:
     seq: int  # arrival order, unique and increasing
-    version: int  # min_t v_t over sampled tokens (0 when none were sampled)
+    version: int  # min_t v_t over sampled tokens (the batch's version when none were sampled)
     trajectory: Trajectory
+    batch: int = -1  # the generated batch it belongs to (put_batch), -1 = put one by one
 
 
 class TrajectoryBuffer:
@@ -78,6 +84,7 @@ class TrajectoryBuffer:
         self._over_bound = 0
         self._dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self._requeued_total = 0
+        self._empty_kept = 0
 
     # ----------------------------------------------------------------------------------- producers
     def admit(self, version: int, prompts: Sequence[Prompt]) -> list[Prompt]:
@@ -120,6 +127,61 @@ class TrajectoryBuffer:
                 self._entries.append(_Entry(self._next_seq, version, traj))
                 self._next_seq += 1
             self._ready.notify_all()
+
+    def put_batch(
+        self, index: int, version: int, trajectories: Sequence[Trajectory], *, requests: Sequence[Prompt] = ()
+    ) -> None:
+        """Store generated batch ``index`` whole, for :meth:`take_batch` (the async driver's path).
+
+        Every trajectory is kept, also one without a sampled token (a prompt that fills the context):
+        it is filed under the batch's ``version`` and counted in ``buffer/empty_kept``; the trainer
+        sees it as a row without action tokens. The batch may hold any number of trajectories (a
+        generator that filters groups returns fewer). ``requests`` are the generation requests admitted
+        for this batch: each clears one in-flight entry, whatever the generator kept.
+        """
+        with self._lock:
+            for prompt in requests:
+                self._clear_in_flight(prompt.id)
+            for traj in trajectories:
+                if traj.min_version < 0:
+                    self._empty_kept += 1
+                filed = traj.min_version if traj.min_version >= 0 else version
+                self._entries.append(_Entry(self._next_seq, filed, traj, batch=index))
+                self._next_seq += 1
+            self._ready.notify_all()
+
+    def has_batch(self, index: int) -> bool:
+        with self._lock:
+            return any(e.batch == index for e in self._entries)
+
+    def take_batch(self, step: int, *, timeout_s: float = 0.0) -> list[Trajectory] | None:
+        """The trajectories of batch ``step`` (stored by :meth:`put_batch`), or None after ``timeout_s``.
+
+        Step ``n`` consumes batch ``n`` whole, so a batch of any size is one step and groups are never
+        split. Under ``fixed_lag`` its version must be ``max(0, n - s)`` (a driver bug otherwise);
+        under ``bounded`` a lag above ``s`` is counted in ``buffer/over_bound``.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._ready:
+            while True:
+                chosen = [e for e in self._entries if e.batch == step]
+                if chosen:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._ready.wait(timeout=remaining)
+            mode, s = self.config.mode, self.config.staleness
+            for e in chosen:
+                if mode == "fixed_lag" and not eligible(mode, step=step, staleness=s, min_version=e.version):
+                    raise RuntimeError(
+                        f"batch {step} was sampled by version {e.version}, but fixed_lag s={s} needs "
+                        f"version {step - s if step > s else 0}: the driver requested it wrongly"
+                    )
+            self._entries = [e for e in self._entries if e.batch != step]
+            self._consumed += len(chosen)
+            self._over_bound += sum(1 for e in chosen if step - e.version > s)
+            return [e.trajectory for e in chosen]
 
     def record_drop(self, reason: str, count: int = 1, prompts: Sequence[Prompt] = ()) -> None:
         """Count trajectories a producer discarded (``rejected``, ``timeout``, ``error``) and clear
@@ -218,6 +280,7 @@ class TrajectoryBuffer:
                 m.BUFFER_OVER_BOUND: float(self._over_bound),
                 m.BUFFER_REQUEUED: float(self._requeued_total),
                 m.BUFFER_DROPPED: float(sum(self._dropped.values())),
+                m.BUFFER_EMPTY_KEPT: float(self._empty_kept),
             }
             out.update({f"buffer/dropped_{k}": float(v) for k, v in self._dropped.items()})
             return out
@@ -232,7 +295,9 @@ class TrajectoryBuffer:
         with self._lock:
             return {
                 "entries": [
-                    {"seq": e.seq, "trajectory": trajectory_to_dict(e.trajectory)} for e in self._entries
+                    {"seq": e.seq, "batch": e.batch, "version": e.version,
+                     "trajectory": trajectory_to_dict(e.trajectory)}
+                    for e in self._entries
                 ],
                 "next_seq": self._next_seq,
                 "in_flight": [prompt_to_dict(p) for p in self._in_flight + self._requeued],
@@ -241,6 +306,7 @@ class TrajectoryBuffer:
                 "over_bound": self._over_bound,
                 "dropped": dict(self._dropped),
                 "requeued_total": self._requeued_total,
+                "empty_kept": self._empty_kept,
             }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -250,7 +316,9 @@ class TrajectoryBuffer:
             self._entries = []
             for entry in entries:
                 traj = trajectory_from_dict(_as_dict(entry["trajectory"]))
-                self._entries.append(_Entry(int(_num(entry["seq"])), traj.min_version, traj))
+                version = int(_num(entry.get("version", traj.min_version)))
+                batch = int(_num(entry.get("batch", -1)))
+                self._entries.append(_Entry(int(_num(entry["seq"])), version, traj, batch=batch))
             self._next_seq = int(_num(state["next_seq"]))
             self._requeued = [prompt_from_dict(_as_dict(p)) for p in _as_list(state["in_flight"])]
             self._in_flight = []
@@ -260,6 +328,7 @@ class TrajectoryBuffer:
             dropped = _as_dict(state["dropped"])
             self._dropped = {k: int(_num(dropped.get(k, 0))) for k in DROP_REASONS}
             self._requeued_total = int(_num(state["requeued_total"])) + len(self._requeued)
+            self._empty_kept = int(_num(state.get("empty_kept", 0)))
             self._ready.notify_all()
 
 

@@ -1,12 +1,23 @@
 """The training loop every driver shares: take batch ``step`` from a :class:`BatchSource`, train on it,
 publish the new weights; plus the rollout metrics (realized staleness, episode statistics) of each batch.
+
+Guards (docs/reliability.md): a batch without a single sampled token is refused (:class:`RunError`;
+some empty rows are fine and counted in ``rollout/empty_frac``); a step whose loss, gradient norm or
+new weights are not finite stops the run before those weights are published or checkpointed
+(:class:`NonFiniteError`); Ctrl-C and SIGTERM (:class:`StopSignals`) stop at the next step boundary,
+so whatever is saved afterwards is a consistent state.
 """
 
 from __future__ import annotations
 
+import math
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Protocol
 
 import torch
@@ -17,7 +28,70 @@ from copc.runtime.staleness import realized_staleness
 from copc.trainer.batching import collate
 from copc.trainer.trainer import ActorCriticTrainer
 
-__all__ = ["BatchSource", "LoopResult", "rollout_metrics", "run_loop"]
+__all__ = [
+    "BatchSource", "Interrupted", "LoopResult", "NonFiniteError", "RunError", "StopSignals", "rollout_metrics",
+    "run_loop",
+]
+
+
+class RunError(RuntimeError):
+    """A run cannot go on; the message is for people (what happened, what to do)."""
+
+
+class NonFiniteError(RunError):
+    """A step produced a non-finite loss, gradient norm or weight (its weights are not published)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM. ``clean``: raised at a step boundary (the trainer's state is consistent)."""
+
+    def __init__(self, signal_name: str, *, clean: bool) -> None:
+        super().__init__(signal_name)
+        self.signal_name, self.clean = signal_name, clean
+
+
+class StopSignals:
+    """SIGINT and SIGTERM as one clean stop: immediate between steps, deferred to the end of a step.
+
+    A second signal stops at once (``clean=False``: nothing may be saved from a half-done step).
+    :meth:`install` only works in the main thread (signal handlers live there); elsewhere it is a no-op.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._in_step = False
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            if handler is not None:  # None: installed from C; nothing Python can put back
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            raise Interrupted(name, clean=False)
+        self.received = name
+        if not self._in_step:
+            raise Interrupted(name, clean=True)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """The body of one step: a signal received inside it takes effect when it ends."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+        if self.received is not None:
+            raise Interrupted(self.received, clean=True)
 
 
 class BatchSource(Protocol):
@@ -32,6 +106,8 @@ class BatchSource(Protocol):
     def load_state_dict(self, state: Mapping[str, object]) -> None: ...
 
     def close(self) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 def rollout_metrics(batch: GeneratedBatch, version: int) -> dict[str, float]:
@@ -49,9 +125,26 @@ def rollout_metrics(batch: GeneratedBatch, version: int) -> dict[str, float]:
         m.ROLLOUT_RESPONSE_TOKENS: sum(t.num_action_tokens for t in trajs) / len(trajs),
         m.ROLLOUT_TRUNCATED_FRAC: sum(t.truncated for t in trajs) / len(trajs),
         m.ROLLOUT_VERSION: float(batch.version),
+        m.ROLLOUT_EMPTY_FRAC: sum(t.num_action_tokens == 0 for t in trajs) / len(trajs),
     }
     out.update(batch.info)  # the generator's counters (dynamic sampling, overlong penalty)
     return out
+
+
+def check_finite(step: int, metrics: Mapping[str, float], weights: Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`NonFiniteError` if a loss, a gradient norm or a weight of ``step`` is not finite."""
+    bad = [k for k, v in metrics.items() if k.startswith(("loss/", "grad/")) and not math.isfinite(v)]
+    if bad:
+        raise NonFiniteError(
+            f"step {step}: {bad[0]} is {metrics[bad[0]]} (not finite); stopped before publishing or saving these "
+            "weights (the last checkpoint is the last good state); lower the learning rate or check the data"
+        )
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteError(
+                f"step {step}: weight {name} is not finite; stopped before publishing or saving it "
+                "(the last checkpoint is the last good state); lower the learning rate"
+            )
 
 
 @dataclass
@@ -68,6 +161,7 @@ def run_loop(
     steps: int,
     pad_id: int,
     on_step: Callable[[int, dict[str, float], GeneratedBatch], None] | None = None,
+    signals: StopSignals | None = None,
 ) -> LoopResult:
     """Steps ``start_step .. steps-1``: get batch ``step``, train on it, publish version ``step + 1``.
 
@@ -76,23 +170,34 @@ def run_loop(
     the source) and training.
     """
     history = []
+    signals = signals or StopSignals()
     for step in range(start_step, steps):
         start = time.perf_counter()
         batch, waited = source.next_batch(step)
-        if trainer.version != step:
-            raise RuntimeError(f"trainer version {trainer.version} != step {step}: checkpoint and run disagree")
-        train_batch = collate(batch.trajectories, pad_id=pad_id)
-        metrics = rollout_metrics(batch, trainer.version)
-        metrics.update(trainer.step(train_batch))
-        source.publish(trainer.version, trainer.policy_weights())
-        step_s = time.perf_counter() - start
-        metrics.update({
-            m.TIME_GENERATE: batch.generate_s,
-            m.TIME_WAIT: waited,
-            m.TIME_STEP: step_s,
-            m.PERF_TOKENS_PER_S: int(train_batch.attention_mask.sum()) / max(step_s, 1e-9),
-        })
-        history.append(metrics)
-        if on_step is not None:
-            on_step(step, metrics, batch)
+        with signals.step():
+            if trainer.version != step:
+                raise RunError(f"trainer version {trainer.version} != step {step}: checkpoint and run disagree")
+            if not batch.trajectories or all(t.num_action_tokens == 0 for t in batch.trajectories):
+                raise RunError(
+                    f"step {step}: none of the {len(batch.trajectories)} trajectories of batch {step} has a "
+                    "sampled token (every prompt fills rollout.context_limit?); nothing to train on: raise "
+                    "rollout.context_limit or remove the long rows"
+                )
+            train_batch = collate(batch.trajectories, pad_id=pad_id)
+            metrics = rollout_metrics(batch, trainer.version)
+            metrics.update(trainer.step(train_batch))
+            weights = trainer.policy_weights()
+            check_finite(step, metrics, weights)
+            source.publish(trainer.version, weights)
+            step_s = time.perf_counter() - start
+            metrics.update({
+                m.TIME_GENERATE: batch.generate_s,
+                m.TIME_WAIT: waited,
+                m.TIME_STEP: step_s,
+                m.PERF_TOKENS_PER_S: int(train_batch.attention_mask.sum()) / max(step_s, 1e-9),
+            })
+            metrics.update(source.metrics())
+            history.append(metrics)
+            if on_step is not None:
+                on_step(step, metrics, batch)
     return LoopResult(steps=steps, history=history)

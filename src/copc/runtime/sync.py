@@ -66,5 +66,9 @@ class SyncSource:
         self.snapshots = dict(state["snapshots"])  # type: ignore[call-overload]
         self.version = int(state["version"])  # type: ignore[call-overload]
 
+    def metrics(self) -> dict[str, float]:
+        """No counters: every batch is generated in process, nothing is buffered or dropped."""
+        return {}
+
     def close(self) -> None:
         """Nothing runs in the background."""

@@ -2,52 +2,96 @@
 
 ``source`` is a local path (``.jsonl``, ``.json``, ``.parquet``) or ``hf:NAME`` (``hf:NAME:CONFIG``) for
 ``datasets.load_dataset`` (an optional extra, imported only then; it needs the hub or a local cache).
-Rows are plain dicts. :func:`column` reads one field of one row and fails with a message that names the
-source, the row and the fix when the field is missing or empty.
+
+Every row keeps where it came from (:class:`SourceRow`: ``"data.jsonl, line 7"``; ``row N`` for
+formats without lines), so every problem with a row is one :class:`DataError` line that names the file
+and the line, counted in the file (blank lines and held-out eval rows included), and says what to do:
+a line that is not UTF-8 or not JSON, a row that is not an object, a missing or empty column, a
+boolean or float where text is expected (``true`` would silently become ``"True"``, ``0.1`` its
+shortest repr), a file without rows.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 Row = Mapping[str, object]
 
+__all__ = ["DataError", "Row", "SourceRow", "answers_column", "column", "load_rows", "text_column"]
 
-def load_rows(source: str, *, hf_split: str = "train") -> list[Row]:
-    """All rows of ``source`` (see the module docstring), in file order."""
+
+class DataError(ValueError):
+    """A data file or row is unusable; the message is one line naming the file, the line and the fix."""
+
+
+@dataclass(frozen=True)
+class SourceRow:
+    """One row and where it is: ``where`` = ``"PATH, line N"`` (JSONL) or ``"PATH, row N"``; ``line`` = N."""
+
+    where: str
+    line: int
+    data: Row
+
+
+def load_rows(source: str, *, hf_split: str = "train") -> list[SourceRow]:
+    """All rows of ``source`` (see the module docstring), in file order; a file without rows is an error."""
     if source.startswith("hf:"):
-        return _load_hf(source[3:], hf_split)
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"data file {path} does not exist; pass a .jsonl/.json/.parquet path or hf:NAME")
-    if path.suffix == ".parquet":
-        return _load_parquet(path)
-    if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: a .json data file must hold a list of objects; use .jsonl for one per line")
-        return [_as_row(item, path, i + 1) for i, item in enumerate(data)]
-    if path.suffix != ".jsonl":
-        raise ValueError(f"{path}: unknown data format {path.suffix!r}; use .jsonl, .json, .parquet or hf:NAME")
-    rows: list[Row] = []
-    with path.open() as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({error.msg}); fix or remove the line") from None
-            rows.append(_as_row(item, path, number))
+        rows = [SourceRow(f"{source}, row {i + 1}", i + 1, r) for i, r in enumerate(_load_hf(source[3:], hf_split))]
+    else:
+        rows = _load_file(Path(source).expanduser())
+    if not rows:
+        raise DataError(f"{source} holds no rows; fill it or point data at another file")
     return rows
 
 
-def _as_row(item: object, path: Path, number: int) -> Row:
+def _load_file(path: Path) -> list[SourceRow]:
+    if not path.exists():
+        raise FileNotFoundError(f"data file {path} does not exist; pass a .jsonl/.json/.parquet path or hf:NAME")
+    if path.suffix == ".parquet":
+        return [SourceRow(f"{path}, row {i + 1}", i + 1, r) for i, r in enumerate(_load_parquet(path))]
+    if path.suffix == ".json":
+        try:
+            data = json.loads(_utf8(path.read_bytes(), path, 0))
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}, line {error.lineno}: not valid JSON ({error.msg}); fix the file") from None
+        if not isinstance(data, list):
+            raise DataError(f"{path}: a .json data file must hold a list of objects; use .jsonl for one per line")
+        return [_as_row(item, f"{path}, row {i + 1}", i + 1) for i, item in enumerate(data)]
+    if path.suffix != ".jsonl":
+        raise DataError(f"{path}: unknown data format {path.suffix!r}; use .jsonl, .json, .parquet or hf:NAME")
+    rows: list[SourceRow] = []
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            line = _utf8(raw, path, number)
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{where}: not valid JSON ({error.msg}); fix or remove the line") from None
+            rows.append(_as_row(item, where, number))
+    return rows
+
+
+def _utf8(raw: bytes, path: Path, line: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        at = f"{path}, line {line}" if line else str(path)
+        raise DataError(
+            f"{at}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+            "re-encode the file as UTF-8"
+        ) from None
+
+
+def _as_row(item: object, where: str, number: int) -> SourceRow:
     if not isinstance(item, dict):
-        raise ValueError(f"{path}, row {number}: expected a JSON object, got {type(item).__name__}")
-    return item
+        raise DataError(f"{where}: expected a JSON object, got {type(item).__name__}")
+    return SourceRow(where, number, item)
 
 
 def _load_parquet(path: Path) -> list[Row]:
@@ -68,31 +112,37 @@ def _load_hf(name: str, split: str) -> list[Row]:
     return [dict(row) for row in dataset]
 
 
-def column(row: Row, key: str, *, source: str, index: int, option: str) -> object:
-    """``row[key]``, or an error naming ``source``, the 1-based row ``index`` and the config ``option``."""
-    value = row.get(key)
+def column(row: SourceRow, key: str, *, option: str) -> object:
+    """``row.data[key]``, or a :class:`DataError` naming the row's place and the config ``option``."""
+    value = row.data.get(key)
     if value is None or (isinstance(value, str | list | tuple) and len(value) == 0):
-        present = ", ".join(sorted(row)) or "none"
-        raise ValueError(
-            f"{source}, row {index}: column {key!r} is missing or empty (columns present: {present}); "
+        present = ", ".join(sorted(row.data)) or "none"
+        raise DataError(
+            f"{row.where}: column {key!r} is missing or empty (columns present: {present}); "
             f"fix the row or set {option}=<column name>"
         )
     return value
 
 
-def text_column(row: Row, key: str, *, source: str, index: int, option: str) -> str:
-    """A column read as text (numbers are converted, e.g. an integer answer)."""
-    value = column(row, key, source=source, index=index, option=option)
-    if isinstance(value, str | int | float):
+def _text(value: object, row: SourceRow, key: str) -> str:
+    if isinstance(value, (bool, float)):
+        raise DataError(
+            f"{row.where}: column {key!r} holds the {type(value).__name__} {json.dumps(value)}; "
+            "write it as a JSON string (in quotes) so the text is exactly what you mean"
+        )
+    if isinstance(value, str | int):
         return str(value)
-    raise ValueError(f"{source}, row {index}: column {key!r} should be text, got {type(value).__name__}")
+    raise DataError(f"{row.where}: column {key!r} should be text, got {type(value).__name__}")
 
 
-def answers_column(row: Row, key: str, *, source: str, index: int, option: str) -> tuple[str, ...]:
+def text_column(row: SourceRow, key: str, *, option: str) -> str:
+    """A column read as text (an integer is accepted and converted; booleans and floats are refused)."""
+    return _text(column(row, key, option=option), row, key)
+
+
+def answers_column(row: SourceRow, key: str, *, option: str) -> tuple[str, ...]:
     """A gold-answer column: a list of strings (Search-R1's ``golden_answers``) or a single value."""
-    value = column(row, key, source=source, index=index, option=option)
-    if isinstance(value, str | int | float):
-        return (str(value),)
-    if isinstance(value, Sequence) and all(isinstance(v, str | int | float) for v in value):
-        return tuple(str(v) for v in value)
-    raise ValueError(f"{source}, row {index}: column {key!r} should be a list of strings, got {value!r}")
+    value = column(row, key, option=option)
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return tuple(_text(v, row, key) for v in value)
+    return (_text(value, row, key),)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from copc.config import check_positive
 from copc.tasks.base import Split, check_split, register_task, take
-from copc.tasks.datasets import Row, load_rows, text_column
+from copc.tasks.datasets import DataError, SourceRow, load_rows, text_column
 from copc.tasks.envs import PYTHON_FENCES, ToolEnv
 from copc.tasks.graders import MathVerifyGrader
 from copc.tasks.tooling import SandboxTool
@@ -54,8 +54,8 @@ class DatasetSplits:
         if self.eval_size < 0:
             raise ValueError(f"{owner}.eval_size must be >= 0, got {self.eval_size}")
 
-    def rows(self, split: Split) -> tuple[str, list[Row]]:
-        """(source name, rows) of ``split``."""
+    def rows(self, split: Split) -> tuple[str, list[SourceRow]]:
+        """(source name, rows) of ``split``; each row knows its file and line."""
         check_split(split)
         if self.eval_data and split == "eval":
             return self.eval_data, load_rows(self.eval_data, hf_split=self.hf_split)
@@ -63,7 +63,10 @@ class DatasetSplits:
         if self.eval_data:
             return self.data, rows
         if self.eval_size >= len(rows) and split == "train":
-            raise ValueError(f"{self.data}: eval_size={self.eval_size} leaves no train rows ({len(rows)} rows)")
+            raise DataError(
+                f"{self.data}: eval_size={self.eval_size} leaves no train rows ({len(rows)} rows); "
+                "lower eval_size or set eval_data"
+            )
         return self.data, rows[: self.eval_size] if split == "eval" else rows[self.eval_size :]
 
 
@@ -107,14 +110,14 @@ class MathToolTask:
         source, rows = self.config.rows(split)
         prompts = []
         for i, row in enumerate(take(rows, n, f"{split} rows")):
-            problem = text_column(row, self.config.problem_key, source=source, index=i + 1, option="problem_key")
-            answer = text_column(row, self.config.answer_key, source=source, index=i + 1, option="answer_key")
+            problem = text_column(row, self.config.problem_key, option="problem_key")
+            answer = text_column(row, self.config.answer_key, option="answer_key")
             prompts.append(
                 Prompt(
                     id=f"math_tool/{split}/{i}",
                     text=self.config.template.format(problem=problem),
                     answers=(answer,),
-                    meta={"source": source, "row": i + 1},
+                    meta={"source": source, "row": row.line, "where": row.where},
                 )
             )
         return prompts

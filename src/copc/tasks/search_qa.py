@@ -112,14 +112,14 @@ class SearchQATask:
         source, rows = self.config.rows(split)
         prompts = []
         for i, row in enumerate(take(rows, n, f"{split} rows")):
-            question = text_column(row, self.config.question_key, source=source, index=i + 1, option="question_key")
-            golds = answers_column(row, self.config.answers_key, source=source, index=i + 1, option="answers_key")
+            question = text_column(row, self.config.question_key, option="question_key")
+            golds = answers_column(row, self.config.answers_key, option="answers_key")
             prompts.append(
                 Prompt(
                     id=f"search_qa/{split}/{i}",
                     text=self.config.template.format(question=question),
                     answers=golds,
-                    meta={"source": source, "row": i + 1},
+                    meta={"source": source, "row": row.line, "where": row.where},
                 )
             )
         return prompts

@@ -17,9 +17,12 @@ Protocol of :func:`save_checkpoint` (one writer per run directory):
    abandoned timeline after a resume from an older checkpoint); each is renamed to a ``.tmp-`` name
    first, so a deletion cut short never leaves a partial ``step_*`` directory.
 
-A SIGKILL at any moment leaves either the previous state or the new one. :func:`load_latest` follows
+A SIGKILL at any moment leaves either the previous state or the new one. A write that fails (disk
+full, permissions) removes its temp directory and raises :class:`CheckpointError` with one line
+(``no space left on device at PATH``); the previous checkpoint and ``latest`` are untouched. :func:`load_latest` follows
 ``latest`` and verifies the checkpoint's ``meta.json`` (sizes and hashes); if the pointer is missing,
-corrupt or points at something invalid, it falls back to the newest ``step_*`` directory that verifies.
+corrupt or points at something invalid, it falls back to the newest ``step_*`` directory that verifies,
+and says so through ``on_skip`` (each skipped checkpoint with its reason).
 
 The payload is what the trainer wants back: policy and critic state dicts, optimizer states, RNG
 states (:func:`capture_rng_state`), step, version, the buffer's ``state_dict()`` (stored trajectories
@@ -29,6 +32,7 @@ and prompts in flight) and the resolved config as plain data. It must be loadabl
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -36,7 +40,7 @@ import random
 import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -131,12 +135,19 @@ def save_checkpoint(
     _remove_tmp_dirs(root)  # leftovers of a killed writer: never loaded, safe to delete
     name = step_dir_name(step)
     tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    state_path = tmp / STATE_FILE
-    torch.save({**payload, "step": step}, state_path)
-    _fsync_file(state_path)
-    _write_meta(tmp, step)
-    _fsync_dir(tmp)
+    try:
+        tmp.mkdir()
+        _save_state({**payload, "step": step}, tmp / STATE_FILE)
+        _write_meta(tmp, step)
+        _fsync_dir(tmp)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = Path(err.filename) if err.filename else tmp
+        reason = f"no space left on device at {where}" if err.errno == errno.ENOSPC else (
+            f"cannot write {where}: {err.strerror or err}")
+        previous = list_checkpoints(run_dir)
+        kept = f"; the previous checkpoint {step_dir_name(previous[-1])} is intact" if previous else ""
+        raise CheckpointError(f"checkpoint of step {step} not saved: {reason}{kept}") from None
     final = root / name
     replaced = None
     if final.exists():  # re-saving a step after a resume: move the old one out of the way first
@@ -149,6 +160,40 @@ def save_checkpoint(
         shutil.rmtree(replaced, ignore_errors=True)
     _prune(root, keep, current=step)
     return final
+
+
+class _RecordingFile:
+    """A file torch.save writes through, keeping the OSError that torch turns into an opaque RuntimeError."""
+
+    def __init__(self, handle: object) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.handle.write(data)  # type: ignore[attr-defined,no-any-return]
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()  # type: ignore[attr-defined]
+
+
+def _save_state(payload: Mapping[str, object], path: Path) -> None:
+    """``torch.save`` to ``path`` and ``fsync``; a failed write raises the OSError itself (with the path)."""
+    with path.open("wb") as handle:
+        writer = _RecordingFile(handle)
+        try:
+            torch.save(dict(payload), writer)  # type: ignore[arg-type]
+            handle.flush()
+            os.fsync(handle.fileno())
+        except RuntimeError:
+            if writer.error is not None:
+                raise OSError(writer.error.errno, writer.error.strerror, str(path)) from None
+            raise
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(path)) from None
 
 
 _PLAIN_LEAVES = (
@@ -266,11 +311,14 @@ def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> dic
     return payload
 
 
-def load_latest(run_dir: str | os.PathLike[str]) -> tuple[int, dict[str, object]] | None:
+def load_latest(
+    run_dir: str | os.PathLike[str], *, on_skip: Callable[[str], None] | None = None
+) -> tuple[int, dict[str, object]] | None:
     """``(step, payload)`` of the newest complete checkpoint of ``run_dir``, or None if there is none.
 
     Follows the ``latest`` pointer; falls back to the newest ``step_*`` directory that verifies when the
-    pointer is missing, unreadable or points at an invalid checkpoint. Temp directories are ignored.
+    pointer is missing, unreadable or points at an invalid checkpoint, calling ``on_skip`` with the
+    reason of each checkpoint passed over. Temp directories are ignored.
     """
     root = checkpoint_root(run_dir)
     if not root.is_dir():
@@ -283,11 +331,17 @@ def load_latest(run_dir: str | os.PathLike[str]) -> tuple[int, dict[str, object]
     except OSError:
         pass
     candidates += [root / step_dir_name(s) for s in sorted(list_checkpoints(run_dir), reverse=True)]
+    seen: set[Path] = set()
     for path in candidates:
+        if path in seen:
+            continue
+        seen.add(path)
         try:
             step = verify_checkpoint(path)
             return step, load_checkpoint(path, verify=False)
-        except CheckpointError:
+        except CheckpointError as err:
+            if on_skip is not None:
+                on_skip(str(err))
             continue
     return None
 

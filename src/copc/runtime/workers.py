@@ -1,0 +1,381 @@
+"""Rollout worker processes and their transport: shared-memory weights, one pipe per worker, deaths.
+
+This module moves requests, weights and batches between the trainer and worker processes; it decides
+nothing. Which batch a worker is asked for, and what happens when one dies, is the driver's policy
+(:mod:`copc.runtime.async_local`); a Ray driver can reuse that policy over another transport.
+
+- **Weight ring** (:class:`WeightRing`): ``R`` slots of shared-memory tensors, each tagged with the
+  version it holds (``-1`` while being written). The trainer (the only writer) publishes version ``v``
+  into slot ``v mod R``; a worker copies a slot and reads its tag before and after the copy (a
+  seqlock): a torn or overwritten read is detected and retried. There is no lock, so a worker killed in
+  the middle of a read cannot block the trainer. ``R = s + 2`` keeps every version a ``fixed_lag``
+  request can still ask for.
+- **Workers** (``forkserver`` start method: fresh processes like ``spawn``, forked from a server that
+  imported torch and copc once): each builds its generator, then serves requests ``(j, version)`` from
+  its own duplex pipe and sends back ``("ok", batch bytes)`` or ``("error", traceback)``.
+- **Dying with the trainer.** A worker exits by itself (``os._exit``, whatever its main thread is doing,
+  a blocked pipe write included) as soon as the trainer is gone: a watchdog thread waits on a pipe whose
+  write end only the trainer holds (EOF when it dies) and checks the trainer's pid. Its request pipe has
+  a single reader, the trainer, so a write to a dead trainer fails with ``EPIPE`` instead of blocking.
+  ``PR_SET_PDEATHSIG`` (Linux) kills it if the fork server dies first. Once the workers are gone the
+  fork server sees EOF on its own liveness pipe and exits, and so does the resource tracker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import io
+import multiprocessing.context
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.multiprocessing as mp
+
+from copc.rollout.generator import GeneratedBatch, RolloutConfig, RolloutGenerator
+from copc.runtime.buffer import prompt_from_dict, prompt_to_dict, trajectory_from_dict, trajectory_to_dict
+
+__all__ = ["WeightRing", "WorkerEvent", "WorkerPool", "WorkerSpec", "decode_batch", "encode_batch"]
+
+#: Modules the fork server imports once; every worker forks from it with them loaded (torch, transformers
+#: and the tasks take 5-15 s to import on a busy 2-core machine).
+_PRELOAD = ["copc.runtime.workers", "copc.models", "copc.tasks", "copc.rollout.episode"]
+_WATCHDOG_S = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    """``forkserver``: each worker is a fresh process as with ``spawn`` (nothing inherited from the
+    trainer: no threads, no CUDA state), but forked from a server that has already imported the heavy
+    modules, so starting a worker costs milliseconds after the first one."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to build its generator (picklable)."""
+
+    model_path: str
+    """HF directory of the policy (architecture and tokenizer; weights come from the ring)."""
+    task: str
+    """Task name for ``copc.tasks.get_task``."""
+    task_options: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+    """Task config values."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    seed: int = 0
+    num_threads: int = 1
+    """torch threads per worker process."""
+
+
+class WeightRing:
+    """Versioned policy weights in shared memory (module docstring).
+
+    Each slot is one flat shared buffer per dtype (tensors are views into it), so passing the ring to a
+    worker sends a handful of file descriptors, not one per parameter tensor per slot.
+    """
+
+    def __init__(self, template: Mapping[str, torch.Tensor], slots: int) -> None:
+        ctx = _context()
+        self.layout: list[tuple[str, str, tuple[int, ...], int]] = []  # name, dtype, shape, offset
+        sizes: dict[str, int] = {}
+        for name, tensor in template.items():
+            key = str(tensor.dtype)
+            self.layout.append((name, key, tuple(tensor.shape), sizes.get(key, 0)))
+            sizes[key] = sizes.get(key, 0) + tensor.numel()
+        dtypes = {str(t.dtype): t.dtype for t in template.values()}
+        self.buffers = [
+            {key: torch.zeros(size, dtype=dtypes[key]).share_memory_() for key, size in sizes.items()}
+            for _ in range(slots)
+        ]
+        self.tags = ctx.Array("q", [-1] * slots, lock=False)
+        self.latest = ctx.Value("q", -1, lock=False)
+
+    def _views(self, slot: int) -> dict[str, torch.Tensor]:
+        views = {}
+        for name, key, shape, offset in self.layout:
+            numel = int(torch.Size(shape).numel())
+            views[name] = self.buffers[slot][key][offset : offset + numel].view(shape)
+        return views
+
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Write ``version`` into its slot (single writer: the trainer)."""
+        slot = version % len(self.buffers)
+        self.tags[slot] = -1
+        for name, view in self._views(slot).items():
+            view.copy_(weights[name])
+        self.tags[slot] = version
+        self.latest.value = max(self.latest.value, version)
+
+    def read(self, version: int | None, *, timeout_s: float = 60.0) -> tuple[int, dict[str, torch.Tensor]]:
+        """A private copy of ``version`` (None = the newest) and its tag (seqlock: retried if torn)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wanted = self.latest.value if version is None else version
+            slot = wanted % len(self.buffers)
+            before = self.tags[slot]
+            if wanted < 0 or (before != wanted and before != -1):
+                raise RuntimeError(
+                    f"weights of version {wanted} are not in the ring (slot holds {before}); "
+                    "the ring is too small for this staleness"
+                )
+            if before == wanted:
+                copy = {k: v.clone() for k, v in self._views(slot).items()}
+                if self.tags[slot] == wanted:
+                    return wanted, copy
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weights of version {wanted} stayed mid-write for {timeout_s:.0f} s")
+            time.sleep(0.001)
+
+
+def encode_batch(batch: GeneratedBatch) -> bytes:
+    """A generated batch as bytes (``torch.save`` of plain data; loadable with ``weights_only``)."""
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "index": batch.index,
+            "version": batch.version,
+            "generate_s": batch.generate_s,
+            "info": dict(batch.info),
+            "trajectories": [trajectory_to_dict(t) for t in batch.trajectories],
+            "rejected": [prompt_to_dict(p) for p in batch.rejected],
+        },
+        buf,
+    )
+    return buf.getvalue()
+
+
+def decode_batch(payload: bytes) -> GeneratedBatch:
+    """Inverse of :func:`encode_batch`."""
+    data = torch.load(io.BytesIO(payload), weights_only=True)
+    return GeneratedBatch(
+        index=int(data["index"]),
+        version=int(data["version"]),
+        trajectories=[trajectory_from_dict(d) for d in data["trajectories"]],
+        generate_s=float(data["generate_s"]),
+        info={str(k): float(v) for k, v in dict(data.get("info", {})).items()},
+        rejected=[prompt_from_dict(p) for p in data.get("rejected", [])],
+    )
+
+
+# ------------------------------------------------------------------------------ the worker process
+def _trainer_gone(trainer_pid: int) -> bool:
+    """True when ``trainer_pid`` no longer runs (absent, or a zombie nobody has reaped yet)."""
+    try:
+        with open(f"/proc/{trainer_pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no procfs: ask the kernel whether the pid exists
+        try:
+            os.kill(trainer_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def _watch_trainer(trainer_alive: Connection, trainer_pid: int) -> None:
+    """Daemon thread: ``os._exit`` the worker once the trainer is gone (module docstring)."""
+
+    def watch() -> None:
+        while True:
+            try:
+                if trainer_alive.poll(_WATCHDOG_S):  # readable = EOF: the trainer's end is closed
+                    os._exit(0)
+            except (OSError, EOFError):
+                os._exit(0)
+            if _trainer_gone(trainer_pid):
+                os._exit(0)
+
+    threading.Thread(target=watch, name="copc-trainer-watchdog", daemon=True).start()
+
+
+def _die_with_parent() -> None:
+    """``PR_SET_PDEATHSIG = SIGKILL`` (Linux; elsewhere the watchdog alone does the job)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def _worker_main(spec: WorkerSpec, ring: WeightRing, conn: Connection, trainer_alive: Connection,
+                 trainer_pid: int) -> None:
+    """Worker process: build a generator, then serve ``(batch_index, version | None)`` requests.
+
+    A ``None`` request ends it. Any exception is sent to the trainer as ``("error", traceback)``; a hard
+    crash (segfault) prints its traceback to stderr through :mod:`faulthandler`.
+    """
+    _die_with_parent()
+    _watch_trainer(trainer_alive, trainer_pid)
+    faulthandler.enable()
+    try:
+        torch.set_num_threads(spec.num_threads)
+        from transformers.utils import logging as hf_logging
+
+        from copc.models import load_policy
+
+        hf_logging.disable_progress_bar()
+        from copc.tasks import get_task
+
+        model, tokenizer = load_policy(spec.model_path)
+        task = get_task(spec.task, **spec.task_options)  # type: ignore[arg-type]
+        generator = RolloutGenerator(model, tokenizer, task, spec.rollout, seed=spec.seed)
+        while True:
+            message = conn.recv()
+            if message is None:
+                return
+            index, wanted = message
+            version, weights = ring.read(wanted)
+            generator.load(weights, version)
+            conn.send(("ok", encode_batch(generator.generate(index))))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        os._exit(0)  # the trainer is gone: nobody to report to
+    except Exception:  # a worker failure must reach the trainer, never hang it
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+
+
+# ------------------------------------------------------------------------------ the trainer's side
+@dataclass(frozen=True)
+class WorkerEvent:
+    """Something a worker did: sent a batch (``payload``) or died (``error``: its traceback or exit)."""
+
+    slot: int
+    payload: bytes | None = None
+    error: str | None = None
+
+
+def describe_exit(code: int | None) -> str:
+    """``exit code 3`` / ``killed by SIGKILL`` / ``still running``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class WorkerPool:
+    """``num_workers`` worker processes, each with its own pipe; started, restarted and stopped here.
+
+    :meth:`wait` returns what happened since the last call (batches received, deaths); which batch to
+    send where, and whether to restart a dead worker, is the caller's decision.
+    """
+
+    def __init__(self, spec: WorkerSpec, ring: WeightRing, num_workers: int) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.spec, self.ring = spec, ring
+        self._ctx = _context()
+        self._alive_r, self._alive_w = self._ctx.Pipe(duplex=False)
+        self.procs: list[multiprocessing.process.BaseProcess | None] = [None] * num_workers
+        self.conns: list[Connection | None] = [None] * num_workers
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def start(self, slot: int) -> None:
+        """Start (or restart) the worker of ``slot``."""
+        self._drop(slot)
+        mine, theirs = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker_main, args=(self.spec, self.ring, theirs, self._alive_r, os.getpid()), daemon=True,
+            name=f"copc-rollout-{slot}",
+        )
+        proc.start()
+        theirs.close()  # the worker holds the only other end: its writes fail at once if we die
+        self.procs[slot], self.conns[slot] = proc, mine
+
+    def send(self, slot: int, index: int, version: int | None) -> bool:
+        """Ask ``slot`` for batch ``index`` sampled by ``version`` (None = newest); False if it is dead."""
+        conn = self.conns[slot]
+        if conn is None:
+            return False
+        try:
+            conn.send((index, version))
+        except OSError:
+            return False
+        return True
+
+    def wait(self, timeout_s: float) -> list[WorkerEvent]:
+        """Batches and deaths of the next ``timeout_s`` seconds (returns early on the first event)."""
+        handles: dict[object, int] = {}
+        for slot, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True)):
+            if proc is not None and conn is not None:
+                handles[conn] = slot
+                handles[proc.sentinel] = slot
+        if not handles:
+            time.sleep(timeout_s)
+            return []
+        events: list[WorkerEvent] = []
+        seen: set[int] = set()
+        for ready in wait(list(handles), timeout=timeout_s):  # type: ignore[arg-type]
+            slot = handles[ready]
+            if slot in seen:
+                continue
+            seen.add(slot)
+            events.append(self._read(slot))
+        return [e for e in events if e.payload is not None or e.error is not None]
+
+    def _read(self, slot: int) -> WorkerEvent:
+        conn, proc = self.conns[slot], self.procs[slot]
+        assert conn is not None and proc is not None
+        try:
+            if conn.poll():
+                kind, body = conn.recv()
+                if kind == "ok":
+                    return WorkerEvent(slot, payload=body)
+                self._drop(slot)
+                return WorkerEvent(slot, error=str(body))
+        except (EOFError, OSError) as err:
+            proc.join(timeout=5)
+            self._drop(slot)
+            return WorkerEvent(slot, error=f"its pipe broke ({type(err).__name__}); {describe_exit(proc.exitcode)}")
+        if not proc.is_alive():
+            proc.join(timeout=5)
+            code = proc.exitcode
+            self._drop(slot)
+            return WorkerEvent(slot, error=f"it died ({describe_exit(code)}) without reporting an error")
+        return WorkerEvent(slot)
+
+    def pid(self, slot: int) -> int | None:
+        proc = self.procs[slot]
+        return proc.pid if proc is not None else None
+
+    def _drop(self, slot: int) -> None:
+        proc, conn = self.procs[slot], self.conns[slot]
+        if conn is not None:
+            conn.close()
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+        self.procs[slot], self.conns[slot] = None, None
+
+    def close(self) -> None:
+        """Ask every worker to stop, then kill what is left; nothing survives this call."""
+        for conn in self.conns:
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            if proc is not None:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for slot in range(len(self.procs)):
+            self._drop(slot)
+        self._alive_w.close()
+        self._alive_r.close()

@@ -1,0 +1,474 @@
+"""Fault injection (issue 18): the runtime never hangs, never orphans a process, never loses a run silently.
+
+Every async run here is ``fixed_lag``, so whatever happens to its workers it must end bit-identical to
+the synchronous lag simulation of the same config (the module's reference run): a restarted worker
+regenerates the same batch, a resumed run continues the same timeline. Faults injected:
+
+- a rollout worker SIGKILLed (one of one, one of two), and more deaths than ``max_worker_restarts``;
+- the trainer SIGKILLed and SIGTERMed in a subprocess (then: no process of its group left, resume exact);
+- a journal write that fails (a directory in the way), a damaged journal entry, a full disk (tmpfs);
+- every checkpoint corrupt, the latest corrupt (fallback), a reused run dir, resume without run_dir or
+  with another method / batch size, a kill before the first checkpoint (no duplicate metric steps);
+- non-finite options and weights; bad dataset rows; prompts that fill the context (issue 10, defect 1).
+
+docs/reliability.md lists each guarantee with the test here that checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from copc.config import to_dict
+from copc.eval.evaluate import EvalConfig
+from copc.rollout.generator import RolloutConfig
+from copc.run.config import DriverConfig, ModelConfig, RunConfig
+from copc.run.train import train, train_cli
+from copc.runtime.async_local import AsyncSource, RolloutError
+from copc.runtime.journal import Journal, JournalDamage, JournalError
+from copc.runtime.staleness import StalenessConfig
+from copc.runtime.workers import WorkerSpec
+from copc.trainer.checkpoint import CheckpointError, list_checkpoints, load_latest, save_checkpoint
+from copc.trainer.trainer import TrainerConfig
+
+pytestmark = pytest.mark.timeout(400)  # generous: a 2-core machine shared with other jobs
+
+#: Metrics that measure time or who generated the batch (they differ between equal runs).
+VOLATILE = ("time/", "perf/", "buffer/", "runtime/")
+
+
+def config(run_dir: Path, *, driver: str = "async", steps: int = 6, **extra: object) -> RunConfig:
+    cfg = RunConfig(
+        task="arith_tool", task_options={"train_size": 200, "eval_size": 8}, method="copc", steps=steps, seed=5,
+        run_dir=str(run_dir), checkpoint_every=1, plots=False, model=ModelConfig(policy="tiny"),
+        rollout=RolloutConfig(prompts_per_batch=2, group_size=2, max_turns=2, max_new_tokens_per_turn=8,
+                              max_total_tokens=12, context_limit=96),
+        trainer=TrainerConfig(actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=4),
+        staleness=StalenessConfig(mode="fixed_lag", staleness=1),
+        driver=DriverConfig(kind=driver),  # type: ignore[arg-type]
+        eval=EvalConfig(prompts=2, samples=1, greedy=False),
+    )
+    return replace(cfg, **extra)  # type: ignore[arg-type]
+
+
+def steps_of(run_dir: Path) -> list[dict[str, object]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE) and k != "time"} for r in rows
+            if "loss/value" in r]
+
+
+def policy_of(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = load_latest(run_dir)
+    assert latest is not None
+    return latest[1]["trainer"]["policy"]  # type: ignore[index,return-value]
+
+
+def assert_matches(reference: Path, run: Path) -> None:
+    assert steps_of(run) == steps_of(reference)
+    ref, got = policy_of(reference), policy_of(run)
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synchronous lag simulation every async fixed_lag run below must reproduce exactly."""
+    run_dir = tmp_path_factory.mktemp("faults") / "reference"
+    train(config(run_dir, driver="sync"), show_progress=False)
+    return run_dir
+
+
+# ------------------------------------------------------------------------------ processes on /proc
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                out.append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def rollout_workers() -> list[int]:
+    """Live rollout workers of this process: the children of its fork server."""
+    servers = [p for p in _children(os.getpid()) if "forkserver" in _cmdline(p)]
+    return [w for s in servers for w in _children(s)]
+
+
+def kill_a_worker_once(run_dir: Path, killed: list[int]) -> Callable[[], None]:
+    """A thread body: once batch 0 is journaled (workers are busy), SIGKILL one worker, once."""
+
+    def body() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            if list((run_dir / "rollouts").glob("batch_*.pt")) and rollout_workers():
+                victim = rollout_workers()[0]
+                os.kill(victim, signal.SIGKILL)
+                killed.append(victim)
+                return
+            time.sleep(0.01)
+
+    return body
+
+
+# --------------------------------------------------------------------------------- worker deaths
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(reference: Path, tmp_path: Path, workers: int) -> None:
+    cfg = replace(config(tmp_path / "run"), driver=DriverConfig(kind="async", num_workers=workers))
+    killed: list[int] = []
+    killer = threading.Thread(target=kill_a_worker_once(tmp_path / "run", killed))
+    killer.start()
+    summary = train(cfg, show_progress=False).summary
+    killer.join()
+    assert len(killed) == 1
+    assert summary["worker_restarts"] == 1
+    last = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            if "loss/value" in x][-1]
+    assert last["runtime/worker_restarts"] == 1
+    assert_matches(reference, tmp_path / "run")
+    assert rollout_workers() == []  # closed: nothing left behind
+
+
+def test_more_deaths_than_the_restart_limit_end_the_run_with_the_workers_error(tmp_path: Path) -> None:
+    cfg = replace(config(tmp_path / "run"), driver=DriverConfig(kind="async", max_worker_restarts=0))
+    killed: list[int] = []
+    killer = threading.Thread(target=kill_a_worker_once(tmp_path / "run", killed))
+    killer.start()
+    with pytest.raises(RolloutError, match=r"max_worker_restarts=0.*\n.*killed by SIGKILL") as err:
+        train(cfg, show_progress=False)
+    killer.join()
+    assert "rollout worker 0 failed" in str(err.value)
+    assert rollout_workers() == []
+
+
+def test_a_failing_journal_write_ends_the_run_with_its_path(tmp_path: Path) -> None:
+    """Issue 18, defect 3: the receiver thread died and the trainer waited forever."""
+    run_dir = tmp_path / "run"
+    (run_dir / "rollouts" / "batch_00000001.pt").mkdir(parents=True)  # a directory where the file goes
+    cfg = replace(config(run_dir), resume=True)  # an existing dir without a run: resume starts at step 0
+    started = time.monotonic()
+    with pytest.raises(RolloutError, match=r"rollout journal: cannot write .*batch_00000001\.pt"):
+        train(cfg, show_progress=False)
+    assert time.monotonic() - started < 120
+    assert rollout_workers() == []
+
+
+# ------------------------------------------------------------------------------- trainer killed
+def _overrides(cfg: RunConfig) -> list[str]:
+    flat: list[str] = []
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict) and prefix != "task_options":
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            flat.append(f"{prefix}={json.dumps(value)}")
+
+    walk("", to_dict(cfg))
+    return flat
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_trainer_killed_leaves_no_process_and_resumes_exactly(reference: Path, tmp_path: Path, sig: int) -> None:
+    """Issue 18, defect 2 (orphans; SIGTERM a clean stop) and defect 4 (a damaged journal entry)."""
+    cfg = config(tmp_path / "run")
+    code = "import sys; from copc.run.train import train_cli; sys.exit(train_cli(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--no-progress", *_overrides(cfg)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    run_dir = Path(cfg.run_dir)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if list_checkpoints(run_dir):
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "exited early"
+        os.kill(proc.pid, sig)
+        code_ = proc.wait(timeout=60)
+        stderr = proc.stderr.read().decode() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if sig == signal.SIGTERM:
+        assert code_ == 128 + signal.SIGTERM, stderr
+        assert "stopped by SIGTERM" in stderr and "resume=true" in stderr, stderr
+    # Workers, the fork server and the resource tracker are gone within seconds (they were in its group).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _group_alive(proc.pid):
+        time.sleep(0.1)
+    assert not _group_alive(proc.pid), [(p, _cmdline(p)) for p in _children(1) if os.getpgid(p) == proc.pid]
+    latest = load_latest(run_dir)
+    assert latest is not None
+    next_put = int(latest[1]["source"]["next_put"])  # type: ignore[index]
+    journal = Journal(run_dir / "rollouts")
+    after = [j for j in journal.indices() if j >= next_put]
+    damaged = 0
+    if after:  # damage one entry the checkpoint does not hold: it must be named and generated again
+        journal.path(after[0]).write_bytes(b"\x00garbage")
+        damaged = 1
+    summary = train(replace(cfg, resume=True), show_progress=False).summary
+    assert summary["journal_damaged"] == damaged
+    assert summary["restored_batches"] == len(after) - damaged
+    assert_matches(reference, run_dir)
+
+
+# ------------------------------------------------------------------------------------ journal
+def test_damaged_journal_entries_are_detected_and_named(tmp_path: Path) -> None:
+    from copc.rollout.generator import GeneratedBatch
+    from copc.runtime.workers import encode_batch
+
+    journal = Journal(tmp_path)
+    payload = encode_batch(GeneratedBatch(index=3, version=1, trajectories=[], generate_s=0.5))
+    journal.write(3, payload)
+    assert journal.read(3).version == 1
+    raw = journal.path(3).read_bytes()
+    for damage in (raw[:-7], raw[:-1] + bytes([raw[-1] ^ 1]), b"PK\x03\x04" + raw[4:], b""):
+        journal.path(3).write_bytes(damage)
+        with pytest.raises(JournalDamage, match=r"journal file .*batch_00000003\.pt is damaged"):
+            journal.read(3)
+    journal.write(4, payload)  # holds batch 3 under the name of batch 4
+    with pytest.raises(JournalDamage, match="holds batch 3, not 4"):
+        journal.read(4)
+
+
+# ---------------------------------------------------------------------------------- full disk
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Path:
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'not root'})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(small_tmpfs: Path) -> None:
+    """Issue 18, defect 8: torch said ``[enforce fail at inline_container.cc:672]``."""
+    run_dir = small_tmpfs / "run"
+    save_checkpoint(run_dir, 1, {"w": torch.zeros(1000)})
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(run_dir, 2, {"w": torch.zeros(1 << 20)})  # 4 MiB on a 2 MiB disk
+    message = str(err.value)
+    assert len(message.splitlines()) == 1
+    assert f"no space left on device at {run_dir}" in message and "step_00000001 is intact" in message
+    assert list_checkpoints(run_dir) == [1]
+    latest = load_latest(run_dir)
+    assert latest is not None and latest[0] == 1
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    journal = Journal(run_dir / "rollouts")
+    with pytest.raises(JournalError, match=r"^no space left on device at .*batch_00000000\.pt$"):
+        journal.write(0, bytes(3 << 20))
+    assert journal.indices() == []
+
+
+# ------------------------------------------------------------------------ run dirs and resume
+TINY = [
+    "model.policy=tiny", "task_options={train_size: 100, eval_size: 8}", "steps=2", "checkpoint_every=1",
+    "rollout.prompts_per_batch=2", "rollout.group_size=2", "rollout.max_new_tokens_per_turn=8",
+    "rollout.max_total_tokens=12", "eval.prompts=2", "eval.samples=1", "driver.kind=sync",
+    "trainer.critic_warmup_steps=0", "plots=false",
+]
+
+
+def cli(run_dir: Path, *extra: str) -> int:
+    return train_cli(["--no-progress", f"run_dir={run_dir}", *TINY, *extra])
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "loss/value" in x]
+
+
+def test_run_dirs_are_never_reused_or_resumed_by_accident(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 18, defect 5: reuse, fallback, all corrupt, resume without run_dir or with other settings."""
+    run = tmp_path / "run"
+    assert cli(run) == 0
+    capsys.readouterr()
+    assert cli(run) == 2 and "already holds a run" in one_error_line(capsys)
+    assert train_cli(["--no-progress", *TINY, "resume=true"]) == 2
+    assert "resume=true needs run_dir" in one_error_line(capsys)
+    assert cli(run, "resume=true", "method=ppo") == 2
+    assert "method=" in one_error_line(capsys)
+    assert cli(run, "resume=true", "rollout.group_size=4") == 2
+    assert "rollout.group_size=2" in one_error_line(capsys)
+    # The latest checkpoint corrupt: resume falls back to the older one and says so; no step twice.
+    state = run / "checkpoints" / "step_00000002" / "state.pt"
+    state.write_bytes(state.read_bytes()[:-100])
+    assert cli(run, "resume=true", "steps=3") == 0
+    err = capsys.readouterr().err
+    assert "falling back" in err and "step 1" in err, err
+    assert logged_steps(run) == [0, 1, 2]
+    # Every checkpoint corrupt: an error, not a silent restart from step 0.
+    for path in (run / "checkpoints").glob("step_*/state.pt"):
+        path.write_bytes(b"junk")
+    assert cli(run, "resume=true", "steps=3") == 1
+    assert "every checkpoint" in one_error_line(capsys)
+    assert logged_steps(run) == [0, 1, 2]
+    # overwrite=true replaces the run (fresh metrics).
+    assert cli(run, "overwrite=true") == 0
+    capsys.readouterr()
+    assert logged_steps(run) == [0, 1]
+
+
+def test_resume_before_the_first_checkpoint_logs_each_step_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert cli(run) == 0
+    for path in (run / "checkpoints").iterdir():  # as if killed after two steps, before any checkpoint
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+    assert cli(run, "resume=true") == 0
+    assert "no checkpoint yet" in capsys.readouterr().err
+    assert logged_steps(run) == [0, 1]
+    evals = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
+    assert evals == [0, 2]
+
+
+# ---------------------------------------------------------------------------------- bad values
+def test_non_finite_settings_and_weights_stop_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 18, defect 6: actor_lr=inf trained NaN weights and exited 0."""
+    assert cli(tmp_path / "a", "trainer.actor_lr=inf") == 2
+    assert "trainer.actor_lr" in one_error_line(capsys)
+    # A finite learning rate whose first update turns the loss into nan.
+    assert cli(tmp_path / "b", "trainer.actor_lr=1e30", "checkpoint_every=1") == 1
+    assert "not finite" in one_error_line(capsys)
+    assert list_checkpoints(tmp_path / "b") == []  # nothing non-finite was saved
+
+
+def test_bad_rows_are_one_line_with_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 18, defect 7."""
+    good = json.dumps({"problem": "What is 2+2?", "answer": "4"})
+    cases = {
+        "utf8.jsonl": (good + "\n\n" + '{"problem": "caf\xe9", "answer": "1"}\n').encode("latin-1"),
+        "empty.jsonl": b"\n\n",
+        "bool.jsonl": (good + "\n" + json.dumps({"problem": "p", "answer": True}) + "\n").encode(),
+        "long.jsonl": (good + "\n" + json.dumps({"problem": "x " * 400, "answer": "1"}) + "\n").encode(),
+    }
+    expected = {
+        "utf8.jsonl": r"utf8\.jsonl, line 3: not valid UTF-8 \(byte 0xe9",
+        "empty.jsonl": r"empty\.jsonl holds no rows",
+        "bool.jsonl": r"bool\.jsonl, line 2: column 'answer' holds the bool true",
+        "long.jsonl": r"long\.jsonl, line 2: prompt is \d+ tokens, >= rollout\.context_limit=512 \(1 of 2",
+    }
+    for name, data in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        code = train_cli(["--no-progress", f"run_dir={tmp_path / name}.run", "task=math_tool",
+                          f"task_options={{data: {path}}}", "rollout.context_limit=512",
+                          *[o for o in TINY if not o.startswith("task_options")]])
+        assert code == 2, name
+        line = one_error_line(capsys)
+        assert re.search(expected[name], line), line
+
+
+# ------------------------------------------------------------------- issue 10, defect 1 (async)
+def test_prompts_that_fill_the_context_do_not_hang_the_async_driver() -> None:
+    """Every prompt has >= context_limit tokens: each episode ends with zero sampled tokens. The buffer
+    used to drop them, so the batch held B - 1 and next_batch waited forever; now batch 0 arrives whole
+    (rows without action tokens), and the loop refuses to train on it with a clear error."""
+    from copc.models import build_tiny_model, build_tiny_tokenizer
+    from copc.rollout.generator import GeneratedBatch
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0)
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"copc-faults-tiny-{os.getpid()}"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    rollout = RolloutConfig(prompts_per_batch=2, group_size=2, max_turns=1, max_new_tokens_per_turn=4,
+                            max_total_tokens=4, context_limit=4)
+    spec = WorkerSpec(model_path=str(folder), task="arith_tool", task_options={"train_size": 50, "eval_size": 4},
+                      rollout=rollout, seed=0)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for mode in ("fixed_lag", "bounded"):
+        source = AsyncSource(spec, StalenessConfig(mode=mode, staleness=0), weights)  # type: ignore[arg-type]
+        source.start()
+        try:
+            batch, _ = source.next_batch(0)
+        finally:
+            source.close()
+        assert isinstance(batch, GeneratedBatch)
+        assert len(batch.trajectories) == rollout.batch_size
+        assert all(t.num_action_tokens == 0 for t in batch.trajectories)
+        assert source.metrics()["buffer/empty_kept"] == rollout.batch_size
+
+
+def test_the_loop_refuses_to_train_on_zero_tokens() -> None:
+    """The sync driver trained on a batch of empty episodes without a word (issue 18, defect 7)."""
+    from copc.channels.methods import get_method
+    from copc.models import build_tiny_model, build_tiny_tokenizer
+    from copc.models.hf import ValueModel
+    from copc.rollout.generator import RolloutGenerator
+    from copc.runtime.loop import RunError, run_loop
+    from copc.runtime.sync import SyncSource
+    from copc.tasks import get_task
+    from copc.trainer.trainer import ActorCriticTrainer
+
+    tokenizer = build_tiny_tokenizer()
+    policy = build_tiny_model(tokenizer, seed=0)
+    task = get_task("arith_tool", train_size=50, eval_size=4)
+    rollout = RolloutConfig(prompts_per_batch=2, group_size=2, max_turns=1, max_new_tokens_per_turn=4,
+                            max_total_tokens=4, context_limit=4)
+    source = SyncSource(RolloutGenerator(build_tiny_model(tokenizer, seed=0), tokenizer, task, rollout, seed=0),
+                        StalenessConfig(mode="fixed_lag", staleness=0))
+    source.publish(0, {k: v.detach().clone() for k, v in policy.state_dict().items()})
+    trainer = ActorCriticTrainer(policy, ValueModel.from_policy(policy), get_method("copc"), TrainerConfig())
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    with pytest.raises(RunError, match="none of the 4 trajectories of batch 0 has a sampled token"):
+        run_loop(trainer, source, start_step=0, steps=1, pad_id=int(tokenizer.pad_token_id))
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+def test_a_stop_signal_waits_for_the_end_of_the_step_and_a_second_one_does_not() -> None:
+    from copc.runtime.loop import Interrupted, StopSignals
+
+    signals = StopSignals()
+    with pytest.raises(Interrupted) as between:
+        signals._handle(signal.SIGTERM, None)  # between steps: at once, the state is consistent
+    assert between.value.clean and between.value.signal_name == "SIGTERM"
+    signals = StopSignals()
+    finished = []
+    with pytest.raises(Interrupted) as inside, signals.step():
+        signals._handle(signal.SIGINT, None)  # inside a step: noted, the step goes on
+        finished.append(True)
+    assert finished and inside.value.clean
+    signals = StopSignals()
+    with pytest.raises(Interrupted) as twice, signals.step():
+        signals._handle(signal.SIGINT, None)
+        signals._handle(signal.SIGINT, None)
+    assert not twice.value.clean
