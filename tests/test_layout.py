@@ -91,7 +91,6 @@ def test_imports_point_down() -> None:
     assert not bad, "imports that point up or sideways:\n" + "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="ops/ and tools/sandbox private imports: fixed on their branches, then this mark goes")
 def test_no_private_names_cross_a_module_boundary() -> None:
     bad = []
     for path in modules():

@@ -245,7 +245,8 @@ def _expected(estimator: str, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
         adv, ret = out.advantages, out.returns
     elif estimator == "copc_vtrace":
         v = vtrace(rewards, values, log_w, mask, gamma=1.0, lam=1.0, rho_bar=1.0, c_bar=1.0, pg_rho_bar=1.0)
-        adv, ret = v.pg_advantages, v.vs
+        # copc normalises the TD factor and keeps rho^pg outside it (docs/algorithms.md, V-trace).
+        return v.pg_rho * masked_whiten(v.pg_td, mask), v.vs
     else:
         b = brace(rewards, values, log_w, mask, gamma=1.0, lam=1.0, rho_bar=1.2, c_bar=1.1, k=100)
         adv, ret = b.advantages, b.returns
