@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
 from copc.eval.metrics import avg_at_k, greedy_accuracy, mean_pass_at_k
+from copc.rollout.chat import chat_format
 from copc.rollout.engine import Engine
 from copc.rollout.episode import run_episodes
 from copc.rollout.generator import RolloutConfig
@@ -101,4 +102,5 @@ def _play(
         max_total_tokens=rollout.max_total_tokens,
         context_limit=rollout.context_limit,
         prompt_ids=[p.id for p in prompts for _ in range(k)],
+        chat=chat_format(tokenizer, rollout.chat_template),
     )

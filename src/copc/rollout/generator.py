@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from copc.rollout.chat import chat_format
 from copc.rollout.engine import Engine, SamplingConfig
 from copc.rollout.episode import run_episodes
 from copc.tasks.base import Task
@@ -49,6 +50,8 @@ class RolloutConfig:
     """Nucleus sampling mass (1 = off)."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
+    chat_template: str = "auto"
+    """Chat template: 'auto' (the tokenizer's, if it has one), 'none' (raw text) or a Jinja template file."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_batch", "group_size", "max_turns", "max_new_tokens_per_turn",
@@ -118,6 +121,7 @@ class RolloutGenerator:
         self.task, self.config, self.seed = task, config, seed
         self.engine = Engine(model, tokenizer, version=0)
         self.pool = task.prompts("train")
+        self.chat = chat_format(tokenizer, config.chat_template)
 
     @property
     def version(self) -> int:
@@ -147,5 +151,6 @@ class RolloutGenerator:
             context_limit=self.config.context_limit,
             group_ids=[batch_index * self.config.prompts_per_batch + i // group for i in range(len(envs))],
             prompt_ids=[p.id for p in prompts for _ in range(group)],
+            chat=self.chat,
         )
         return GeneratedBatch(batch_index, self.version, trajectories, time.perf_counter() - start)
