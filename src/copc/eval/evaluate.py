@@ -14,7 +14,7 @@ from copc import tracking as m
 from copc.eval.metrics import avg_at_k, greedy_accuracy, mean_pass_at_k
 from copc.rollout.chat import chat_format
 from copc.rollout.engine import Engine
-from copc.rollout.episode import run_episodes
+from copc.rollout.episode import run_episodes, truncation_stats
 from copc.rollout.generator import RolloutConfig
 from copc.tasks import Task
 from copc.types import Prompt, Trajectory
@@ -65,6 +65,9 @@ def evaluate(
         m.EVAL_PASS_AT_K: mean_pass_at_k(correct, k),
         m.EVAL_TOOL_USE_RATE: sum(t.info.get("tool_calls", 0.0) > 0 for t in sampled) / len(sampled),
     }
+    cut = truncation_stats(sampled)
+    out.update({m.EVAL_TRUNCATED_FRAC: cut.episode_frac, m.EVAL_TRUNCATED_TURN_FRAC: cut.turn_frac,
+                m.EVAL_TURN_LIMIT_FRAC: cut.turn_limit_frac})
     if eval_cfg.greedy:
         greedy = _play(model, tokenizer, task, prompts, 1, rollout, seed=seed, greedy=True)
         out[m.EVAL_GREEDY_ACCURACY] = greedy_accuracy([bool(_correct(t)) for t in greedy])

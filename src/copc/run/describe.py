@@ -11,7 +11,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
+import re
 import textwrap
+
+import yaml
 
 from copc.config import to_dict
 from copc.run.config import RunConfig
@@ -19,6 +23,7 @@ from copc.run.config import RunConfig
 __all__ = ["config_rows", "field_docs", "format_config"]
 
 _MISSING = "(required)"
+_BARE = re.compile(r"[A-Za-z_][A-Za-z0-9_./:+-]*")
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -96,19 +101,19 @@ def _plain(value: object) -> object:
     return value
 
 
-def format_config(cfg: RunConfig) -> str:
-    """One line per key: ``key = value  # doc`` (values as YAML scalars / flow mappings)."""
-    import yaml
+def format_config(cfg: RunConfig, *, max_value_chars: int = 80) -> str:
+    """One line per key: ``key = value  # doc``. Values are YAML (JSON where quoting is needed, so a
+    value never spans lines); one longer than ``max_value_chars`` is cut, with its length."""
 
     def show(value: object) -> str:
         plain = list(value) if isinstance(value, tuple) else value
-        text = yaml.safe_dump(plain, default_flow_style=True, width=10_000).strip()
-        return text.removesuffix("\n...").removesuffix("...").strip()
+        text = json.dumps(plain)
+        if isinstance(plain, str) and _BARE.fullmatch(plain) and yaml.safe_load(plain) == plain:
+            text = plain  # a bare YAML string reads back as itself: no quotes needed
+        if len(text) > max_value_chars:
+            text = f"{text[: max_value_chars - 20]}... ({len(text)} chars)"
+        return text
 
-    rows = [(key, show(value), doc) for key, value, doc in config_rows(cfg)]
-    width = max(len(f"{key} = {value}") for key, value, _ in rows)
-    lines = []
-    for key, value, doc in rows:
-        left = f"{key} = {value}"
-        lines.append(f"{left:<{width}}  # {doc}" if doc else left)
-    return "\n".join(lines)
+    rows = [(f"{key} = {show(value)}", doc) for key, value, doc in config_rows(cfg)]
+    width = min(max(len(left) for left, _ in rows), max_value_chars)
+    return "\n".join(f"{left:<{width}}  # {doc}" if doc else left for left, doc in rows)
