@@ -16,6 +16,7 @@ from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
 from copc.rollout.chat import ChatFormat, chat_format, check_chat_template_setting
 from copc.rollout.engine import Engine
 from copc.rollout.episode import run_episodes
+from copc.rollout.samples import render_episode
 from copc.types import EnvStep, StopReason, Trajectory
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -220,3 +221,19 @@ def plain_with_chatml_tokens():
     tok = chat_tokenizer()
     tok.chat_template = None
     return tok
+
+
+def test_rendered_samples_show_policy_turns_and_forced_template_text() -> None:
+    tok = chat_tokenizer()
+    model = eos_biased_model(tok, seed=3, eos_logit_bias=4.0)
+    env = ToolThenAnswer(PROMPTS[0])
+    (traj,) = run_episodes(Engine(model, tok), [env], chat=chat_format(tok, "auto"), **LIMITS)
+    sample = render_episode(traj, tok)
+    pieces = sample["turns"]
+    assert isinstance(pieces, list) and [p["source"] for p in pieces] == ["policy", "forced"] * 2 + ["policy"]
+    policy = [p["text"].removesuffix(IM_END) for p in pieces if p["source"] == "policy"]
+    assert policy == env.actions
+    forced = [p["text"] for p in pieces if p["source"] == "forced"]
+    assert all(obs in text and text.endswith("<|im_start|>assistant\n") for obs, text in zip(env.observations, forced, strict=True))
+    assert sample["prompt"] + "".join(p["text"] for p in pieces) == tok.decode(traj.token_ids.tolist())
+    assert sample["stop_reason"] == "answer" and sample["reward"] == 1.0

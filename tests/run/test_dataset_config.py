@@ -4,6 +4,7 @@ missing path is one line before any run directory exists, ``--print-config`` doc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -90,9 +91,14 @@ def test_copc_eval_on_an_hf_folder_with_a_dataset_task(tmp_path: Path, capsys: p
     args = ["--checkpoint", str(folder), "--task", "math_tool", "--prompts", "2", "--samples", "1", "--no-greedy",
             f"task_options.data={MATH}", "task_options.eval_size=2", "rollout.max_new_tokens_per_turn=6",
             "rollout.max_total_tokens=12"]
-    assert eval_cli(args) == 0
+    samples = tmp_path / "samples.jsonl"
+    assert eval_cli([*args, "--samples-out", str(samples), "--samples-limit", "2"]) == 0
     out = capsys.readouterr().out
     assert "copc eval on math_tool" in out and "pass_at_k" in out and "truncated_frac" in out
+    # What the model wrote: the prompt, its turns, the reward and why it stopped.
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["prompt"].startswith("<bos>What is the sum of the first 20")
+    assert rows[0]["turns"][0]["source"] == "policy" and rows[0]["stop_reason"] in {"max_tokens", "answer", "eos"}
     # Bad keys and paths: one line, exit code 2.
     for bad in (["rollout.max_new_tokens=8"], ["task_options.data=/no/rows.jsonl"]):
         assert eval_cli([*args, *bad]) == 2

@@ -48,17 +48,21 @@ def evaluate(
     eval_cfg: EvalConfig,
     *,
     seed: int,
+    episodes: list[Trajectory] | None = None,
 ) -> dict[str, float]:
     """avg@k and unbiased pass@k at the rollout temperature, and greedy accuracy, on eval prompts.
 
     Sampling uses a generator seeded by ``seed`` (the same prompts and seeds before and after
-    training, so the difference is the policy's). Metrics under ``eval/``.
+    training, so the difference is the policy's). Metrics under ``eval/``. ``episodes``, when given,
+    receives the sampled (not greedy) trajectories, e.g. to log what the model wrote.
     """
     if eval_cfg.prompts == 0:
         return {}
     prompts = task.prompts("eval", n=eval_cfg.prompts)
     k = eval_cfg.samples
     sampled = _play(model, tokenizer, task, prompts, k, rollout, seed=seed, greedy=False)
+    if episodes is not None:
+        episodes.extend(sampled)
     correct = _by_prompt(sampled, len(prompts), k)
     out = {
         m.EVAL_ACCURACY: avg_at_k(correct),

@@ -23,10 +23,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from copc.config import ConfigError, load_yaml
 from copc.eval.evaluate import EvalConfig, evaluate
 from copc.models.hf import load_policy
+from copc.rollout.samples import append_samples
 from copc.run.build import policy_path, quiet_transformers
 from copc.run.config import RunConfig, apply_run_overrides, default_config, validate_names
 from copc.tasks import get_task
 from copc.trainer.checkpoint import load_latest
+from copc.types import Trajectory
 
 __all__ = ["eval_cli", "eval_config"]
 
@@ -42,6 +44,9 @@ def eval_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--samples", type=int, default=4, help="k of avg@k and pass@k")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-greedy", action="store_true")
+    parser.add_argument("--samples-out", default=None, metavar="FILE",
+                        help="append rendered sampled episodes (prompt, turns, tool output, reward) as JSONL")
+    parser.add_argument("--samples-limit", type=int, default=8, help="episodes written by --samples-out")
     parser.add_argument("overrides", nargs="*",
                         help="key.sub=value overrides of the run config (task_options.*, rollout.* ...)")
     args = parser.parse_args(list(argv))
@@ -56,7 +61,11 @@ def eval_cli(argv: Sequence[str]) -> int:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    metrics = evaluate(model, tokenizer, task, cfg.rollout, eval_cfg, seed=args.seed)
+    episodes: list[Trajectory] = []
+    metrics = evaluate(model, tokenizer, task, cfg.rollout, eval_cfg, seed=args.seed, episodes=episodes)
+    if args.samples_out:
+        written = append_samples(args.samples_out, episodes, tokenizer, step=0, limit=args.samples_limit)
+        print(f"{written} rendered episodes appended to {args.samples_out}")
     from rich.console import Console
     from rich.table import Table
 
