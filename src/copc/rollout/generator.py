@@ -39,7 +39,7 @@ class RolloutConfig:
     max_turns: int = 3
     """Policy turns per episode (tool calls + answer)."""
     max_new_tokens_per_turn: int = 48
-    """Token budget of one policy turn."""
+    """Token budget of one policy turn (a turn cut by it is not graded: the episode ends truncated)."""
     max_total_tokens: int = 128
     """Generated-token budget of one episode (truncated beyond)."""
     context_limit: int = 512
