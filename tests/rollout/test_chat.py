@@ -237,3 +237,15 @@ def test_rendered_samples_show_policy_turns_and_forced_template_text() -> None:
     assert all(obs in text and text.endswith("<|im_start|>assistant\n") for obs, text in zip(env.observations, forced, strict=True))
     assert sample["prompt"] + "".join(p["text"] for p in pieces) == tok.decode(traj.token_ids.tolist())
     assert sample["stop_reason"] == "answer" and sample["reward"] == 1.0
+
+
+def test_template_that_rejects_a_tool_role_gets_tool_output_as_a_user_turn() -> None:
+    # Mentions 'tool' but raises on it (as Gemma/Mistral-style templates raise on unknown roles).
+    strict = (
+        "{% for message in messages %}"
+        "{% if message.role not in ['user', 'assistant'] %}{{ raise_exception('no tool role here') }}{% endif %}"
+        "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    chat = ChatFormat(chat_tokenizer(strict), strict, source="test")
+    assert chat.tool_role == "user" and chat.obs_open == "<|im_start|>user\n"
