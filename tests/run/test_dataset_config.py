@@ -22,7 +22,8 @@ CORPUS = str(FIXTURES / "corpus.jsonl")
 
 
 def test_task_override_resets_task_options_before_later_overrides() -> None:
-    cfg = load_run_config(None, ["task=math_tool", f"task_options.data={MATH}", "task_options.eval_size=2"])
+    cfg = load_run_config(None, ["task=math_tool", f"task_options.data={MATH}", "task_options.eval_size=2",
+                                 "model.policy=tiny"])
     assert cfg.task == "math_tool" and cfg.task_options == {"data": MATH, "eval_size": 2}
     # Naming the task it already has keeps the options; arith_tool's run defaults come back with it.
     same = load_run_config(None, ["task_options.train_size=100", "task=arith_tool"])
@@ -48,6 +49,8 @@ def test_yaml_naming_a_task_without_options_gets_its_defaults(tmp_path: Path) ->
         (["task=math_tool", f"task_options.data={FIXTURES}"], "is a folder"),
         (["task=search_qa", f"task_options.data={QA}", "task_options.corpus=/no/corpus.jsonl"], "corpus="),
         (["rollout.chat_template=/no/template.jinja"], "rollout.chat_template"),
+        (["model.policy=/no/model"], "model.policy=/no/model: not 'warmstart', 'tiny' or an HF model folder"),
+        (["task=math_tool", f"task_options.data={MATH}"], "model.policy=warmstart: task math_tool has no warm-start"),
     ],
 )
 def test_bad_task_options_and_paths_fail_in_one_line_before_a_run_dir(
@@ -64,7 +67,7 @@ def test_search_qa_with_a_saved_index_does_not_need_the_corpus(tmp_path: Path) -
     index = tmp_path / "index"
     index.mkdir()
     load_run_config(None, ["task=search_qa", f"task_options.data={QA}", "task_options.corpus=/gone.jsonl",
-                           f"task_options.index_dir={index}"])
+                           f"task_options.index_dir={index}", "model.policy=tiny"])
 
 
 def test_print_config_lists_every_key_with_its_value_and_doc(capsys: pytest.CaptureFixture[str]) -> None:

@@ -191,4 +191,23 @@ def validate_names(cfg: RunConfig, *, check_options: bool = True, check_paths: b
         check_chat_template_setting(cfg.rollout.chat_template)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _check_policy(cfg)
+
+
+def _check_policy(cfg: RunConfig) -> None:
+    """``model.policy`` names an HF folder that exists, or a warm start the task can build."""
+    from copc.tasks import SupportsSFT, get_task
+
+    policy = cfg.model.policy
+    if policy == "warmstart":
+        if not isinstance(get_task(cfg.task, **cfg.task_options), SupportsSFT):
+            raise ConfigError(
+                f"model.policy=warmstart: task {cfg.task} has no warm-start demonstrations; "
+                "set model.policy to an HF model folder (or tiny)"
+            )
+    elif policy != "tiny" and not (Path(policy).expanduser() / "config.json").is_file():
+        raise ConfigError(
+            f"model.policy={policy}: not 'warmstart', 'tiny' or an HF model folder (no config.json there); "
+            "give a folder written by save_pretrained"
+        )
 

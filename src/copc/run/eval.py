@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -87,7 +88,10 @@ def eval_config(path: Path, task: str | None, overrides: Sequence[str]) -> RunCo
     """The run config ``copc eval`` uses for ``path`` (module docstring), checked like ``copc train``'s."""
     if not path.exists():
         raise ValueError(f"--checkpoint {path} does not exist; give an HF model folder or a run directory")
-    cfg = load_yaml(RunConfig, path / "config.yaml") if is_run_dir(path) else default_config()
+    if is_run_dir(path):
+        cfg = load_yaml(RunConfig, path / "config.yaml")
+    else:  # the folder is the policy evaluated
+        cfg = replace(default_config(), model=replace(default_config().model, policy=str(path)))
     if task is not None:
         cfg = apply_run_overrides(cfg, [f"task={task}"])
     cfg = apply_run_overrides(cfg, overrides)
