@@ -13,8 +13,8 @@ seed, ``seed=i`` for run ``i``, plus any ``overrides``), in its own process with
   spam, busy loop, sleep past the timeout, a huge print) in copc's own Python sandbox in a loop,
   the case where a default run once learned almost nothing (issue 10, "the default run must hold up").
 
-Prints one line per run (eval avg@1 before -> after, the gain, wall seconds, the tool-error rate of
-the last training batches) and how many met the target gain (+0.25 by default). Resumable: a run whose
+Prints one line per run (eval avg@1 before -> after, the gain, wall seconds, the infrastructure tool
+failures per episode of the last training batches) and how many met the target gain (+0.25 by default). Resumable: a run whose
 ``summary.json`` exists in ``--out`` is read instead of run again.
 """
 
@@ -71,12 +71,12 @@ def run_one(index: int, out: Path, overrides: Sequence[str]) -> subprocess.Popen
 
 
 def tool_error_rate(run_dir: Path) -> float | None:
-    """Mean ``rollout/tool_error_rate`` over the last 10 logged steps, when the run logs it."""
+    """Mean ``rollout/tool_infra_errors`` over the last 10 logged steps, when the run logs it."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    values = [r["rollout/tool_error_rate"] for r in rows if "rollout/tool_error_rate" in r][-10:]
+    values = [r["rollout/tool_infra_errors"] for r in rows if "rollout/tool_infra_errors" in r][-10:]
     return sum(values) / len(values) if values else None
 
 
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gain = after - before
         met += gain >= args.target
         err = tool_error_rate(run_dir)
-        extra = "" if err is None else f"  tool errors {err:.3f}"
+        extra = "" if err is None else f"  infra tool failures/episode {err:.3f}"
         print(f"  run {i} (seed {i}): {before:.3f} -> {after:.3f}  gain {gain:+.3f}  "
               f"{s['wall_seconds']:.0f} s{extra}")
     print(f"{met}/{args.runs} runs gained >= {args.target:+.2f}")

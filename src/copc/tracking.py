@@ -81,10 +81,16 @@ EVAL_ACCURACY = "eval/accuracy"
 EVAL_GREEDY_ACCURACY = "eval/greedy_accuracy"
 EVAL_PASS_AT_K = "eval/pass_at_k"
 EVAL_TOOL_USE_RATE = "eval/tool_use_rate"
+EVAL_TRUNCATED_FRAC = "eval/truncated_frac"
+EVAL_TRUNCATED_TURN_FRAC = "eval/truncated_turn_frac"
+EVAL_TURN_LIMIT_FRAC = "eval/turn_limit_frac"
 ROLLOUT_TOOL_USE_RATE = "rollout/tool_use_rate"
 ROLLOUT_TOOL_CALLS = "rollout/tool_calls"
+ROLLOUT_TOOL_INFRA_ERRORS = "rollout/tool_infra_errors"
 ROLLOUT_RESPONSE_TOKENS = "rollout/response_tokens"
 ROLLOUT_TRUNCATED_FRAC = "rollout/truncated_frac"
+ROLLOUT_TRUNCATED_TURN_FRAC = "rollout/truncated_turn_frac"
+ROLLOUT_TURN_LIMIT_FRAC = "rollout/turn_limit_frac"
 ROLLOUT_ACCURACY = "rollout/accuracy"
 ROLLOUT_VERSION = "rollout/version"
 ROLLOUT_DYNSAMPLE_ROUNDS = "rollout/dynsample_rounds"
@@ -164,10 +170,16 @@ METRICS: dict[str, str] = {
     EVAL_GREEDY_ACCURACY: "greedy (temperature 0) accuracy on held-out prompts",
     EVAL_PASS_AT_K: "unbiased pass@k on held-out prompts",
     EVAL_TOOL_USE_RATE: "fraction of eval episodes that called a tool",
+    EVAL_TRUNCATED_FRAC: "fraction of sampled eval episodes cut by a budget (max tokens/turns/context)",
+    EVAL_TRUNCATED_TURN_FRAC: "fraction of sampled eval policy turns cut by a token limit before they stopped",
+    EVAL_TURN_LIMIT_FRAC: "fraction of sampled eval episodes ended by the per-turn limit max_new_tokens_per_turn",
     ROLLOUT_TOOL_USE_RATE: "fraction of trajectories that called a tool at least once",
     ROLLOUT_TOOL_CALLS: "mean tool calls per trajectory",
+    ROLLOUT_TOOL_INFRA_ERRORS: "mean tool calls per trajectory that failed for the machine, not the code (sandbox fault=infra)",
     ROLLOUT_RESPONSE_TOKENS: "mean number of sampled tokens per trajectory",
     ROLLOUT_TRUNCATED_FRAC: "fraction of trajectories cut by a budget (max tokens/turns/context)",
+    ROLLOUT_TRUNCATED_TURN_FRAC: "fraction of policy turns cut by a token limit before they stopped on their own",
+    ROLLOUT_TURN_LIMIT_FRAC: "fraction of trajectories ended by the per-turn limit max_new_tokens_per_turn",
     ROLLOUT_ACCURACY: "fraction of trajectories of the batch graded correct",
     ROLLOUT_VERSION: "policy version that generated the consumed batch (oldest token)",
     ROLLOUT_DYNSAMPLE_ROUNDS: "dynamic sampling: generation rounds of the batch (1 = its own prompts only)",

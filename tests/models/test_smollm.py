@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from copc.models.hf import ValueModel, load_policy, token_logprobs
+from copc.models.hf import ValueModel, convert_gguf, load_policy, token_logprobs
 from copc.rollout.engine import Engine, SamplingConfig
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,3 +60,45 @@ def test_smollm2_samples_with_exact_logprobs() -> None:
     critic = ValueModel.from_policy(model)
     ids = torch.tensor([prompts[0]])
     assert critic(ids, torch.ones_like(ids, dtype=torch.bool)).shape == ids.shape
+
+
+@pytest.fixture(scope="module")
+def smollm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted once from the wheel's GGUF file to an HF folder (as docs/own-model.md)."""
+    return convert_gguf(_gguf_dir(), GGUF, tmp_path_factory.mktemp("smollm2") / "hf")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # the GGUF conversion (~2 min) runs in this test's fixture
+def test_smollm2_trains_two_copc_steps_on_math_tool_with_its_chat_template(
+    smollm_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The walk-through of docs/own-model.md, shrunk: chat template, two COPC steps, save, evaluate."""
+    import json
+
+    from copc.rollout.chat import chat_format
+    from copc.run.eval import eval_cli
+    from copc.run.train import train_cli
+
+    _, tok = load_policy(smollm_folder)
+    chat = chat_format(tok, "auto")
+    assert chat is not None and chat.turn_end == "<|im_end|>\n"  # SmolLM2's ChatML, from the folder
+    data = Path(__file__).parent.parent / "fixtures" / "math_tool.jsonl"
+    run_dir = tmp_path / "run"
+    common = [f"task_options.data={data}", "task_options.eval_size=2", "rollout.max_new_tokens_per_turn=48",
+              "rollout.max_total_tokens=96", "rollout.context_limit=1024", "rollout.max_turns=2"]
+    assert train_cli(["--no-progress", f"run_dir={run_dir}", "task=math_tool", f"model.policy={smollm_folder}",
+                      *common, "steps=2", "driver.kind=sync", "rollout.prompts_per_batch=2", "rollout.group_size=2",
+                      "trainer.critic_warmup_steps=0", "eval.prompts=2", "eval.greedy=false", "plots=false"]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "ratio/mean_abs_log" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    # Step 0 samples and trains with the same weights: recorded log-probs equal the trainer's forward.
+    assert steps[0]["ratio/mean_abs_log"] < 1e-4, steps[0]
+    assert (run_dir / "checkpoints").exists()
+    samples = tmp_path / "samples.jsonl"
+    assert eval_cli(["--checkpoint", str(run_dir), "--prompts", "2", "--samples", "1", "--no-greedy",
+                     "--samples-out", str(samples), *common]) == 0
+    assert "truncated_frac" in capsys.readouterr().out
+    first = json.loads(samples.read_text().splitlines()[0])
+    assert first["prompt"].startswith("<|im_start|>system\n") and first["prompt"].endswith("<|im_start|>assistant\n")

@@ -11,7 +11,7 @@ import torch
 from copc.models.hf import token_logprobs
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
 from copc.rollout.engine import Engine, SamplingConfig
-from copc.rollout.episode import run_episodes
+from copc.rollout.episode import run_episodes, truncation_stats
 from copc.types import EnvStep, StopReason, Trajectory
 
 # Frequent characters end a turn after a few sampled tokens (the random tiny model is near-uniform).
@@ -77,7 +77,7 @@ def engine(tok):
 
 
 def _run(engine, envs, **kw) -> list[Trajectory]:
-    limits = {"max_turns": 5, "max_new_tokens_per_turn": 12, "max_total_tokens": 60, "context_limit": 400, "seed": 0}
+    limits = {"max_turns": 5, "max_new_tokens_per_turn": 40, "max_total_tokens": 120, "context_limit": 400, "seed": 2}
     return run_episodes(engine, envs, **{**limits, **kw})
 
 
@@ -104,7 +104,7 @@ def test_trajectory_is_exactly_prompt_turns_and_observations(engine, tok) -> Non
         assert [m for m, _ in segments] == [True, False, True, False, True]
         for (_, ids), action in zip(segments[0::2], env.actions, strict=True):
             assert tok.decode(ids) == action
-            assert action[-1] in SHORT_TURNS or len(ids) == 12  # a stop string, or the per-turn budget
+            assert action[-1] in SHORT_TURNS  # every stepped turn stopped on its own (a cut one is not stepped)
         for (_, ids), obs in zip(segments[1::2], env.observations, strict=True):
             assert ids == tok.encode(obs, add_special_tokens=False)
         assert traj.info["policy_turns"] == 3 and traj.info["turns"] == 3 and traj.info["tool_calls"] == 2
@@ -165,18 +165,45 @@ def test_episodes_are_batched_in_one_engine_call_per_round(engine) -> None:
 def test_stop_reasons_for_each_budget(engine, tok) -> None:
     (turns,) = _run(engine, [ScriptedEnv(PROMPTS[1], answer_turn=10)], max_turns=2)
     assert turns.stop_reason is StopReason.MAX_TURNS and turns.info["policy_turns"] == 2
-    # No stop strings: every turn runs to its budget of 5; the total budget of 12 ends the third turn.
-    env = ScriptedEnv(PROMPTS[1], stops=(), answer_turn=10)
-    (tokens,) = _run(engine, [env], max_new_tokens_per_turn=5, max_total_tokens=12)
+    # The episode's token budget (12) cuts the third turn: that turn is not stepped.
+    env = ScriptedEnv(PROMPTS[1], stops=("a",), answer_turn=10)
+    (tokens,) = _run(engine, [env], max_total_tokens=12, seed=1)
     assert tokens.stop_reason is StopReason.MAX_TOKENS and tokens.num_action_tokens == 12
-    assert len(env.actions) == 2 and env.finished == [StopReason.MAX_TOKENS]  # the cut turn is not stepped
-    assert tokens.token_rewards[-1] == -0.5 and tokens.reward == 2 * 0.25 - 0.5
+    assert env.finished == [StopReason.MAX_TOKENS] and len(env.actions) == tokens.info["policy_turns"] - 1
+    assert tokens.info["cut_turns"] == 1 and tokens.info["turn_cut"] == 0  # the episode's budget, not the turn's
+    assert tokens.token_rewards[-1] == -0.5 and tokens.reward == len(env.actions) * 0.25 - 0.5
     # Context window: the trajectory never exceeds it.
     prompt_len = len(tok.encode(PROMPTS[1]))
     (ctx,) = _run(engine, [ScriptedEnv(PROMPTS[1], stops=(), answer_turn=10)], context_limit=prompt_len + 20)
     assert ctx.stop_reason is StopReason.CONTEXT_LIMIT and ctx.num_tokens == prompt_len + 20
     (no_room,) = _run(engine, [ScriptedEnv(PROMPTS[1])], context_limit=prompt_len)
     assert no_room.stop_reason is StopReason.CONTEXT_LIMIT and no_room.num_action_tokens == 0
+
+
+def test_turn_cut_by_the_per_turn_limit_is_truncated_not_graded(engine) -> None:
+    # No stop strings: the first turn runs into its per-turn budget of 5 with episode budget to spare.
+    env = ScriptedEnv(PROMPTS[1], stops=(), answer_turn=1)
+    (traj,) = _run(engine, [env], max_new_tokens_per_turn=5)
+    # Not stepped (answer_turn=1 would have graded it as the answer, reward 1): truncated, finish() grades it.
+    assert env.actions == [] and env.finished == [StopReason.MAX_TOKENS]
+    assert traj.stop_reason is StopReason.MAX_TOKENS and traj.truncated and traj.reward == -0.5
+    assert traj.num_action_tokens == 5 and traj.info["cut_turns"] == 1 and traj.info["turn_cut"] == 1
+
+
+def test_truncation_stats_per_turn_and_per_episode(engine) -> None:
+    cut = ScriptedEnv(PROMPTS[0], stops=(), answer_turn=1)  # 1 turn, cut by the per-turn limit
+    answered = ScriptedEnv(PROMPTS[1], answer_turn=3)  # 3 turns, answered
+    out_of_turns = ScriptedEnv(PROMPTS[2], answer_turn=10)  # 2 turns, MAX_TURNS (truncated, no turn cut)
+    trajs = [
+        *_run(engine, [cut], max_new_tokens_per_turn=5),
+        *_run(engine, [answered]),
+        *_run(engine, [out_of_turns], max_turns=2),
+    ]
+    assert [t.stop_reason for t in trajs] == [StopReason.MAX_TOKENS, StopReason.ANSWER, StopReason.MAX_TURNS]
+    stats = truncation_stats(trajs)
+    # Episodes: 2 of 3 truncated, 1 of 3 by the per-turn limit; turns: 1 cut of 1 + 3 + 2 = 6.
+    assert stats == (2 / 3, 1 / 6, 1 / 3)
+    assert truncation_stats([]) == (0.0, 0.0, 0.0)
 
 
 def test_eos_turn_is_stepped_then_finished(tok) -> None:
@@ -244,8 +271,8 @@ def test_budget_invariants_on_random_configurations(engine, tok) -> None:
 
 
 def test_kv_reuse_across_turns_changes_nothing(engine) -> None:
-    reused = _run(engine, [ScriptedEnv(p) for p in PROMPTS], seed=5, reuse_kv=True)
-    fresh = _run(engine, [ScriptedEnv(p) for p in PROMPTS], seed=5, reuse_kv=False)
+    reused = _run(engine, [ScriptedEnv(p) for p in PROMPTS], seed=3, reuse_kv=True)
+    fresh = _run(engine, [ScriptedEnv(p) for p in PROMPTS], seed=3, reuse_kv=False)
     for a, b in zip(reused, fresh, strict=True):
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.action_mask, b.action_mask)
         torch.testing.assert_close(a.logp_behav, b.logp_behav, atol=ATOL, rtol=0)

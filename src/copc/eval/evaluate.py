@@ -12,8 +12,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
 from copc.eval.metrics import avg_at_k, greedy_accuracy, mean_pass_at_k
+from copc.rollout.chat import chat_format
 from copc.rollout.engine import Engine
-from copc.rollout.episode import run_episodes
+from copc.rollout.episode import run_episodes, truncation_stats
 from copc.rollout.generator import RolloutConfig
 from copc.tasks import Task
 from copc.types import Prompt, Trajectory
@@ -47,23 +48,30 @@ def evaluate(
     eval_cfg: EvalConfig,
     *,
     seed: int,
+    episodes: list[Trajectory] | None = None,
 ) -> dict[str, float]:
     """avg@k and unbiased pass@k at the rollout temperature, and greedy accuracy, on eval prompts.
 
     Sampling uses a generator seeded by ``seed`` (the same prompts and seeds before and after
-    training, so the difference is the policy's). Metrics under ``eval/``.
+    training, so the difference is the policy's). Metrics under ``eval/``. ``episodes``, when given,
+    receives the sampled (not greedy) trajectories, e.g. to log what the model wrote.
     """
     if eval_cfg.prompts == 0:
         return {}
     prompts = task.prompts("eval", n=eval_cfg.prompts)
     k = eval_cfg.samples
     sampled = _play(model, tokenizer, task, prompts, k, rollout, seed=seed, greedy=False)
+    if episodes is not None:
+        episodes.extend(sampled)
     correct = _by_prompt(sampled, len(prompts), k)
     out = {
         m.EVAL_ACCURACY: avg_at_k(correct),
         m.EVAL_PASS_AT_K: mean_pass_at_k(correct, k),
         m.EVAL_TOOL_USE_RATE: sum(t.info.get("tool_calls", 0.0) > 0 for t in sampled) / len(sampled),
     }
+    cut = truncation_stats(sampled)
+    out.update({m.EVAL_TRUNCATED_FRAC: cut.episode_frac, m.EVAL_TRUNCATED_TURN_FRAC: cut.turn_frac,
+                m.EVAL_TURN_LIMIT_FRAC: cut.turn_limit_frac})
     if eval_cfg.greedy:
         greedy = _play(model, tokenizer, task, prompts, 1, rollout, seed=seed, greedy=True)
         out[m.EVAL_GREEDY_ACCURACY] = greedy_accuracy([bool(_correct(t)) for t in greedy])
@@ -101,4 +109,5 @@ def _play(
         max_total_tokens=rollout.max_total_tokens,
         context_limit=rollout.context_limit,
         prompt_ids=[p.id for p in prompts for _ in range(k)],
+        chat=chat_format(tokenizer, rollout.chat_template),
     )

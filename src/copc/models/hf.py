@@ -78,6 +78,29 @@ def load_policy(
     return model.eval(), tokenizer
 
 
+def convert_gguf(folder: str | Path, gguf_file: str, out: str | Path) -> Path:
+    """Load ``folder/gguf_file`` once (transformers de-quantizes it to float32) and save it to ``out`` as an
+    ordinary ``save_pretrained`` folder with its tokenizer (and chat template), so later runs load fast.
+
+    A GGUF-loaded model refuses ``save_pretrained`` (it is marked as quantized although its weights are
+    plain float32 tensors), so the weights are moved into a model built from the same config.
+    """
+    model, tokenizer = load_policy(folder, gguf_file=gguf_file)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = plain.load_state_dict(model.state_dict(), strict=False)
+    tied = set(getattr(plain, "_tied_weights_keys", None) or ())
+    if [k for k in result.missing_keys if k not in tied] or result.unexpected_keys:
+        raise RuntimeError(f"converting {gguf_file}: weights do not match its config ({result})")
+    plain.generation_config = model.generation_config
+    out = Path(out)
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip padding: ``cumsum(mask) - 1``, clamped at 0 on (left) pad positions.
 

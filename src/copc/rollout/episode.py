@@ -1,30 +1,42 @@
 """The multi-turn tool loop: many episodes advanced together, one batched engine call per turn.
 
 Each episode's token sequence is built by appending, never by re-tokenising text, so the ids of a
-:class:`~copc.types.Trajectory` are exactly what the model saw:
+:class:`~copc.types.Trajectory` are exactly what the model saw. Raw text (no chat format)::
 
     prompt   = tokenizer(env.initial_text())              (special tokens added, e.g. BOS)
     turn k   = the tokens the engine sampled               action_mask True, logp_behav, version
     obs k    = tokenizer(observation, no special tokens)   action_mask False, logp 0, version -1
+
+With a :class:`~copc.rollout.chat.ChatFormat` (``rollout.chat_template``) the prompt is the template's
+user turn plus its generation prompt, and ``obs k`` is the template's end of the assistant message, the
+observation as a tool (or user) turn and the next generation prompt, all forced (action_mask False): the
+decoded trajectory equals ``apply_chat_template`` of the conversation. An EOS then ends the assistant
+*message*, not the episode: a tool call that ends with EOS still gets its observation.
 
 One round: every unfinished episode generates its next turn in the same ``Engine.generate`` call (stop
 strings from its env, its own token budget; with ``reuse_kv`` the keys/values of what the episode was
 already fed are passed back, so only the last sampled token and the observation are fed). Then, per
 episode:
 
-- the turn used up the generated-token budget (``max_total_tokens``) or the context window without
-  stopping on its own -> ``env.finish(MAX_TOKENS | CONTEXT_LIMIT)``;
+- the turn hit a token limit without stopping on its own (the per-turn limit
+  ``max_new_tokens_per_turn`` or the episode's ``max_total_tokens`` -> ``MAX_TOKENS``, the context window
+  -> ``CONTEXT_LIMIT``): it is not stepped (a cut turn is neither an answer nor a void turn), the episode
+  ends with ``env.finish(reason)`` and is truncated; ``info["turn_cut"] = 1`` says the cut was the
+  per-turn limit;
 - otherwise ``env.step(turn_text)`` (also after EOS: the env grades or rejects a turn that ended with
   end-of-sequence). ``done`` -> the episode ends with StopReason.ANSWER ("the environment said done").
-  Not done after an EOS turn -> ``env.finish(EOS)``. Otherwise the observation is appended (cut at
-  the context window), and the episode ends with ``env.finish(...)`` if the turn budget, the token
-  budget or the context window is now exhausted, else it goes on to the next round.
+  Not done after an EOS turn -> ``env.finish(EOS)`` (raw text; with a chat format only when there is no
+  observation). Otherwise the observation is appended (cut at the context window), and the episode ends
+  with ``env.finish(...)`` if the turn budget, the token budget or the context window is now exhausted,
+  else it goes on to the next round.
 
 Rewards: a ``step`` reward lands on the last token of the turn that produced it; a ``finish`` reward
 on the last token of the trajectory (the trainer folds rewards onto policy tokens, spec section 0);
 ``reward`` is their sum. ``info`` holds the env's counters (an env reports running totals, so the
 latest value of each key wins) plus the loop's own: ``policy_turns``, ``gen_tokens``, ``obs_tokens``,
-``env_errors``.
+``env_errors``, ``cut_turns`` (turns cut by any token limit: 0 or 1, a cut ends the episode) and
+``turn_cut`` (1 when that cut was the per-turn limit). :func:`truncation_stats` turns them into the
+per-turn and per-episode truncation rates.
 
 An exception raised by ``env.step`` or ``env.finish`` ends that episode only: reward 0, ``env_errors``
 = 1, stop reason ENV_ERROR, and the traceback is logged. Other episodes carry on. ``env.step`` calls of
@@ -37,10 +49,12 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from copc.rollout.chat import ChatFormat
 from copc.rollout.engine import Engine, FinishReason, Generation, PrefixKV, SamplingConfig
 from copc.types import Env, EnvStep, StopReason, Trajectory
 
@@ -70,7 +84,10 @@ class _Episode:
     def __post_init__(self) -> None:
         n = len(self.ids)
         self.mask, self.logp, self.version, self.rewards = [False] * n, [0.0] * n, [-1] * n, [0.0] * n
-        self.info = {"policy_turns": 0.0, "gen_tokens": 0.0, "obs_tokens": 0.0, "env_errors": 0.0}
+        self.info = {
+            "policy_turns": 0.0, "gen_tokens": 0.0, "obs_tokens": 0.0, "env_errors": 0.0, "cut_turns": 0.0,
+            "turn_cut": 0.0,
+        }
 
     def add_turn(self, gen: Generation) -> None:
         tokens = gen.token_ids.tolist()
@@ -129,6 +146,7 @@ def run_episodes(
     seed: int | None = None,
     reuse_kv: bool = True,
     env_workers: int = 8,
+    chat: ChatFormat | None = None,
 ) -> list[Trajectory]:
     """Run every env to the end, batching all active episodes in each engine call (module docstring).
 
@@ -150,6 +168,8 @@ def run_episodes(
             token and the observation (same tokens and log-probs as recomputing, up to float rounding;
             dropped automatically when the engine's weights change between turns).
         env_workers: threads that run one round's ``env.step`` calls concurrently (1 = sequential).
+        chat: render the prompt and the observations through this chat format (module docstring);
+            None: raw text.
 
     Returns:
         One :class:`Trajectory` per env, in order.
@@ -160,7 +180,7 @@ def run_episodes(
         if values is not None and len(values) != n:
             raise ValueError(f"{name} has {len(values)} entries for {n} envs; give one per env")
     sampling = sampling or SamplingConfig()
-    episodes = [_start(engine, i, env, context_limit) for i, env in enumerate(envs)]
+    episodes = [_start(engine, i, env, context_limit, chat) for i, env in enumerate(envs)]
     while active := [ep for ep in episodes if ep.stop is None]:
         budgets = [
             min(max_new_tokens_per_turn, max_total_tokens - ep.generated, context_limit - len(ep.ids)) for ep in active
@@ -177,16 +197,21 @@ def run_episodes(
         for ep, gen in zip(active, gens, strict=True):
             ep.add_turn(gen)
             ep.kv = gen.kv
-        results = _step_envs(active, gens, max_total_tokens=max_total_tokens, context_limit=context_limit, workers=env_workers)
-        for ep, gen, result in zip(active, gens, results, strict=True):
-            _after_turn(
-                engine, ep, gen, result, max_turns=max_turns, max_total_tokens=max_total_tokens, context_limit=context_limit
-            )
+        cuts = [_cut_by_limit(ep, gen, max_total_tokens=max_total_tokens, context_limit=context_limit)
+                for ep, gen in zip(active, gens, strict=True)]
+        results = _step_envs(active, gens, cuts, workers=env_workers)
+        for ep, gen, cut, result in zip(active, gens, cuts, results, strict=True):
+            if cut is not None:
+                _end_cut_turn(ep, cut)
+            elif result is not None:  # None: the env raised and _call_env already ended the episode
+                _after_turn(engine, chat, ep, gen, result, max_turns=max_turns, max_total_tokens=max_total_tokens,
+                            context_limit=context_limit)
     return [_to_trajectory(ep, group_ids, prompt_ids) for ep in episodes]
 
 
-def _start(engine: Engine, index: int, env: Env, context_limit: int) -> _Episode:
-    ids = list(engine.tokenizer(env.initial_text(), add_special_tokens=True)["input_ids"])
+def _start(engine: Engine, index: int, env: Env, context_limit: int, chat: ChatFormat | None) -> _Episode:
+    text = env.initial_text()
+    ids = chat.prompt_ids(text) if chat is not None else list(engine.tokenizer(text, add_special_tokens=True)["input_ids"])
     if not ids:
         raise ValueError(f"env {index} has an empty prompt and the tokenizer adds no BOS: give it prompt text")
     ep = _Episode(index=index, env=env, ids=ids, prompt_len=len(ids))
@@ -195,26 +220,38 @@ def _start(engine: Engine, index: int, env: Env, context_limit: int) -> _Episode
     return ep
 
 
-def _cut_by_budget(ep: _Episode, gen: Generation, *, max_total_tokens: int, context_limit: int) -> StopReason | None:
-    """The budget that cut this turn before it stopped on its own (such a turn is not stepped)."""
-    if gen.finish is FinishReason.LENGTH and ep.generated >= max_total_tokens:
-        return StopReason.MAX_TOKENS
-    if gen.finish is FinishReason.LENGTH and len(ep.ids) >= context_limit:
-        return StopReason.CONTEXT_LIMIT
-    return None
+class _TurnCut(NamedTuple):
+    """A turn that hit a token limit before it stopped on its own (such a turn is not stepped)."""
+
+    reason: StopReason
+    #: True when the limit was the per-turn one (``max_new_tokens_per_turn``), not the episode's.
+    per_turn: bool
+
+
+def _cut_by_limit(ep: _Episode, gen: Generation, *, max_total_tokens: int, context_limit: int) -> _TurnCut | None:
+    """How this turn was cut (call after ``add_turn``), None when it stopped on its own (stop string, EOS)."""
+    if gen.finish is not FinishReason.LENGTH:
+        return None
+    if ep.generated >= max_total_tokens:
+        return _TurnCut(StopReason.MAX_TOKENS, per_turn=False)
+    if len(ep.ids) >= context_limit:
+        return _TurnCut(StopReason.CONTEXT_LIMIT, per_turn=False)
+    return _TurnCut(StopReason.MAX_TOKENS, per_turn=True)
+
+
+def _end_cut_turn(ep: _Episode, cut: _TurnCut) -> None:
+    ep.info["cut_turns"] += 1
+    ep.info["turn_cut"] = float(cut.per_turn)
+    _end_by_loop(ep, cut.reason)
 
 
 def _step_envs(
-    active: list[_Episode], gens: list[Generation], *, max_total_tokens: int, context_limit: int, workers: int
+    active: list[_Episode], gens: list[Generation], cuts: list[_TurnCut | None], *, workers: int
 ) -> list[EnvStep | None]:
-    """``env.step`` for every turn that needs it, concurrently: tools (a sandboxed interpreter, a
+    """``env.step`` for every turn that was not cut, concurrently: tools (a sandboxed interpreter, a
     retriever) wait on other processes or I/O, so a round costs about one tool call, not one per episode.
     Results keep the episodes' order, so the outcome does not depend on scheduling."""
-    todo = [
-        i
-        for i, (ep, gen) in enumerate(zip(active, gens, strict=True))
-        if _cut_by_budget(ep, gen, max_total_tokens=max_total_tokens, context_limit=context_limit) is None
-    ]
+    todo = [i for i, cut in enumerate(cuts) if cut is None]
     results: list[EnvStep | None] = [None] * len(active)
 
     def step(i: int) -> EnvStep | None:
@@ -233,28 +270,24 @@ def _step_envs(
 
 def _after_turn(
     engine: Engine,
+    chat: ChatFormat | None,
     ep: _Episode,
     gen: Generation,
-    result: EnvStep | None,
+    result: EnvStep,
     *,
     max_turns: int,
     max_total_tokens: int,
     context_limit: int,
 ) -> None:
-    """Apply the env's answer to the turn just generated (or end the episode); append the observation."""
-    cut = _cut_by_budget(ep, gen, max_total_tokens=max_total_tokens, context_limit=context_limit)
-    if cut is not None:
-        return _end_by_loop(ep, cut)
-    if result is None:  # the env raised: _call_env already ended the episode
-        return None
+    """Apply the env's answer to a turn that stopped on its own; append the observation or end the episode."""
     ep.add_reward(result)
     if result.done:
         ep.stop, ep.kv = StopReason.ANSWER, None
         return None
-    if gen.finish is FinishReason.EOS:
+    if gen.finish is FinishReason.EOS and (chat is None or not result.observation):
         return _end_by_loop(ep, StopReason.EOS)
     if result.observation:
-        obs = list(engine.tokenizer(result.observation, add_special_tokens=False)["input_ids"])
+        obs = _observation_ids(engine, chat, gen, result.observation)
         ep.add_observation(obs[: max(context_limit - len(ep.ids), 0)])
     if ep.turns >= max_turns:
         return _end_by_loop(ep, StopReason.MAX_TURNS)
@@ -263,6 +296,15 @@ def _after_turn(
     if len(ep.ids) >= context_limit:
         return _end_by_loop(ep, StopReason.CONTEXT_LIMIT)
     return None
+
+
+def _observation_ids(engine: Engine, chat: ChatFormat | None, gen: Generation, observation: str) -> list[int]:
+    if chat is None:
+        return list(engine.tokenizer(observation, add_special_tokens=False)["input_ids"])
+    eos_text = None
+    if gen.finish is FinishReason.EOS:
+        eos_text = str(engine.tokenizer.decode(gen.token_ids[-1:].tolist(), skip_special_tokens=False))
+    return chat.observation_ids(observation, eos_text=eos_text)
 
 
 def _end_by_loop(ep: _Episode, reason: StopReason) -> None:
@@ -303,4 +345,29 @@ def _to_trajectory(ep: _Episode, group_ids: Sequence[int] | None, prompt_ids: Se
         stop_reason=ep.stop if ep.stop is not None else StopReason.EOS,
         info=dict(ep.info),
         group=group_ids[ep.index] if group_ids is not None else 0,
+    )
+
+
+class TruncationStats(NamedTuple):
+    """How often budgets cut episodes (fractions in [0, 1]; 0 for an empty list)."""
+
+    #: Episodes cut by any budget (turns, tokens, context): ``StopReason.truncated``.
+    episode_frac: float
+    #: Policy turns cut by a token limit before they stopped on their own.
+    turn_frac: float
+    #: Episodes whose last turn hit the per-turn limit ``max_new_tokens_per_turn``.
+    turn_limit_frac: float
+
+
+def truncation_stats(trajectories: Sequence[Trajectory]) -> TruncationStats:
+    """Per-episode and per-turn truncation rates from the loop's ``info`` counters (module docstring)."""
+    if not trajectories:
+        return TruncationStats(0.0, 0.0, 0.0)
+    n = len(trajectories)
+    turns = sum(t.info.get("policy_turns", 0.0) for t in trajectories)
+    cut = sum(t.info.get("cut_turns", 0.0) for t in trajectories)
+    return TruncationStats(
+        episode_frac=sum(t.truncated for t in trajectories) / n,
+        turn_frac=cut / turns if turns else 0.0,
+        turn_limit_frac=sum(t.info.get("turn_cut", 0.0) for t in trajectories) / n,
     )

@@ -44,6 +44,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
 from copc.rewards.shaping import overlong_penalty
+from copc.rollout.chat import chat_format
 from copc.rollout.engine import Engine, SamplingConfig
 from copc.rollout.episode import run_episodes
 from copc.tasks.base import Task
@@ -111,7 +112,7 @@ class RolloutConfig:
     max_turns: int = 3
     """Policy turns per episode (tool calls + answer)."""
     max_new_tokens_per_turn: int = 48
-    """Token budget of one policy turn."""
+    """Token budget of one policy turn (a turn cut by it is not graded: the episode ends truncated)."""
     max_total_tokens: int = 128
     """Generated-token budget of one episode (truncated beyond)."""
     context_limit: int = 512
@@ -126,6 +127,8 @@ class RolloutConfig:
     """DAPO dynamic sampling (drop groups with equal rewards, sample more); off unless the method or this turns it on."""
     overlong: OverlongShapingConfig = field(default_factory=OverlongShapingConfig)
     """DAPO soft overlong punishment of the reward; off unless the method or this turns it on."""
+    chat_template: str = "auto"
+    """Chat template: 'auto' (the tokenizer's, if it has one), 'none' (raw text) or a Jinja template file."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_batch", "group_size", "max_turns", "max_new_tokens_per_turn",
@@ -251,6 +254,7 @@ class RolloutGenerator:
         self.task, self.config, self.seed = task, config, seed
         self.engine = Engine(model, tokenizer, version=0)
         self.pool = task.prompts("train")
+        self.chat = chat_format(tokenizer, config.chat_template)
 
     @property
     def version(self) -> int:
@@ -297,6 +301,7 @@ class RolloutGenerator:
             context_limit=self.config.context_limit,
             group_ids=[batch_index * self.config.prompts_per_batch + i // group for i in range(len(envs))],
             prompt_ids=[p.id for p in prompts for _ in range(group)],
+            chat=self.chat,
         )
         return [trajectories[k * group : (k + 1) * group] for k in range(len(prompts))]
 

@@ -1,15 +1,24 @@
 """The run config of ``copc train``: one frozen dataclass per section, the embedded default, loading a
-YAML file with ``key.sub=value`` overrides, and checking the names it holds (task, method preset).
+YAML file with ``key.sub=value`` overrides, and checking what it names (task and its options, the paths
+the task reads, method preset) before anything is built.
+
+``task_options`` belong to ``task``: an override ``task=X`` that changes the task resets them to X's
+run defaults (:func:`task_defaults`) before later overrides apply, and a YAML file that names a task but
+no ``task_options`` gets that task's defaults, so ``copc train task=math_tool task_options.data=x.jsonl``
+means what it says.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal
 
+import yaml
+
 from copc.channels.methods import MethodConfig, get_method
-from copc.config import ConfigError, apply_overrides, load_yaml
+from copc.config import ConfigError, ConfigValue, apply_overrides, from_dict, load_yaml, parse_override
 from copc.eval.evaluate import EvalConfig
 from copc.rollout.generator import RolloutConfig
 from copc.runtime.staleness import StalenessConfig
@@ -20,12 +29,23 @@ __all__ = [
     "EvalConfig",
     "ModelConfig",
     "RunConfig",
+    "apply_run_overrides",
     "default_config",
     "load_run_config",
     "resolve_method",
     "resolve_rollout",
+    "task_defaults",
     "validate_names",
 ]
+
+#: ``task_options`` a run starts from when it names the task without options (other tasks: their config
+#: class's own defaults). arith_tool's are the embedded default's level-1 problems.
+TASK_RUN_DEFAULTS: dict[str, dict[str, ConfigValue]] = {"arith_tool": {"difficulty": 1, "train_size": 5000}}
+
+
+def task_defaults(task: str) -> dict[str, str | int | float | bool | None]:
+    """The ``task_options`` of a run of ``task`` that sets none (a fresh copy)."""
+    return dict(TASK_RUN_DEFAULTS.get(task, {}))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -72,10 +92,8 @@ class RunConfig:
 
     task: str = "arith_tool"
     """Task name (copc.tasks registry)."""
-    task_options: dict[str, str | int | float | bool | None] = field(
-        default_factory=lambda: {"difficulty": 1, "train_size": 5000}
-    )
-    """Task config values (e.g. {hard: true}); default: arith_tool level 1 (2x2-digit products)."""
+    task_options: dict[str, str | int | float | bool | None] = field(default_factory=lambda: task_defaults("arith_tool"))
+    """Task config values (e.g. task_options.data=rows.jsonl); task=X resets them to X's defaults."""
     method: str = "copc"
     """Method preset (copc.channels.methods registry)."""
     steps: int = 60
@@ -131,17 +149,41 @@ def resolve_rollout(cfg: RunConfig) -> RolloutConfig:
     )
 
 
-def load_run_config(config_path: str | None, overrides: Sequence[str]) -> RunConfig:
-    """The default config, or ``config_path`` (YAML), with ``key.sub=value`` overrides applied."""
-    cfg = load_yaml(RunConfig, config_path) if config_path else default_config()
-    cfg = apply_overrides(cfg, list(overrides))
-    validate_names(cfg)
+def load_run_config(config_path: str | None, overrides: Sequence[str], *, strict: bool = True) -> RunConfig:
+    """The default config, or ``config_path`` (YAML), with ``key.sub=value`` overrides applied and checked:
+    with ``strict`` by :func:`validate_names` (task options and every path the task reads included),
+    else only the task and method names (to print a config that is not complete yet)."""
+    cfg = _load_yaml_run_config(config_path) if config_path else default_config()
+    cfg = apply_run_overrides(cfg, overrides)
+    validate_names(cfg, check_options=strict, check_paths=strict)
     return cfg
 
 
-def validate_names(cfg: RunConfig) -> None:
-    """Fail with a :class:`ConfigError` naming the valid choices if the task or method is unknown."""
-    from copc.tasks import task_names
+def _load_yaml_run_config(path: str) -> RunConfig:
+    cfg = load_yaml(RunConfig, path)
+    data = yaml.safe_load(Path(path).read_text())  # load_yaml read it without error already
+    if isinstance(data, dict) and "task" in data and "task_options" not in data:
+        cfg = replace(cfg, task_options=task_defaults(cfg.task))
+    return cfg
+
+
+def apply_run_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
+    """``apply_overrides`` one at a time; one that changes ``task`` resets ``task_options`` to its defaults."""
+    for text in overrides:
+        before = cfg.task
+        cfg = apply_overrides(cfg, [text])
+        if parse_override(text)[0] == ["task"] and cfg.task != before:
+            cfg = replace(cfg, task_options=task_defaults(cfg.task))
+    return cfg
+
+
+def validate_names(cfg: RunConfig, *, check_options: bool = True, check_paths: bool = False) -> None:
+    """Fail with a one-line :class:`ConfigError` if the task or method is unknown (naming the valid
+    choices); with ``check_options`` if a task option is unknown or bad; with ``check_paths`` if a
+    file the task will read is missing (``check_paths()`` of the task's config, where it has one) or
+    ``rollout.chat_template`` names a missing file."""
+    from copc.rollout.chat import check_chat_template_setting
+    from copc.tasks import task_config_class, task_names
 
     if cfg.task not in task_names():
         raise ConfigError(f"task: unknown task {cfg.task!r}; valid tasks: {', '.join(task_names())}")
@@ -153,4 +195,41 @@ def validate_names(cfg: RunConfig) -> None:
         resolve_rollout(cfg)
     except ValueError as err:
         raise ConfigError(f"rollout (with method {cfg.method!r}): {' '.join(str(err).split())}") from None
+    if not (check_options or check_paths):
+        return
+    try:
+        task_cfg: object = from_dict(task_config_class(cfg.task), dict(cfg.task_options))
+    except ConfigError as err:
+        raise ConfigError(f"task_options ({cfg.task}): {err}") from None
+    if not check_paths:
+        return
+    check = getattr(task_cfg, "check_paths", None)
+    try:
+        if check is not None:
+            check()
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"task_options ({cfg.task}): {' '.join(str(err).split())}") from None
+    try:
+        check_chat_template_setting(cfg.rollout.chat_template)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _check_policy(cfg)
+
+
+def _check_policy(cfg: RunConfig) -> None:
+    """``model.policy`` names an HF folder that exists, or a warm start the task can build."""
+    from copc.tasks import SupportsSFT, get_task
+
+    policy = cfg.model.policy
+    if policy == "warmstart":
+        if not isinstance(get_task(cfg.task, **cfg.task_options), SupportsSFT):
+            raise ConfigError(
+                f"model.policy=warmstart: task {cfg.task} has no warm-start demonstrations; "
+                "set model.policy to an HF model folder (or tiny)"
+            )
+    elif policy != "tiny" and not (Path(policy).expanduser() / "config.json").is_file():
+        raise ConfigError(
+            f"model.policy={policy}: not 'warmstart', 'tiny' or an HF model folder (no config.json there); "
+            "give a folder written by save_pretrained"
+        )
 

@@ -1,4 +1,14 @@
-"""``copc eval``: evaluate an HF policy folder or a run directory's latest checkpoint on a task."""
+"""``copc eval``: evaluate an HF policy folder or a run directory's latest checkpoint on any task.
+
+    copc eval --checkpoint RUN_DIR                          # the run's task, options and rollout budgets
+    copc eval --checkpoint HF_DIR --task math_tool task_options.data=rows.jsonl task_options.eval_size=50 \\
+        rollout.max_new_tokens_per_turn=256 rollout.chat_template=auto
+
+The config is the run's ``config.yaml`` (a run directory) or the embedded default (an HF folder), then
+``--task`` (which resets ``task_options`` to the new task's defaults when it changes the task), then the
+``key.sub=value`` overrides, with the same one-line checks as ``copc train`` (unknown keys, bad values,
+missing data files) before any model is loaded.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +21,23 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from copc.config import ConfigError, from_dict, load_yaml
+from copc.config import ConfigError, load_yaml
 from copc.eval.evaluate import EvalConfig, evaluate
 from copc.models.hf import load_policy
+from copc.rollout.samples import append_samples
 from copc.run.build import policy_path, quiet_transformers
-from copc.run.config import RunConfig, validate_names
+from copc.run.config import RunConfig, apply_run_overrides, default_config, validate_names
 from copc.tasks import get_task
 from copc.trainer.checkpoint import load_latest
+from copc.types import Trajectory
 
-__all__ = ["eval_cli"]
+__all__ = ["eval_cli", "eval_config"]
 
 
 def eval_cli(argv: Sequence[str]) -> int:
-    """``copc eval --checkpoint DIR|RUN_DIR [--task NAME] [--prompts N] [--samples K] [--seed S]``."""
-    parser = argparse.ArgumentParser(prog="copc eval", description="avg@k, unbiased pass@k and greedy accuracy")
+    """``copc eval --checkpoint DIR|RUN_DIR [--task NAME] [--prompts N] [--samples K] [key.sub=value ...]``."""
+    parser = argparse.ArgumentParser(prog="copc eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="an HF policy folder, or a run directory (its latest checkpoint is evaluated)")
     parser.add_argument("--task", default=None, help="task name (default: the run's task, else arith_tool)")
@@ -32,17 +45,28 @@ def eval_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--samples", type=int, default=4, help="k of avg@k and pass@k")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-greedy", action="store_true")
+    parser.add_argument("--samples-out", default=None, metavar="FILE",
+                        help="append rendered sampled episodes (prompt, turns, tool output, reward) as JSONL")
+    parser.add_argument("--samples-limit", type=int, default=8, help="episodes written by --samples-out")
+    parser.add_argument("overrides", nargs="*",
+                        help="key.sub=value overrides of the run config (task_options.*, rollout.* ...)")
     args = parser.parse_args(list(argv))
     quiet_transformers()
+    path = Path(args.checkpoint)
     try:
-        cfg, model, tokenizer = _load_for_eval(Path(args.checkpoint), args.task)
+        cfg = eval_config(path, args.task, args.overrides)
         eval_cfg = EvalConfig(prompts=args.prompts, samples=args.samples, greedy=not args.no_greedy)
+        task = get_task(cfg.task, **cfg.task_options)
+        model, tokenizer = _load_model(path)
     except (ConfigError, ValueError, OSError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    task = get_task(cfg.task, **cfg.task_options)
-    metrics = evaluate(model, tokenizer, task, cfg.rollout, eval_cfg, seed=args.seed)
+    episodes: list[Trajectory] = []
+    metrics = evaluate(model, tokenizer, task, cfg.rollout, eval_cfg, seed=args.seed, episodes=episodes)
+    if args.samples_out:
+        written = append_samples(args.samples_out, episodes, tokenizer, step=0, limit=args.samples_limit)
+        print(f"{written} rendered episodes appended to {args.samples_out}")
     from rich.console import Console
     from rich.table import Table
 
@@ -56,20 +80,32 @@ def eval_cli(argv: Sequence[str]) -> int:
     return 0
 
 
-def _load_for_eval(path: Path, task: str | None) -> tuple[RunConfig, PreTrainedModel, PreTrainedTokenizerBase]:
-    if (path / "config.yaml").exists() and (path / "checkpoints").exists():
+def is_run_dir(path: Path) -> bool:
+    return (path / "config.yaml").exists() and (path / "checkpoints").exists()
+
+
+def eval_config(path: Path, task: str | None, overrides: Sequence[str]) -> RunConfig:
+    """The run config ``copc eval`` uses for ``path`` (module docstring), checked like ``copc train``'s."""
+    if not path.exists():
+        raise ValueError(f"--checkpoint {path} does not exist; give an HF model folder or a run directory")
+    if is_run_dir(path):
         cfg = load_yaml(RunConfig, path / "config.yaml")
-        if task:
-            cfg = replace(cfg, task=task)
-        latest = load_latest(path)
-        if latest is None:
-            raise ValueError(f"{path} has no complete checkpoint to evaluate")
-        model, tokenizer = load_policy(policy_path(cfg, path))
-        model.load_state_dict(latest[1]["trainer"]["policy"])  # type: ignore[index]
-        return cfg, model, tokenizer
-    if task is None:
-        task = "arith_tool"
-    cfg = from_dict(RunConfig, {"task": task})
-    validate_names(cfg)
-    model, tokenizer = load_policy(path)
-    return cfg, model, tokenizer
+    else:  # the folder is the policy evaluated
+        cfg = replace(default_config(), model=replace(default_config().model, policy=str(path)))
+    if task is not None:
+        cfg = apply_run_overrides(cfg, [f"task={task}"])
+    cfg = apply_run_overrides(cfg, overrides)
+    validate_names(cfg, check_options=True, check_paths=True)
+    return cfg
+
+
+def _load_model(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy of an HF folder, or a run's latest checkpoint on the run's own base model."""
+    if not is_run_dir(path):
+        return load_policy(path)
+    latest = load_latest(path)
+    if latest is None:
+        raise ValueError(f"{path} has no complete checkpoint to evaluate")
+    model, tokenizer = load_policy(policy_path(load_yaml(RunConfig, path / "config.yaml"), path))
+    model.load_state_dict(latest[1]["trainer"]["policy"])  # type: ignore[index]
+    return model, tokenizer

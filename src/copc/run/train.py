@@ -350,11 +350,18 @@ def train_cli(argv: Sequence[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (sections as in RunConfig)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (every key, its value and its doc) and exit")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
     args = parser.parse_args(list(argv))
     quiet_transformers()
     try:
-        cfg = load_run_config(args.config, args.overrides)
+        cfg = load_run_config(args.config, args.overrides, strict=not args.print_config)
+        if args.print_config:
+            from copc.run.describe import format_config
+
+            print(format_config(cfg))
+            return 0
         result = train(cfg, show_progress=not args.no_progress)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from copc import tracking as m
+from copc.rollout.episode import truncation_stats
 from copc.rollout.generator import GeneratedBatch
 from copc.runtime.staleness import realized_staleness
 from copc.trainer.batching import collate
@@ -115,6 +116,7 @@ def rollout_metrics(batch: GeneratedBatch, version: int) -> dict[str, float]:
     trajs = batch.trajectories
     st = realized_staleness(trajs, version)
     calls = [t.info.get("tool_calls", 0.0) for t in trajs]
+    cuts = truncation_stats(trajs)
     out = {
         m.STALENESS_MEAN: st.token_mean,
         m.STALENESS_MAX: float(st.token_max),
@@ -122,10 +124,13 @@ def rollout_metrics(batch: GeneratedBatch, version: int) -> dict[str, float]:
         m.ROLLOUT_ACCURACY: sum(t.info.get("correct", float(t.reward > 0)) for t in trajs) / len(trajs),
         m.ROLLOUT_TOOL_USE_RATE: sum(c > 0 for c in calls) / len(trajs),
         m.ROLLOUT_TOOL_CALLS: sum(calls) / len(trajs),
+        m.ROLLOUT_TOOL_INFRA_ERRORS: sum(t.info.get("tool_infra_errors", 0.0) for t in trajs) / len(trajs),
         m.ROLLOUT_RESPONSE_TOKENS: sum(t.num_action_tokens for t in trajs) / len(trajs),
         m.ROLLOUT_TRUNCATED_FRAC: sum(t.truncated for t in trajs) / len(trajs),
         m.ROLLOUT_VERSION: float(batch.version),
         m.ROLLOUT_EMPTY_FRAC: sum(t.num_action_tokens == 0 for t in trajs) / len(trajs),
+        m.ROLLOUT_TRUNCATED_TURN_FRAC: cuts.turn_frac,
+        m.ROLLOUT_TURN_LIMIT_FRAC: cuts.turn_limit_frac,
     }
     out.update(batch.info)  # the generator's counters (dynamic sampling, overlong penalty)
     return out

@@ -20,6 +20,7 @@ runs (SimpleTIR: 5 in training, 10 in evaluation); later blocks get an error tex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from copc.config import check_positive
 from copc.tasks.base import Split, check_split, register_task, take
@@ -33,6 +34,21 @@ DEFAULT_TEMPLATE = (
     "{problem}\n\nSolve the problem step by step. You may run Python code in ```python ... ``` blocks; "
     "the output appears in an ```output ... ``` block. Put the final answer in \\boxed{{}}.\n"
 )
+
+
+def check_readable_file(option: str, source: str, what: str) -> None:
+    """One-line error unless ``source`` (config ``option``) is empty, an ``hf:`` name or a readable file."""
+    if not source or source.startswith("hf:"):
+        return
+    path = Path(source).expanduser()
+    if not path.is_file():
+        problem = "is a folder" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"{option}={source} {problem}; set {option} to {what}")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as err:
+        raise FileNotFoundError(f"{option}={source} cannot be read ({err.strerror}); fix its permissions") from None
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,11 @@ class DatasetSplits:
             raise ValueError(f"{owner}.data is empty; set it to a .jsonl/.parquet path or hf:NAME")
         if self.eval_size < 0:
             raise ValueError(f"{owner}.eval_size must be >= 0, got {self.eval_size}")
+
+    def check_paths(self) -> None:
+        """Start-up check: every local file the splits will read exists (``hf:`` sources are not checked)."""
+        for option, source in (("data", self.data), ("eval_data", self.eval_data)):
+            check_readable_file(option, source, "a .jsonl/.json/.parquet file or hf:NAME")
 
     def rows(self, split: Split) -> tuple[str, list[SourceRow]]:
         """(source name, rows) of ``split``; each row knows its file and line."""

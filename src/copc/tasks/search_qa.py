@@ -24,7 +24,7 @@ from copc.tasks.base import Split, register_task, take
 from copc.tasks.datasets import answers_column, text_column
 from copc.tasks.envs import SEARCH_TAGS, ToolEnv
 from copc.tasks.graders import ExactMatchGrader
-from copc.tasks.math_tool import DatasetSplits
+from copc.tasks.math_tool import DatasetSplits, check_readable_file
 from copc.tasks.tooling import RetrieverTool
 from copc.types import Env, Prompt
 
@@ -66,6 +66,16 @@ class SearchQAConfig(DatasetSplits):
             raise ValueError("SearchQAConfig.template must contain {question}")
         check_positive("SearchQAConfig", top_k=self.top_k, max_obs_chars=self.max_obs_chars)
         check_positive("SearchQAConfig", max_tool_calls=self.max_tool_calls)
+
+    def check_paths(self) -> None:
+        """Start-up check of the rows, the corpus and the index folder (the corpus is read only when no
+        saved index exists in ``index_dir``)."""
+        super().check_paths()
+        index = Path(self.index_dir).expanduser() if self.index_dir else None
+        if index is not None and index.exists() and not index.is_dir():
+            raise FileNotFoundError(f"index_dir={self.index_dir} is a file; set index_dir to a folder (or empty)")
+        if index is None or not index.exists():
+            check_readable_file("corpus", self.corpus, "a JSONL file of {id, contents} rows")
 
 
 class CorpusLoader:
