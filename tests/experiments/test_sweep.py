@@ -273,7 +273,6 @@ def test_committed_experiments_parse_and_every_cell_resolves(name, tmp_path):
         resolve(cell, tmp_path / cell.cell_id)  # fails naming the cell
 
 
-@pytest.mark.xfail(strict=True, reason="RunConfig cannot set a preset's parameters (method_overrides)")
 def test_e2_joint_sweep_resolves_once_run_config_takes_method_overrides(tmp_path):
     spec = load_spec(EXPERIMENTS / "e2_joint_sweep.yaml")
     assert len(expand(spec)) == 3 * 4 * 3 * 2

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from copc.config import ConfigError
-from copc.run.config import load_run_config, resolve_rollout
+from copc.run.config import load_run_config, resolve_method, resolve_rollout
 
 
 def test_default_run_evaluates_every_20_steps() -> None:
@@ -30,3 +32,17 @@ def test_dynamic_sampling_with_groups_of_one_fails_at_load_naming_the_fix() -> N
     with pytest.raises(ConfigError, match=r"rollout \(with method 'dapo'\): .*group_size >= 2"):
         load_run_config(None, ["method=dapo", "rollout.group_size=1"])
     load_run_config(None, ["method=copc", "rollout.group_size=1"])  # no dynamic sampling: fine
+
+
+def test_method_overrides_change_the_preset_and_bad_ones_name_the_key() -> None:
+    cfg = load_run_config(None, ["method_overrides.policy.mask_high=.inf", "method_overrides.advantage.ratio_high=1.5"])
+    method = resolve_method(cfg)
+    assert method.policy.mask_high == float("inf") and method.advantage.ratio_high == 1.5
+    assert method.policy.mask_low == resolve_method(load_run_config(None, [])).policy.mask_low  # the rest is the preset's
+    for override, needle in [
+        ("method_overrides.polcy.mask_high=2", "unknown section; valid: policy, advantage, critic"),
+        ("method_overrides.policy.mask_hgh=2", "did you mean 'mask_high'"),
+        ("method_overrides.policy.mask_high=-1", "mask_low/mask_high need 0 <= low < high"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_run_config(None, [override])

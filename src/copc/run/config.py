@@ -13,12 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
 from copc.channels.methods import MethodConfig, get_method
-from copc.config import ConfigError, ConfigValue, apply_overrides, from_dict, load_yaml, parse_override
+from copc.config import (
+    ConfigError,
+    ConfigValue,
+    apply_overrides,
+    from_dict,
+    load_yaml,
+    parse_override,
+    to_dict,
+)
 from copc.eval.evaluate import EvalConfig
 from copc.rollout.generator import RolloutConfig
 from copc.runtime.staleness import StalenessConfig
@@ -96,6 +104,8 @@ class RunConfig:
     """Task config values (e.g. task_options.data=rows.jsonl); task=X resets them to X's defaults."""
     method: str = "copc"
     """Method preset (copc.channels.methods registry)."""
+    method_overrides: dict[str, dict[str, str | int | float | bool | None]] = field(default_factory=dict)
+    """Changes to the preset's sections, e.g. method_overrides.policy.mask_high=1.5 (sections: policy, advantage, critic)."""
     steps: int = 60
     """Training steps."""
     seed: int = 0
@@ -135,9 +145,28 @@ def default_config() -> RunConfig:
     return RunConfig()
 
 
+#: The sections of a method preset that ``method_overrides`` may change.
+METHOD_SECTIONS = ("policy", "advantage", "critic")
+
+
 def resolve_method(cfg: RunConfig) -> MethodConfig:
-    """The method preset named by ``cfg.method`` (``get_method`` fails with the valid names)."""
-    return get_method(cfg.method)
+    """The method preset named by ``cfg.method`` with ``cfg.method_overrides`` applied (checked by each
+    section's own config; ``get_method`` fails with the valid names)."""
+    method = get_method(cfg.method)
+    changes: dict[str, Any] = {}  # section name -> its changed config
+    for section, values in cfg.method_overrides.items():
+        if section not in METHOD_SECTIONS:
+            raise ConfigError(
+                f"method_overrides.{section}: unknown section; valid: {', '.join(METHOD_SECTIONS)}"
+            )
+        current = getattr(method, section)
+        if current is None:
+            raise ConfigError(f"method_overrides.{section}: method {cfg.method!r} has no {section} to change")
+        try:
+            changes[section] = from_dict(type(current), {**to_dict(current), **values})
+        except ConfigError as err:
+            raise ConfigError(f"method_overrides.{section} ({cfg.method}): {err}") from None
+    return replace(method, **changes) if changes else method
 
 
 def resolve_rollout(cfg: RunConfig) -> RolloutConfig:
