@@ -99,6 +99,7 @@ ROLLOUT_DYNSAMPLE_DROPPED_GROUPS = "rollout/dynsample_dropped_groups"
 ROLLOUT_DYNSAMPLE_PADDED_GROUPS = "rollout/dynsample_padded_groups"
 ROLLOUT_DYNSAMPLE_SHORT = "rollout/dynsample_short"
 ROLLOUT_OVERLONG_PENALTY = "rollout/overlong_penalty"
+ROLLOUT_INFRA_DROPPED_GROUPS = "rollout/infra_dropped_groups"
 BATCH_SEQUENCES = "batch/sequences"
 BATCH_ACTION_TOKENS = "batch/action_tokens"
 BATCH_TRUNCATED_FRAC = "batch/truncated_frac"
@@ -188,6 +189,7 @@ METRICS: dict[str, str] = {
     ROLLOUT_DYNSAMPLE_PADDED_GROUPS: "dynamic sampling: equal-reward groups kept to fill a batch the round cap left short",
     ROLLOUT_DYNSAMPLE_SHORT: "dynamic sampling: 1 if the batch had too few informative groups after max_rounds",
     ROLLOUT_OVERLONG_PENALTY: "mean DAPO overlong penalty added to the batch's rewards (<= 0)",
+    ROLLOUT_INFRA_DROPPED_GROUPS: "groups dropped because a tool call failed for the machine (rollout.infra_failures=drop)",
     BATCH_SEQUENCES: "sequences in the training batch",
     BATCH_ACTION_TOKENS: "sampled tokens in the training batch",
     BATCH_TRUNCATED_FRAC: "fraction of truncated sequences in the training batch",

@@ -34,8 +34,8 @@ REWARD = {"right": 1.0, "wrong": 0.0}
 
 
 class ScriptedEnv:
-    def __init__(self, prompt: Prompt, reward: float) -> None:
-        self.prompt, self.reward = prompt, reward
+    def __init__(self, prompt: Prompt, reward: float, extra: dict[str, float] | None = None) -> None:
+        self.prompt, self.reward, self.extra = prompt, reward, extra or {}
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -45,10 +45,10 @@ class ScriptedEnv:
         return self.prompt.text
 
     def step(self, action_text: str) -> EnvStep:
-        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward})
+        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward, **self.extra})
 
     def finish(self, reason: StopReason) -> EnvStep:
-        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward})
+        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward, **self.extra})
 
 
 class ScriptedTask:
@@ -68,6 +68,8 @@ class ScriptedTask:
         kind = str(prompt.meta["kind"])
         k = self.calls[prompt.id]
         self.calls[prompt.id] += 1
+        if kind == "infra":  # informative, but the first episode's tool call failed for the machine
+            return ScriptedEnv(prompt, float(k % 2), {"tool_infra_errors": 1.0} if k == 0 else None)
         return ScriptedEnv(prompt, float(k % 2) if kind == "mixed" else REWARD[kind])
 
 
@@ -220,3 +222,17 @@ def test_config_rules() -> None:
     explicit = replace(unset, dynamic_sampling=DynamicSamplingConfig(enabled=False))
     resolved = explicit.with_method_defaults(dynamic_sampling=True, overlong_shaping=False)
     assert resolved.dynamic_sampling.enabled is False and resolved.overlong.enabled is False
+
+
+def test_infra_failures_keep_or_drop_their_group_and_are_counted() -> None:
+    kinds = ["mixed", "infra", "mixed", "mixed"]
+    kept = generator(kinds, rollout_config(ds=False, prompts_per_batch=4)).generate(0)
+    assert len(kept.trajectories) == 16
+    assert sum(t.info.get("tool_infra_errors", 0.0) for t in kept.trajectories) == 1.0
+    dropped = generator(kinds, rollout_config(ds=False, prompts_per_batch=4, infra_failures="drop")).generate(0)
+    assert len(dropped.trajectories) == 12  # the group of the failed episode is gone, whole
+    assert all(t.info.get("tool_infra_errors", 0.0) == 0 for t in dropped.trajectories)
+    assert dropped.info["rollout/infra_dropped_groups"] == 1.0
+    assert len(dropped.rejected) == 4 and {p.meta["kind"] for p in dropped.rejected} == {"infra"}
+    with pytest.raises(ValueError, match=r"rollout\.infra_failures must be one of 'keep', 'drop'"):
+        rollout_config(infra_failures="ignore")

@@ -53,6 +53,8 @@ def test_tiny_run_writes_a_complete_run_directory(tmp_path: Path, capsys: pytest
         assert key in summary, key
     assert summary["steps"] == 2 and summary["method"] == "copc"
     assert (run_dir / "config.yaml").exists()
+    protections = json.loads((run_dir / "sandbox_protections.json").read_text())  # arith_tool runs code
+    assert "minimal_filesystem" in protections["active"] and "seccomp" in protections["active"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss/value" in r] == [0, 1]
     assert any("eval/accuracy" in r for r in rows)
@@ -72,3 +74,18 @@ def test_default_run_raises_eval_accuracy_by_a_quarter(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     assert summary["eval_accuracy_after"] - summary["eval_accuracy_before"] >= 0.25, summary
     assert summary["wall_seconds"] <= 600, summary
+
+
+def test_a_missing_sandbox_protection_refuses_the_run_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import copc.tools.sandbox as sandbox
+
+    def missing(config: object) -> dict[str, bool]:
+        raise sandbox.SandboxUnavailable("sandbox refuses to start, missing protection(s) seccomp: test")
+
+    monkeypatch.setattr(sandbox, "require_protections", missing)
+    assert train_cli(["--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: sandbox refuses to start, missing protection(s) seccomp: test"]
+    assert not (tmp_path / "run" / "checkpoints").exists()

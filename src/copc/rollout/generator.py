@@ -38,11 +38,13 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
+from copc.config import check_one_of
 from copc.rewards.shaping import overlong_penalty
 from copc.rollout.chat import chat_format
 from copc.rollout.engine import Engine, SamplingConfig
@@ -129,6 +131,9 @@ class RolloutConfig:
     """DAPO soft overlong punishment of the reward; off unless the method or this turns it on."""
     chat_template: str = "auto"
     """Chat template: 'auto' (the tokenizer's, if it has one), 'none' (raw text) or a Jinja template file."""
+    infra_failures: Literal["keep", "drop"] = "keep"
+    """Episodes whose tool call failed for the machine, not the code: keep (counted in rollout/tool_infra_errors)
+    or drop their whole group (counted in rollout/infra_dropped_groups)."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_batch", "group_size", "max_turns", "max_new_tokens_per_turn",
@@ -141,6 +146,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k must be >= 0 (0 = off), got {self.top_k}")
+        check_one_of("rollout.infra_failures", self.infra_failures, ("keep", "drop"))
         if self.dynamic_sampling.enabled and self.group_size < 2:
             raise ValueError(
                 f"rollout.dynamic_sampling needs group_size >= 2 (a group of 1 never has differing rewards), "
@@ -254,6 +260,7 @@ class RolloutGenerator:
         self.task, self.config, self.seed = task, config, seed
         self.engine = Engine(model, tokenizer, version=0)
         self.pool = task.prompts("train")
+        self._by_id = {p.id: p for p in self.pool}
         self.chat = chat_format(tokenizer, config.chat_template)
 
     @property
@@ -278,6 +285,11 @@ class RolloutGenerator:
         rejected: list[Prompt] = []
         if self.config.dynamic_sampling.enabled:
             groups, rejected, info = self._fill_informative(groups, prompts, batch_index)
+        if self.config.infra_failures == "drop":
+            hit = [g for g in groups if any(t.info.get("tool_infra_errors", 0.0) > 0 for t in g)]
+            groups = [g for g in groups if not any(t.info.get("tool_infra_errors", 0.0) > 0 for t in g)]
+            rejected += [self._by_id[t.prompt_id] for g in hit for t in g]  # one per dropped trajectory
+            info[m.ROLLOUT_INFRA_DROPPED_GROUPS] = float(len(hit))
         trajectories = [
             replace(t, group=batch_index * num_groups + k) for k, group in enumerate(groups) for t in group
         ]

@@ -25,12 +25,29 @@ from copc.tasks import Task
 from copc.tasks.datasets import DataError
 
 __all__ = [
-    "RUN_ENTRIES", "build_source", "check_prompts_fit", "make_run_dir", "policy_path", "quiet_transformers",
+    "RUN_ENTRIES", "build_source", "check_prompts_fit", "check_sandbox", "make_run_dir", "policy_path", "quiet_transformers",
     "seed_everything",
 ]
 
 #: What ``copc train`` writes into a run directory (``overwrite=true`` removes exactly these).
-RUN_ENTRIES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "rollouts", "tb", "plots", "tiny_init")
+RUN_ENTRIES = (
+    "config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "rollouts", "tb", "plots", "tiny_init",
+    "sandbox_protections.json",
+)
+
+
+def check_sandbox(task: Task, run_dir: Path) -> None:
+    """For a task whose tool runs model-written code: refuse to start (one line) when a required sandbox
+    protection is missing, and record the protections in force in ``run_dir/sandbox_protections.json``."""
+    config_of = getattr(task, "sandbox_config", None)
+    if config_of is None:
+        return
+    from copc.tools.sandbox import require_protections, write_protections
+
+    config = config_of()
+    active = require_protections(config)
+    write_protections(run_dir, config)
+    print(f"sandbox: {sum(active.values())} protections in force ({', '.join(k for k, v in active.items() if v)})")
 
 
 def policy_path(cfg: RunConfig, scratch: Path) -> Path:

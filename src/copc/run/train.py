@@ -44,6 +44,7 @@ from copc.rollout.generator import GeneratedBatch
 from copc.run.build import (
     build_source,
     check_prompts_fit,
+    check_sandbox,
     make_run_dir,
     policy_path,
     quiet_transformers,
@@ -61,6 +62,7 @@ from copc.runtime.staleness import realized_staleness
 from copc.runtime.sync import SyncSource
 from copc.tasks import Task, get_task
 from copc.tasks.datasets import DataError
+from copc.tools.sandbox import SandboxUnavailable
 from copc.tracking import Tracker
 from copc.trainer.checkpoint import (
     CheckpointError,
@@ -181,6 +183,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     dump_yaml(cfg, run_dir / "config.yaml")
     method = resolve_method(cfg)
     task = get_task(cfg.task, **cfg.task_options)
+    check_sandbox(task, run_dir)
     model_dir = policy_path(cfg, run_dir)
     policy, tokenizer = load_policy(model_dir)
     check_prompts_fit(task, tokenizer, cfg.rollout.context_limit)
@@ -363,7 +366,7 @@ def train_cli(argv: Sequence[str]) -> int:
             print(format_config(cfg))
             return 0
         result = train(cfg, show_progress=not args.no_progress)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, SandboxUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except (RunError, CheckpointError) as err:  # RolloutError carries the worker's traceback after its line

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from copc.config import check_fraction, check_positive
 from copc.tasks.base import (
@@ -34,8 +35,11 @@ from copc.tasks.base import (
 )
 from copc.tasks.envs import PYTHON_TAGS, ToolEnv
 from copc.tasks.graders import NumericGrader
-from copc.tasks.tooling import SandboxTool
+from copc.tasks.tooling import SandboxTool, sandbox_config
 from copc.types import Env, Prompt
+
+if TYPE_CHECKING:
+    from copc.tools.sandbox import SandboxConfig
 
 #: Forms per difficulty: (expression template, digits of each operand).
 FORMS: dict[int, tuple[tuple[str, tuple[int, ...]], ...]] = {
@@ -204,6 +208,10 @@ class ArithToolTask:
             )
             for i, p in enumerate(problems)
         ]
+
+    def sandbox_config(self) -> SandboxConfig:
+        """The sandbox its tool calls run in (checked and recorded at the start of a run)."""
+        return sandbox_config(self.config.timeout_s)
 
     def make_env(self, prompt: Prompt) -> Env:
         tool = SandboxTool(timeout_s=self.config.timeout_s, max_output_chars=self.config.max_output_chars)

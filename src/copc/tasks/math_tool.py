@@ -21,14 +21,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from copc.config import check_positive
 from copc.tasks.base import Split, check_split, register_task, take
 from copc.tasks.datasets import DataError, SourceRow, load_rows, text_column
 from copc.tasks.envs import PYTHON_FENCES, ToolEnv
 from copc.tasks.graders import MathVerifyGrader
-from copc.tasks.tooling import SandboxTool
+from copc.tasks.tooling import SandboxTool, sandbox_config
 from copc.types import Env, Prompt
+
+if TYPE_CHECKING:
+    from copc.tools.sandbox import SandboxConfig
 
 DEFAULT_TEMPLATE = (
     "{problem}\n\nSolve the problem step by step. You may run Python code in ```python ... ``` blocks; "
@@ -142,6 +146,10 @@ class MathToolTask:
                 )
             )
         return prompts
+
+    def sandbox_config(self) -> SandboxConfig:
+        """The sandbox its tool calls run in (checked and recorded at the start of a run)."""
+        return sandbox_config(self.config.timeout_s)
 
     def make_env(self, prompt: Prompt) -> Env:
         tool = SandboxTool(timeout_s=self.config.timeout_s, max_output_chars=self.config.max_output_chars)

@@ -45,9 +45,7 @@ class SandboxTool:
         return self._sandbox
 
     def _config(self) -> SandboxConfig:
-        from copc.tools.sandbox import SandboxConfig, allow_missing_from_env
-
-        return SandboxConfig(timeout_s=self.timeout_s, allow_missing=allow_missing_from_env())
+        return sandbox_config(self.timeout_s)
 
     def call(self, request: str) -> ToolReply:
         """Run ``request`` as Python; the formatted output, whether it failed, and whether the sandbox did."""
@@ -58,6 +56,14 @@ class SandboxTool:
         result = self._get_sandbox().run(request)
         failed = result.exit_code != 0 or result.timed_out or bool(result.error)
         return ToolReply(format_observation(result, self.max_output_chars), failed, result.infra_failed)
+
+
+def sandbox_config(timeout_s: float) -> SandboxConfig:
+    """The sandbox every Python tool call of a task runs in: its wall timeout, and the protections the
+    environment (``COPC_SANDBOX_ALLOW_MISSING``) explicitly allows to be missing."""
+    from copc.tools.sandbox import SandboxConfig, allow_missing_from_env
+
+    return SandboxConfig(timeout_s=timeout_s, allow_missing=allow_missing_from_env())
 
 
 def format_passages(contents: list[str], max_chars: int) -> str:
