@@ -286,8 +286,9 @@ class RolloutGenerator:
         if self.config.dynamic_sampling.enabled:
             groups, rejected, info = self._fill_informative(groups, prompts, batch_index)
         if self.config.infra_failures == "drop":
-            hit = [g for g in groups if any(t.info.get("tool_infra_errors", 0.0) > 0 for t in g)]
-            groups = [g for g in groups if not any(t.info.get("tool_infra_errors", 0.0) > 0 for t in g)]
+            failed = [any(t.info.get("tool_infra_errors", 0.0) > 0 for t in g) for g in groups]
+            hit = [g for g, bad in zip(groups, failed, strict=True) if bad]
+            groups = [g for g, bad in zip(groups, failed, strict=True) if not bad]
             rejected += [self._by_id[t.prompt_id] for g in hit for t in g]  # one per dropped trajectory
             info[m.ROLLOUT_INFRA_DROPPED_GROUPS] = float(len(hit))
         trajectories = [
