@@ -25,17 +25,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from copc.config import check_fraction, check_positive
-from copc.tasks.base import (
-    Demo,
-    Segment,
-    Split,
-    check_split,
-    register_task,
-    take,
-)
-from copc.tasks.envs import PYTHON_TAGS, ToolEnv
+from copc.tasks.base import Demo, Segment, Split, check_split, register_task, take
+from copc.tasks.envs import PYTHON_TAGS
 from copc.tasks.graders import NumericGrader
-from copc.tasks.tooling import SandboxTool, sandbox_config
+from copc.tasks.tooling import python_tool_env, sandbox_config
 from copc.types import Env, Prompt
 
 if TYPE_CHECKING:
@@ -214,14 +207,7 @@ class ArithToolTask:
         return sandbox_config(self.config.timeout_s)
 
     def make_env(self, prompt: Prompt) -> Env:
-        tool = SandboxTool(timeout_s=self.config.timeout_s, max_output_chars=self.config.max_output_chars)
-        return ToolEnv(
-            prompt.text,
-            syntax=PYTHON_TAGS,
-            tool=tool,
-            grader=NumericGrader(prompt.answers[0]),
-            max_tool_calls=self.config.max_tool_calls,
-        )
+        return python_tool_env(prompt, self.config, syntax=PYTHON_TAGS, grader=NumericGrader(prompt.answers[0]))
 
     def sft_demos(self, n: int, seed: int) -> list[Demo]:
         """Warm-start demonstrations: tool use (some with copy slips) and direct guesses, in a seeded mix."""

@@ -31,17 +31,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from copc.config import check_fraction, check_positive
-from copc.tasks.base import (
-    Demo,
-    Segment,
-    Split,
-    check_split,
-    register_task,
-    take,
-)
-from copc.tasks.envs import SEARCH_TAGS, ToolEnv
-from copc.tasks.graders import ExactMatchGrader
-from copc.tasks.tooling import RetrieverTool
+from copc.tasks.base import Demo, Segment, Split, check_split, register_task, take
+from copc.tasks.envs import SEARCH_TAGS
+from copc.tasks.tooling import RetrieverTool, search_env
 from copc.types import Env, Prompt
 
 if TYPE_CHECKING:
@@ -268,13 +260,7 @@ class KVSearchTask:
         ]
 
     def make_env(self, prompt: Prompt) -> Env:
-        return ToolEnv(
-            prompt.text,
-            syntax=SEARCH_TAGS,
-            tool=self.tool(),
-            grader=ExactMatchGrader(prompt.answers),
-            max_tool_calls=self.config.max_tool_calls,
-        )
+        return search_env(prompt, self.tool(), max_tool_calls=self.config.max_tool_calls)
 
     def sft_demos(self, n: int, seed: int) -> list[Demo]:
         """Warm-start demonstrations on a separate world (seeded by ``seed``), so no eval fact is seen.

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 from copc.config import check_positive
 from copc.tasks.base import Split, check_split, register_task, take
 from copc.tasks.datasets import DataError, SourceRow, load_rows, text_column
-from copc.tasks.envs import PYTHON_FENCES, ToolEnv
+from copc.tasks.envs import PYTHON_FENCES
 from copc.tasks.graders import MathVerifyGrader
-from copc.tasks.tooling import SandboxTool, sandbox_config
+from copc.tasks.tooling import python_tool_env, sandbox_config
 from copc.types import Env, Prompt
 
 if TYPE_CHECKING:
@@ -152,11 +152,5 @@ class MathToolTask:
         return sandbox_config(self.config.timeout_s)
 
     def make_env(self, prompt: Prompt) -> Env:
-        tool = SandboxTool(timeout_s=self.config.timeout_s, max_output_chars=self.config.max_output_chars)
-        return ToolEnv(
-            prompt.text,
-            syntax=PYTHON_FENCES,
-            tool=tool,
-            grader=MathVerifyGrader(prompt.answers[0], timeout_s=self.config.grade_timeout_s),
-            max_tool_calls=self.config.max_tool_calls,
-        )
+        grader = MathVerifyGrader(prompt.answers[0], timeout_s=self.config.grade_timeout_s)
+        return python_tool_env(prompt, self.config, syntax=PYTHON_FENCES, grader=grader)

@@ -22,10 +22,8 @@ from typing import TYPE_CHECKING
 from copc.config import check_positive
 from copc.tasks.base import Split, register_task, take
 from copc.tasks.datasets import answers_column, text_column
-from copc.tasks.envs import SEARCH_TAGS, ToolEnv
-from copc.tasks.graders import ExactMatchGrader
 from copc.tasks.math_tool import DatasetSplits, check_readable_file
-from copc.tasks.tooling import RetrieverTool
+from copc.tasks.tooling import RetrieverTool, search_env
 from copc.types import Env, Prompt
 
 if TYPE_CHECKING:
@@ -135,10 +133,4 @@ class SearchQATask:
         return prompts
 
     def make_env(self, prompt: Prompt) -> Env:
-        return ToolEnv(
-            prompt.text,
-            syntax=SEARCH_TAGS,
-            tool=self.tool(),
-            grader=ExactMatchGrader(prompt.answers),
-            max_tool_calls=self.config.max_tool_calls,
-        )
+        return search_env(prompt, self.tool(), max_tool_calls=self.config.max_tool_calls)

@@ -7,9 +7,11 @@ pickles its task-level source (rows or a corpus path) rather than the index, reb
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from copc.tasks.envs import ToolReply
+from copc.tasks.envs import SEARCH_TAGS, CallSyntax, Grader, ToolEnv, ToolReply
+from copc.tasks.graders import ExactMatchGrader
+from copc.types import Prompt
 
 if TYPE_CHECKING:  # imported lazily at run time: the tools are heavy and run in worker processes
     from copc.tools.retriever import BM25Retriever
@@ -64,6 +66,29 @@ def sandbox_config(timeout_s: float) -> SandboxConfig:
     from copc.tools.sandbox import SandboxConfig, allow_missing_from_env
 
     return SandboxConfig(timeout_s=timeout_s, allow_missing=allow_missing_from_env())
+
+
+class PythonToolOptions(Protocol):
+    """The config fields every sandboxed-Python task has."""
+
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def max_output_chars(self) -> int: ...
+    @property
+    def max_tool_calls(self) -> int: ...
+
+
+def python_tool_env(prompt: Prompt, options: PythonToolOptions, *, syntax: CallSyntax, grader: Grader) -> ToolEnv:
+    """An episode whose tool runs the model's code in the sandbox, with the task's limits."""
+    tool = SandboxTool(timeout_s=options.timeout_s, max_output_chars=options.max_output_chars)
+    return ToolEnv(prompt.text, syntax=syntax, tool=tool, grader=grader, max_tool_calls=options.max_tool_calls)
+
+
+def search_env(prompt: Prompt, tool: RetrieverTool, *, max_tool_calls: int) -> ToolEnv:
+    """An episode that searches with ``tool`` and is graded by exact match against the prompt's answers."""
+    return ToolEnv(prompt.text, syntax=SEARCH_TAGS, tool=tool, grader=ExactMatchGrader(prompt.answers),
+                   max_tool_calls=max_tool_calls)
 
 
 def format_passages(contents: list[str], max_chars: int) -> str:
