@@ -68,6 +68,31 @@ def test_jsonl_records_and_resume_truncation(tmp_path):
     assert records[-1][tracking.REWARD_MEAN] == 20.0
 
 
+def test_samples_are_appended_mirrored_as_text_and_truncated_on_resume(tmp_path):
+    episode = {"prompt_id": "p/0", "prompt": "2+2?\n", "turns": [{"source": "policy", "text": "<python>print(4)"},
+               {"source": "forced", "text": "</python><output>4</output>"}], "reward": 1.0, "stop_reason": "done"}
+    with Tracker(tmp_path) as tracker:
+        for step in range(3):
+            tracker.log_samples(step, "train", [episode, {**episode, "prompt_id": "p/1"}])
+        tracker.log_samples(3, "eval", [episode])
+        tracker.log_samples(3, "train", [])  # nothing to write: no empty record
+    rows = [json.loads(line) for line in (tmp_path / tracking.SAMPLES_FILE).read_text().splitlines()]
+    assert [(r["step"], r["source"], r["prompt_id"]) for r in rows] == [
+        (0, "train", "p/0"), (0, "train", "p/1"), (1, "train", "p/0"), (1, "train", "p/1"),
+        (2, "train", "p/0"), (2, "train", "p/1"), (3, "eval", "p/0")]
+    assert rows[0]["turns"][1] == {"source": "forced", "text": "</python><output>4</output>"}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / tracking.TENSORBOARD_DIR), size_guidance={"tensors": 0}).Reload()
+    texts = events.Tensors("samples/train/text_summary")
+    assert [t.step for t in texts] == [0, 1, 2]
+    assert "print(4)" in texts[0].tensor_proto.string_val[0].decode()
+    with Tracker(tmp_path, tensorboard=False, resume_step=2):  # steps >= 2 are redone: their samples go
+        pass
+    rows = [json.loads(line) for line in (tmp_path / tracking.SAMPLES_FILE).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 0, 1, 1]
+
+
 def test_unknown_names_and_bad_values(tmp_path):
     with Tracker(tmp_path, tensorboard=False, strict=True) as tracker:
         with pytest.raises(KeyError, match=r"not in copc\.tracking\.METRICS"):

@@ -244,11 +244,14 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, float]]:
 
 #: TensorBoard event files go to ``run_dir/tb``.
 TENSORBOARD_DIR = "tb"
+#: Rendered episodes of a run (one JSON object a line, each with ``step`` and ``source``).
+SAMPLES_FILE = "samples.jsonl"
 
 
 class SummaryWriterLike(Protocol):
     def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None: ...
     def add_histogram(self, tag: str, values: torch.Tensor, global_step: int) -> None: ...
+    def add_text(self, tag: str, text_string: str, global_step: int) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
@@ -277,20 +280,13 @@ class Tracker:
         self.path = self.run_dir / "metrics.jsonl"
         self.strict = strict
         self._warned: set[str] = set()
-        if resume_step is not None and self.path.exists():
-            self._truncate_from(resume_step)
+        self.samples_path = self.run_dir / SAMPLES_FILE
+        if resume_step is not None:
+            for path in (self.path, self.samples_path):
+                if path.exists():
+                    _truncate_from(path, resume_step)
         self._file: IO[str] | None = self.path.open("a")
         self._tb: SummaryWriterLike | None = self._open_tensorboard() if tensorboard else None
-
-    def _truncate_from(self, step: int) -> None:
-        kept = [r for r in read_metrics(self.path) if int(r.get("step", -1)) < step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        with tmp.open("w") as handle:
-            for record in kept:
-                handle.write(json.dumps(record) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.path)
 
     def _open_tensorboard(self) -> SummaryWriterLike | None:
         try:
@@ -344,6 +340,18 @@ class Tracker:
             self._tb.flush()
         return record
 
+    def log_samples(self, step: int, source: str, episodes: Sequence[Mapping[str, object]]) -> None:
+        """Append rendered episodes (:func:`copc.rollout.samples.render_episode`) of ``step`` to
+        ``samples.jsonl``, tagged with ``source`` (``train``, ``eval``), and to TensorBoard's text tab."""
+        if not episodes:
+            return
+        with self.samples_path.open("a") as out:
+            for episode in episodes:
+                out.write(json.dumps({"step": int(step), "source": source, **episode}) + "\n")
+        if self._tb is not None:
+            self._tb.add_text(f"samples/{source}", "\n\n---\n\n".join(_markdown(e) for e in episodes), int(step))
+            self._tb.flush()
+
     def records(self) -> Iterator[dict[str, float]]:
         """Records written so far (re-read from disk)."""
         return iter(read_metrics(self.path))
@@ -363,6 +371,27 @@ class Tracker:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _truncate_from(path: Path, step: int) -> None:
+    """Keep only the JSON lines of ``path`` whose ``step`` is below ``step`` (atomic replace)."""
+    kept = [r for r in read_metrics(path) if int(r.get("step", -1)) < step]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as handle:
+        for record in kept:
+            handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _markdown(episode: Mapping[str, object]) -> str:
+    """One rendered episode as TensorBoard markdown: the prompt, each piece (policy / forced) as code."""
+    lines = [f"**{episode.get('prompt_id', '')}**: reward {episode.get('reward')}, stop {episode.get('stop_reason')}",
+             "", "prompt:", "", "    " + str(episode.get("prompt", "")).replace("\n", "\n    ")]
+    for turn in episode.get("turns", []) or []:  # type: ignore[attr-defined]
+        lines += ["", f"{turn['source']}:", "", "    " + str(turn["text"]).replace("\n", "\n    ")]
+    return "\n".join(lines)
 
 
 def histogram_record(values: torch.Tensor) -> dict[str, object]:

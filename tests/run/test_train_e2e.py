@@ -45,8 +45,10 @@ def test_default_config_is_the_documented_embedded_default() -> None:
 
 def test_tiny_run_writes_a_complete_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
-    assert train_cli(["--no-progress", f"run_dir={run_dir}", *TINY]) == 0
-    out = capsys.readouterr().out
+    assert train_cli(["--no-progress", f"run_dir={run_dir}", *TINY, "samples.every=1", "samples.per_log=2",
+                      "trainer.critic_warmup_steps=1"]) == 0
+    out, err = capsys.readouterr()
+    assert "first 1 steps (critic warm-up; the actor is frozen)" in err  # a frozen actor is announced
     assert "eval accuracy" in out and str(run_dir) in out  # the summary table and the run dir
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("eval_accuracy_before", "eval_accuracy_after", "steps", "wall_seconds", "method", "staleness"):
@@ -59,6 +61,12 @@ def test_tiny_run_writes_a_complete_run_directory(tmp_path: Path, capsys: pytest
     assert [r["step"] for r in rows if "loss/value" in r] == [0, 1]
     assert any("eval/accuracy" in r for r in rows)
     assert list((run_dir / "tb").iterdir()), "no TensorBoard events"
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    # evaluations before (step 0) and after (step 2), the two training batches (logged at steps 0 and 1)
+    assert [(s["source"], s["step"]) for s in samples] == [("eval", 0)] * 2 + [("train", 0)] * 2 + [
+        ("train", 1)] * 2 + [("eval", 2)] * 2
+    assert all(s["prompt"] and s["turns"] and s["turns"][0]["source"] == "policy" for s in samples)
+    assert all({"reward", "stop_reason", "truncated"} <= s.keys() for s in samples)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert list((run_dir / "plots").glob("*.png"))
     # copc eval on the run directory (its latest checkpoint).

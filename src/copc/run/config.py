@@ -95,6 +95,20 @@ class DriverConfig:
 
 
 @dataclass(frozen=True)
+class SamplesConfig:
+    """Rendered episodes kept in the run directory (``samples.jsonl`` and TensorBoard's text tab)."""
+
+    per_log: int = 4
+    """Episodes written each time (the first ones of the batch or of the sampled evaluation); 0 = none."""
+    every: int = 25
+    """Write training episodes every this many steps (0 = only evaluation episodes); every evaluation writes too."""
+
+    def __post_init__(self) -> None:
+        if self.per_log < 0 or self.every < 0:
+            raise ValueError(f"samples.per_log and samples.every must be >= 0, got {self.per_log}, {self.every}")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything ``copc train`` builds (one section per component)."""
 
@@ -128,6 +142,7 @@ class RunConfig:
     staleness: StalenessConfig = field(default_factory=lambda: StalenessConfig(mode="bounded", staleness=8))
     driver: DriverConfig = field(default_factory=DriverConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(every=20))
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:

@@ -41,6 +41,7 @@ from copc.config import ConfigError, dump_yaml, to_dict
 from copc.eval.evaluate import evaluate
 from copc.models.hf import ValueModel, load_policy
 from copc.rollout.generator import GeneratedBatch
+from copc.rollout.samples import render_episode
 from copc.run.build import (
     build_source,
     check_prompts_fit,
@@ -73,6 +74,7 @@ from copc.trainer.checkpoint import (
     save_checkpoint,
 )
 from copc.trainer.trainer import ActorCriticTrainer
+from copc.types import Trajectory
 
 __all__ = ["TrainResult", "train", "train_cli"]
 
@@ -191,6 +193,10 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     trainer = ActorCriticTrainer(policy, critic, method, replace(cfg.trainer, temperature=cfg.rollout.temperature,
                                                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                                                  seed=cfg.seed))
+    if trainer.warmup_steps > 0:  # a frozen actor looks like a stuck run: say so once, at the start
+        print(f"note: method {cfg.method!r} trains only the critic for the first {trainer.warmup_steps} steps "
+              "(critic warm-up; the actor is frozen); trainer.critic_warmup_steps=0 turns it off",
+              file=sys.stderr, flush=True)
     eval_model, _ = load_policy(model_dir)
     source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir)
     start_step, summary_before, saved = 0, None, _Saved()
@@ -208,7 +214,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     finished = False
     try:
         if summary_before is None:
-            summary_before = evaluate(eval_model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777)
+            summary_before = _evaluate(cfg, eval_model, tokenizer, task, tracker, start_step)
             if summary_before:
                 tracker.log(start_step, summary_before)
         if isinstance(source, AsyncSource):
@@ -229,7 +235,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
         if not finished:
             tracker.close()
     eval_model.load_state_dict(trainer.policy.state_dict())
-    after = evaluate(eval_model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777)
+    after = _evaluate(cfg, eval_model, tokenizer, task, tracker, cfg.steps)
     if after:
         tracker.log(cfg.steps, after)
     tracker.close()
@@ -244,6 +250,15 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     except Exception as err:  # plots are a convenience; a plotting failure must not lose the run
         print(f"warning: plots failed: {err}", file=sys.stderr)
     return TrainResult(run_dir=run_dir, summary=summary)
+
+
+def _evaluate(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
+              tracker: Tracker, step: int) -> dict[str, float]:
+    """Held-out evaluation (same prompts and seeds every time); its first sampled episodes go to the samples."""
+    episodes: list[Trajectory] = []
+    out = evaluate(model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777, episodes=episodes)
+    tracker.log_samples(step, "eval", [render_episode(t, tokenizer) for t in episodes[: cfg.samples.per_log]])
+    return out
 
 
 def _run_with_progress(
@@ -273,7 +288,10 @@ def _run_with_progress(
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
             eval_model.load_state_dict(trainer.policy.state_dict())
-            metrics.update(evaluate(eval_model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777))
+            metrics.update(_evaluate(cfg, eval_model, tokenizer, task, tracker, done))
+        if cfg.samples.every and done % cfg.samples.every == 0:
+            tracker.log_samples(step, "train", [render_episode(t, tokenizer)
+                                                for t in batch.trajectories[: cfg.samples.per_log]])
         lags = realized_staleness(batch.trajectories, step).token_values()
         tracker.log(step, metrics, histograms={m.STALENESS_HIST: lags})
         if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
