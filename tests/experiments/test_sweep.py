@@ -336,3 +336,20 @@ def test_interrupted_cell_resumes_then_is_recorded_and_skipped(tmp_path, capsys)
     assert "1 of 1 cells recorded" in capsys.readouterr().out
     assert sweep_cli([*args, "--dry-run"]) == 0
     assert "recorded" in capsys.readouterr().out
+
+
+def test_eval_curves_collect_each_seed_per_step_and_the_figures_are_drawn(tmp_path):
+    from copc.experiments.figures import eval_curves, plot_curves, plot_summary
+
+    records = [
+        {"levels": {"method": "copc"}, "seed": s, "summary": {"eval_last_half": 0.3 + 0.1 * s},
+         "evals": [{"step": 0, "accuracy": 0.1}, {"step": 25, "accuracy": 0.2 + 0.1 * s}]}
+        for s in range(3)
+    ] + [{"levels": {"method": "ppo"}, "seed": 0, "summary": {"eval_last_half": 0.5},
+          "evals": [{"step": 0, "accuracy": 0.1, "greedy_accuracy": 0.4}]}]
+    curves = eval_curves(records, "accuracy")
+    assert curves["method=copc"] == {0: [0.1, 0.1, 0.1], 25: pytest.approx([0.2, 0.3, 0.4])}
+    assert curves["method=ppo"] == {0: [0.1]}
+    assert eval_curves(records, "greedy_accuracy") == {"method=ppo": {0: [0.4]}}
+    assert plot_curves(records, ["accuracy"], tmp_path / "c.png", title="t").stat().st_size > 0
+    assert plot_summary(records, ["eval_last_half"], tmp_path / "s.png", title="t").stat().st_size > 0

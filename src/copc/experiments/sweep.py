@@ -370,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
                         help="with --dry-run: probe each unmeasured task/method/driver for STEPS steps first")
     parser.add_argument("--report", action="store_true", help="print the table of the finished records")
+    parser.add_argument("--plot", default=None, metavar="DIR",
+                        help="with --report: also draw <experiment>_curves.png and <experiment>_summary.png into DIR")
     parser.add_argument("--baseline", default=None, metavar="AXIS=LEVEL[,AXIS=LEVEL]",
                         help="the cells --report pairs the others with (default: the file's baseline)")
     parser.add_argument("--jobs", type=int, default=0, help="cells at a time (default: the measured capacity)")
@@ -410,6 +412,15 @@ def sweep_cli(argv: Sequence[str]) -> int:
         records = load_records(paths.results / spec.experiment)
         print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
         print(report_text(records, spec.report, _baseline(args.baseline, spec) or None))
+        if args.plot and records:
+            from copc.experiments.figures import plot_curves, plot_summary
+
+            title = f"{spec.experiment}: seed mean (band: min-max over seeds)"
+            for path in (plot_curves(records, ["accuracy", "greedy_accuracy"],
+                                     Path(args.plot) / f"{spec.experiment}_curves.png", title=title),
+                         plot_summary(records, list(spec.report), Path(args.plot) / f"{spec.experiment}_summary.png",
+                                      title=f"{spec.experiment}: seed mean, 95% t interval over seeds")):
+                print(f"wrote {path}")
         return 0
     if args.dry_run:
         if args.measure:

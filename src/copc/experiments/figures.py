@@ -1,0 +1,88 @@
+"""Figures of a sweep, drawn from its records alone (``copc sweep FILE --plot DIR``).
+
+:func:`plot_curves` draws one panel per evaluation metric: for each group of cells (the axis levels
+without the seed), the seed mean of the metric at every evaluation step, with a band from the lowest to
+the highest seed. :func:`plot_summary` draws, per summary metric, each group's seed mean with its 95%
+t interval over seeds (no bar where a group has one seed) and the seeds as dots. Matplotlib (Agg
+backend) is imported when a figure is drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from copc.experiments.results import by_group, group_text, t_interval
+
+__all__ = ["eval_curves", "plot_curves", "plot_summary"]
+
+Curve = dict[int, list[float]]  # evaluation step -> one value per seed
+
+
+def eval_curves(records: Sequence[Mapping[str, object]], metric: str) -> dict[str, Curve]:
+    """``{group text: {step: [value of each seed that has the step]}}`` for one evaluation metric."""
+    out: dict[str, Curve] = {}
+    for record in records:
+        levels = record.get("levels")
+        name = group_text(tuple((str(k), str(v)) for k, v in levels.items())) if isinstance(levels, dict) else "?"
+        points = record.get("evals")
+        for point in points if isinstance(points, list) else []:
+            if isinstance(point, dict) and point.get(metric) is not None:
+                out.setdefault(name, {}).setdefault(int(point["step"]), []).append(float(point[metric]))
+    return out
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *, title: str) -> Path:
+    """Seed-mean evaluation curves (band: min to max over seeds), one panel per metric; returns the PNG."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        for name, curve in sorted(eval_curves(records, metric).items()):
+            steps = sorted(curve)
+            mean = [sum(curve[s]) / len(curve[s]) for s in steps]
+            line = ax.plot(steps, mean, marker="o", markersize=3, label=f"{name} (n={max(map(len, curve.values()))})")
+            ax.fill_between(steps, [min(curve[s]) for s in steps], [max(curve[s]) for s in steps],
+                            color=line[0].get_color(), alpha=0.12, linewidth=0)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *, title: str) -> Path:
+    """Per summary metric: each group's seed mean with its 95% t interval over seeds, seeds as dots."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        groups = sorted(by_group(records, metric).items(), key=lambda kv: group_text(kv[0]))
+        for x, (_, seeds) in enumerate(groups):
+            values = list(seeds.values())
+            interval = t_interval(values)
+            error = None if interval.high is None else [[interval.mean - interval.low], [interval.high - interval.mean]]  # type: ignore[operator]
+            ax.errorbar([x], [interval.mean], yerr=error, fmt="s", capsize=4, color="black")
+            ax.scatter([x] * len(values), values, s=12, alpha=0.6)
+        ax.set_xticks(range(len(groups)), [group_text(k).split("=", 1)[-1] for k, _ in groups], rotation=30,
+                      ha="right", fontsize=8)
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
