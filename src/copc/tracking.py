@@ -75,6 +75,7 @@ TIME_GENERATE = "time/generate"
 TIME_WAIT = "time/wait"
 TIME_TRAIN = "time/train"
 TIME_STEP = "time/step"
+TIME_EVAL = "time/eval"
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
 EVAL_ACCURACY = "eval/accuracy"
@@ -165,6 +166,7 @@ METRICS: dict[str, str] = {
     TIME_WAIT: "seconds the trainer waited for its batch [s]",
     TIME_TRAIN: "seconds of the training update (forward, backward, optimizer) [s]",
     TIME_STEP: "wall seconds of the whole step [s]",
+    TIME_EVAL: "wall seconds of the held-out evaluation made after this step (not in time/step) [s]",
     REWARD_MEAN: "mean episode reward of the consumed batch",
     REWARD_STD: "std of episode rewards of the consumed batch",
     EVAL_ACCURACY: "eval accuracy on held-out prompts (avg@k at the rollout temperature)",

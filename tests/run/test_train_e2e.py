@@ -51,7 +51,8 @@ def test_tiny_run_writes_a_complete_run_directory(tmp_path: Path, capsys: pytest
     assert "first 1 steps (critic warm-up; the actor is frozen)" in err  # a frozen actor is announced
     assert "eval accuracy" in out and str(run_dir) in out  # the summary table and the run dir
     summary = json.loads((run_dir / "summary.json").read_text())
-    for key in ("eval_accuracy_before", "eval_accuracy_after", "steps", "wall_seconds", "method", "staleness"):
+    for key in ("eval_accuracy_before", "eval_accuracy_after", "steps", "wall_seconds", "method", "staleness",
+                "eval_seconds", "checkpoint_seconds"):
         assert key in summary, key
     assert summary["steps"] == 2 and summary["method"] == "copc"
     assert (run_dir / "config.yaml").exists()

@@ -158,15 +158,21 @@ def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, objec
 
 @dataclass
 class _Saved:
+    """The last checkpointed step, and where this process's time outside the training steps went."""
+
     step: int = -1
+    eval_s: float = 0.0
+    checkpoint_s: float = 0.0
 
 
 def _save(cfg: RunConfig, run_dir: Path, done: int, trainer: ActorCriticTrainer, source: SyncSource | AsyncSource,
           eval_before: dict[str, float] | None, saved: _Saved) -> None:
+    start = time.perf_counter()
     payload = checkpoint_payload(cfg, done, trainer, source)
     payload["eval_before"] = eval_before
     save_checkpoint(run_dir, done, payload, keep=cfg.keep_checkpoints)
     saved.step = done
+    saved.checkpoint_s += time.perf_counter() - start
     if isinstance(source, AsyncSource):
         source.prune_journal(int(payload["source"]["next_put"]))  # type: ignore[index]
 
@@ -214,7 +220,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     finished = False
     try:
         if summary_before is None:
-            summary_before = _evaluate(cfg, eval_model, tokenizer, task, tracker, start_step)
+            summary_before = _evaluate(cfg, eval_model, tokenizer, task, tracker, start_step, saved)
             if summary_before:
                 tracker.log(start_step, summary_before)
         if isinstance(source, AsyncSource):
@@ -235,11 +241,12 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
         if not finished:
             tracker.close()
     eval_model.load_state_dict(trainer.policy.state_dict())
-    after = _evaluate(cfg, eval_model, tokenizer, task, tracker, cfg.steps)
+    after = _evaluate(cfg, eval_model, tokenizer, task, tracker, cfg.steps, saved)
     if after:
         tracker.log(cfg.steps, after)
     tracker.close()
     summary = _summary(cfg, summary_before, after, loop, time.perf_counter() - wall, run_dir)  # type: ignore[arg-type]
+    summary["eval_seconds"], summary["checkpoint_seconds"] = saved.eval_s, saved.checkpoint_s  # this process's
     summary["restored_batches"] = source.restored if isinstance(source, AsyncSource) else 0
     summary["worker_restarts"] = source.restarts if isinstance(source, AsyncSource) else 0
     summary["journal_damaged"] = len(source.damaged) if isinstance(source, AsyncSource) else 0
@@ -253,11 +260,14 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
 
 
 def _evaluate(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
-              tracker: Tracker, step: int) -> dict[str, float]:
-    """Held-out evaluation (same prompts and seeds every time); its first sampled episodes go to the samples."""
+              tracker: Tracker, step: int, saved: _Saved) -> dict[str, float]:
+    """Held-out evaluation (same prompts and seeds every time); its first sampled episodes go to the
+    samples, its wall seconds to ``saved.eval_s``."""
+    start = time.perf_counter()
     episodes: list[Trajectory] = []
     out = evaluate(model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777, episodes=episodes)
     tracker.log_samples(step, "eval", [render_episode(t, tokenizer) for t in episodes[: cfg.samples.per_log]])
+    saved.eval_s += time.perf_counter() - start
     return out
 
 
@@ -288,7 +298,9 @@ def _run_with_progress(
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
             eval_model.load_state_dict(trainer.policy.state_dict())
-            metrics.update(_evaluate(cfg, eval_model, tokenizer, task, tracker, done))
+            before = saved.eval_s
+            metrics.update(_evaluate(cfg, eval_model, tokenizer, task, tracker, step, saved))
+            metrics[m.TIME_EVAL] = saved.eval_s - before
         if cfg.samples.every and done % cfg.samples.every == 0:
             tracker.log_samples(step, "train", [render_episode(t, tokenizer)
                                                 for t in batch.trajectories[: cfg.samples.per_log]])
