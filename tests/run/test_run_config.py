@@ -46,3 +46,29 @@ def test_method_overrides_change_the_preset_and_bad_ones_name_the_key() -> None:
     ]:
         with pytest.raises(ConfigError, match=re.escape(needle)):
             load_run_config(None, [override])
+
+
+def test_model_critic_loads_a_smaller_backbone_that_reads_the_policys_tokens(tmp_path) -> None:
+    import torch
+
+    from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from copc.run.build import build_critic
+
+    tokenizer = build_tiny_tokenizer()
+    policy = build_tiny_model(tokenizer, seed=0)
+    small = build_tiny_model(tokenizer, seed=1, num_hidden_layers=1)
+    small.save_pretrained(tmp_path / "small")
+    copy = build_critic(load_run_config(None, []), policy, tokenizer)
+    critic = build_critic(load_run_config(None, [f"model.critic={tmp_path / 'small'}"]), policy, tokenizer)
+    assert len(copy.backbone.layers) == len(policy.model.layers) and len(critic.backbone.layers) == 1
+    assert sum(p.numel() for p in critic.parameters()) < sum(p.numel() for p in copy.parameters())
+    ids = torch.tensor([tokenizer.encode("12*34=")])
+    values = critic(ids, torch.ones_like(ids))
+    assert values.shape == ids.shape and values.dtype == torch.float32
+    with pytest.raises(ConfigError, match="no HF model folder"):
+        build_critic(load_run_config(None, [f"model.critic={tmp_path / 'missing'}"]), policy, tokenizer)
+    narrow = build_tiny_model(tokenizer, seed=1, num_hidden_layers=1)
+    narrow.resize_token_embeddings(8)
+    narrow.save_pretrained(tmp_path / "narrow")
+    with pytest.raises(ConfigError, match="must share the policy's tokenizer"):
+        build_critic(load_run_config(None, [f"model.critic={tmp_path / 'narrow'}"]), policy, tokenizer)

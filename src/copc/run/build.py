@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc.config import ConfigError
-from copc.models.hf import load_policy
+from copc.models.hf import ValueModel, load_policy
 from copc.rollout.generator import RolloutGenerator
 from copc.run.config import RunConfig, resolve_rollout
 from copc.runtime.async_local import AsyncSource
@@ -74,6 +74,23 @@ def policy_path(cfg: RunConfig, scratch: Path) -> Path:
     if not path.is_dir():
         raise ConfigError(f"model.policy: {cfg.model.policy!r} is not 'warmstart', 'tiny' or an existing HF folder")
     return path
+
+
+def build_critic(cfg: RunConfig, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ValueModel:
+    """The critic ``model.critic`` names: a copy of the policy's backbone, or a backbone loaded from a
+    folder whose vocabulary covers every id of the policy's tokenizer (it reads the policy's tokens)."""
+    if cfg.model.critic == "policy":
+        return ValueModel.from_policy(policy)
+    path = Path(cfg.model.critic)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.critic={cfg.model.critic!r}: no HF model folder there (config.json missing); "
+                          "pass a folder written by save_pretrained, or 'policy'")
+    critic = ValueModel.from_pretrained(path)
+    vocab = int(critic.backbone.config.vocab_size)
+    if vocab < len(tokenizer):
+        raise ConfigError(f"model.critic={cfg.model.critic!r}: its vocabulary has {vocab} ids but the policy's "
+                          f"tokenizer has {len(tokenizer)}; the critic must share the policy's tokenizer")
+    return critic
 
 
 def make_run_dir(cfg: RunConfig) -> Path:

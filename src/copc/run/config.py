@@ -68,6 +68,9 @@ class ModelConfig:
     """Seed of the warm start when policy = 'warmstart' (built once, then cached)."""
     warmstart_sft: dict[str, int | float] = field(default_factory=lambda: {"batch_size": 16, "steps": 3000})
     """Overrides of the task's default warm-start SFT settings (copc.run.warmstart.SFTConfig), e.g. {steps: 3000}."""
+    critic: str = "policy"
+    """'policy' (the critic's backbone is a copy of the policy's) or an HF folder of a causal LM sharing the
+    policy's tokenizer (e.g. a smaller model of the same family: less memory and a cheaper critic step)."""
 
 
 @dataclass(frozen=True)

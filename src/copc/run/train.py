@@ -39,10 +39,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from copc import tracking as m
 from copc.config import ConfigError, dump_yaml, to_dict
 from copc.eval.evaluate import evaluate
-from copc.models.hf import ValueModel, load_policy
+from copc.models.hf import load_policy
 from copc.rollout.generator import GeneratedBatch
 from copc.rollout.samples import render_episode
 from copc.run.build import (
+    build_critic,
     build_source,
     check_prompts_fit,
     check_sandbox,
@@ -195,7 +196,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     model_dir = policy_path(cfg, run_dir)
     policy, tokenizer = load_policy(model_dir)
     check_prompts_fit(task, tokenizer, cfg.rollout.context_limit)
-    critic = ValueModel.from_policy(policy) if method.needs_critic else None
+    critic = build_critic(cfg, policy, tokenizer) if method.needs_critic else None
     trainer = ActorCriticTrainer(policy, critic, method, replace(cfg.trainer, temperature=cfg.rollout.temperature,
                                                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                                                  seed=cfg.seed))
