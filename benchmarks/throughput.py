@@ -12,7 +12,7 @@ prints for each:
   sandbox check, evaluations and checkpoints included: what a sweep cell costs), and per run when two
   share the machine (their sum is the machine's experiment throughput);
 - where the wall time went: generation (``time/generate``, tool calls included), of which the
-  sandbox's CPU seconds (fork server and every run), training (``time/train``), held-out evaluation
+  sandbox's CPU seconds (its fork server and every run, reaped when the run closes), training (``time/train``), held-out evaluation
   (every one, before and after included), checkpoints, and the rest (start-up, logging, publication);
 - the first and last evaluation and the train reward of the last 10 steps, to compare learning
   curves between code versions on the same seed (same batches: the figures must not move).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -40,8 +41,6 @@ def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_d
 
     from copc.run.config import load_run_config
     from copc.run.train import train
-    from copc.tasks import get_task
-    from copc.tools.sandbox import shared_sandbox
     from copc.tracking import read_metrics
 
     torch.set_num_threads(1)
@@ -55,8 +54,9 @@ def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_d
     wall = time.perf_counter() - start
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "time/step" in r]
     summary = result.summary
-    task = get_task(cfg.task, **cfg.task_options)
-    tool_cpu = shared_sandbox(task.sandbox_config()).server_cpu_s()  # type: ignore[attr-defined]
+    # The sandbox's fork server (and every run it forked) has exited and been reaped when train returns.
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tool_cpu = usage.ru_utime + usage.ru_stime
     rewards = [float(r["reward/mean"]) for r in rows[-10:]]
     return {
         "steps": steps,
