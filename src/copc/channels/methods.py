@@ -93,11 +93,17 @@ _GROUP = AdvantageChannelConfig(estimator="group", group_mode="grpo", whiten=Fal
 _CRITIC = CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=1, warmup_steps=5)
 
 
+def _ppo_policy(objective: str) -> PolicyChannelConfig:
+    """The PPO policy channel of ppo / async_ppo / async_ppo_recompute: clip-higher 0.2 / 0.28, dual clip 3,
+    4 minibatches; they differ only in what the ratio is taken against (``objective``)."""
+    return PolicyChannelConfig(objective=objective, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=4)
+
+
 @METHODS.register("ppo")
 def _ppo() -> MethodConfig:
     return MethodConfig(
         "ppo",
-        PolicyChannelConfig(objective="ppo", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=4),
+        _ppo_policy("ppo"),
         _GAE,
         _CRITIC,
         "Synchronous PPO + GAE with a value model (spec 2; verl compute_policy_loss_vanilla, dual clip 3).",
@@ -108,7 +114,7 @@ def _ppo() -> MethodConfig:
 def _async_ppo() -> MethodConfig:
     return MethodConfig(
         "async_ppo",
-        PolicyChannelConfig(objective="bypass_ppo", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=4),
+        _ppo_policy("bypass_ppo"),
         _GAE,
         _CRITIC,
         "Async PPO 3a: clip on exp(cur - mu), no old forward, GAE on stale data (spec 3a; verl bypass).",
@@ -119,7 +125,7 @@ def _async_ppo() -> MethodConfig:
 def _async_ppo_recompute() -> MethodConfig:
     return MethodConfig(
         "async_ppo_recompute",
-        PolicyChannelConfig(objective="ppo", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=4),
+        _ppo_policy("ppo"),
         _GAE,
         _CRITIC,
         "Async PPO 3b: old recomputed at the step start, clip on exp(cur - old), mu never used (spec 3b).",

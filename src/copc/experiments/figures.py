@@ -41,6 +41,15 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+def _save(plt, fig, out: Path, title: str) -> Path:  # type: ignore[no-untyped-def]
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *, title: str) -> Path:
     """Seed-mean evaluation curves (band: min to max over seeds), one panel per metric; returns the PNG."""
     plt = _pyplot()
@@ -56,12 +65,7 @@ def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str],
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out, title)
 
 
 def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *, title: str) -> Path:
@@ -80,9 +84,4 @@ def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str]
                       ha="right", fontsize=8)
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(title)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out, title)
