@@ -7,7 +7,8 @@ Ray driver is built (``pip install 'copc[ray]'``).
 
 - **Actors** (:class:`RolloutWorker`): each builds its own generator from the
   :class:`~copc.runtime.workers.WorkerSpec` (policy architecture, task, tools), on the CPUs and GPUs of
-  ``driver.ray_cpus_per_worker`` / ``driver.ray_gpus_per_worker`` (a GPU actor generates on ``cuda``). A
+  ``driver.ray_cpus_per_worker`` / ``driver.ray_gpus_per_worker`` (as many torch threads as whole CPUs;
+  a GPU actor generates on ``cuda``). A
   request is one actor call ``generate(batch index, version, weights ref)``; it returns the batch encoded
   (:func:`~copc.runtime.workers.encode_batch`), the same bytes the local workers send and the journal keeps.
 - **Weights** (:class:`RayWeights`): each published version is put into the object store once
@@ -143,7 +144,8 @@ class RayWorkerPool:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         ray = _ray()
-        self.spec = replace(spec, device="cuda") if options.gpus_per_worker > 0 else spec
+        self.spec = replace(spec, num_threads=max(1, int(options.cpus_per_worker)),
+                            device="cuda" if options.gpus_per_worker > 0 else spec.device)
         self.weights, self.options, self.owns_ray = weights, options, owns_ray
         self._actor_class = ray.remote(RolloutWorker)
         self.actors: list[Any | None] = [None] * num_workers
