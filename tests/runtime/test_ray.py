@@ -43,7 +43,8 @@ VOLATILE = ("time/", "perf/", "buffer/", "runtime/")
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+             log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -226,8 +227,9 @@ def test_killed_rollout_actors_are_restarted_and_the_run_is_unchanged(
 def test_a_stopped_ray_run_resumes_to_the_uninterrupted_parameters(ray_run: Path, tmp_path: Path) -> None:
     part = config(tmp_path / "part", kind="ray", steps=4)
     train(part, show_progress=False)
-    summary = train(replace(part, steps=6, resume=True), show_progress=False).summary
-    assert summary["restored_batches"] >= 1  # batch 4 was journaled by the first part, not regenerated
+    # Batches the first part had journaled beyond its checkpoint are restored, the rest generated again
+    # with the same seeds and versions (which of the two depends on timing; the result does not).
+    train(replace(part, steps=6, resume=True), show_progress=False)
     assert_same_run(ray_run, tmp_path / "part", from_step=4)
 
 
@@ -246,3 +248,22 @@ def test_bad_ray_settings_are_one_line(driver: dict[str, object], message: str) 
     with pytest.raises(ValueError, match=message) as err:
         DriverConfig(**driver)  # type: ignore[arg-type]
     assert "\n" not in str(err.value)
+
+
+def test_only_the_ray_transport_imports_ray_and_only_when_it_is_used() -> None:
+    """``import copc`` (any module) never imports ray: one module names it, inside a function."""
+    import ast
+
+    import copc
+
+    root = Path(copc.__file__).parent
+    where = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                where.append((path.relative_to(root).as_posix(), id(node) in top))
+    assert where == [("runtime/ray_workers.py", False)]

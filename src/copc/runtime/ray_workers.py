@@ -69,7 +69,8 @@ def connect(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     if address is None:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True)
+        # "local": a new instance even where a `ray start` cluster runs on this machine (plain init would join it)
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False)
     else:
         ray.init(address=address)
     return True
