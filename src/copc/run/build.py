@@ -19,8 +19,9 @@ from copc.models.hf import ValueModel, load_policy
 from copc.rollout.generator import RolloutGenerator
 from copc.run.config import RunConfig, resolve_rollout
 from copc.runtime.async_local import AsyncSource
+from copc.runtime.ray_workers import RayOptions, ray_transport
 from copc.runtime.sync import SyncSource
-from copc.runtime.workers import WorkerSpec
+from copc.runtime.workers import TransportFactory, WorkerSpec, local_transport
 from copc.tasks import Task
 from copc.tasks.datasets import DataError
 
@@ -154,7 +155,7 @@ def build_source(
     cfg: RunConfig, *, model_dir: Path, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
     run_dir: Path,
 ) -> SyncSource | AsyncSource:
-    """The driver's batch source: in-process generation (sync) or worker processes (async)."""
+    """The driver's batch source: in-process generation (sync), worker processes (async) or Ray actors (ray)."""
     weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
     rollout = resolve_rollout(cfg)  # the method's dynamic sampling / overlong shaping where rollout leaves them unset
     if cfg.driver.kind == "sync":
@@ -166,9 +167,13 @@ def build_source(
         model_path=str(model_dir), task=cfg.task, task_options=dict(cfg.task_options), rollout=rollout,
         seed=cfg.seed,
     )
+    transport: TransportFactory = local_transport
+    if cfg.driver.kind == "ray":  # the same driver over Ray actors (ray is imported only when they are built)
+        transport = ray_transport(RayOptions(address=cfg.driver.address, cpus_per_worker=cfg.driver.ray_cpus_per_worker,
+                                             gpus_per_worker=cfg.driver.ray_gpus_per_worker))
     return AsyncSource(spec, cfg.staleness, weights, num_workers=cfg.driver.num_workers,
                        journal_dir=run_dir / "rollouts", max_restarts=cfg.driver.max_worker_restarts,
-                       batch_timeout_s=cfg.driver.batch_timeout_s or None)
+                       batch_timeout_s=cfg.driver.batch_timeout_s or None, transport=transport)
 
 
 def quiet_transformers() -> None:

@@ -22,6 +22,7 @@ from copc.config import (
     ConfigError,
     ConfigValue,
     apply_overrides,
+    check_one_of,
     from_dict,
     load_yaml,
     parse_override,
@@ -77,24 +78,38 @@ class ModelConfig:
 class DriverConfig:
     """Which driver runs the loop."""
 
-    kind: Literal["sync", "async"] = "async"
-    """sync: generate then train; async: rollout worker processes generate while the trainer trains."""
+    kind: Literal["sync", "async", "ray"] = "async"
+    """sync: generate then train; async: rollout worker processes generate while the trainer trains;
+    ray: the async driver with Ray actors as rollout workers (docs/scaling.md; needs copc[ray])."""
     num_workers: int = 1
-    """Rollout worker processes (async driver)."""
+    """Rollout worker processes (async driver) or actors (ray driver)."""
     trainer_threads: int = 1
     """torch threads of the trainer process (each worker uses one)."""
     max_worker_restarts: int = 3
     """Rollout worker failures survived (restart, batch requested again); one more ends the run."""
     batch_timeout_s: float = 3600.0
     """A worker holding one batch longer than this is restarted (counts as a failure); 0 = no limit."""
+    address: str | None = None
+    """ray driver: None = start a local Ray with this machine's CPUs; 'auto' or 'host:port' = join that cluster."""
+    ray_cpus_per_worker: float = 1.0
+    """ray driver: CPUs each rollout actor reserves."""
+    ray_gpus_per_worker: float = 0.0
+    """ray driver: GPUs each rollout actor reserves (> 0: it generates on cuda)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("sync", "async"):
-            raise ValueError(f"driver.kind must be one of sync, async; got {self.kind!r}")
+        check_one_of("driver.kind", self.kind, ("sync", "async", "ray"))
         if self.num_workers < 1 or self.trainer_threads < 1:
             raise ValueError("driver.num_workers and driver.trainer_threads must be >= 1")
         if self.max_worker_restarts < 0 or not 0 <= self.batch_timeout_s < float("inf"):
             raise ValueError("driver.max_worker_restarts must be >= 0 and driver.batch_timeout_s finite and >= 0")
+        for key, value in (("ray_cpus_per_worker", self.ray_cpus_per_worker),
+                           ("ray_gpus_per_worker", self.ray_gpus_per_worker)):
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"driver.{key} must be >= 0 and finite, got {value!r}")
+        if self.address is not None and not self.address.strip():
+            raise ValueError("driver.address must be 'auto', 'host:port' or null (start a local Ray), got ''")
+        if self.address is not None and self.kind != "ray":
+            raise ValueError(f"driver.address={self.address!r} is for driver.kind=ray (got driver.kind={self.kind})")
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from copc.runtime.buffer import TrajectoryBuffer
 from copc.runtime.journal import Journal, JournalDamage, JournalError
 from copc.runtime.loop import RunError
 from copc.runtime.staleness import StalenessConfig, source_version
-from copc.runtime.workers import WeightRing, WorkerPool, WorkerSpec, decode_batch
+from copc.runtime.workers import TransportFactory, WorkerSpec, decode_batch, local_transport
 from copc.types import Prompt
 
 __all__ = ["AsyncSource", "RolloutError"]
@@ -73,6 +73,8 @@ class AsyncSource:
         journal_dir: where finished batches are journaled (None = no journal, nothing survives a kill).
         max_restarts: worker failures survived (restart + re-request); one more ends the run.
         batch_timeout_s: a worker holding one batch longer than this is killed and restarted (None = no limit).
+        transport: builds the weight store and the workers (local processes by default; Ray actors:
+            :func:`copc.runtime.ray_workers.ray_transport`). The policy here is the same for every transport.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class AsyncSource:
         journal_dir: str | os.PathLike[str] | None = None,
         max_restarts: int = 3,
         batch_timeout_s: float | None = None,
+        transport: TransportFactory = local_transport,
     ) -> None:
         from copc.tasks import get_task
 
@@ -92,7 +95,7 @@ class AsyncSource:
         self.batch_size = spec.rollout.batch_size
         self.buffer = TrajectoryBuffer(staleness, self.batch_size)
         self.pool = get_task(spec.task, **spec.task_options).prompts("train")  # type: ignore[arg-type]
-        self.ring = WeightRing(initial_weights, slots=staleness.staleness + 2)
+        self.ring, self.workers = transport(spec, initial_weights, staleness.staleness + 2, num_workers)
         self.journal = Journal(journal_dir) if journal_dir is not None else None
         self.max_restarts, self.batch_timeout_s = max_restarts, batch_timeout_s
         self.version = 0
@@ -110,7 +113,6 @@ class AsyncSource:
         self._fatal: str | None = None
         self._lock = threading.RLock()
         self._queue: deque[tuple[int, int | None]] = deque()  # requests no worker has taken yet
-        self.workers = WorkerPool(spec, self.ring, num_workers)
         self._assigned: dict[int, tuple[int, int | None, float]] = {}  # slot -> (index, version, since)
         self._worker_version = [0] * num_workers
         self._stop = threading.Event()
@@ -182,7 +184,7 @@ class AsyncSource:
     def _dispatch(self) -> None:
         """Give queued requests to idle workers (caller holds the lock)."""
         for slot in range(len(self.workers)):
-            if slot in self._assigned or self.workers.pid(slot) is None:
+            if slot in self._assigned or not self.workers.started(slot):
                 continue
             for k, (index, wanted) in enumerate(self._queue):
                 if wanted is None or wanted >= self._worker_version[slot]:

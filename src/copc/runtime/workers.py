@@ -34,9 +34,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from typing import Protocol
 
 import torch
 import torch.multiprocessing as mp
@@ -44,7 +45,10 @@ import torch.multiprocessing as mp
 from copc.rollout.generator import GeneratedBatch, RolloutConfig, RolloutGenerator
 from copc.runtime.buffer import prompt_from_dict, prompt_to_dict, trajectory_from_dict, trajectory_to_dict
 
-__all__ = ["WeightRing", "WorkerEvent", "WorkerPool", "WorkerSpec", "decode_batch", "encode_batch"]
+__all__ = [
+    "Transport", "TransportFactory", "WeightRing", "WeightStore", "WorkerEvent", "WorkerPool", "WorkerSpec",
+    "build_generator", "decode_batch", "encode_batch", "local_transport",
+]
 
 #: Modules the fork server imports once; every worker forks from it with them loaded (torch, transformers
 #: and the tasks take 5-15 s to import on a busy 2-core machine).
@@ -76,6 +80,22 @@ class WorkerSpec:
     seed: int = 0
     num_threads: int = 1
     """torch threads per worker process."""
+    device: str = "cpu"
+    """Where the worker's generator runs (``cuda`` for a Ray actor given a GPU)."""
+
+
+def build_generator(spec: WorkerSpec) -> RolloutGenerator:
+    """The worker's generator: policy (architecture and tokenizer of ``spec.model_path``), task and tools."""
+    torch.set_num_threads(spec.num_threads)
+    from transformers.utils import logging as hf_logging
+
+    from copc.models import load_policy
+    from copc.tasks import get_task
+
+    hf_logging.disable_progress_bar()
+    model, tokenizer = load_policy(spec.model_path, device=spec.device)
+    task = get_task(spec.task, **spec.task_options)  # type: ignore[arg-type]
+    return RolloutGenerator(model, tokenizer, task, spec.rollout, seed=spec.seed)
 
 
 class WeightRing:
@@ -221,17 +241,7 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, conn: Connection, trainer_a
     _watch_trainer(trainer_alive, trainer_pid)
     faulthandler.enable()
     try:
-        torch.set_num_threads(spec.num_threads)
-        from transformers.utils import logging as hf_logging
-
-        from copc.models import load_policy
-
-        hf_logging.disable_progress_bar()
-        from copc.tasks import get_task
-
-        model, tokenizer = load_policy(spec.model_path)
-        task = get_task(spec.task, **spec.task_options)  # type: ignore[arg-type]
-        generator = RolloutGenerator(model, tokenizer, task, spec.rollout, seed=spec.seed)
+        generator = build_generator(spec)
         while True:
             message = conn.recv()
             if message is None:
@@ -356,6 +366,10 @@ class WorkerPool:
         proc = self.procs[slot]
         return proc.pid if proc is not None else None
 
+    def started(self, slot: int) -> bool:
+        """Whether ``slot`` has a worker (it may have died since: :meth:`wait` reports that)."""
+        return self.procs[slot] is not None
+
     def _drop(self, slot: int) -> None:
         proc, conn = self.procs[slot], self.conns[slot]
         if conn is not None:
@@ -379,3 +393,39 @@ class WorkerPool:
             self._drop(slot)
         self._alive_w.close()
         self._alive_r.close()
+
+
+# ------------------------------------------------------------------------------ the transport seam
+class WeightStore(Protocol):
+    """Where the trainer publishes versioned weights for the workers (:class:`WeightRing` here)."""
+
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None: ...
+
+
+class Transport(Protocol):
+    """What the async driver's policy asks of its workers (:class:`WorkerPool` here; a Ray pool in
+    :mod:`copc.runtime.ray_workers`): start or restart a slot, send it a request, report batches and deaths."""
+
+    def __len__(self) -> int: ...
+
+    def start(self, slot: int) -> None: ...
+
+    def started(self, slot: int) -> bool: ...
+
+    def send(self, slot: int, index: int, version: int | None) -> bool: ...
+
+    def wait(self, timeout_s: float) -> list[WorkerEvent]: ...
+
+    def close(self) -> None: ...
+
+
+#: ``(spec, initial weights, weight slots, num_workers) -> (weights, workers)``; nothing started yet.
+TransportFactory = Callable[[WorkerSpec, Mapping[str, torch.Tensor], int, int], tuple[WeightStore, Transport]]
+
+
+def local_transport(
+    spec: WorkerSpec, initial_weights: Mapping[str, torch.Tensor], slots: int, num_workers: int
+) -> tuple[WeightRing, WorkerPool]:
+    """Worker processes on this machine, weights in a shared-memory ring of ``slots`` versions."""
+    ring = WeightRing(initial_weights, slots=slots)
+    return ring, WorkerPool(spec, ring, num_workers)
