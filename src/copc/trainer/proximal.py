@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from copc import tracking as m
+from copc.channels.methods import MethodConfig
 from copc.ops import zero_where_not
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "ProximalSource",
     "SnapshotMissingError",
     "SnapshotStore",
+    "check_proximal_source",
     "ewma_update",
     "loglinear_alpha",
     "loglinear_logp",
@@ -84,6 +86,23 @@ def _clone(weights: Mapping[str, torch.Tensor]) -> Weights:
             copies[ident] = tensor.detach().to("cpu", copy=True)
         out[key] = copies[ident]
     return out
+
+
+def check_proximal_source(method: MethodConfig, source: str) -> None:
+    """Fail with one line unless ``trainer.proximal = source`` fits ``method``: every source but recompute
+    needs a method with a proximal policy (``needs_old_forward``); loglinear moves ``old`` with each
+    minibatch, so it cannot serve ``policy.denominator = kept``."""
+    if source != "recompute" and not method.needs_old_forward:
+        raise ValueError(
+            f"trainer.proximal={source} needs a method with a proximal (old) policy; method {method.name!r} "
+            "reads only cur and mu: use trainer.proximal=recompute or a method such as copc, areal, "
+            "areal_critic, icepop, async_ppo_recompute"
+        )
+    if source == "loglinear" and method.policy.denominator == "kept":
+        raise ValueError(
+            "trainer.proximal=loglinear moves old with every minibatch, so policy.denominator='kept' is "
+            "undefined; use method_overrides.policy.denominator=all or another trainer.proximal"
+        )
 
 
 # ---------------------------------------------------------------------------------------- loglinear

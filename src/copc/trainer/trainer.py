@@ -51,6 +51,7 @@ from copc.trainer.proximal import (
     PROXIMAL_SOURCES,
     Proximal,
     ProximalSource,
+    check_proximal_source,
     loglinear_alpha,
     loglinear_logp,
     train_eval_equivalent,
@@ -209,7 +210,7 @@ class ActorCriticTrainer:
             raise ValueError(f"method {method.name!r} needs a critic: pass a value model")
         if config.kl_coef > 0 and reference is None:
             raise ValueError("trainer.kl_coef > 0 needs a reference policy; pass reference= or set kl_coef=0")
-        _check_proximal(method, config)
+        check_proximal_source(method, config.proximal)
         self.policy, self.critic, self.reference = policy, critic if method.needs_critic else None, reference
         self.method, self.config = method, config
         opt = partial(make_optimizer, kind=config.optimizer, weight_decay=config.weight_decay, eps=config.adam_eps)
@@ -495,18 +496,3 @@ class ActorCriticTrainer:
         metrics[m.TIME_TRAIN] = elapsed
         metrics[m.PERF_TRAIN_TOKENS_PER_S] = int(batch.attention_mask.sum()) / max(elapsed, 1e-9)
         return metrics
-
-
-def _check_proximal(method: MethodConfig, config: TrainerConfig) -> None:
-    """``trainer.proximal`` other than recompute needs a method with a proximal policy (one line if not)."""
-    if config.proximal != "recompute" and not method.needs_old_forward:
-        raise ValueError(
-            f"trainer.proximal={config.proximal} needs a method with a proximal (old) policy; method "
-            f"{method.name!r} reads only cur and mu: use trainer.proximal=recompute or a method such as "
-            "copc, areal, areal_critic, icepop, async_ppo_recompute"
-        )
-    if config.proximal == "loglinear" and method.policy.denominator == "kept":
-        raise ValueError(
-            "trainer.proximal=loglinear moves old with every minibatch, so policy.denominator='kept' is "
-            "undefined; use method_overrides.policy.denominator=all or another trainer.proximal"
-        )
