@@ -268,3 +268,61 @@ def test_trajectory_versions_reach_the_batch() -> None:
     batch = collate([traj], pad_id=TOKENIZER.pad_token_id)
     assert torch.equal(batch.policy_version[0][traj.action_mask], torch.full((traj.num_action_tokens,), 4))
     assert torch.all(batch.policy_version[0][~traj.action_mask] == -1)
+
+
+# ---------------------------------------------------------------- issue 12 item 2: old from the first forward
+@pytest.mark.parametrize("micro", [2, 1])
+def test_old_forward_reuse_trains_like_the_separate_forward(micro: int) -> None:
+    """copc, 8 rows in 4 minibatches: the first minibatch's 2 rows take ``old`` from their own first
+    (train-mode, with grad) forward instead of the step-start no-grad one.
+
+    Equal to float tolerance, not bit for bit: the separate forward runs those rows in other micro-batches
+    (other neighbours, other padded length), so its values differ in float32 summation order (~1e-7), and
+    with reuse ``cur / old`` is exactly 1 on those rows instead of 1 +- 1e-7. SGD (linear in the gradient,
+    as in the accumulation-invariance test, lr 0.1: at 0.5 eight chained updates amplify 1e-8 to 1e-6) so
+    the difference stays ~1e-7 in the weights; 1e-6 bounds it. ``micro = 1`` holds two micro-batch graphs
+    of the first minibatch (and is bit-identical here: one-row micro-batches are the same computation
+    either way); entropy bonus and 2 epochs on.
+    """
+    runs = []
+    for reuse in (False, True):
+        trainer = make_trainer("copc", micro_batch_size=micro, optimizer="sgd", actor_lr=0.1, critic_lr=0.1,
+                               max_grad_norm=0.0, critic_max_grad_norm=0.0, entropy_coef=0.01, ppo_epochs=2,
+                               old_forward_reuse=reuse)
+        history = [trainer.step(batch_of(trainer.policy, seed=s, versions=(max(s - 1, 0),))) for s in range(2)]
+        runs.append((params(trainer.policy), params(trainer.critic), history))
+    (pi_a, v_a, h_a), (pi_b, v_b, h_b) = runs
+    moved = 0.0
+    for name in pi_a:
+        torch.testing.assert_close(pi_b[name], pi_a[name], rtol=0, atol=1e-6)
+        moved = max(moved, float((pi_a[name] - make_trainer("copc").policy.state_dict()[name]).abs().max()))
+    assert moved > 1e-3  # the comparison is not vacuous
+    for name in v_a:
+        torch.testing.assert_close(v_b[name], v_a[name], rtol=0, atol=1e-6)
+    for ma, mb in zip(h_a, h_b, strict=True):
+        assert mb[m.PROXIMAL_REUSED_ROWS_FRAC] == 0.25 and m.PROXIMAL_REUSED_ROWS_FRAC not in ma
+        for key in (m.LOSS_POLICY, m.LOSS_VALUE, m.RATIO_MEAN_ABS_LOG_W, m.ADV_RAW_MEAN):
+            assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+
+
+def test_old_forward_reuse_saves_the_first_minibatchs_old_forward() -> None:
+    trainer = make_trainer("copc", micro_batch_size=2, old_forward_reuse=True)
+    batch = batch_of(trainer.policy, seed=0, versions=(0,))
+    calls = count_forwards(trainer.policy)
+    trainer.step(batch)
+    assert calls[0] == 3 + 4  # old for the 6 other rows in micro-batches of 2, then 4 actor minibatches
+    st_rows = trainer.prepare(batch).reused_rows
+    trainer._early.clear()
+    assert st_rows == 2
+
+
+def test_old_forward_reuse_falls_back_where_train_and_eval_forwards_differ() -> None:
+    trainer = make_trainer("copc", micro_batch_size=2, old_forward_reuse=True)
+    for module in trainer.policy.modules():  # dropout: a train-mode forward is not pi_old's
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
+    metrics = trainer.step(batch_of(trainer.policy, seed=0, versions=(0,)))
+    assert metrics[m.PROXIMAL_REUSED_ROWS_FRAC] == 0.0
+    frozen = make_trainer("copc", micro_batch_size=2, old_forward_reuse=True, critic_warmup_steps=1)
+    metrics = frozen.step(batch_of(frozen.policy, seed=0, versions=(0,)))  # critic warm-up: no actor forward
+    assert metrics[m.PROXIMAL_REUSED_ROWS_FRAC] == 0.0 and not frozen._early
