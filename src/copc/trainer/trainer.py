@@ -5,9 +5,12 @@ Notation: ``B`` trajectories, ``T`` tokens; ``mu`` = behaviour log-probs recorde
 
 One step, in order:
 
-1. no-grad forwards in eval mode (no dropout): ``old_t = log pi_old(a_t | s_t)`` (only when the method
-   needs it; otherwise ``old := mu``, async PPO 3a) and the critic's ``V_t = V(s_t)`` (when the method
-   has a critic); log-probs under the sampler's transform (temperature, top-k, top-p);
+1. no-grad forwards in eval mode (no dropout): ``old_t`` from ``trainer.proximal`` (only when the method
+   needs it; otherwise ``old := mu``, async PPO 3a; copc.trainer.proximal: the step-start policy by
+   default, each token's own version, an EWMA of the weights, or A-3PO's interpolation) and the critic's
+   ``V_t = V(s_t)`` (when the method has a critic); log-probs under the sampler's transform (temperature,
+   top-k, top-p). With ``old_forward_reuse`` the first actor minibatch's forward runs here instead (train
+   mode, with grad, kept for its update) and gives ``old`` of its rows (docs/algorithms.md);
 2. rewards folded onto policy tokens, behaviour log-ratio ``log w_t = clamp(old_t - mu_t, +-20)``;
 3. the advantage channel: ``advantages`` (normalised once over the loss tokens of the whole batch when
    the method says so) and critic targets ``returns``;
@@ -18,7 +21,7 @@ One step, in order:
    loss by its denominator, all or kept tokens; the KL and entropy terms by the valid tokens);
    for methods without an ``old`` forward the ``ratio/...`` diagnostics are those of ``cur/mu`` on
    the first minibatch (``cur`` is then still the step-start policy);
-6. ``version += 1``: the new weights are what a driver publishes next.
+6. ``version += 1``: the new weights are what a driver publishes next (and what ``snapshot`` stores).
 
 Truncated trajectories (``truncation``): ``terminal`` (V after the last token = 0), ``bootstrap``
 (V after the last token := the pre-update critic's value at the last position), or ``mask`` (the rows
