@@ -311,9 +311,7 @@ def test_old_forward_reuse_saves_the_first_minibatchs_old_forward() -> None:
     calls = count_forwards(trainer.policy)
     trainer.step(batch)
     assert calls[0] == 3 + 4  # old for the 6 other rows in micro-batches of 2, then 4 actor minibatches
-    st_rows = trainer.prepare(batch).reused_rows
-    trainer._early.clear()
-    assert st_rows == 2
+    assert trainer.prepare(batch).reused_rows == 2
 
 
 def test_old_forward_reuse_falls_back_where_train_and_eval_forwards_differ() -> None:
@@ -325,4 +323,4 @@ def test_old_forward_reuse_falls_back_where_train_and_eval_forwards_differ() -> 
     assert metrics[m.PROXIMAL_REUSED_ROWS_FRAC] == 0.0
     frozen = make_trainer("copc", micro_batch_size=2, old_forward_reuse=True, critic_warmup_steps=1)
     metrics = frozen.step(batch_of(frozen.policy, seed=0, versions=(0,)))  # critic warm-up: no actor forward
-    assert metrics[m.PROXIMAL_REUSED_ROWS_FRAC] == 0.0 and not frozen._early
+    assert metrics[m.PROXIMAL_REUSED_ROWS_FRAC] == 0.0

@@ -116,8 +116,8 @@ class TrainerConfig:
     """Where old log-probs come from: recompute | snapshot | ewma | loglinear (copc.trainer.proximal)."""
     proximal_decay: float = 0.75
     """ewma: decay beta per actor optimizer step (center of mass beta / (1 - beta) = 3 steps back)."""
-    proximal_max_bytes: int = 1 << 30
-    """snapshot: memory bound of the stored policy versions [bytes]; needs (staleness + 1) x one version."""
+    proximal_max_bytes: int = 32 << 20
+    """snapshot: bound of the stored versions (memory and checkpoints) [bytes]; needs (staleness + 1) x one."""
     old_forward_reuse: bool = False
     """recompute: take old of the first actor minibatch's rows from their own first forward (issue 12)."""
 
@@ -259,6 +259,7 @@ class ActorCriticTrainer:
         """``(logp_old [B, T], alpha or None, reused rows)`` at the step start from ``trainer.proximal``
         (copc.trainer.proximal); ``logp_behav`` itself for methods without a proximal policy (async PPO 3a)."""
         mu, mask, source = batch.logp_behav, batch.action_mask, self.config.proximal
+        self._early.clear()  # a prepare() outside step() must not leave graphs for the next step
         if not self.method.needs_old_forward:
             return mu, None, 0
         if source == "loglinear":
