@@ -41,11 +41,7 @@ from torch import nn
 from copc import tracking as m
 from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
 from copc.channels.methods import MethodConfig
-from copc.ops import (
-    k3_from_log,
-    log_ratio,
-    zero_where_not,
-)
+from copc.ops import k3_from_log, log_ratio, zero_where_not
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
 from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer, trim_length
 from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
