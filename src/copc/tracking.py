@@ -116,6 +116,10 @@ RUNTIME_JOURNAL_DAMAGED = "runtime/journal_damaged"
 ROLLOUT_EMPTY_FRAC = "rollout/empty_frac"
 TRAIN_VERSION = "train/version"
 TRAIN_ACTOR_FROZEN = "train/actor_frozen"
+PROXIMAL_SNAPSHOT_BYTES = "proximal/snapshot_bytes"
+PROXIMAL_SNAPSHOT_VERSIONS = "proximal/snapshot_versions"
+PROXIMAL_VERSION_FORWARDS = "proximal/version_forwards"
+PROXIMAL_REUSED_ROWS_FRAC = "proximal/reused_rows_frac"
 
 #: Every metric name with its one-line meaning (units in brackets). Tokens are sampled (policy) tokens.
 METRICS: dict[str, str] = {
@@ -207,6 +211,10 @@ METRICS: dict[str, str] = {
     ROLLOUT_EMPTY_FRAC: "fraction of trajectories of the batch without a sampled token (prompt fills the context)",
     TRAIN_VERSION: "policy version after the step",
     TRAIN_ACTOR_FROZEN: "1 while the critic warms up and the actor is frozen",
+    PROXIMAL_SNAPSHOT_BYTES: "trainer.proximal=snapshot: bytes of the policy versions the snapshot store holds after the step [B]",
+    PROXIMAL_SNAPSHOT_VERSIONS: "trainer.proximal=snapshot: policy versions the snapshot store holds after the step",
+    PROXIMAL_VERSION_FORWARDS: "trainer.proximal=snapshot: distinct behaviour versions of the batch (one old forward each)",
+    PROXIMAL_REUSED_ROWS_FRAC: "fraction of rows whose old log-probs came from their first actor forward (trainer.old_forward_reuse)",
 }
 
 #: Families named at run time: ``prefix + suffix``, e.g. ``buffer/dropped_timeout``, ``eval/accuracy/arith``.

@@ -31,6 +31,7 @@ from copc.config import (
 from copc.eval.evaluate import EvalConfig
 from copc.rollout.generator import RolloutConfig
 from copc.runtime.staleness import StalenessConfig
+from copc.trainer.proximal import check_proximal_source
 from copc.trainer.trainer import TrainerConfig
 
 __all__ = [
@@ -250,9 +251,13 @@ def validate_names(cfg: RunConfig, *, check_options: bool = True, check_paths: b
     if cfg.task not in task_names():
         raise ConfigError(f"task: unknown task {cfg.task!r}; valid tasks: {', '.join(task_names())}")
     try:
-        resolve_method(cfg)
+        method = resolve_method(cfg)
     except (KeyError, ValueError) as err:
         raise ConfigError(f"method: {' '.join(str(err).split())}") from None
+    try:
+        check_proximal_source(method, cfg.trainer.proximal)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         resolve_rollout(cfg)
     except ValueError as err:

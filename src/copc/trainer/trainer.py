@@ -5,9 +5,12 @@ Notation: ``B`` trajectories, ``T`` tokens; ``mu`` = behaviour log-probs recorde
 
 One step, in order:
 
-1. no-grad forwards in eval mode (no dropout): ``old_t = log pi_old(a_t | s_t)`` (only when the method
-   needs it; otherwise ``old := mu``, async PPO 3a) and the critic's ``V_t = V(s_t)`` (when the method
-   has a critic); log-probs under the sampler's transform (temperature, top-k, top-p);
+1. no-grad forwards in eval mode (no dropout): ``old_t`` from ``trainer.proximal`` (only when the method
+   needs it; otherwise ``old := mu``, async PPO 3a; copc.trainer.proximal: the step-start policy by
+   default, each token's own version, an EWMA of the weights, or A-3PO's interpolation) and the critic's
+   ``V_t = V(s_t)`` (when the method has a critic); log-probs under the sampler's transform (temperature,
+   top-k, top-p). With ``old_forward_reuse`` the first actor minibatch's forward runs here instead (train
+   mode, with grad, kept for its update) and gives ``old`` of its rows (docs/algorithms.md);
 2. rewards folded onto policy tokens, behaviour log-ratio ``log w_t = clamp(old_t - mu_t, +-20)``;
 3. the advantage channel: ``advantages`` (normalised once over the loss tokens of the whole batch when
    the method says so) and critic targets ``returns``;
@@ -18,7 +21,7 @@ One step, in order:
    loss by its denominator, all or kept tokens; the KL and entropy terms by the valid tokens);
    for methods without an ``old`` forward the ``ratio/...`` diagnostics are those of ``cur/mu`` on
    the first minibatch (``cur`` is then still the step-start policy);
-6. ``version += 1``: the new weights are what a driver publishes next.
+6. ``version += 1``: the new weights are what a driver publishes next (and what ``snapshot`` stores).
 
 Truncated trajectories (``truncation``): ``terminal`` (V after the last token = 0), ``bootstrap``
 (V after the last token := the pre-update critic's value at the last position), or ``mask`` (the rows
@@ -27,10 +30,7 @@ leave the actor and critic losses).
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal
@@ -41,15 +41,20 @@ from torch import nn
 from copc import tracking as m
 from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
 from copc.channels.methods import MethodConfig
-from copc.models.hf import LogProbTransform, token_logprobs, token_logprobs_and_entropy
-from copc.ops import (
-    k3_from_log,
-    log_ratio,
-    zero_where_not,
-)
-from copc.rollout.engine import truncated_logprobs
+from copc.ops import k3_from_log, log_ratio, zero_where_not
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
+from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer, trim_length
 from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
+from copc.trainer.forwards import Forwards
+from copc.trainer.proximal import (
+    PROXIMAL_SOURCES,
+    Proximal,
+    ProximalSource,
+    check_proximal_source,
+    loglinear_alpha,
+    loglinear_logp,
+    train_eval_equivalent,
+)
 
 __all__ = ["ActorCriticTrainer", "StepTensors", "TrainerConfig"]
 
@@ -103,6 +108,14 @@ class TrainerConfig:
     """Shuffle rows into minibatches (seeded by (seed, step, epoch))."""
     seed: int = 0
     """Seed of the minibatch shuffles."""
+    proximal: ProximalSource = "recompute"
+    """Where old log-probs come from: recompute | snapshot | ewma | loglinear (copc.trainer.proximal)."""
+    proximal_decay: float = 0.75
+    """ewma: decay beta per actor optimizer step (center of mass beta / (1 - beta) = 3 steps back)."""
+    proximal_max_bytes: int = 32 << 20
+    """snapshot: bound of the stored versions (memory and checkpoints) [bytes]; needs (staleness + 1) x one."""
+    old_forward_reuse: bool = False
+    """recompute: take old of the first actor minibatch's rows from their own first forward (issue 12)."""
 
     def __post_init__(self) -> None:
         for name in ("actor_lr", "critic_lr", "temperature"):
@@ -125,6 +138,12 @@ class TrainerConfig:
             raise ValueError(f"trainer.top_k must be >= 0 (0 = off; use the rollout's), got {self.top_k}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"trainer.optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.proximal not in PROXIMAL_SOURCES:
+            raise ValueError(f"trainer.proximal must be one of {', '.join(PROXIMAL_SOURCES)}, got {self.proximal!r}")
+        if not 0.0 <= self.proximal_decay < 1.0:
+            raise ValueError(f"trainer.proximal_decay must be in [0, 1) (e.g. 0.75), got {self.proximal_decay}")
+        if self.proximal_max_bytes < 1:
+            raise ValueError(f"trainer.proximal_max_bytes must be >= 1, got {self.proximal_max_bytes}")
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(
                 f"trainer.truncation must be one of {', '.join(TRUNCATION_MODES)}, got {self.truncation!r}"
@@ -143,6 +162,10 @@ class StepTensors:
         returns: critic targets.
         loss_mask: ``[B, T] bool``, the action tokens that enter the losses (truncation = mask drops rows).
         adv_stats: the advantage channel's detached diagnostics (``adv/...``, ``returns/...``, ``ratio/...``).
+        alpha: ``trainer.proximal = loglinear``: A-3PO's ``[B, T]`` weights; the actor loss then takes
+            ``old`` from each micro-batch's own forward (``logp_old`` is only the step-start value).
+        ratio_from_first: ``logp_old`` is ``mu`` (no step-start old): ``ratio/...`` come from the first minibatch.
+        reused_rows: rows whose ``logp_old`` is their first actor forward (``old_forward_reuse``).
     """
 
     logp_old: torch.Tensor
@@ -152,25 +175,13 @@ class StepTensors:
     returns: torch.Tensor
     loss_mask: torch.Tensor
     adv_stats: dict[str, torch.Tensor]
+    alpha: torch.Tensor | None = None
+    ratio_from_first: bool = False
+    reused_rows: int = 0
 
 
-@contextmanager
-def _eval_mode(*modules: nn.Module | None) -> Iterator[None]:
-    """Run no-grad forwards without dropout; restore each module's train/eval flag afterwards."""
-    present = [mod for mod in modules if mod is not None]
-    flags = [mod.training for mod in present]
-    for mod in present:
-        mod.eval()
-    try:
-        yield
-    finally:
-        for mod, flag in zip(present, flags, strict=True):
-            mod.train(flag)
-
-
-def _trim(index: torch.Tensor, attention_mask: torch.Tensor) -> int:
-    """Length of the longest row among ``index`` (rows are right-padded, so columns past it are padding)."""
-    return max(1, int(attention_mask[index].sum(dim=-1).max()))
+#: One micro-batch's actor forward kept from the step start: ``(logp with grad, entropy or None)``.
+EarlyForward = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class ActorCriticTrainer:
@@ -198,12 +209,18 @@ class ActorCriticTrainer:
             raise ValueError(f"method {method.name!r} needs a critic: pass a value model")
         if config.kl_coef > 0 and reference is None:
             raise ValueError("trainer.kl_coef > 0 needs a reference policy; pass reference= or set kl_coef=0")
+        check_proximal_source(method, config.proximal)
         self.policy, self.critic, self.reference = policy, critic if method.needs_critic else None, reference
         self.method, self.config = method, config
-        self.actor_optimizer = _optimizer(policy, config, config.actor_lr)
-        self.critic_optimizer = _optimizer(self.critic, config, config.critic_lr) if self.critic is not None else None
+        opt = partial(make_optimizer, kind=config.optimizer, weight_decay=config.weight_decay, eps=config.adam_eps)
+        self.actor_optimizer = opt(policy, lr=config.actor_lr)
+        self.critic_optimizer = opt(self.critic, lr=config.critic_lr) if self.critic is not None else None
         self.version = 0
         self.steps_done = 0
+        self.proximal = Proximal(config.proximal, policy, version=0, decay=config.proximal_decay,
+                                 max_bytes=config.proximal_max_bytes)
+        self._early: dict[tuple[int, ...], EarlyForward] = {}
+        self.fwd = Forwards(config.temperature, config.top_k, config.top_p, config.micro_batch_size)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, object]:
@@ -215,6 +232,7 @@ class ActorCriticTrainer:
             "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer else None,
             "version": self.version,
             "steps_done": self.steps_done,
+            "proximal": self.proximal.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -226,67 +244,76 @@ class ActorCriticTrainer:
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])  # type: ignore[arg-type]
         self.version = int(state["version"])  # type: ignore[call-overload]
         self.steps_done = int(state["steps_done"])  # type: ignore[call-overload]
+        self.proximal.load_state_dict(state.get("proximal"), self.policy, version=self.version)  # type: ignore[arg-type]
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """Detached policy weights to publish as :attr:`version`."""
         return {k: v.detach() for k, v in self.policy.state_dict().items()}
 
     # ------------------------------------------------------------------ forwards
-    def _sampler_transform(self) -> tuple[float, LogProbTransform | None]:
-        """``(temperature, transform)`` for the log-prob helpers: the sampler's own distribution (temperature
-        only without top-k / top-p, else the engine's ``truncated_logprobs``), so ``w = old / mu`` is 1 at
-        staleness 0 (docs/algorithms.md, "Sampling transform")."""
-        cfg = self.config
-        if cfg.top_p >= 1.0 and cfg.top_k == 0:
-            return cfg.temperature, None
-        return 1.0, partial(truncated_logprobs, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-
-    def _logp(self, model: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
-        length = _trim(index, batch.attention_mask)
-        temperature, transform = self._sampler_transform()
-        return token_logprobs(
-            model,  # type: ignore[arg-type]  # any causal LM module; typed as PreTrainedModel upstream
-            batch.input_ids[index, :length],
-            batch.attention_mask[index, :length],
-            temperature=temperature,
-            transform=transform,
-        )
-
-    def _values(self, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
-        assert self.critic is not None
-        length = _trim(index, batch.attention_mask)
-        return self.critic(batch.input_ids[index, :length], batch.attention_mask[index, :length])
-
-    @torch.no_grad()
-    def _full(self, fn: object, batch: TrainBatch) -> torch.Tensor:
-        """Run ``fn(batch, rows)`` micro-batch by micro-batch and stitch a ``[B, T]`` result."""
+    def _old_logp(self, batch: TrainBatch, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """``(logp_old [B, T], alpha or None, reused rows)`` at the step start from ``trainer.proximal``
+        (copc.trainer.proximal); ``logp_behav`` itself for methods without a proximal policy (async PPO 3a)."""
+        mu, mask, source = batch.logp_behav, batch.action_mask, self.config.proximal
+        self._early.clear()  # a prepare() outside step() must not leave graphs for the next step
+        if not self.method.needs_old_forward:
+            return mu, None, 0
+        if source == "loglinear":
+            alpha = loglinear_alpha(batch.policy_version, mask, version=self.version)
+            if not self.method.advantage.needs_old_forward:
+                return mu, alpha, 0  # the actor loss interpolates with each micro-batch's own forward
+            with eval_mode(self.policy):
+                cur = self.fwd.full(self.fwd.logp_of(self.policy), batch)
+            return loglinear_logp(mu, cur, alpha, mask), alpha, 0
+        if source == "snapshot":
+            with eval_mode(self.policy):
+                return self.proximal.snapshot_logp(
+                    lambda model, rows: self.fwd.logp(model, batch, rows), self.policy, batch.policy_version, mask,
+                    version=self.version, micro_batch_size=self.config.micro_batch_size,
+                ), None, 0
+        if source == "ewma":
+            assert self.proximal.ewma is not None
+            return zero_where_not(mask, self.fwd.full(self.fwd.logp_of(self.proximal.ewma.model), batch)), None, 0
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for rows in micro_batches(torch.arange(batch.batch_size), self.config.micro_batch_size):
-            piece = fn(batch, rows)  # type: ignore[operator]
-            out[rows, : piece.shape[1]] = piece.float()
-        return out
+        rest = torch.arange(batch.batch_size)
+        if self._reuses_first_forward():
+            first = self._minibatches(loss_mask, self._actor_minibatch_count(), salt=100)[0].index
+            for rows in micro_batches(first, self.config.micro_batch_size):  # train mode, with grad: kept
+                logp, entropy = self.fwd.logp_entropy(self.policy, batch, rows, entropy=self.config.entropy_coef != 0)
+                self._early[tuple(rows.tolist())] = (logp, entropy)
+                out[rows, : logp.shape[1]] = logp.detach().float()
+            rest = rest[~torch.isin(rest, first)]
+        with eval_mode(self.policy):
+            self.fwd.full(self.fwd.logp_of(self.policy), batch, rest, out)
+        return zero_where_not(mask, out), None, batch.batch_size - len(rest)
+
+    def _reuses_first_forward(self) -> bool:
+        """``old_forward_reuse`` applies this step: recompute, the actor trains, and a train-mode forward
+        equals the eval-mode one (no dropout, no batch norm; else the separate forward is kept)."""
+        return (self.config.old_forward_reuse and self.config.proximal == "recompute"
+                and self.steps_done >= self.warmup_steps and train_eval_equivalent(self.policy))
+
+    def _actor_minibatch_count(self) -> int:
+        return self.config.actor_minibatches or self.method.policy.minibatches
 
     def prepare(self, batch: TrainBatch) -> StepTensors:
         """Steps 1-3 of the algorithm: no-grad forwards, behaviour ratios, the advantage channel."""
         action_mask = batch.action_mask
-        with _eval_mode(self.policy, self.critic):
-            if self.method.needs_old_forward:
-                logp_old = zero_where_not(action_mask, self._full(lambda b, r: self._logp(self.policy, b, r), batch))
-            else:
-                logp_old = batch.logp_behav  # async PPO 3a: the behaviour policy stands in for "old"
+        loss_mask = action_mask
+        if self.config.truncation == "mask":
+            loss_mask = action_mask & ~batch.truncated[:, None]
+        logp_old, alpha, reused = self._old_logp(batch, loss_mask)
+        with eval_mode(self.critic):
             values_old = (
-                zero_where_not(action_mask, self._full(self._values, batch))
+                zero_where_not(action_mask, self.fwd.full(partial(self.fwd.values, self.critic), batch))
                 if self.critic is not None
                 else torch.zeros_like(batch.logp_behav)
             )
         log_w = log_ratio(logp_old, batch.logp_behav, action_mask)
-        loss_mask = action_mask
         bootstrap = None
-        if self.config.truncation == "mask":
-            loss_mask = action_mask & ~batch.truncated[:, None]
-        elif self.config.truncation == "bootstrap" and self.critic is not None:
-            with _eval_mode(self.critic):
-                bootstrap = torch.where(batch.truncated, self._last_values(batch), 0.0)
+        if self.config.truncation == "bootstrap" and self.critic is not None:
+            with eval_mode(self.critic):
+                bootstrap = torch.where(batch.truncated, self.fwd.last_values(self.critic, batch), 0.0)
         adv = compute_advantages(
             self.method.advantage,
             rewards=batch.token_rewards,
@@ -306,20 +333,10 @@ class ActorCriticTrainer:
             returns=zero_where_not(loss_mask, adv.returns.detach()),
             loss_mask=loss_mask,
             adv_stats=adv.stats,
+            alpha=alpha,
+            ratio_from_first=not self.method.needs_old_forward or (alpha is not None and not self.method.advantage.needs_old_forward),
+            reused_rows=reused,
         )
-
-    @torch.no_grad()
-    def _last_values(self, batch: TrainBatch) -> torch.Tensor:
-        """``[B] float32``: the pre-update V of the state after each row's last token (the head's
-        unshifted output at the last real position; ``truncation = bootstrap``)."""
-        assert self.critic is not None
-        last = batch.attention_mask.sum(dim=-1) - 1
-        out = torch.zeros(batch.batch_size, dtype=torch.float32)
-        for rows in micro_batches(torch.arange(batch.batch_size), self.config.micro_batch_size):
-            length = _trim(rows, batch.attention_mask)
-            raw = self.critic(batch.input_ids[rows, :length], batch.attention_mask[rows, :length], shift=False)
-            out[rows] = raw.float().gather(1, last[rows, None]).squeeze(1)
-        return out
 
     # ------------------------------------------------------------------ updates
     def _generator(self, salt: int) -> torch.Generator | None:
@@ -341,10 +358,10 @@ class ActorCriticTrainer:
             for mb in self._minibatches(st.loss_mask, self.config.critic_minibatches, salt=1 + epoch):
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 for rows in micro_batches(mb.index, self.config.micro_batch_size):
-                    length = _trim(rows, batch.attention_mask)
+                    length = trim_length(rows, batch.attention_mask)
                     res = value_loss(
                         critic_cfg,
-                        values=self._values(batch, rows).float(),
+                        values=self.fwd.values(self.critic, batch, rows).float(),
                         values_old=st.values_old[rows, :length],
                         returns=st.returns[rows, :length],
                         action_mask=st.loss_mask[rows, :length],
@@ -353,8 +370,8 @@ class ActorCriticTrainer:
                     )
                     res.loss.backward()
                     losses.append(float(res.loss.detach()))
-                    _accumulate(stats_acc, res.stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
-                norms.append(_clip(self.critic, self.config.critic_max_grad_norm))
+                    accumulate(stats_acc, res.stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
+                norms.append(clip_grad(self.critic, self.config.critic_max_grad_norm))
                 self.critic_optimizer.step()
         updates = max(1, epochs * self.config.critic_minibatches)
         out = {k: v / updates for k, v in stats_acc.items()}
@@ -365,14 +382,22 @@ class ActorCriticTrainer:
     def _actor_loss(
         self, batch: TrainBatch, st: StepTensors, rows: torch.Tensor, mb: Minibatch
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The actor loss of micro-batch ``rows``, its stats, and the detached ``cur`` log-probs ``[b, t]``."""
-        length = _trim(rows, batch.attention_mask)
+        """The actor loss of micro-batch ``rows``, its stats, and what the first-minibatch ``ratio/...``
+        diagnostics read (``[b, t]`` detached): ``cur``, or the micro-batch's ``old`` under ``loglinear``.
+
+        The forward is the one kept from the step start when ``old_forward_reuse`` took ``old`` from it."""
+        length = trim_length(rows, batch.attention_mask)
         mask = st.loss_mask[rows, :length]
-        logp, entropy = self._logp_entropy(self.policy, batch, rows)
+        early = self._early.pop(tuple(rows.tolist()), None)
+        logp, entropy = early if early is not None else self.fwd.logp_entropy(self.policy, batch, rows, entropy=self.config.entropy_coef != 0)
+        logp_old = st.logp_old[rows, :length]
+        if st.alpha is not None:  # A-3PO: interpolate towards this forward's own (detached) log-probs
+            logp_old = loglinear_logp(batch.logp_behav[rows, :length], logp, st.alpha[rows, :length],
+                                      batch.action_mask[rows, :length])
         res = policy_loss(
             self.method.policy,
             logp=logp,
-            logp_old=st.logp_old[rows, :length] if self.method.needs_old_forward else None,
+            logp_old=logp_old if self.method.needs_old_forward else None,
             logp_behav=batch.logp_behav[rows, :length],
             advantages=st.advantages[rows, :length],
             action_mask=mask,
@@ -383,7 +408,7 @@ class ActorCriticTrainer:
         if self.config.kl_coef > 0:
             assert self.reference is not None
             with torch.no_grad():
-                logp_ref = self._logp(self.reference, batch, rows)
+                logp_ref = self.fwd.logp(self.reference, batch, rows)
             # k3 estimator of KL(pi || ref) on action tokens: r - 1 - log r >= 0 with r = ref / cur.
             kl = k3_from_log(log_ratio(logp_ref, logp, mask))
             loss = loss + self.config.kl_coef * kl.sum() / max(mb.num_tokens, 1)
@@ -392,46 +417,35 @@ class ActorCriticTrainer:
             ent = zero_where_not(mask, entropy).sum() / max(mb.num_tokens, 1)
             loss = loss - self.config.entropy_coef * ent
             stats[m.LOSS_ENTROPY] = ent.detach()
-        return loss, stats, logp.detach()
-
-    def _logp_entropy(self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (with grad) and, when the entropy bonus is on, per-token entropies ``[b, t] float32``."""
-        if self.config.entropy_coef == 0:
-            return self._logp(model, batch, rows), None
-        length = _trim(rows, batch.attention_mask)
-        temperature, transform = self._sampler_transform()
-        return token_logprobs_and_entropy(
-            model,  # type: ignore[arg-type]  # any causal LM module
-            batch.input_ids[rows, :length],
-            batch.attention_mask[rows, :length],
-            temperature=temperature,
-            transform=transform,
-        )
+        return loss, stats, (logp_old if st.alpha is not None else logp).detach()
 
     def _actor_updates(self, batch: TrainBatch, st: StepTensors) -> dict[str, float]:
-        count = self.config.actor_minibatches or self.method.policy.minibatches
+        count = self._actor_minibatch_count()
         stats_acc: dict[str, float] = {}
         losses, norms = [], []
         ratio_stats: dict[str, float] = {}
         for epoch in range(self.config.ppo_epochs):
             for mb in self._minibatches(st.loss_mask, count, salt=100 + epoch):
                 mb = self._actor_denominator(batch, st, mb)
-                first = epoch == 0 and not ratio_stats and not self.method.needs_old_forward
+                first = epoch == 0 and not ratio_stats and st.ratio_from_first
                 cur = torch.zeros(len(mb.index), batch.input_ids.shape[1]) if first else None
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 for rows in micro_batches(mb.index, self.config.micro_batch_size):
-                    loss, stats, logp = self._actor_loss(batch, st, rows, mb)
+                    loss, stats, probe = self._actor_loss(batch, st, rows, mb)
                     loss.backward()
                     losses.append(float(loss.detach()))
-                    _accumulate(stats_acc, stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
+                    accumulate(stats_acc, stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
                     if cur is not None:
-                        cur[torch.isin(mb.index, rows), : logp.shape[1]] = logp.float()
+                        cur[torch.isin(mb.index, rows), : probe.shape[1]] = probe.float()
                 if cur is not None:
                     adv = self.method.advantage
                     ratio_stats = current_ratio_stats(cur, batch.logp_behav[mb.index], st.loss_mask[mb.index],
                                                       clip_low=adv.ratio_low, clip_high=adv.ratio_high)
-                norms.append(_clip(self.policy, self.config.max_grad_norm))
+                norms.append(clip_grad(self.policy, self.config.max_grad_norm))
                 self.actor_optimizer.step()
+                self.proximal.after_actor_update(self.policy)
+        if self._early:
+            raise RuntimeError("old_forward_reuse: a kept first forward was not used; the minibatch split changed")
         updates = max(1, self.config.ppo_epochs * count)
         out = {k: v / updates for k, v in stats_acc.items()} | ratio_stats
         out[m.LOSS_POLICY] = sum(losses) / updates
@@ -460,39 +474,25 @@ class ActorCriticTrainer:
         """One training step (module docstring); returns its metrics and advances :attr:`version`."""
         start = time.perf_counter()
         self.policy.train()
-        st = self.prepare(batch)
-        metrics = step_diagnostics(batch, loss_mask=st.loss_mask, returns=st.returns, values_old=st.values_old,
-                                   log_w=st.log_w)
-        metrics.update({k: float(v) for k, v in st.adv_stats.items()})
-        if self.critic is not None:
-            self.critic.train()
-            metrics.update(self._critic_updates(batch, st))
-        if self.steps_done >= self.warmup_steps:
-            metrics.update(self._actor_updates(batch, st))
+        try:
+            st = self.prepare(batch)
+            metrics = step_diagnostics(batch, loss_mask=st.loss_mask, returns=st.returns, values_old=st.values_old,
+                                       log_w=st.log_w)
+            metrics.update({k: float(v) for k, v in st.adv_stats.items()})
+            if self.critic is not None:
+                self.critic.train()
+                metrics.update(self._critic_updates(batch, st))
+            if self.steps_done >= self.warmup_steps:
+                metrics.update(self._actor_updates(batch, st))
+        finally:
+            self._early.clear()  # never hold a graph past its step
+        if self.config.old_forward_reuse:
+            metrics[m.PROXIMAL_REUSED_ROWS_FRAC] = st.reused_rows / batch.batch_size
         self.version += 1
         self.steps_done += 1
+        self.proximal.after_step(self.version, self.policy)
+        metrics.update(self.proximal.metrics())
         elapsed = time.perf_counter() - start
         metrics[m.TIME_TRAIN] = elapsed
         metrics[m.PERF_TRAIN_TOKENS_PER_S] = int(batch.attention_mask.sum()) / max(elapsed, 1e-9)
         return metrics
-
-
-def _optimizer(model: nn.Module, config: TrainerConfig, lr: float) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=config.weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, eps=config.adam_eps)
-
-
-def _clip(model: nn.Module, max_norm: float) -> float:
-    """Clip the gradient norm when ``max_norm > 0``; return the norm before clipping."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    limit = max_norm if max_norm > 0 else math.inf
-    return float(torch.nn.utils.clip_grad_norm_(params, limit))
-
-
-def _accumulate(acc: dict[str, float], stats: dict[str, torch.Tensor], *, weight: float) -> None:
-    for key, value in stats.items():
-        acc[key] = acc.get(key, 0.0) + weight * float(value)

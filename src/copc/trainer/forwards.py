@@ -1,0 +1,104 @@
+"""The trainer's forwards: token log-probs under the sampler's transform and critic values, micro-batch by
+micro-batch over right-padded rows (each micro-batch trimmed to its longest row).
+
+Notation as in :mod:`copc.trainer.trainer`: ``B`` rows, ``T`` the batch's padded length, ``b`` / ``t``
+those of one micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from copc.models.hf import LogProbTransform, token_logprobs, token_logprobs_and_entropy
+from copc.rollout.engine import truncated_logprobs
+from copc.trainer.batching import TrainBatch, micro_batches
+from copc.trainer.common import trim_length
+
+__all__ = ["Forwards", "RowsFn"]
+
+#: ``fn(batch, rows)``: a per-token quantity ``[len(rows), t]`` of the rows ``rows`` (``[b] int64``).
+RowsFn = Callable[[TrainBatch, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Forwards:
+    """The sampler's transform (``temperature``, ``top_k``, ``top_p``) and the micro-batch size."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    micro_batch_size: int
+
+    def transform(self) -> tuple[float, LogProbTransform | None]:
+        """``(temperature, transform)`` for the log-prob helpers: the sampler's own distribution (temperature
+        only without top-k / top-p, else the engine's ``truncated_logprobs``), so ``w = old / mu`` is 1 at
+        staleness 0 (docs/algorithms.md, "Sampling transform")."""
+        if self.top_p >= 1.0 and self.top_k == 0:
+            return self.temperature, None
+        return 1.0, partial(truncated_logprobs, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def logp(self, model: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
+        """``[b, t] float32`` log-probs of the rows ``index`` (gradients flow unless under no_grad)."""
+        length = trim_length(index, batch.attention_mask)
+        temperature, transform = self.transform()
+        return token_logprobs(
+            model,  # type: ignore[arg-type]  # any causal LM module; typed as PreTrainedModel upstream
+            batch.input_ids[index, :length],
+            batch.attention_mask[index, :length],
+            temperature=temperature,
+            transform=transform,
+        )
+
+    def logp_entropy(
+        self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor, *, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (with grad) and, when ``entropy``, per-token entropies ``[b, t] float32`` (one forward)."""
+        if not entropy:
+            return self.logp(model, batch, rows), None
+        length = trim_length(rows, batch.attention_mask)
+        temperature, transform = self.transform()
+        return token_logprobs_and_entropy(
+            model,  # type: ignore[arg-type]  # any causal LM module
+            batch.input_ids[rows, :length],
+            batch.attention_mask[rows, :length],
+            temperature=temperature,
+            transform=transform,
+        )
+
+    def values(self, critic: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
+        """``[b, t] float32`` values ``V(s_t)`` of the rows ``index``."""
+        length = trim_length(index, batch.attention_mask)
+        return critic(batch.input_ids[index, :length], batch.attention_mask[index, :length])  # type: ignore[no-any-return]
+
+    def logp_of(self, model: nn.Module) -> RowsFn:
+        """:meth:`logp` of ``model`` as a :data:`RowsFn`."""
+        return lambda b, r: self.logp(model, b, r)
+
+    @torch.no_grad()
+    def full(self, fn: RowsFn, batch: TrainBatch, index: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``fn(batch, rows)`` micro-batch by micro-batch over ``index`` (default: every row) and stitch
+        a ``[B, T] float32`` result (into ``out`` when given)."""
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32) if out is None else out
+        index = torch.arange(batch.batch_size) if index is None else index
+        for rows in micro_batches(index, self.micro_batch_size):
+            piece = fn(batch, rows)
+            out[rows, : piece.shape[1]] = piece.float()
+        return out
+
+    @torch.no_grad()
+    def last_values(self, critic: nn.Module, batch: TrainBatch) -> torch.Tensor:
+        """``[B] float32``: V of the state after each row's last token (the head's unshifted output at the
+        last real position; ``truncation = bootstrap``)."""
+        last = batch.attention_mask.sum(dim=-1) - 1
+        out = torch.zeros(batch.batch_size, dtype=torch.float32)
+        for rows in micro_batches(torch.arange(batch.batch_size), self.micro_batch_size):
+            length = trim_length(rows, batch.attention_mask)
+            raw = critic(batch.input_ids[rows, :length], batch.attention_mask[rows, :length], shift=False)
+            out[rows] = raw.float().gather(1, last[rows, None]).squeeze(1)
+        return out
