@@ -147,7 +147,7 @@ def build_source(
         return source
     spec = WorkerSpec(
         model_path=str(model_dir), task=cfg.task, task_options=dict(cfg.task_options), rollout=rollout,
-        seed=cfg.seed,
+        seed=cfg.seed, partial_chunk_tokens=cfg.driver.partial_chunk_tokens if cfg.driver.partial_rollouts else None,
     )
     return AsyncSource(spec, cfg.staleness, weights, num_workers=cfg.driver.num_workers,
                        journal_dir=run_dir / "rollouts", max_restarts=cfg.driver.max_worker_restarts,

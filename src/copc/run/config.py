@@ -84,6 +84,11 @@ class DriverConfig:
     """Rollout worker failures survived (restart, batch requested again); one more ends the run."""
     batch_timeout_s: float = 3600.0
     """A worker holding one batch longer than this is restarted (counts as a failure); 0 = no limit."""
+    partial_rollouts: bool = False
+    """Interruptible rollouts (async, staleness.mode=bounded): workers pick up newer weights inside running
+    episodes, every token stamped with the version that sampled it."""
+    partial_chunk_tokens: int = 8
+    """Partial rollouts: decode steps between weight pick-ups inside a turn (0 = turn boundaries only)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("sync", "async"):
@@ -92,6 +97,12 @@ class DriverConfig:
             raise ValueError("driver.num_workers and driver.trainer_threads must be >= 1")
         if self.max_worker_restarts < 0 or not 0 <= self.batch_timeout_s < float("inf"):
             raise ValueError("driver.max_worker_restarts must be >= 0 and driver.batch_timeout_s finite and >= 0")
+        if self.partial_chunk_tokens < 0:
+            raise ValueError(f"driver.partial_chunk_tokens must be >= 0 (0 = turn boundaries only), "
+                             f"got {self.partial_chunk_tokens}")
+        if self.partial_rollouts and self.kind != "async":
+            raise ValueError("driver.partial_rollouts=true needs driver.kind=async (the sync driver never swaps "
+                             "weights inside a batch)")
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("steps and checkpoint_every must be >= 0, keep_checkpoints >= 1")
+        if self.driver.partial_rollouts and self.staleness.mode == "fixed_lag":
+            raise ValueError("driver.partial_rollouts=true needs staleness.mode=bounded (fixed_lag prescribes one "
+                             "version per batch); set staleness.mode=bounded or driver.partial_rollouts=false")
+        if self.staleness.filter == "pace" and self.driver.kind != "async":
+            raise ValueError("staleness.filter=pace filters the async driver's buffer; the sync driver has none: "
+                             "set driver.kind=async or staleness.filter=none")
 
 
 def default_config() -> RunConfig:
