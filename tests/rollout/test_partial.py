@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import torch
+from tests.rollout.test_episode import ScriptedEnv
 
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
 from copc.rollout.engine import Engine, SamplingConfig
 from copc.rollout.episode import run_episodes
-from tests.rollout.test_episode import ScriptedEnv
 
 # KV-cached padded decoding vs one unpadded full forward in fp32: summation order differs, ~1e-6.
 ATOL = 1e-5

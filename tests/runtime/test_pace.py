@@ -114,9 +114,9 @@ def test_filter_none_changes_nothing_and_logs_no_pace_metrics() -> None:
 
 
 def test_bad_settings_say_what_to_do() -> None:
-    with pytest.raises(ValueError, match="staleness.filter=pace needs staleness.mode=bounded"):
+    with pytest.raises(ValueError, match=r"staleness\.filter=pace needs staleness\.mode=bounded"):
         StalenessConfig(mode="fixed_lag", staleness=2, filter="pace")
-    with pytest.raises(ValueError, match="staleness.filter must be one of"):
+    with pytest.raises(ValueError, match=r"staleness\.filter must be one of"):
         StalenessConfig(filter="oldest")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_reject_frac"):
         PaceConfig(max_reject_frac=1.0)

@@ -13,11 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.runtime.test_drivers import small_config, step_metrics
 
 from copc.run.config import DriverConfig, RunConfig
 from copc.run.train import train
 from copc.runtime.staleness import PaceConfig, StalenessConfig
-from tests.runtime.test_drivers import small_config, step_metrics
 
 NEW_METRICS = ("rollout/versions_per_traj", "rollout/versions_per_traj_max", "staleness/generation_mean",
                "staleness/generation_max", "staleness/waiting_mean", "staleness/waiting_max",
@@ -56,9 +56,9 @@ def test_partial_rollouts_with_pace_train_resume_and_log(tmp_path: Path) -> None
 
 def test_bad_combinations_are_refused_with_one_line(tmp_path: Path) -> None:
     cfg = small_config(tmp_path, driver="async", mode="fixed_lag", s=1)
-    with pytest.raises(ValueError, match="partial_rollouts=true needs staleness.mode=bounded"):
+    with pytest.raises(ValueError, match=r"partial_rollouts=true needs staleness\.mode=bounded"):
         replace(cfg, driver=DriverConfig(kind="async", partial_rollouts=True))
-    with pytest.raises(ValueError, match="needs driver.kind=async"):
+    with pytest.raises(ValueError, match=r"needs driver\.kind=async"):
         DriverConfig(kind="sync", partial_rollouts=True)
     with pytest.raises(ValueError, match="sync driver has none"):
         replace(cfg, staleness=StalenessConfig(mode="bounded", filter="pace"), driver=DriverConfig(kind="sync"))

@@ -54,11 +54,10 @@ budget, skipping groups scoring below ``min_score`` and never the last group of 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
-
-import math
 
 import torch
 
