@@ -23,16 +23,11 @@ A row stops at EOS (the EOS token is kept in its ids, not in its text), when the
 tokens generated in this call ends with one of its stop strings (the stop string is kept), or at its
 token budget.
 
-**Interruptible decoding** (partial rollouts, AReaL's interruptible generation): with ``refresh`` given,
-``generate`` calls it before the prefill and then after every ``chunk_tokens`` decode steps. A refresh
-that loads newer weights (``load_weights``) returns True; the rows still generating then continue with
-the new weights, and every token is stamped with the version that sampled it (``Generation.versions``).
-The keys/values of an interrupted row are **recomputed** under the new weights (one prefill of its
-prompt plus the tokens sampled so far), not kept: a kept cache would make the next token's
-distribution a mixture (new weights attending to keys of the old ones) that no single version defines,
-so ``logp_behav`` would not be ``log pi_v(token | prefix)`` for any ``v`` and exact old-logit sources
-(version snapshots) could not reproduce it. The cost is one extra prefill per swap per running row
-(``benchmarks/partial_rollout_bench.py`` measures it).
+**Interruptible decoding** (partial rollouts): ``refresh`` runs before the prefill and every
+``chunk_tokens`` decode steps; when it loads newer weights (returns True) the running rows continue with
+them, each token stamped with its version (``Generation.versions``), and their keys/values are
+recomputed under the new weights, not kept, so ``logp`` stays ``log pi_v(token | prefix)`` for the
+token's own version ``v`` (docs/algorithms.md, "Partial rollouts", has why and the cost).
 """
 
 from __future__ import annotations
@@ -94,8 +89,7 @@ class Generation:
     Attributes:
         token_ids: ``[N] int64``, the sampled tokens (an EOS that ended the row included).
         logp: ``[N] float32``, log mu(token | prefix) under the distribution it was sampled from.
-        versions: ``[N] int64``, the weight version that sampled each token (several when a refresh
-            loaded new weights in the middle of the row).
+        versions: ``[N] int64``, the weight version that sampled each token (several after a refresh).
         text: decoded text of ``token_ids`` (a final EOS excluded, special tokens otherwise kept).
         finish: why the row stopped.
         stop_string: the stop string the text ends with, when ``finish`` is STOP.
@@ -287,9 +281,8 @@ class Engine:
                 same as without them, up to float rounding.
             return_kv: attach each row's :class:`PrefixKV` to its Generation (when the model's cache
                 allows it).
-            refresh: called before the prefill and after every ``chunk_tokens`` decode steps; it may
-                call :meth:`load_weights` and returns True when it did (module docstring,
-                "Interruptible decoding"). None: one version for the whole call.
+            refresh: run before the prefill and every ``chunk_tokens`` decode steps; True when it
+                called :meth:`load_weights` (module docstring). None: one version for the whole call.
             chunk_tokens: decode steps between two refreshes (0: only the one before the prefill).
 
         Returns:
@@ -315,11 +308,9 @@ class Engine:
         uniforms = self._uniforms(n, max(budgets), seeds, generator)
         if refresh is not None:
             refresh()  # a turn boundary: newer weights, if any, sample this whole call
-        rows = _Rows(n)
-        prefixes = self._usable_prefixes(prompts, prefix_kv)
-        interrupt = refresh if chunk_tokens > 0 else None
+        rows, prefixes = _Rows(n), self._usable_prefixes(prompts, prefix_kv)
         self._decode_loop(prompts, prefixes, config, budgets, stops, uniforms, rows, return_kv and self._kv_reusable,
-                          interrupt, chunk_tokens)
+                          refresh if chunk_tokens > 0 else None, chunk_tokens)
         return [self._finish_row(rows, i) for i in range(n)]
 
     def _usable_prefixes(
