@@ -57,8 +57,10 @@ def main() -> None:
                   f"(from eval 0 {steps[-1]['time'] - start[arm]:.0f} s)  reject rate "
                   f"{mean(steps, 'staleness/pace_reject_rate'):.3f}  versions/traj "
                   f"{mean(steps, 'rollout/versions_per_traj'):.2f} (max {max(r['rollout/versions_per_traj_max'] for r in steps):.0f})"
+                  f"  token staleness {mean(steps, 'staleness/mean'):.2f}"
                   f"  s_gen {mean(steps, 'staleness/generation_mean'):.2f}  s_wait {mean(steps, 'staleness/waiting_mean'):.2f}"
-                  f"  trained traj/step {mean(steps, 'batch/sequences'):.1f}")
+                  f"  trained traj/step {mean(steps, 'batch/sequences'):.1f}"
+                  f"  median step {statistics.median(r['time/step'] for r in steps):.1f} s")
         gaps_eval.append(statistics.fmean(evals["pace"][1:]) - statistics.fmean(evals["none"][1:]))
         gaps_wall.append(at_wall["pace"] - at_wall["none"])
         print(f"seed {seed} pace - none: eval avg@1 (mean after step 0) {gaps_eval[-1]:+.3f}, "
