@@ -54,8 +54,15 @@ VALUE_EXPLAINED_VAR = "value/explained_var"
 STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 STALENESS_SEQ_MAX_MEAN = "staleness/seq_max_mean"
-STALENESS_SEQ_GEN_MEAN = "staleness/seq_gen_mean"
-STALENESS_SEQ_WAIT_MEAN = "staleness/seq_wait_mean"
+STALENESS_GENERATION_MEAN = "staleness/generation_mean"
+STALENESS_GENERATION_MAX = "staleness/generation_max"
+STALENESS_WAITING_MEAN = "staleness/waiting_mean"
+STALENESS_WAITING_MAX = "staleness/waiting_max"
+STALENESS_PACE_REJECTED = "staleness/pace_rejected"
+STALENESS_PACE_REJECT_RATE = "staleness/pace_reject_rate"
+STALENESS_PACE_BUDGET = "staleness/pace_budget"
+STALENESS_PACE_POOL = "staleness/pace_pool"
+STALENESS_PACE_SCORE_MEAN = "staleness/pace_score_mean"
 STALENESS_HIST = "staleness/hist"
 CRITIC_EXPLAINED_VAR = "critic/explained_var"
 CRITIC_VALUE_BIAS_GAP = "critic/value_bias_gap"
@@ -94,6 +101,8 @@ ROLLOUT_TRUNCATED_TURN_FRAC = "rollout/truncated_turn_frac"
 ROLLOUT_TURN_LIMIT_FRAC = "rollout/turn_limit_frac"
 ROLLOUT_ACCURACY = "rollout/accuracy"
 ROLLOUT_VERSION = "rollout/version"
+ROLLOUT_VERSIONS_PER_TRAJ = "rollout/versions_per_traj"
+ROLLOUT_VERSIONS_PER_TRAJ_MAX = "rollout/versions_per_traj_max"
 ROLLOUT_DYNSAMPLE_ROUNDS = "rollout/dynsample_rounds"
 ROLLOUT_DYNSAMPLE_EXTRA_GROUPS = "rollout/dynsample_extra_groups"
 ROLLOUT_DYNSAMPLE_DROPPED_GROUPS = "rollout/dynsample_dropped_groups"
@@ -149,8 +158,15 @@ METRICS: dict[str, str] = {
     STALENESS_MEAN: "mean per-token staleness n - v_t of the consumed batch [versions]",
     STALENESS_MAX: "max per-token staleness of the consumed batch [versions]",
     STALENESS_SEQ_MAX_MEAN: "mean over trajectories of s_max = n - min_t v_t [versions]",
-    STALENESS_SEQ_GEN_MEAN: "mean over trajectories of s_gen = max_t v_t - min_t v_t [versions]",
-    STALENESS_SEQ_WAIT_MEAN: "mean over trajectories of s_wait = n - max_t v_t [versions]",
+    STALENESS_GENERATION_MEAN: "mean over trajectories of generation staleness s_gen = max_t v_t - min_t v_t [versions]",
+    STALENESS_GENERATION_MAX: "max over the batch's trajectories of s_gen = max_t v_t - min_t v_t [versions]",
+    STALENESS_WAITING_MEAN: "mean over trajectories of waiting staleness s_wait = n - max_t v_t [versions]",
+    STALENESS_WAITING_MAX: "max over the batch's trajectories of s_wait = n - max_t v_t [versions]",
+    STALENESS_PACE_REJECTED: "trajectories the PACE filter rejected (cumulative; also in buffer/dropped_pace)",
+    STALENESS_PACE_REJECT_RATE: "fraction of this step's batch the PACE filter rejected",
+    STALENESS_PACE_BUDGET: "PACE rejection budget of this step [trajectories] (from pool occupancy)",
+    STALENESS_PACE_POOL: "completed trajectories in the pool when this step's batch was taken (PACE occupancy)",
+    STALENESS_PACE_SCORE_MEAN: "mean PACE effective-staleness score of this step's batch before filtering [versions]",
     STALENESS_HIST: "per-token staleness (TensorBoard histogram; JSONL keeps {counts: [c_0, c_1, ...]})",
     CRITIC_EXPLAINED_VAR: "1 - Var(G - V) / Var(G) over sampled tokens, pre-update values",
     CRITIC_VALUE_BIAS_GAP: "g_pi = |mean V(s_1) - E_pi[R]| (BRACE eq. 7, self-normalised IS)",
@@ -189,6 +205,8 @@ METRICS: dict[str, str] = {
     ROLLOUT_TURN_LIMIT_FRAC: "fraction of trajectories ended by the per-turn limit max_new_tokens_per_turn",
     ROLLOUT_ACCURACY: "fraction of trajectories of the batch graded correct",
     ROLLOUT_VERSION: "policy version that generated the consumed batch (oldest token)",
+    ROLLOUT_VERSIONS_PER_TRAJ: "mean over the batch of distinct policy versions among a trajectory's sampled tokens",
+    ROLLOUT_VERSIONS_PER_TRAJ_MAX: "max over the batch of distinct policy versions in one trajectory (> 1: partial rollouts)",
     ROLLOUT_DYNSAMPLE_ROUNDS: "dynamic sampling: generation rounds of the batch (1 = its own prompts only)",
     ROLLOUT_DYNSAMPLE_EXTRA_GROUPS: "dynamic sampling: groups generated beyond the batch's own prompts",
     ROLLOUT_DYNSAMPLE_DROPPED_GROUPS: "dynamic sampling: generated groups not trained on (equal rewards, or surplus)",

@@ -22,12 +22,18 @@ cost follows the number of rows still generating.
 A row stops at EOS (the EOS token is kept in its ids, not in its text), when the decoded text of the
 tokens generated in this call ends with one of its stop strings (the stop string is kept), or at its
 token budget.
+
+**Interruptible decoding** (partial rollouts): ``refresh`` runs before the prefill and every
+``chunk_tokens`` decode steps; when it loads newer weights (returns True) the running rows continue with
+them, each token stamped with its version (``Generation.versions``), and their keys/values are
+recomputed under the new weights, not kept, so ``logp`` stays ``log pi_v(token | prefix)`` for the
+token's own version ``v`` (docs/algorithms.md, "Partial rollouts", has why and the cost).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -83,7 +89,7 @@ class Generation:
     Attributes:
         token_ids: ``[N] int64``, the sampled tokens (an EOS that ended the row included).
         logp: ``[N] float32``, log mu(token | prefix) under the distribution it was sampled from.
-        version: weight version that sampled every token of this call.
+        versions: ``[N] int64``, the weight version that sampled each token (several after a refresh).
         text: decoded text of ``token_ids`` (a final EOS excluded, special tokens otherwise kept).
         finish: why the row stopped.
         stop_string: the stop string the text ends with, when ``finish`` is STOP.
@@ -91,11 +97,16 @@ class Generation:
 
     token_ids: torch.Tensor
     logp: torch.Tensor
-    version: int
+    versions: torch.Tensor
     text: str
     finish: FinishReason
     stop_string: str | None = None
     kv: PrefixKV | None = None
+
+    @property
+    def version(self) -> int:
+        """The version that sampled the row's first token (the only one without a mid-row refresh)."""
+        return int(self.versions[0]) if self.versions.numel() else -1
 
 
 @dataclass(frozen=True)
@@ -252,6 +263,8 @@ class Engine:
         stop_strings: Sequence[tuple[str, ...]] | None = None,
         prefix_kv: Sequence[PrefixKV | None] | None = None,
         return_kv: bool = False,
+        refresh: Callable[[], bool] | None = None,
+        chunk_tokens: int = 0,
     ) -> list[Generation]:
         """Sample a continuation of every prompt, all rows in one batch.
 
@@ -268,6 +281,9 @@ class Engine:
                 same as without them, up to float rounding.
             return_kv: attach each row's :class:`PrefixKV` to its Generation (when the model's cache
                 allows it).
+            refresh: run before the prefill and every ``chunk_tokens`` decode steps; True when it
+                called :meth:`load_weights` (module docstring). None: one version for the whole call.
+            chunk_tokens: decode steps between two refreshes (0: only the one before the prefill).
 
         Returns:
             One :class:`Generation` per prompt, in order.
@@ -287,12 +303,15 @@ class Engine:
             raise ValueError(
                 f"prompts {bad[:5]} hold token ids outside [0, {vocab}): encode them with this engine's tokenizer"
             )
+        if chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0 (0 = refresh only before the prefill), got {chunk_tokens}")
         uniforms = self._uniforms(n, max(budgets), seeds, generator)
-        version = self._version  # the weights this call samples with (load_weights is not run mid-call)
-        rows = _Rows(n)
-        prefixes = self._usable_prefixes(prompts, prefix_kv)
-        self._decode_loop(prompts, prefixes, config, budgets, stops, uniforms, rows, return_kv and self._kv_reusable)
-        return [self._finish_row(rows, i, version) for i in range(n)]
+        if refresh is not None:
+            refresh()  # a turn boundary: newer weights, if any, sample this whole call
+        rows, prefixes = _Rows(n), self._usable_prefixes(prompts, prefix_kv)
+        self._decode_loop(prompts, prefixes, config, budgets, stops, uniforms, rows, return_kv and self._kv_reusable,
+                          refresh if chunk_tokens > 0 else None, chunk_tokens)
+        return [self._finish_row(rows, i) for i in range(n)]
 
     def _usable_prefixes(
         self, prompts: Sequence[Sequence[int]], prefix_kv: Sequence[PrefixKV | None] | None
@@ -395,11 +414,18 @@ class Engine:
         uniforms: torch.Tensor,
         rows: _Rows,
         return_kv: bool,
+        refresh: Callable[[], bool] | None,
+        chunk_tokens: int,
     ) -> None:
-        """Prefill the left-padded batch, then one token per step for the rows still active."""
+        """Prefill the left-padded batch, then one token per step for the rows still active; every
+        ``chunk_tokens`` steps ``refresh`` may swap the weights (the active rows are then prefilled again)."""
         logits, cache, mask, next_pos = self._prefill(prompts, prefixes)
         active = list(range(len(prompts)))  # original row index of each batch row
         for step in range(max(budgets)):
+            if refresh is not None and step > 0 and step % chunk_tokens == 0 and refresh():
+                # New weights: recompute every running row's keys/values with them (module docstring).
+                fed = [list(prompts[i]) + rows.ids[i] for i in active]
+                logits, cache, mask, next_pos = self._prefill(fed, [None] * len(active))
             logp = truncated_logprobs(logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
             u = uniforms[active, step].to(self._device)
             tokens = sample_inverse_cdf(logp, u)
@@ -408,6 +434,7 @@ class Engine:
             for b, (i, token, lp) in enumerate(zip(active, tokens.tolist(), token_logp.tolist(), strict=True)):
                 rows.ids[i].append(token)
                 rows.logp[i].append(lp)
+                rows.versions[i].append(self._version)
                 if not self._row_done(rows, i, budgets[i], stops[i], config):
                     keep.append(b)
                 elif return_kv:
@@ -447,13 +474,13 @@ class Engine:
         assert isinstance(text, str)
         return text
 
-    def _finish_row(self, rows: _Rows, i: int, version: int) -> Generation:
+    def _finish_row(self, rows: _Rows, i: int) -> Generation:
         token_ids = rows.ids[i]
         text_ids = token_ids[:-1] if rows.finish[i] is FinishReason.EOS else token_ids
         return Generation(
             token_ids=torch.tensor(token_ids, dtype=torch.long),
             logp=torch.tensor(rows.logp[i], dtype=torch.float32),
-            version=version,
+            versions=torch.tensor(rows.versions[i], dtype=torch.long),
             text=self._decode(text_ids),
             finish=rows.finish[i],
             stop_string=rows.stop[i],
@@ -467,6 +494,7 @@ class _Rows:
     def __init__(self, n: int) -> None:
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.logp: list[list[float]] = [[] for _ in range(n)]
+        self.versions: list[list[int]] = [[] for _ in range(n)]
         self.finish: list[FinishReason] = [FinishReason.LENGTH] * n
         self.stop: list[str | None] = [None] * n
         self.kv: list[PrefixKV | None] = [None] * n

@@ -4,7 +4,7 @@ Each episode's token sequence is built by appending, never by re-tokenising text
 :class:`~copc.types.Trajectory` are exactly what the model saw. Raw text (no chat format)::
 
     prompt   = tokenizer(env.initial_text())              (special tokens added, e.g. BOS)
-    turn k   = the tokens the engine sampled               action_mask True, logp_behav, version
+    turn k   = the tokens the engine sampled               action_mask True, logp_behav, version per token
     obs k    = tokenizer(observation, no special tokens)   action_mask False, logp 0, version -1
 
 With a :class:`~copc.rollout.chat.ChatFormat` (``rollout.chat_template``) the prompt is the template's
@@ -94,7 +94,7 @@ class _Episode:
         self.ids += tokens
         self.mask += [True] * len(tokens)
         self.logp += gen.logp.tolist()
-        self.version += [gen.version] * len(tokens)
+        self.version += gen.versions.tolist()
         self.rewards += [0.0] * len(tokens)
         self.turns += 1
         self.generated += len(tokens)
@@ -147,6 +147,8 @@ def run_episodes(
     reuse_kv: bool = True,
     env_workers: int = 8,
     chat: ChatFormat | None = None,
+    refresh: Callable[[], bool] | None = None,
+    chunk_tokens: int = 0,
 ) -> list[Trajectory]:
     """Run every env to the end, batching all active episodes in each engine call (module docstring).
 
@@ -170,6 +172,10 @@ def run_episodes(
         env_workers: threads that run one round's ``env.step`` calls concurrently (1 = sequential).
         chat: render the prompt and the observations through this chat format (module docstring);
             None: raw text.
+        refresh: partial rollouts: called at every turn boundary and every ``chunk_tokens`` decode steps
+            inside a turn; it may load newer weights into ``engine`` (True when it did), and the running
+            episodes continue with them (``Engine.generate``). Each token keeps the version that sampled it.
+        chunk_tokens: decode steps between refreshes inside a turn (0: turn boundaries only).
 
     Returns:
         One :class:`Trajectory` per env, in order.
@@ -193,6 +199,8 @@ def run_episodes(
             stop_strings=[tuple(ep.env.stop_strings) for ep in active],
             prefix_kv=[ep.kv for ep in active] if reuse_kv else None,
             return_kv=reuse_kv,
+            refresh=refresh,
+            chunk_tokens=chunk_tokens,
         )
         for ep, gen in zip(active, gens, strict=True):
             ep.add_turn(gen)

@@ -36,7 +36,7 @@ import hashlib
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -134,6 +134,9 @@ class RolloutConfig:
     infra_failures: Literal["keep", "drop"] = "keep"
     """Episodes whose tool call failed for the machine, not the code: keep (counted in rollout/tool_infra_errors)
     or drop their whole group (counted in rollout/infra_dropped_groups)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Sampler weights: float32 (the trainer's) or bfloat16 (cast when loaded, as vLLM beside an fp32 trainer):
+    behaviour log-probs then differ from the trainer's by a real training-inference discrepancy."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_batch", "group_size", "max_turns", "max_new_tokens_per_turn",
@@ -147,6 +150,7 @@ class RolloutConfig:
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k must be >= 0 (0 = off), got {self.top_k}")
         check_one_of("rollout.infra_failures", self.infra_failures, ("keep", "drop"))
+        check_one_of("rollout.dtype", self.dtype, ("float32", "bfloat16"))
         if self.dynamic_sampling.enabled and self.group_size < 2:
             raise ValueError(
                 f"rollout.dynamic_sampling needs group_size >= 2 (a group of 1 never has differing rewards), "
@@ -221,7 +225,7 @@ def extra_prompts(
 
 @dataclass
 class GeneratedBatch:
-    """One generated training batch: its index, the version that sampled it and timing.
+    """One generated training batch: its index, the version that sampled its first tokens and timing.
 
     ``info`` holds the batch's rollout-side metrics (dynamic sampling counters, mean overlong penalty:
     ``copc.tracking`` names); ``rejected`` the prompt of every trajectory dynamic sampling dropped (one
@@ -244,8 +248,9 @@ def _informative(group: Sequence[Trajectory]) -> bool:
 class RolloutGenerator:
     """Generates batch ``j`` with given weights: prompts, envs, the engine and the episode loop.
 
-    Owns its own copy of the policy (an engine model); :meth:`load` replaces its weights. Dynamic
-    sampling and overlong shaping run here (module docstring), so every driver gets them.
+    Owns its own copy of the policy (an engine model), cast to ``config.dtype``; :meth:`load` replaces
+    its weights (cast on the way in). Dynamic sampling and overlong shaping run here (module docstring),
+    so every driver gets them.
     """
 
     def __init__(
@@ -258,10 +263,14 @@ class RolloutGenerator:
         seed: int,
     ) -> None:
         self.task, self.config, self.seed = task, config, seed
+        if config.dtype != "float32":
+            model = model.to(getattr(torch, config.dtype))  # load_state_dict casts later weights to it
         self.engine = Engine(model, tokenizer, version=0)
         self.pool = task.prompts("train")
         self._by_id = {p.id: p for p in self.pool}
         self.chat = chat_format(tokenizer, config.chat_template)
+        self._refresh: Callable[[], bool] | None = None  # set for the duration of one generate() call
+        self._chunk_tokens = 0
 
     @property
     def version(self) -> int:
@@ -275,9 +284,24 @@ class RolloutGenerator:
             raise RuntimeError(f"asked to sample with version {version} after version {self.engine.version}")
         self.engine.load_weights(weights, version)
 
-    def generate(self, batch_index: int) -> GeneratedBatch:
-        """Batch ``batch_index``: ``prompts_per_batch`` groups of ``group_size`` trajectories."""
+    def generate(
+        self, batch_index: int, *, refresh: Callable[[], bool] | None = None, chunk_tokens: int = 0
+    ) -> GeneratedBatch:
+        """Batch ``batch_index``: ``prompts_per_batch`` groups of ``group_size`` trajectories.
+
+        With ``refresh`` (partial rollouts, :func:`~copc.rollout.episode.run_episodes`), newer weights
+        may be loaded between decode chunks of ``chunk_tokens`` tokens and at turn boundaries; the
+        batch's ``version`` is then the one it started with and each token carries its own.
+        """
+        self._refresh, self._chunk_tokens = refresh, chunk_tokens
+        try:
+            return self._generate(batch_index)
+        finally:
+            self._refresh, self._chunk_tokens = None, 0
+
+    def _generate(self, batch_index: int) -> GeneratedBatch:
         start = time.perf_counter()
+        first_version = self.version
         num_groups = self.config.prompts_per_batch
         prompts = batch_prompts(self.pool, self.seed, batch_index, num_groups)
         groups = self._run_round(prompts, batch_index, 0)
@@ -297,7 +321,7 @@ class RolloutGenerator:
         if self.config.overlong.enabled:
             trajectories, mean_penalty = self._shape_overlong(trajectories)
             info[m.ROLLOUT_OVERLONG_PENALTY] = mean_penalty
-        return GeneratedBatch(batch_index, self.version, trajectories, time.perf_counter() - start, info, rejected)
+        return GeneratedBatch(batch_index, first_version, trajectories, time.perf_counter() - start, info, rejected)
 
     def _run_round(self, prompts: Sequence[Prompt], batch_index: int, round_index: int) -> list[list[Trajectory]]:
         """One group of ``group_size`` episodes per prompt, sampled with the round's seed."""
@@ -315,6 +339,8 @@ class RolloutGenerator:
             group_ids=[batch_index * self.config.prompts_per_batch + i // group for i in range(len(envs))],
             prompt_ids=[p.id for p in prompts for _ in range(group)],
             chat=self.chat,
+            refresh=self._refresh,
+            chunk_tokens=self._chunk_tokens,
         )
         return [trajectories[k * group : (k + 1) * group] for k in range(len(prompts))]
 

@@ -96,6 +96,11 @@ class DriverConfig:
     """ray driver: CPUs each rollout actor reserves."""
     ray_gpus_per_worker: float = 0.0
     """ray driver: GPUs each rollout actor reserves (> 0: it generates on cuda)."""
+    partial_rollouts: bool = False
+    """Interruptible rollouts (async, staleness.mode=bounded): workers pick up newer weights inside running
+    episodes, every token stamped with the version that sampled it."""
+    partial_chunk_tokens: int = 8
+    """Partial rollouts: decode steps between weight pick-ups inside a turn (0 = turn boundaries only)."""
 
     def __post_init__(self) -> None:
         check_one_of("driver.kind", self.kind, ("sync", "async", "ray"))
@@ -111,6 +116,12 @@ class DriverConfig:
             raise ValueError("driver.address must be 'auto', 'host:port' or null (start a local Ray), got ''")
         if self.address is not None and self.kind != "ray":
             raise ValueError(f"driver.address={self.address!r} is for driver.kind=ray (got driver.kind={self.kind})")
+        if self.partial_chunk_tokens < 0:
+            raise ValueError(f"driver.partial_chunk_tokens must be >= 0 (0 = turn boundaries only), "
+                             f"got {self.partial_chunk_tokens}")
+        if self.partial_rollouts and self.kind != "async":
+            raise ValueError("driver.partial_rollouts=true needs driver.kind=async (the sync driver never swaps "
+                             "weights inside a batch)")
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("steps and checkpoint_every must be >= 0, keep_checkpoints >= 1")
+        if self.driver.partial_rollouts and self.staleness.mode == "fixed_lag":
+            raise ValueError("driver.partial_rollouts=true needs staleness.mode=bounded (fixed_lag prescribes one "
+                             "version per batch); set staleness.mode=bounded or driver.partial_rollouts=false")
+        if self.staleness.filter == "pace" and self.driver.kind != "async":
+            raise ValueError("staleness.filter=pace filters the async driver's buffer; the sync driver has none: "
+                             "set driver.kind=async or staleness.filter=none")
 
 
 def default_config() -> RunConfig:

@@ -6,6 +6,11 @@ means. Processes, pipes and shared-memory weights are the transport of :mod:`cop
 - **Admission** (main thread): batch ``j`` is requested once the buffer's admission rule allows it,
   ``floor(N_r / B) <= i + s`` with ``N_r = j·B`` (:mod:`copc.runtime.staleness`); ``fixed_lag`` asks
   for version exactly ``max(0, j - s)``, ``bounded`` for the newest at the time a worker starts it.
+- **Partial rollouts** (``WorkerSpec.partial_chunk_tokens``, ``bounded`` only): a worker picks up newer
+  weights between decode chunks of the batch it is generating, so one trajectory's tokens may carry
+  several versions (:func:`~copc.runtime.workers.newest_weights`; never a version newer than the batch
+  index, the step that consumes it). Under ``fixed_lag`` they are refused: each batch there has one
+  prescribed version.
 - **Assignment**: requests wait in a queue and go to an idle worker, one at a time per worker. A worker
   whose weights are newer than a ``fixed_lag`` request's version cannot take it (a generator's versions
   never go back); a freshly started worker (version 0) can take any.
@@ -91,6 +96,11 @@ class AsyncSource:
     ) -> None:
         from copc.tasks import get_task
 
+        if spec.partial_chunk_tokens is not None and staleness.mode == "fixed_lag":
+            raise ValueError(
+                "partial rollouts need staleness.mode=bounded: fixed_lag prescribes one version per batch; "
+                "set staleness.mode=bounded or driver.partial_rollouts=false"
+            )
         self.spec, self.staleness = spec, staleness
         self.batch_size = spec.rollout.batch_size
         self.buffer = TrajectoryBuffer(staleness, self.batch_size)
@@ -222,7 +232,8 @@ class AsyncSource:
         with self._lock:  # one step: the batch is never "neither assigned nor stored" (see _coming)
             self._accept(batch)
             self._assigned.pop(slot, None)
-            self._worker_version[slot] = max(self._worker_version[slot], batch.version)
+            newest = max([batch.version] + [t.max_version for t in batch.trajectories])  # partial rollouts swap
+            self._worker_version[slot] = max(self._worker_version[slot], newest)
 
     def _on_failure(self, slot: int, error: str) -> None:
         with self._lock:

@@ -16,6 +16,11 @@ and the trainer :meth:`TrajectoryBuffer.get_batch` (``None`` = not ready yet, wa
   dropped for age. A trajectory consumed with lag ``n - min_t v_t > s`` (it finished late) is counted
   in ``over_bound``, and its lag shows in the realized staleness.
 
+With ``staleness.filter=pace`` (bounded), :meth:`TrajectoryBuffer.take_batch` rejects the stalest whole
+groups of the batch it hands out when the pool is overfull (:func:`~copc.runtime.staleness.pace_select`,
+budget from :func:`~copc.runtime.staleness.pace_budget`); they are counted in ``buffer/dropped_pace`` and
+``staleness/pace_rejected`` and their prompts are not generated again (admission is unchanged).
+
 Generation pacing (bounded admission, ``floor(N_r/B) <= i + s``) goes through :meth:`admit`, which
 also records the admitted prompts as *in flight* until their trajectory arrives, so a checkpoint holds
 both the stored trajectories and the prompts still being generated (:meth:`state_dict`). After
@@ -42,14 +47,17 @@ from copc import tracking as m
 from copc.runtime.staleness import (
     StalenessConfig,
     admits_request,
+    effective_staleness,
     eligible,
     expired,
+    pace_budget,
+    pace_select,
     request_capacity,
 )
 from copc.types import Prompt, StopReason, Trajectory
 
 #: Reasons a trajectory can leave the buffer other than being consumed; each one is a counter.
-DROP_REASONS: tuple[str, ...] = ("unscheduled", "empty", "rejected", "timeout", "error")
+DROP_REASONS: tuple[str, ...] = ("unscheduled", "empty", "rejected", "timeout", "error", "pace")
 
 
 @dataclass
@@ -85,6 +93,7 @@ class TrajectoryBuffer:
         self._dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self._requeued_total = 0
         self._empty_kept = 0
+        self._pace_last: dict[str, float] = {}  # the last step's PACE figures (staleness/pace_* metrics)
 
     # ----------------------------------------------------------------------------------- producers
     def admit(self, version: int, prompts: Sequence[Prompt]) -> list[Prompt]:
@@ -178,10 +187,35 @@ class TrajectoryBuffer:
                         f"batch {step} was sampled by version {e.version}, but fixed_lag s={s} needs "
                         f"version {step - s if step > s else 0}: the driver requested it wrongly"
                     )
+            if self.config.filter == "pace":
+                chosen = self._pace_filter(step, chosen)
             self._entries = [e for e in self._entries if e.batch != step]
             self._consumed += len(chosen)
             self._over_bound += sum(1 for e in chosen if step - e.version > s)
             return [e.trajectory for e in chosen]
+
+    def _pace_filter(self, step: int, chosen: list[_Entry]) -> list[_Entry]:
+        """Batch ``step`` without the groups PACE rejects (module docstring; caller holds the lock)."""
+        pace = self.config.pace
+        scores = [effective_staleness(e.trajectory, step, gen_weight=pace.gen_weight, filed_version=e.version)
+                  for e in chosen]
+        groups: dict[int, list[int]] = {}  # group id -> positions in chosen, in first-appearance order
+        for i, e in enumerate(chosen):
+            groups.setdefault(e.trajectory.group, []).append(i)
+        members = list(groups.values())
+        budget = pace_budget(pool=len(self._entries), target=pace.target_batches * self.batch_size,
+                             batch=len(chosen), gain=pace.gain, max_reject_frac=pace.max_reject_frac)
+        rejected = pace_select([sum(scores[i] for i in g) / len(g) for g in members], [len(g) for g in members],
+                               budget=budget, min_score=pace.min_score)
+        out = {i for k in rejected for i in members[k]}
+        self._dropped["pace"] += len(out)
+        self._pace_last = {
+            m.STALENESS_PACE_REJECT_RATE: len(out) / len(chosen),
+            m.STALENESS_PACE_BUDGET: float(budget),
+            m.STALENESS_PACE_POOL: float(len(self._entries)),
+            m.STALENESS_PACE_SCORE_MEAN: sum(scores) / len(scores),
+        }
+        return [e for i, e in enumerate(chosen) if i not in out]
 
     def record_drop(self, reason: str, count: int = 1, prompts: Sequence[Prompt] = ()) -> None:
         """Count trajectories a producer discarded (``rejected``, ``timeout``, ``error``) and clear
@@ -283,6 +317,9 @@ class TrajectoryBuffer:
                 m.BUFFER_EMPTY_KEPT: float(self._empty_kept),
             }
             out.update({f"buffer/dropped_{k}": float(v) for k, v in self._dropped.items()})
+            if self.config.filter == "pace":
+                out[m.STALENESS_PACE_REJECTED] = float(self._dropped["pace"])
+                out.update(self._pace_last)
             return out
 
     # --------------------------------------------------------------------------------- checkpoint

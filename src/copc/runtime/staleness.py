@@ -30,22 +30,66 @@ the weights it needs are published; :func:`fixed_lag_quota` says how many trajec
 generates (``(s + 1)·B`` for version 0, ``B`` after).
 
 Realized staleness of a trajectory consumed at version ``n`` (PACE's split, spec section 1):
-``s_max = n - min_t v_t`` (what AReaL/BRACE/DORA bound), ``s_gen = max_t v_t - min_t v_t`` (spread
-inside one partial rollout), ``s_wait = n - max_t v_t``. Per-token staleness is ``n - v_t``.
+``s_max = n - min_t v_t`` (what AReaL/BRACE/DORA bound), ``s_gen = max_t v_t - min_t v_t`` (generation
+staleness: versions picked up while it was generated, > 0 only with partial rollouts),
+``s_wait = n - max_t v_t`` (waiting staleness: versions that passed after its last sampled token).
+Per-token staleness is ``n - v_t``.
+
+**PACE filter** (``filter="pace"``, bounded only; docs/algorithms.md "PACE" for what is reconstructed):
+the effective-staleness score of a trajectory is
+
+    score = s_wait + beta * g,    g = (1/T) sum_t (max_u v_u - v_t)   (sampled tokens t = 1..T)
+
+so with ``beta = 1`` it is the token-mean staleness ``n - mean_t v_t``, not the oldest token's
+``n - min_t v_t``; a long partial rollout whose first few tokens are old scores little more than a fresh one.
+The pool occupancy ``P`` (completed trajectories stored when step ``n`` takes its batch, that batch
+included) above a target ``C = target_batches * B`` becomes the step's rejection budget
+
+    budget = min(floor(gain * max(0, P - C)), floor(max_reject_frac * |batch|))
+
+and whole groups (all samples of one prompt, so group baselines stay well formed) are rejected in
+decreasing group score (mean of its members'; ties: smaller group id first) while they fit in the
+budget, skipping groups scoring below ``min_score`` and never the last group of a batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from copc.config import check_one_of
 from copc.types import Trajectory
 
 StalenessMode = Literal["fixed_lag", "bounded"]
 STALENESS_MODES: tuple[str, ...] = ("fixed_lag", "bounded")
+STALENESS_FILTERS: tuple[str, ...] = ("none", "pace")
+
+
+@dataclass(frozen=True)
+class PaceConfig:
+    """Parameters of the PACE filter (module docstring; reconstructed, docs/algorithms.md)."""
+
+    gen_weight: float = 1.0
+    """beta: weight of the prefix-aware generation staleness g in the score (1 = token-mean staleness)."""
+    target_batches: float = 1.0
+    """C / B: pool occupancy (completed trajectories, in batches) above which rejection starts."""
+    gain: float = 1.0
+    """Trajectories of rejection budget per trajectory of pool occupancy above the target."""
+    max_reject_frac: float = 0.5
+    """At most this fraction of one step's batch is rejected."""
+    min_score: float = 1.0
+    """Groups whose score is below this [versions] are never rejected."""
+
+    def __post_init__(self) -> None:
+        for name in ("gen_weight", "target_batches", "gain", "min_score"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"staleness.pace.{name} must be finite and >= 0, got {getattr(self, name)}")
+        if not 0 <= self.max_reject_frac < 1:
+            raise ValueError(f"staleness.pace.max_reject_frac must be in [0, 1), got {self.max_reject_frac}")
 
 
 @dataclass(frozen=True)
@@ -56,8 +100,16 @@ class StalenessConfig:
     """fixed_lag: step n consumes version exactly max(0, n - s); bounded: lag <= s by admission control."""
     staleness: int = 8
     """s: the lag (fixed_lag) or the lag bound (bounded), in trainer versions; 0 = synchronous."""
+    filter: Literal["none", "pace"] = "none"
+    """none: train on every consumed trajectory; pace: reject the stalest groups when the pool is overfull (bounded)."""
+    pace: PaceConfig = field(default_factory=PaceConfig)
+    """PACE parameters (used with filter=pace)."""
 
     def __post_init__(self) -> None:
+        check_one_of("staleness.filter", self.filter, STALENESS_FILTERS)
+        if self.filter == "pace" and self.mode != "bounded":
+            raise ValueError("staleness.filter=pace needs staleness.mode=bounded (fixed_lag prescribes every batch); "
+                             "set staleness.mode=bounded or staleness.filter=none")
         if self.mode not in STALENESS_MODES:
             raise ValueError(f"staleness.mode must be one of {', '.join(STALENESS_MODES)}, got {self.mode!r}")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
@@ -149,6 +201,9 @@ class StalenessStats:
     s_wait_max: int
     num_tokens: int
     histogram: tuple[int, ...]
+    #: Distinct versions among a trajectory's sampled tokens, mean and max over the batch (1 = one version).
+    versions_mean: float = 0.0
+    versions_max: int = 0
 
     def token_values(self) -> torch.Tensor:
         """Per-token staleness values ``[N] int64`` rebuilt from the histogram (for TensorBoard)."""
@@ -163,7 +218,7 @@ def realized_staleness(trajectories: Sequence[Trajectory], version: int) -> Stal
     nothing. Negative staleness (a token from a version newer than ``n``) is a bookkeeping bug upstream
     and raises.
     """
-    lags, s_max, s_gen, s_wait = [], [], [], []
+    lags, s_max, s_gen, s_wait, distinct = [], [], [], [], []
     for traj in trajectories:
         versions_T = traj.policy_version[traj.action_mask]
         if versions_T.numel() == 0:
@@ -174,6 +229,7 @@ def realized_staleness(trajectories: Sequence[Trajectory], version: int) -> Stal
         s_max.append(version - v_min)
         s_gen.append(v_max - v_min)
         s_wait.append(version - v_max)
+        distinct.append(int(torch.unique(versions_T).numel()))
     if not lags:
         return StalenessStats(0.0, 0, 0.0, 0, 0.0, 0, 0.0, 0, 0, ())
     lag_N = torch.cat(lags).to(torch.int64)
@@ -194,4 +250,72 @@ def realized_staleness(trajectories: Sequence[Trajectory], version: int) -> Stal
         s_wait_max=max(s_wait),
         num_tokens=int(lag_N.numel()),
         histogram=tuple(int(c) for c in histogram),
+        versions_mean=sum(distinct) / len(distinct),
+        versions_max=max(distinct),
     )
+
+
+# ------------------------------------------------------------------------------------------- PACE
+def prefix_generation_staleness(policy_version: torch.Tensor, action_mask: torch.Tensor) -> float:
+    """PACE's prefix-aware generation staleness ``g = (1/T) sum_t (max_u v_u - v_t)`` over sampled tokens.
+
+    Args:
+        policy_version: ``[L] int64``, the version of each token (-1 where not sampled).
+        action_mask: ``[L] bool``, True on sampled tokens.
+
+    Returns:
+        ``g`` in versions: 0 for a single-version trajectory or one without sampled tokens; at most
+        ``s_gen = max_t v_t - min_t v_t``, reached only when every token but the newest is oldest.
+    """
+    versions_T = policy_version[action_mask]
+    if versions_T.numel() == 0:
+        return 0.0
+    return float((versions_T.max() - versions_T).double().mean())
+
+
+def effective_staleness(traj: Trajectory, step: int, *, gen_weight: float, filed_version: int) -> float:
+    """PACE score ``s_wait + beta * g`` of ``traj`` consumed at ``step`` (module docstring).
+
+    ``filed_version`` is used as ``max_t v_t`` of a trajectory without sampled tokens (its batch's version).
+    """
+    v_end = traj.max_version if traj.max_version >= 0 else filed_version
+    return float(step - v_end) + gen_weight * prefix_generation_staleness(traj.policy_version, traj.action_mask)
+
+
+def pace_budget(*, pool: int, target: float, batch: int, gain: float, max_reject_frac: float) -> int:
+    """Trajectories PACE may reject this step: ``min(floor(gain * max(0, P - C)), floor(f * |batch|))``.
+
+    Args:
+        pool: ``P``, completed trajectories stored when the batch is taken (the batch included).
+        target: ``C``, the occupancy below which nothing is rejected.
+        batch: trajectories in the batch being taken.
+        gain: budget per trajectory of excess occupancy.
+        max_reject_frac: ``f`` in [0, 1).
+    """
+    if pool < 0 or batch < 0 or target < 0 or gain < 0 or not 0 <= max_reject_frac < 1:
+        raise ValueError(f"pace_budget: bad arguments pool={pool} batch={batch} target={target} gain={gain} "
+                         f"max_reject_frac={max_reject_frac}")
+    excess = max(0.0, pool - target)
+    # The epsilon keeps floor(0.5 * 6) = 3 from becoming 2 through float rounding of gain * excess.
+    return min(math.floor(gain * excess + 1e-9), math.floor(max_reject_frac * batch + 1e-9))
+
+
+def pace_select(group_scores: Sequence[float], group_sizes: Sequence[int], *, budget: int,
+                min_score: float) -> list[int]:
+    """Indices of the groups PACE rejects, in rejection order (module docstring).
+
+    Groups are taken in decreasing score (ties: smaller index first) while their size fits in what is
+    left of ``budget``; the first that does not fit ends the selection. Groups scoring below
+    ``min_score`` are never rejected, nor the last group left.
+    """
+    if len(group_scores) != len(group_sizes):
+        raise ValueError(f"pace_select: {len(group_scores)} scores for {len(group_sizes)} groups")
+    order = sorted(range(len(group_scores)), key=lambda k: (-group_scores[k], k))
+    rejected: list[int] = []
+    left = budget
+    for k in order:
+        if group_scores[k] < min_score or group_sizes[k] > left or len(rejected) + 1 >= len(group_scores):
+            break
+        rejected.append(k)
+        left -= group_sizes[k]
+    return rejected

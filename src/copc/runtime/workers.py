@@ -12,7 +12,9 @@ nothing. Which batch a worker is asked for, and what happens when one dies, is t
   request can still ask for.
 - **Workers** (``forkserver`` start method: fresh processes like ``spawn``, forked from a server that
   imported torch and copc once): each builds its generator, then serves requests ``(j, version)`` from
-  its own duplex pipe and sends back ``("ok", batch bytes)`` or ``("error", traceback)``.
+  its own duplex pipe and sends back ``("ok", batch bytes)`` or ``("error", traceback)``. With partial
+  rollouts (``WorkerSpec.partial_chunk_tokens``) a worker also reads the ring's newest version between
+  decode chunks of the batch it is generating (:func:`newest_weights`).
 - **Dying with the trainer.** A worker exits by itself (``os._exit``, whatever its main thread is doing,
   a blocked pipe write included) as soon as the trainer is gone: a watchdog thread waits on a pipe whose
   write end only the trainer holds (EOF when it dies) and checks the trainer's pid. Its request pipe has
@@ -47,7 +49,7 @@ from copc.runtime.buffer import prompt_from_dict, prompt_to_dict, trajectory_fro
 
 __all__ = [
     "Transport", "TransportFactory", "WeightRing", "WeightStore", "WorkerEvent", "WorkerPool", "WorkerSpec",
-    "build_generator", "decode_batch", "encode_batch", "local_transport",
+    "build_generator", "decode_batch", "encode_batch", "local_transport", "newest_weights",
 ]
 
 #: Modules the fork server imports once; every worker forks from it with them loaded (torch, transformers
@@ -82,6 +84,10 @@ class WorkerSpec:
     """torch threads per worker process."""
     device: str = "cpu"
     """Where the worker's generator runs (``cuda`` for a Ray actor given a GPU)."""
+
+    partial_chunk_tokens: int | None = None
+    """Partial rollouts: pick up the newest published weights every this many decode steps and at turn
+    boundaries, inside the running batch (0 = turn boundaries only); None = one version per batch."""
 
 
 def build_generator(spec: WorkerSpec) -> RolloutGenerator:
@@ -189,6 +195,25 @@ def decode_batch(payload: bytes) -> GeneratedBatch:
 
 
 # ------------------------------------------------------------------------------ the worker process
+def newest_weights(ring: WeightRing, generator: RolloutGenerator, *, limit: int) -> Callable[[], bool]:
+    """A partial-rollout refresh: load the ring's newest version into ``generator`` if it is newer.
+
+    ``limit`` is the batch index: batch ``j`` is consumed by step ``j``, which trains version ``j``, so a
+    newer version cannot exist before it is consumed; the cap keeps a bookkeeping error from stamping a
+    token with a version newer than the step that trains on it.
+    """
+
+    def refresh() -> bool:
+        latest = min(int(ring.latest.value), limit)
+        if latest <= generator.version:
+            return False
+        version, weights = ring.read(latest)
+        generator.load(weights, version)
+        return True
+
+    return refresh
+
+
 def _trainer_gone(trainer_pid: int) -> bool:
     """True when ``trainer_pid`` no longer runs (absent, or a zombie nobody has reaped yet)."""
     try:
@@ -249,7 +274,12 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, conn: Connection, trainer_a
             index, wanted = message
             version, weights = ring.read(wanted)
             generator.load(weights, version)
-            conn.send(("ok", encode_batch(generator.generate(index))))
+            if spec.partial_chunk_tokens is None:
+                batch = generator.generate(index)
+            else:
+                refresh = newest_weights(ring, generator, limit=index)
+                batch = generator.generate(index, refresh=refresh, chunk_tokens=spec.partial_chunk_tokens)
+            conn.send(("ok", encode_batch(batch)))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(0)  # the trainer is gone: nobody to report to
     except Exception:  # a worker failure must reach the trainer, never hang it
