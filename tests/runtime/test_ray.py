@@ -103,8 +103,8 @@ def rollout_actor_pids() -> list[int]:
 
 
 def assert_no_actor_left() -> None:
-    """Every RolloutWorker process exits within seconds of the driver's close."""
-    deadline = time.monotonic() + 15
+    """Every RolloutWorker process exits soon after the driver's close (60 s: a loaded machine is slow)."""
+    deadline = time.monotonic() + 60
     while rollout_actor_pids() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert rollout_actor_pids() == []
@@ -185,16 +185,17 @@ def test_killed_rollout_actors_are_restarted_and_the_run_is_unchanged(
     run_dir = tmp_path / "run"
     journal = run_dir / "rollouts"
     kills: list[str] = []
+    finished = threading.Event()  # the run is over: stop looking (no fixed deadline: a loaded machine
+    # can take minutes to start an actor, and a deadline that passed first left the run unkilled)
 
     def killer() -> None:
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline and not kills:
+        while not finished.is_set() and not kills:
             pids = rollout_actor_pids()
             if (journal / "batch_00000000.pt").exists() and pids:
                 os.kill(pids[0], signal.SIGKILL)
                 kills.append(f"SIGKILL pid {pids[0]}")
             time.sleep(0.01)
-        while time.monotonic() < deadline and len(kills) < 2:
+        while not finished.is_set() and len(kills) < 2:
             if (journal / "batch_00000002.pt").exists():
                 for name in sorted(ray.util.list_named_actors()):
                     try:
@@ -207,8 +208,11 @@ def test_killed_rollout_actors_are_restarted_and_the_run_is_unchanged(
 
     thread = threading.Thread(target=killer)
     thread.start()
-    summary = train(config(run_dir, kind="ray", checkpoint_every=0), show_progress=False).summary
-    thread.join()
+    try:
+        summary = train(config(run_dir, kind="ray", checkpoint_every=0), show_progress=False).summary
+    finally:
+        finished.set()
+        thread.join()
     err = capfd.readouterr().err
     warnings = [line for line in err.splitlines() if "rollout worker" in line]
     print("\n".join([*kills, *warnings]))  # the fault test's output (issue 14's closing note)
