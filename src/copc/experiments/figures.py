@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from copc.experiments.results import by_group, group_text, t_interval
+from copc.experiments.results import by_group, group_key, group_text, t_interval
 
 __all__ = ["eval_curves", "plot_curves", "plot_summary"]
 
@@ -23,8 +23,7 @@ def eval_curves(records: Sequence[Mapping[str, object]], metric: str) -> dict[st
     """``{group text: {step: [value of each seed that has the step]}}`` for one evaluation metric."""
     out: dict[str, Curve] = {}
     for record in records:
-        levels = record.get("levels")
-        name = group_text(tuple((str(k), str(v)) for k, v in levels.items())) if isinstance(levels, dict) else "?"
+        name = group_text(group_key(record))
         points = record.get("evals")
         for point in points if isinstance(points, list) else []:
             if isinstance(point, dict) and point.get(metric) is not None:

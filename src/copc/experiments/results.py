@@ -42,8 +42,11 @@ __all__ = [
     "SUMMARY_METRICS",
     "Interval",
     "build_record",
+    "by_group",
     "collapse_step",
     "config_hash",
+    "group_key",
+    "group_text",
     "load_records",
     "machine_info",
     "paired_differences",
@@ -326,7 +329,8 @@ def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy",
 
 
 # ------------------------------------------------------------------------------------------ tables
-def _group_key(record: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
+def group_key(record: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
+    """The record's axis levels as ``((axis, level), ...)``: its group, seeds aside."""
     levels = record["levels"]
     assert isinstance(levels, dict)
     return tuple((str(k), str(v)) for k, v in levels.items())
@@ -348,7 +352,7 @@ def by_group(records: Sequence[Mapping[str, object]], metric: str) -> dict[tuple
     for record in records:
         value = _metric(record, metric)
         if value is not None:
-            groups.setdefault(_group_key(record), {})[int(record["seed"])] = value  # type: ignore[call-overload]
+            groups.setdefault(group_key(record), {})[int(record["seed"])] = value  # type: ignore[call-overload]
     return groups
 
 
