@@ -98,3 +98,33 @@ def test_resume_reproduces_the_uninterrupted_fixed_lag_run(tmp_path: Path) -> No
     resumed = replace(part, steps=4, resume=True)
     train(resumed, show_progress=False)
     assert_same_run(tmp_path / "full", tmp_path / "part", from_step=2)
+
+
+def test_the_samplers_copies_are_kept_in_its_dtype_and_only_as_many_as_requests_need() -> None:
+    """Issue 17: the weight ring and the snapshots hold rollout.dtype weights, and bounded staleness
+    (workers read the newest version) keeps 3 versions, not s + 2."""
+    from copc.rollout.generator import sampler_weights
+    from copc.runtime.async_local import ring_slots
+
+    weights = {"w": torch.tensor([1.0 + 2**-10, -3.0]), "ids": torch.arange(3)}
+    cast = sampler_weights(weights, torch.bfloat16)
+    assert cast["w"].dtype == torch.bfloat16 and torch.equal(cast["w"], weights["w"].to(torch.bfloat16))
+    assert cast["ids"].data_ptr() == weights["ids"].data_ptr()  # integer buffers untouched (no copy asked for)
+    kept = sampler_weights(weights, torch.float32, copy=True)
+    assert all(kept[k].data_ptr() != weights[k].data_ptr() and torch.equal(kept[k], weights[k]) for k in weights)
+    assert ring_slots(StalenessConfig(mode="fixed_lag", staleness=8), partial=False) == 10
+    assert ring_slots(StalenessConfig(mode="bounded", staleness=8), partial=True) == 10
+    assert ring_slots(StalenessConfig(mode="bounded", staleness=8), partial=False) == 3
+
+
+def test_async_bfloat16_sampling_equals_sync_with_half_size_snapshots(tmp_path: Path) -> None:
+    bf16 = {"rollout": replace(small_config(tmp_path, driver="sync").rollout, dtype="bfloat16")}
+    train(small_config(tmp_path / "sync", driver="sync", s=1, **bf16), show_progress=False)
+    train(small_config(tmp_path / "async", driver="async", s=1, **bf16), show_progress=False)
+    assert_same_run(tmp_path / "sync", tmp_path / "async")
+    latest = load_latest(tmp_path / "async")
+    assert latest is not None
+    snapshots = latest[1]["source"]["snapshots"]  # type: ignore[index]
+    assert sorted(snapshots) == [2, 3]  # type: ignore[call-overload]  # versions step 3 and 4 still need
+    assert {t.dtype for w in snapshots.values() for t in w.values() if t.is_floating_point()} == {torch.bfloat16}  # type: ignore[attr-defined]
+    assert {t.dtype for t in final_policy(tmp_path / "async").values()} == {torch.float32}  # master weights

@@ -348,6 +348,30 @@ def test_run_dirs_are_never_reused_or_resumed_by_accident(tmp_path: Path, capsys
     assert logged_steps(run) == [0, 1]
 
 
+def test_weights_only_checkpoints_are_smaller_and_resume_with_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 17: checkpoint_optimizer=false keeps weights (safetensors) but no AdamW moments."""
+    full, lean = tmp_path / "full", tmp_path / "lean"
+    assert cli(full) == 0 and cli(lean, "checkpoint_optimizer=false") == 0
+
+    def sizes(run: Path) -> dict[str, int]:
+        return {p.name: p.stat().st_size for p in (run / "checkpoints" / "step_00000002").iterdir()}
+
+    assert sorted(sizes(full)) == ["meta.json", "source.snapshots.2.safetensors", "state.pt",
+                                   "trainer.critic.safetensors", "trainer.policy.safetensors"]
+    assert sizes(lean)["trainer.policy.safetensors"] == sizes(full)["trainer.policy.safetensors"]
+    weights = sizes(full)["trainer.policy.safetensors"] + sizes(full)["trainer.critic.safetensors"]
+    assert sizes(lean)["state.pt"] < 0.05 * weights  # counters, RNG, config: no tensor of model size
+    assert sizes(full)["state.pt"] > 1.99 * weights  # AdamW's two moments per weight
+    a, b = (load_latest(run)[1]["trainer"]["policy"] for run in (full, lean))  # type: ignore[index]
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)  # type: ignore[index,union-attr]
+    capsys.readouterr()
+    assert cli(lean, "resume=true", "steps=3", "checkpoint_optimizer=false") == 0
+    assert "no optimizer state (checkpoint_optimizer=false)" in capsys.readouterr().err
+    assert logged_steps(lean) == [0, 1, 2]
+
+
 def test_resume_before_the_first_checkpoint_logs_each_step_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     assert cli(run) == 0

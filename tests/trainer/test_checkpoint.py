@@ -226,3 +226,49 @@ def test_sigkill_at_random_times_never_leaves_a_loadable_partial_checkpoint(tmp_
 def test_keep_must_be_positive(tmp_path: Path):
     with pytest.raises(ValueError, match="keep"):
         save_checkpoint(tmp_path, 0, {}, keep=0)
+
+
+# ------------------------------------------------------------------ weights as safetensors files
+def test_weights_are_safetensors_files_with_tied_tensors_once(tmp_path):
+    """Issue 17: a state dict marked Weights is its own .safetensors file (readable without torch's
+    pickle), tied tensors stored once and tied again on load, bit-exact."""
+    from safetensors.torch import load_file
+
+    from copc.trainer.checkpoint import Weights
+
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight  # tied, as in SmolLM2
+    state = {**{f"embed.{k}": v for k, v in embed.state_dict().items()},
+             **{f"head.{k}": v for k, v in head.state_dict().items()}, "odd": torch.arange(6.0).view(2, 3).t()}
+    path = save_checkpoint(tmp_path, 3, {"trainer": {"policy": Weights(state), "version": 3},
+                                         "snapshots": {7: Weights({"w": torch.ones(2)})}})
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["meta.json", "snapshots.7.safetensors", "state.pt", "trainer.policy.safetensors"]
+    on_disk = load_file(path / "trainer.policy.safetensors")
+    assert sorted(on_disk) == ["embed.weight", "odd"]  # head.weight is an alias of embed.weight
+    loaded = load_checkpoint(path)
+    policy = loaded["trainer"]["policy"]  # type: ignore[index]
+    assert sorted(policy) == sorted(state)
+    for key, tensor in state.items():
+        assert torch.equal(policy[key], tensor) and policy[key].dtype == tensor.dtype
+    assert policy["head.weight"].data_ptr() == policy["embed.weight"].data_ptr()
+    assert torch.equal(loaded["snapshots"][7]["w"], torch.ones(2))  # type: ignore[index]
+    assert loaded["trainer"]["version"] == 3  # type: ignore[index]
+
+
+def test_a_damaged_weights_file_falls_back_to_the_previous_checkpoint(tmp_path):
+    from copc.trainer.checkpoint import Weights
+
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, {"policy": Weights({"w": torch.full((64,), float(step))})})
+    damaged = checkpoint_root(tmp_path) / "step_00000002" / "policy.safetensors"
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 1
+    damaged.write_bytes(bytes(raw))
+    skipped: list[str] = []
+    loaded = load_latest(tmp_path, on_skip=skipped.append)
+    assert loaded is not None and loaded[0] == 1
+    assert torch.equal(loaded[1]["policy"]["w"], torch.full((64,), 1.0))  # type: ignore[index]
+    assert len(skipped) == 1 and "policy.safetensors does not match its sha256" in skipped[0]

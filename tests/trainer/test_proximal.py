@@ -13,7 +13,7 @@ report of the branch); here its ``old`` is checked bit for bit against the plain
 from __future__ import annotations
 
 import copy
-import io
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -27,7 +27,7 @@ from copc.models.hf import ValueModel, token_logprobs
 from copc.ops import zero_where_not
 from copc.run.config import apply_run_overrides, default_config, validate_names
 from copc.trainer.batching import TrainBatch, collate
-from copc.trainer.checkpoint import check_plain
+from copc.trainer.checkpoint import load_checkpoint, save_checkpoint
 from copc.trainer.proximal import (
     SnapshotMissingError,
     ewma_update,
@@ -212,12 +212,9 @@ def test_loglinear_with_a_step_start_ratio_costs_one_forward() -> None:
 
 # ---------------------------------------------------------------- resume, presets, rejection
 def round_trip(state: dict[str, object]) -> dict[str, object]:
-    """Through torch.save / torch.load(weights_only=True), as copc.trainer.checkpoint writes it."""
-    check_plain(state)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)  # type: ignore[no-any-return]
+    """Through a checkpoint on disk (state.pt under torch.load(weights_only=True), safetensors files)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_checkpoint(save_checkpoint(tmp, 1, {"trainer": state}))["trainer"]  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("source", ["snapshot", "ewma"])

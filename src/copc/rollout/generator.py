@@ -62,6 +62,7 @@ __all__ = [
     "batch_seed",
     "extra_prompts",
     "round_seed",
+    "sampler_weights",
 ]
 
 
@@ -101,6 +102,19 @@ class OverlongShapingConfig:
             raise ValueError(f"rollout.overlong.cache_tokens must be >= 1 or null (L_max // 5), got {self.cache_tokens}")
         if self.factor < 0:
             raise ValueError(f"rollout.overlong.factor must be >= 0, got {self.factor}")
+
+
+def sampler_weights(weights: Mapping[str, torch.Tensor], dtype: torch.dtype, *, copy: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """``weights`` with floating tensors in the sampler's ``dtype`` (``rollout.dtype``): the generator casts
+    every loaded weight to it anyway, so keeping the ring and the snapshots in it changes nothing the
+    workers compute and halves them under bfloat16. ``copy``: never share storage with ``weights``."""
+    out = {}
+    for name, tensor in weights.items():
+        tensor = tensor.detach()
+        cast = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        out[name] = cast.clone() if copy and cast.data_ptr() == tensor.data_ptr() else cast
+    return out
 
 
 @dataclass(frozen=True)
@@ -275,6 +289,11 @@ class RolloutGenerator:
     @property
     def version(self) -> int:
         return self.engine.version
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it samples in (``rollout.dtype``)."""
+        return getattr(torch, self.config.dtype)  # type: ignore[no-any-return]
 
     def load(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Sample with ``weights`` (version ``version``) from now on; versions never go back."""

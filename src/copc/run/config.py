@@ -164,6 +164,9 @@ class RunConfig:
     """Checkpoint every this many steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk."""
+    checkpoint_optimizer: bool = True
+    """Keep the optimizers' state (AdamW moments, 2x the weights) in checkpoints; false: weights only, and a
+    resume restarts the moments from zero (said on stderr; not bit-identical to an uninterrupted run)."""
     plots: bool = True
     """Draw the PNG plots into run_dir/plots at the end."""
     model: ModelConfig = field(default_factory=ModelConfig)

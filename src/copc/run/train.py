@@ -74,6 +74,7 @@ from copc.trainer.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from copc.trainer.common import eval_mode
 from copc.trainer.trainer import ActorCriticTrainer
 from copc.types import Trajectory
 
@@ -91,7 +92,7 @@ def checkpoint_payload(
     cfg: RunConfig, step: int, trainer: ActorCriticTrainer, source: SyncSource | AsyncSource
 ) -> dict[str, object]:
     return {
-        "trainer": trainer.state_dict(),
+        "trainer": trainer.state_dict(optimizers=cfg.checkpoint_optimizer),
         "source": source.state_dict(),
         "rng": capture_rng_state(),
         "config": to_dict(cfg),
@@ -204,12 +205,13 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
         print(f"note: method {cfg.method!r} trains only the critic for the first {trainer.warmup_steps} steps "
               "(critic warm-up; the actor is frozen); trainer.critic_warmup_steps=0 turns it off",
               file=sys.stderr, flush=True)
-    eval_model, _ = load_policy(model_dir)
     source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir)
     start_step, summary_before, saved = 0, None, _Saved()
     if resumed is not None:
         saved.step, payload = resumed
-        trainer.load_state_dict(payload["trainer"])  # type: ignore[arg-type]
+        if not trainer.load_state_dict(payload["trainer"]):  # type: ignore[arg-type]
+            print(f"note: the checkpoint of step {saved.step} has no optimizer state (checkpoint_optimizer=false): "
+                  "the AdamW moments restart from zero", file=sys.stderr, flush=True)
         source.load_state_dict(payload["source"])  # type: ignore[arg-type]
         restore_rng_state(payload["rng"])  # type: ignore[arg-type]
         start_step = int(payload["next_step"])  # type: ignore[call-overload]
@@ -221,13 +223,13 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     finished = False
     try:
         if summary_before is None:
-            summary_before = _evaluate(cfg, eval_model, tokenizer, task, tracker, start_step, saved)
+            summary_before = _evaluate(cfg, policy, tokenizer, task, tracker, start_step, saved)
             if summary_before:
                 tracker.log(start_step, summary_before)
         if isinstance(source, AsyncSource):
             source.start()
         loop = _run_with_progress(cfg, trainer, source, tracker, run_dir, start_step, tokenizer,
-                                  summary_before, eval_model, task, show_progress, saved, signals)  # type: ignore[arg-type]
+                                  summary_before, policy, task, show_progress, saved, signals)  # type: ignore[arg-type]
         finished = True
     except Interrupted as stop:
         if stop.clean and trainer.version > max(saved.step, start_step):
@@ -241,8 +243,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
         signals.restore()
         if not finished:
             tracker.close()
-    eval_model.load_state_dict(trainer.policy.state_dict())
-    after = _evaluate(cfg, eval_model, tokenizer, task, tracker, cfg.steps, saved)
+    after = _evaluate(cfg, policy, tokenizer, task, tracker, cfg.steps, saved)
     if after:
         tracker.log(cfg.steps, after)
     tracker.close()
@@ -262,11 +263,13 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
 
 def _evaluate(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
               tracker: Tracker, step: int, saved: _Saved) -> dict[str, float]:
-    """Held-out evaluation (same prompts and seeds every time); its first sampled episodes go to the
-    samples, its wall seconds to ``saved.eval_s``."""
+    """Held-out evaluation of ``model`` (the trained policy itself, in eval mode: no copy of it is kept for
+    this) on the same prompts and seeds every time; its first sampled episodes go to the samples, its
+    wall seconds to ``saved.eval_s``."""
     start = time.perf_counter()
     episodes: list[Trajectory] = []
-    out = evaluate(model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777, episodes=episodes)
+    with eval_mode(model):
+        out = evaluate(model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777, episodes=episodes)
     tracker.log_samples(step, "eval", [render_episode(t, tokenizer) for t in episodes[: cfg.samples.per_log]])
     saved.eval_s += time.perf_counter() - start
     return out
@@ -281,7 +284,7 @@ def _run_with_progress(
     start_step: int,
     tokenizer: PreTrainedTokenizerBase,
     eval_before: dict[str, float],
-    eval_model: PreTrainedModel,
+    policy: PreTrainedModel,
     task: Task,
     show_progress: bool,
     saved: _Saved,
@@ -298,9 +301,8 @@ def _run_with_progress(
     def on_step(step: int, metrics: dict[str, float], batch: GeneratedBatch) -> None:
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
-            eval_model.load_state_dict(trainer.policy.state_dict())
             before = saved.eval_s
-            metrics.update(_evaluate(cfg, eval_model, tokenizer, task, tracker, step, saved))
+            metrics.update(_evaluate(cfg, policy, tokenizer, task, tracker, step, saved))
             metrics[m.TIME_EVAL] = saved.eval_s - before
         if cfg.samples.every and done % cfg.samples.every == 0:
             tracker.log_samples(step, "train", [render_episode(t, tokenizer)

@@ -50,17 +50,29 @@ from pathlib import Path
 import torch
 
 from copc import tracking as m
-from copc.rollout.generator import GeneratedBatch, batch_prompts
+from copc.rollout.generator import GeneratedBatch, batch_prompts, sampler_weights
 from copc.runtime.buffer import TrajectoryBuffer
 from copc.runtime.journal import Journal, JournalDamage, JournalError
 from copc.runtime.loop import RunError
 from copc.runtime.staleness import StalenessConfig, source_version
 from copc.runtime.workers import TransportFactory, WorkerSpec, decode_batch, local_transport
+from copc.trainer.checkpoint import Weights
 from copc.types import Prompt
 
 __all__ = ["AsyncSource", "RolloutError"]
 
 _POLL_S = 0.05
+
+
+def ring_slots(staleness: StalenessConfig, *, partial: bool) -> int:
+    """Weight versions the transport keeps: every one a request can still name.
+
+    ``fixed_lag`` batch ``j`` asks for version ``j - s`` (``s + 1`` versions live, one more being
+    written); so does a partial rollout's refresh, capped at its batch index, up to ``s`` behind the
+    newest. Otherwise (``bounded``) a worker always reads the newest version: that one, the one being
+    written, and one spare for a slow reader (a read torn by a publication is retried anyway).
+    """
+    return staleness.staleness + 2 if staleness.mode == "fixed_lag" or partial else 3
 
 
 class RolloutError(RunError):
@@ -105,7 +117,10 @@ class AsyncSource:
         self.batch_size = spec.rollout.batch_size
         self.buffer = TrajectoryBuffer(staleness, self.batch_size)
         self.pool = get_task(spec.task, **spec.task_options).prompts("train")  # type: ignore[arg-type]
-        self.ring, self.workers = transport(spec, initial_weights, staleness.staleness + 2, num_workers)
+        self.dtype = getattr(torch, spec.rollout.dtype)  # the sampler's: copies kept here are in it too
+        self.ring, self.workers = transport(spec, sampler_weights(initial_weights, self.dtype),
+                                            ring_slots(staleness, partial=spec.partial_chunk_tokens is not None),
+                                            num_workers)
         self.journal = Journal(journal_dir) if journal_dir is not None else None
         self.max_restarts, self.batch_timeout_s = max_restarts, batch_timeout_s
         self.version = 0
@@ -154,12 +169,13 @@ class AsyncSource:
     def _publish_local(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         self.version = version
         self.ring.publish(version, weights)
+        snapshot = sampler_weights(weights, self.dtype, copy=True)
         if self.staleness.mode == "fixed_lag":
-            self.snapshots[version] = {k: v.detach().clone() for k, v in weights.items()}
+            self.snapshots[version] = snapshot
             oldest = max(0, version - self.staleness.staleness)
             self.snapshots = {v: w for v, w in self.snapshots.items() if v >= oldest}
         else:
-            self.snapshots = {version: {k: v.detach().clone() for k, v in weights.items()}}
+            self.snapshots = {version: snapshot}
 
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Make ``version`` available to workers, then admit the requests it unlocks."""
@@ -323,7 +339,7 @@ class AsyncSource:
     def state_dict(self) -> dict[str, object]:
         with self._lock:
             return {
-                "snapshots": self.snapshots,
+                "snapshots": {version: Weights(w) for version, w in self.snapshots.items()},
                 "version": self.version,
                 "next_request": self.next_request,
                 "next_put": self.next_put,

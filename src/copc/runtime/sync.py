@@ -14,8 +14,9 @@ from collections.abc import Mapping
 
 import torch
 
-from copc.rollout.generator import GeneratedBatch, RolloutGenerator
+from copc.rollout.generator import GeneratedBatch, RolloutGenerator, sampler_weights
 from copc.runtime.staleness import StalenessConfig, source_version
+from copc.trainer.checkpoint import Weights
 
 __all__ = ["SyncSource"]
 
@@ -37,7 +38,7 @@ class SyncSource:
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Record version ``version`` (keep the snapshots a future fixed_lag batch still needs)."""
         self.version = version
-        self.snapshots[version] = {k: v.detach().clone() for k, v in weights.items()}
+        self.snapshots[version] = sampler_weights(weights, self.generator.dtype, copy=True)
         keep = self._needed_versions(version)
         self.snapshots = {v: w for v, w in self.snapshots.items() if v in keep}
 
@@ -60,7 +61,7 @@ class SyncSource:
         return self.generator.generate(step), 0.0
 
     def state_dict(self) -> dict[str, object]:
-        return {"snapshots": self.snapshots, "version": self.version}
+        return {"snapshots": {version: Weights(w) for version, w in self.snapshots.items()}, "version": self.version}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.snapshots = dict(state["snapshots"])  # type: ignore[call-overload]

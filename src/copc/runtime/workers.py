@@ -8,8 +8,10 @@ nothing. Which batch a worker is asked for, and what happens when one dies, is t
   version it holds (``-1`` while being written). The trainer (the only writer) publishes version ``v``
   into slot ``v mod R``; a worker copies a slot and reads its tag before and after the copy (a
   seqlock): a torn or overwritten read is detected and retried. There is no lock, so a worker killed in
-  the middle of a read cannot block the trainer. ``R = s + 2`` keeps every version a ``fixed_lag``
-  request can still ask for.
+  the middle of a read cannot block the trainer. ``R`` is the driver's choice
+  (:func:`copc.runtime.async_local.ring_slots`: ``s + 2`` keeps every version a ``fixed_lag`` request can
+  still ask for; 3 when workers only read the newest). The copy a worker reads is dropped as soon as its
+  generator has loaded it, so a worker holds one set of weights between batches.
 - **Workers** (``forkserver`` start method: fresh processes like ``spawn``, forked from a server that
   imported torch and copc once): each builds its generator, then serves requests ``(j, version)`` from
   its own duplex pipe and sends back ``("ok", batch bytes)`` or ``("error", traceback)``. With partial
@@ -274,6 +276,7 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, conn: Connection, trainer_a
             index, wanted = message
             version, weights = ring.read(wanted)
             generator.load(weights, version)
+            del weights  # the generator's model holds them now: no second copy while generating
             if spec.partial_chunk_tokens is None:
                 batch = generator.generate(index)
             else:

@@ -4,6 +4,7 @@ Layout under ``run_dir/checkpoints/``::
 
     step_00000012/         a complete checkpoint
         state.pt           the payload (torch.save of plain data and tensors)
+        trainer.policy.safetensors   each :class:`Weights` in the payload, one file per key path
         meta.json          step, sizes and sha256 of every file; written last
     latest                 one line: the name of the newest complete checkpoint
     .tmp-step_.../         a checkpoint being written (ignored, removed by the next save)
@@ -28,6 +29,10 @@ The payload is what the trainer wants back: policy and critic state dicts, optim
 states (:func:`capture_rng_state`), step, version, the buffer's ``state_dict()`` (stored trajectories
 and prompts in flight) and the resolved config as plain data. It must be loadable with
 ``torch.load(weights_only=True)``: tensors, str, int, float, bool, None, lists, tuples and dicts.
+A state dict wrapped in :class:`Weights` (the trainer's policy and critic, the async driver's weight
+versions) is written as a safetensors file of its own instead, named by its key path in the payload
+(``trainer.policy.safetensors``): the weights load without torch's pickle, by any safetensors reader,
+and tied tensors (an embedding shared with the LM head) are stored once and tied again on load.
 """
 
 from __future__ import annotations
@@ -45,16 +50,28 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+WEIGHTS_SUFFIX = ".safetensors"
+_WEIGHTS_REF = "__safetensors__"  # {_WEIGHTS_REF: file name} stands in state.pt for a Weights value
+_ALIASES = "copc_aliases"  # safetensors metadata: JSON {alias: stored name} of tied tensors
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt (the message names the path and what failed)."""
+
+
+class Weights(dict[str, torch.Tensor]):
+    """A flat state dict (name -> tensor) that :func:`save_checkpoint` stores as its own safetensors file.
+
+    Loading gives a plain ``dict`` back, bit-exact, with tied tensors sharing storage again.
+    """
 
 
 def checkpoint_root(run_dir: str | os.PathLike[str]) -> Path:
@@ -137,7 +154,11 @@ def save_checkpoint(
     tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        _save_state({**payload, "step": step}, tmp / STATE_FILE)
+        weights: dict[str, Weights] = {}
+        state = _split_weights(payload, (), weights)
+        for file_name, tensors in weights.items():
+            _write_weights(tensors, tmp / file_name)
+        _save_state({**state, "step": step}, tmp / STATE_FILE)  # type: ignore[dict-item]
         _write_meta(tmp, step)
         _fsync_dir(tmp)
     except OSError as err:
@@ -160,6 +181,69 @@ def save_checkpoint(
         shutil.rmtree(replaced, ignore_errors=True)
     _prune(root, keep, current=step)
     return final
+
+
+def _split_weights(value: object, path: tuple[str, ...], out: dict[str, Weights]) -> object:
+    """``value`` with every :class:`Weights` replaced by a reference to its file (collected in ``out``)."""
+    if isinstance(value, Weights):
+        name = ".".join(path) + WEIGHTS_SUFFIX
+        out[name] = value
+        return {_WEIGHTS_REF: name}
+    if isinstance(value, Mapping):
+        return {key: _split_weights(item, (*path, str(key)), out) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_split_weights(item, (*path, str(i)), out) for i, item in enumerate(value))
+    return value
+
+
+def _write_weights(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file: each storage written once, names that alias it recorded in the metadata."""
+    stored: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[object, ...], str] = {}
+    storages: set[int] = set()
+    aliases: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        ptr = tensor.untyped_storage().data_ptr()
+        key = (ptr, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if tensor.numel() > 0 and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if tensor.numel() > 0 and ptr not in storages:
+            seen[key] = name
+            storages.add(ptr)
+            stored[name] = tensor.contiguous()
+        else:  # empty, or a different view of a storage already written: its own copy
+            stored[name] = tensor.clone().contiguous()
+    data = save_safetensors(stored, metadata={_ALIASES: json.dumps(aliases)})
+    try:
+        with path.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    data = path.read_bytes()
+    tensors = load_safetensors(data)
+    header_len = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+    for alias, name in json.loads(metadata.get(_ALIASES, "{}")).items():
+        tensors[alias] = tensors[name]
+    return tensors
+
+
+def _join_weights(value: object, directory: Path) -> object:
+    """Inverse of :func:`_split_weights`: each file reference replaced by the tensors it names."""
+    if isinstance(value, dict):
+        if set(value) == {_WEIGHTS_REF}:
+            return _read_weights(directory / str(value[_WEIGHTS_REF]))
+        return {key: _join_weights(item, directory) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_join_weights(item, directory) for item in value)
+    return value
 
 
 class _RecordingFile:
@@ -308,7 +392,11 @@ def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> dic
         raise CheckpointError(f"cannot load {path / STATE_FILE}: {first}") from None
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path / STATE_FILE} does not hold a dict payload")
-    return payload
+    try:
+        return _join_weights(payload, path)  # type: ignore[return-value]
+    except Exception as err:  # a weights file missing or unreadable: the checkpoint is unusable
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"cannot load the weights files of {path}: {first}") from None
 
 
 def load_latest(

@@ -43,6 +43,7 @@ from copc.channels import compute_advantages, count_loss_tokens, policy_loss, va
 from copc.channels.methods import MethodConfig
 from copc.ops import k3_from_log, log_ratio, zero_where_not
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
+from copc.trainer.checkpoint import Weights
 from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer, trim_length
 from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
 from copc.trainer.forwards import Forwards
@@ -223,28 +224,36 @@ class ActorCriticTrainer:
         self.fwd = Forwards(config.temperature, config.top_k, config.top_p, config.micro_batch_size)
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, object]:
-        """Everything needed to continue training exactly (weights, optimizers, counters)."""
+    def state_dict(self, *, optimizers: bool = True) -> dict[str, object]:
+        """Everything needed to continue training exactly (weights, optimizers, counters).
+
+        ``optimizers=False`` leaves the AdamW moments out (a checkpoint about a third the size): a run
+        resumed from it restarts them from zero, so it is not bit-identical to an uninterrupted one.
+        """
         return {
-            "policy": self.policy.state_dict(),
-            "critic": self.critic.state_dict() if self.critic is not None else None,
-            "actor_optimizer": self.actor_optimizer.state_dict(),
-            "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer else None,
+            "policy": Weights(self.policy.state_dict()),
+            "critic": Weights(self.critic.state_dict()) if self.critic is not None else None,
+            "actor_optimizer": self.actor_optimizer.state_dict() if optimizers else None,
+            "critic_optimizer": self.critic_optimizer.state_dict() if optimizers and self.critic_optimizer else None,
             "version": self.version,
             "steps_done": self.steps_done,
             "proximal": self.proximal.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> bool:
+        """Restore :meth:`state_dict`; False when it held no optimizer state (the moments start from zero)."""
         self.policy.load_state_dict(state["policy"])  # type: ignore[arg-type]
         if self.critic is not None and state.get("critic") is not None:
             self.critic.load_state_dict(state["critic"])  # type: ignore[arg-type]
-        self.actor_optimizer.load_state_dict(state["actor_optimizer"])  # type: ignore[arg-type]
+        has_optimizers = state.get("actor_optimizer") is not None
+        if has_optimizers:
+            self.actor_optimizer.load_state_dict(state["actor_optimizer"])  # type: ignore[arg-type]
         if self.critic_optimizer is not None and state.get("critic_optimizer") is not None:
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])  # type: ignore[arg-type]
         self.version = int(state["version"])  # type: ignore[call-overload]
         self.steps_done = int(state["steps_done"])  # type: ignore[call-overload]
         self.proximal.load_state_dict(state.get("proximal"), self.policy, version=self.version)  # type: ignore[arg-type]
+        return has_optimizers
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """Detached policy weights to publish as :attr:`version`."""

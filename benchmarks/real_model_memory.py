@@ -1,0 +1,121 @@
+"""Memory, checkpoint size and step time of a real model's run (issue 17, part 4).
+
+    .venv/bin/python benchmarks/real_model_memory.py --model smollm2-hf [--driver sync|async] [--steps 2]
+        [key=value ...]
+
+Runs the walk-through of docs/own-model.md (``math_tool`` on ``tests/fixtures/math_tool.jsonl``, COPC,
+real-model budgets) as a ``copc train`` subprocess and prints:
+
+- peak memory of the whole process tree (trainer, rollout workers, the sandbox's fork server), as the
+  sum of PSS (proportional set size: a shared page, e.g. the weight ring, is counted once in total, not
+  once per process that maps it) and the trainer's own peak RSS, sampled every second from ``/proc``;
+- the size of one checkpoint on disk and of the ``checkpoints/`` folder;
+- median seconds per training step (``time/step``) and the run's wall time.
+
+Extra ``key=value`` arguments are passed to ``copc train`` after the walk-through's (e.g.
+``model.dtype=bfloat16 checkpoint.optimizer=false``), so the same script measures before and after.
+Linux only (reads ``/proc``). Figures depend on the machine's load; compare rows of one sitting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WALKTHROUGH = [
+    "task=math_tool", f"task_options.data={ROOT / 'tests/fixtures/math_tool.jsonl'}", "task_options.eval_size=2",
+    "rollout.max_new_tokens_per_turn=256", "rollout.max_total_tokens=512", "rollout.context_limit=2048",
+    "rollout.prompts_per_batch=2", "rollout.group_size=4", "trainer.actor_lr=5e-6",
+    "trainer.critic_warmup_steps=0", "eval.prompts=2", "eval.every=0", "method=copc",
+]
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(parent, []).append(int(entry))
+    return tree
+
+
+def _descendants(pid: int) -> list[int]:
+    tree, out, todo = _children(), [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(tree.get(current, []))
+    return out
+
+
+def _field_kib(path: str, name: str) -> int:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def measure(command: list[str], env: dict[str, str]) -> tuple[int, float, float]:
+    """Run ``command``; its exit code, peak summed PSS of its tree and its own peak RSS, both in GiB."""
+    process = subprocess.Popen(command, env=env)
+    peak_tree = 0
+    while process.poll() is None:
+        total = sum(_field_kib(f"/proc/{pid}/smaps_rollup", "Pss") for pid in _descendants(process.pid))
+        peak_tree = max(peak_tree, total)
+        time.sleep(1.0)
+    # VmHWM of the trainer is gone with the process: getrusage of children has its max RSS.
+    import resource
+
+    own_peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return process.returncode, peak_tree / 2**20, own_peak_kib / 2**20
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="HF folder of the policy (docs/own-model.md step 2)")
+    parser.add_argument("--driver", choices=("sync", "async"), default="sync")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="extra copc train key=value overrides")
+    args = parser.parse_args()
+    from copc.tracking import read_metrics
+
+    with tempfile.TemporaryDirectory(prefix="copc-memory-") as tmp:
+        run_dir = Path(tmp) / "run"
+        command = [sys.executable, "-m", "copc.cli", "train", *WALKTHROUGH, f"model.policy={args.model}",
+                   f"driver.kind={args.driver}", f"steps={args.steps}", f"run_dir={run_dir}", *args.overrides]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        start = time.perf_counter()
+        code, tree_gib, own_gib = measure(command, env)
+        wall = time.perf_counter() - start
+        if code != 0:
+            raise SystemExit(f"copc train failed with exit code {code}")
+        steps = [float(r["time/step"]) for r in read_metrics(run_dir / "metrics.jsonl") if "time/step" in r]
+        root = run_dir / "checkpoints"
+        latest = root / (root / "latest").read_text().strip()
+        print(f"{args.driver} {' '.join(args.overrides) or '(defaults)'}: peak PSS of the tree {tree_gib:.2f} GiB, "
+              f"trainer peak RSS {own_gib:.2f} GiB, checkpoint {_size(latest) / 2**30:.2f} GiB "
+              f"(checkpoints/ {_size(root) / 2**30:.2f} GiB), median step {statistics.median(steps):.1f} s, "
+              f"wall {wall:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
