@@ -358,8 +358,8 @@ def test_weights_only_checkpoints_are_smaller_and_resume_with_a_note(
     def sizes(run: Path) -> dict[str, int]:
         return {p.name: p.stat().st_size for p in (run / "checkpoints" / "step_00000002").iterdir()}
 
-    assert sorted(sizes(full)) == ["meta.json", "source.snapshots.2.safetensors", "state.pt",
-                                   "trainer.critic.safetensors", "trainer.policy.safetensors"]
+    # The driver's snapshot of version 2 is the trained policy: stored once (source.snapshots.2 -> it).
+    assert sorted(sizes(full)) == ["meta.json", "state.pt", "trainer.critic.safetensors", "trainer.policy.safetensors"]
     assert sizes(lean)["trainer.policy.safetensors"] == sizes(full)["trainer.policy.safetensors"]
     weights = sizes(full)["trainer.policy.safetensors"] + sizes(full)["trainer.critic.safetensors"]
     assert sizes(lean)["state.pt"] < 0.05 * weights  # counters, RNG, config: no tensor of model size

@@ -272,3 +272,20 @@ def test_a_damaged_weights_file_falls_back_to_the_previous_checkpoint(tmp_path):
     assert loaded is not None and loaded[0] == 1
     assert torch.equal(loaded[1]["policy"]["w"], torch.full((64,), 1.0))  # type: ignore[index]
     assert len(skipped) == 1 and "policy.safetensors does not match its sha256" in skipped[0]
+
+
+def test_identical_weight_sets_are_written_once(tmp_path):
+    """The driver's snapshot of the newest version equals the trained policy: one file, two references."""
+    from copc.trainer.checkpoint import Weights
+
+    policy = {"a": torch.arange(4.0), "b": torch.ones(2, 2)}
+    snapshot = {k: v.clone() for k, v in policy.items()}  # same values, other storage
+    other = {"a": torch.arange(4.0), "b": torch.ones(2, 2).to(torch.bfloat16)}  # same values, other dtype
+    path = save_checkpoint(tmp_path, 1, {"trainer": {"policy": Weights(policy)},
+                                         "source": {"snapshots": {1: Weights(snapshot), 0: Weights(other)}}})
+    assert sorted(p.name for p in path.iterdir()) == [
+        "meta.json", "source.snapshots.0.safetensors", "state.pt", "trainer.policy.safetensors"]
+    loaded = load_checkpoint(path)
+    again = loaded["source"]["snapshots"][1]  # type: ignore[index]
+    assert all(torch.equal(again[k], policy[k]) for k in policy)  # type: ignore[index]
+    assert loaded["source"]["snapshots"][0]["b"].dtype == torch.bfloat16  # type: ignore[index]

@@ -7,7 +7,7 @@ position never reaches an output or a gradient (``nan * 0 == nan``).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
@@ -31,14 +31,9 @@ __all__ = [
 ]
 
 AdvantageNorm = Literal["whiten", "scale", "center", "none"]
-ADVANTAGE_NORMS: tuple[str, ...] = ("whiten", "scale", "center", "none")
+ADVANTAGE_NORMS: tuple[str, ...] = get_args(AdvantageNorm)
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)
 
 
 class AggSpec(NamedTuple):

@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -65,8 +65,9 @@ from copc.config import check_one_of
 from copc.types import Trajectory
 
 StalenessMode = Literal["fixed_lag", "bounded"]
-STALENESS_MODES: tuple[str, ...] = ("fixed_lag", "bounded")
-STALENESS_FILTERS: tuple[str, ...] = ("none", "pace")
+StalenessFilter = Literal["none", "pace"]
+STALENESS_MODES: tuple[str, ...] = get_args(StalenessMode)
+STALENESS_FILTERS: tuple[str, ...] = get_args(StalenessFilter)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class StalenessConfig:
     """fixed_lag: step n consumes version exactly max(0, n - s); bounded: lag <= s by admission control."""
     staleness: int = 8
     """s: the lag (fixed_lag) or the lag bound (bounded), in trainer versions; 0 = synchronous."""
-    filter: Literal["none", "pace"] = "none"
+    filter: StalenessFilter = "none"
     """none: train on every consumed trajectory; pace: reject the stalest groups when the pool is overfull (bounded)."""
     pace: PaceConfig = field(default_factory=PaceConfig)
     """PACE parameters (used with filter=pace)."""

@@ -154,9 +154,9 @@ def save_checkpoint(
     tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        weights: dict[str, Weights] = {}
+        weights = _WeightFiles()
         state = _split_weights(payload, (), weights)
-        for file_name, tensors in weights.items():
+        for file_name, tensors in weights.files.items():
             _write_weights(tensors, tmp / file_name)
         _save_state({**state, "step": step}, tmp / STATE_FILE)  # type: ignore[dict-item]
         _write_meta(tmp, step)
@@ -183,12 +183,32 @@ def save_checkpoint(
     return final
 
 
-def _split_weights(value: object, path: tuple[str, ...], out: dict[str, Weights]) -> object:
+class _WeightFiles:
+    """The weights files of one checkpoint; a set equal to one already added (names, dtypes, shapes and
+    bytes: e.g. the driver's snapshot of the newest version and the trained policy) shares its file."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, Weights] = {}
+        self._by_digest: dict[str, str] = {}
+
+    def add(self, name: str, weights: Weights) -> str:
+        digest = hashlib.sha256()
+        for key in sorted(weights):
+            tensor = weights[key].detach().contiguous()
+            digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        same = self._by_digest.get(digest.hexdigest())
+        if same is not None:
+            return same
+        self._by_digest[digest.hexdigest()] = name
+        self.files[name] = weights
+        return name
+
+
+def _split_weights(value: object, path: tuple[str, ...], out: _WeightFiles) -> object:
     """``value`` with every :class:`Weights` replaced by a reference to its file (collected in ``out``)."""
     if isinstance(value, Weights):
-        name = ".".join(path) + WEIGHTS_SUFFIX
-        out[name] = value
-        return {_WEIGHTS_REF: name}
+        return {_WEIGHTS_REF: out.add(".".join(path) + WEIGHTS_SUFFIX, value)}
     if isinstance(value, Mapping):
         return {key: _split_weights(item, (*path, str(key)), out) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

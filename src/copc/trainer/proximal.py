@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 ProximalSource = Literal["recompute", "snapshot", "ewma", "loglinear"]
-PROXIMAL_SOURCES: tuple[str, ...] = ("recompute", "snapshot", "ewma", "loglinear")
+PROXIMAL_SOURCES: tuple[str, ...] = get_args(ProximalSource)
 
 Weights = dict[str, torch.Tensor]
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ from copc.trainer.proximal import (
 __all__ = ["ActorCriticTrainer", "StepTensors", "TrainerConfig"]
 
 Truncation = Literal["terminal", "bootstrap", "mask"]
-TRUNCATION_MODES: tuple[str, ...] = ("terminal", "bootstrap", "mask")
+TRUNCATION_MODES: tuple[str, ...] = get_args(Truncation)
 
 
 @dataclass(frozen=True)

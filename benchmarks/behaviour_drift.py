@@ -1,0 +1,86 @@
+"""How far each run's policy moved from the behaviour policy, against how well it did (issue 13, E1).
+
+    .venv/bin/python benchmarks/behaviour_drift.py [runs/sweep/e1_arith_tool] [--results results/e1_arith_tool]
+
+For every finished cell of a sweep it reads the run's ``metrics.jsonl`` and prints the mean over the last
+half of training of ``ratio/mean_abs_log`` (``|log pi_old - log mu|`` per action token: how far the
+step-start policy is from the one that sampled the batch, s versions earlier; for async PPO 3a, which
+has no step-start forward, the first minibatch's ``|log pi - log mu|``) and of ``ratio/kl_k3`` (the k3
+estimate of KL(mu || pi_old)), beside the record's held-out ``eval_last_half``. It then prints the
+Spearman rank correlation between drift and accuracy over all runs, and the drift of each method paired
+by seed with the sweep's baseline method (95% t interval over seeds).
+
+This is a diagnostic read off finished runs: a correlation, not an intervention. It tunes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from copc.experiments.results import t_interval
+from copc.tracking import read_metrics
+
+
+def last_half_mean(rows: list[dict[str, object]], key: str, steps: int) -> float:
+    values = [float(r[key]) for r in rows if key in r and int(r["step"]) >= steps / 2]  # type: ignore[call-overload]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        out[i] = float(rank)
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = ranks(a), ranks(b)
+    mean = (len(a) - 1) / 2
+    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb, strict=True))
+    var = sum((x - mean) ** 2 for x in ra)
+    return cov / var
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="?", default="runs/sweep/e1_arith_tool")
+    parser.add_argument("--results", default="results/e1_arith_tool")
+    parser.add_argument("--baseline", default="async_ppo", help="method the drift is paired with")
+    args = parser.parse_args()
+    table: dict[str, dict[int, tuple[float, float, float]]] = defaultdict(dict)
+    for record_path in sorted(Path(args.results).glob("*.json")):
+        record = json.loads(record_path.read_text())
+        run_dir = Path(args.runs) / record_path.stem
+        if not (run_dir / "metrics.jsonl").exists():
+            continue
+        method, seed = record_path.stem.split("__seed")
+        steps = int(record["config"]["steps"])
+        rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+        drift = last_half_mean(rows, "ratio/mean_abs_log", steps)
+        kl = last_half_mean(rows, "ratio/kl_k3", steps)
+        table[method.removeprefix("method=")][int(seed)] = (drift, kl, float(record["summary"]["eval_last_half"]))
+    print(f"{'method':<10} {'seed':>4} {'|log old/mu|':>13} {'k3 KL':>8} {'eval_last_half':>15}")
+    drifts, accs = [], []
+    for method, seeds in sorted(table.items()):
+        for seed, (drift, kl, acc) in sorted(seeds.items()):
+            print(f"{method:<10} {seed:>4} {drift:>13.3f} {kl:>8.4f} {acc:>15.3f}")
+            if method != "ppo_sync":  # sync PPO has no lag: its drift is 0 by construction
+                drifts.append(drift)
+                accs.append(acc)
+    print(f"\nSpearman rank correlation of drift and eval_last_half over the {len(drifts)} lagged runs: "
+          f"{spearman(drifts, accs):+.2f}")
+    base = table.get(args.baseline, {})
+    for method, seeds in sorted(table.items()):
+        paired = [seeds[s][0] - base[s][0] for s in sorted(seeds) if s in base]
+        if method in (args.baseline, "ppo_sync") or not paired:
+            continue
+        interval = t_interval(paired).text() if len(paired) > 1 else f"{paired[0]:+.3f} (n=1)"
+        print(f"drift of {method} minus {args.baseline}, paired by seed: {interval}")
+
+
+if __name__ == "__main__":
+    main()
