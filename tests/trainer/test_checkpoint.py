@@ -234,7 +234,7 @@ def test_weights_are_safetensors_files_with_tied_tensors_once(tmp_path):
     pickle), tied tensors stored once and tied again on load, bit-exact."""
     from safetensors.torch import load_file
 
-    from copc.trainer.checkpoint import Weights
+    from copc.trainer.weight_files import Weights
 
     torch.manual_seed(0)
     embed = torch.nn.Embedding(10, 4)
@@ -259,7 +259,7 @@ def test_weights_are_safetensors_files_with_tied_tensors_once(tmp_path):
 
 
 def test_a_damaged_weights_file_falls_back_to_the_previous_checkpoint(tmp_path):
-    from copc.trainer.checkpoint import Weights
+    from copc.trainer.weight_files import Weights
 
     for step in (1, 2):
         save_checkpoint(tmp_path, step, {"policy": Weights({"w": torch.full((64,), float(step))})})
@@ -276,7 +276,7 @@ def test_a_damaged_weights_file_falls_back_to_the_previous_checkpoint(tmp_path):
 
 def test_identical_weight_sets_are_written_once(tmp_path):
     """The driver's snapshot of the newest version equals the trained policy: one file, two references."""
-    from copc.trainer.checkpoint import Weights
+    from copc.trainer.weight_files import Weights
 
     policy = {"a": torch.arange(4.0), "b": torch.ones(2, 2)}
     snapshot = {k: v.clone() for k, v in policy.items()}  # same values, other storage

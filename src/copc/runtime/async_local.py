@@ -56,7 +56,7 @@ from copc.runtime.journal import Journal, JournalDamage, JournalError
 from copc.runtime.loop import RunError
 from copc.runtime.staleness import StalenessConfig, source_version
 from copc.runtime.workers import TransportFactory, WorkerSpec, decode_batch, local_transport
-from copc.trainer.checkpoint import Weights
+from copc.trainer.weight_files import Weights
 from copc.types import Prompt
 
 __all__ = ["AsyncSource", "RolloutError"]

@@ -16,7 +16,7 @@ import torch
 
 from copc.rollout.generator import GeneratedBatch, RolloutGenerator, sampler_weights
 from copc.runtime.staleness import StalenessConfig, source_version
-from copc.trainer.checkpoint import Weights
+from copc.trainer.weight_files import Weights
 
 __all__ = ["SyncSource"]
 

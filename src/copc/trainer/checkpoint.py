@@ -29,7 +29,7 @@ The payload is what the trainer wants back: policy and critic state dicts, optim
 states (:func:`capture_rng_state`), step, version, the buffer's ``state_dict()`` (stored trajectories
 and prompts in flight) and the resolved config as plain data. It must be loadable with
 ``torch.load(weights_only=True)``: tensors, str, int, float, bool, None, lists, tuples and dicts.
-A state dict wrapped in :class:`Weights` (the trainer's policy and critic, the async driver's weight
+A state dict wrapped in :class:`~copc.trainer.weight_files.Weights` (the trainer's policy and critic, the async driver's weight
 versions) is written as a safetensors file of its own instead, named by its key path in the payload
 (``trainer.policy.safetensors``): the weights load without torch's pickle, by any safetensors reader,
 and tied tensors (an embedding shared with the LM head) are stored once and tied again on load.
@@ -50,28 +50,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+
+from copc.trainer.weight_files import WeightFiles, join_weights, split_weights, write_weights
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
-WEIGHTS_SUFFIX = ".safetensors"
-_WEIGHTS_REF = "__safetensors__"  # {_WEIGHTS_REF: file name} stands in state.pt for a Weights value
-_ALIASES = "copc_aliases"  # safetensors metadata: JSON {alias: stored name} of tied tensors
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt (the message names the path and what failed)."""
-
-
-class Weights(dict[str, torch.Tensor]):
-    """A flat state dict (name -> tensor) that :func:`save_checkpoint` stores as its own safetensors file.
-
-    Loading gives a plain ``dict`` back, bit-exact, with tied tensors sharing storage again.
-    """
 
 
 def checkpoint_root(run_dir: str | os.PathLike[str]) -> Path:
@@ -154,10 +144,10 @@ def save_checkpoint(
     tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        weights = _WeightFiles()
-        state = _split_weights(payload, (), weights)
+        weights = WeightFiles()
+        state = split_weights(payload, (), weights)
         for file_name, tensors in weights.files.items():
-            _write_weights(tensors, tmp / file_name)
+            write_weights(tensors, tmp / file_name)
         _save_state({**state, "step": step}, tmp / STATE_FILE)  # type: ignore[dict-item]
         _write_meta(tmp, step)
         _fsync_dir(tmp)
@@ -181,89 +171,6 @@ def save_checkpoint(
         shutil.rmtree(replaced, ignore_errors=True)
     _prune(root, keep, current=step)
     return final
-
-
-class _WeightFiles:
-    """The weights files of one checkpoint; a set equal to one already added (names, dtypes, shapes and
-    bytes: e.g. the driver's snapshot of the newest version and the trained policy) shares its file."""
-
-    def __init__(self) -> None:
-        self.files: dict[str, Weights] = {}
-        self._by_digest: dict[str, str] = {}
-
-    def add(self, name: str, weights: Weights) -> str:
-        digest = hashlib.sha256()
-        for key in sorted(weights):
-            tensor = weights[key].detach().contiguous()
-            digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
-        same = self._by_digest.get(digest.hexdigest())
-        if same is not None:
-            return same
-        self._by_digest[digest.hexdigest()] = name
-        self.files[name] = weights
-        return name
-
-
-def _split_weights(value: object, path: tuple[str, ...], out: _WeightFiles) -> object:
-    """``value`` with every :class:`Weights` replaced by a reference to its file (collected in ``out``)."""
-    if isinstance(value, Weights):
-        return {_WEIGHTS_REF: out.add(".".join(path) + WEIGHTS_SUFFIX, value)}
-    if isinstance(value, Mapping):
-        return {key: _split_weights(item, (*path, str(key)), out) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_split_weights(item, (*path, str(i)), out) for i, item in enumerate(value))
-    return value
-
-
-def _write_weights(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
-    """One safetensors file: each storage written once, names that alias it recorded in the metadata."""
-    stored: dict[str, torch.Tensor] = {}
-    seen: dict[tuple[object, ...], str] = {}
-    storages: set[int] = set()
-    aliases: dict[str, str] = {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach()
-        ptr = tensor.untyped_storage().data_ptr()
-        key = (ptr, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-        if tensor.numel() > 0 and key in seen:
-            aliases[name] = seen[key]
-            continue
-        if tensor.numel() > 0 and ptr not in storages:
-            seen[key] = name
-            storages.add(ptr)
-            stored[name] = tensor.contiguous()
-        else:  # empty, or a different view of a storage already written: its own copy
-            stored[name] = tensor.clone().contiguous()
-    data = save_safetensors(stored, metadata={_ALIASES: json.dumps(aliases)})
-    try:
-        with path.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-    except OSError as err:
-        raise OSError(err.errno, err.strerror, str(path)) from None
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    data = path.read_bytes()
-    tensors = load_safetensors(data)
-    header_len = int.from_bytes(data[:8], "little")
-    metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
-    for alias, name in json.loads(metadata.get(_ALIASES, "{}")).items():
-        tensors[alias] = tensors[name]
-    return tensors
-
-
-def _join_weights(value: object, directory: Path) -> object:
-    """Inverse of :func:`_split_weights`: each file reference replaced by the tensors it names."""
-    if isinstance(value, dict):
-        if set(value) == {_WEIGHTS_REF}:
-            return _read_weights(directory / str(value[_WEIGHTS_REF]))
-        return {key: _join_weights(item, directory) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_join_weights(item, directory) for item in value)
-    return value
 
 
 class _RecordingFile:
@@ -413,7 +320,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> dic
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path / STATE_FILE} does not hold a dict payload")
     try:
-        return _join_weights(payload, path)  # type: ignore[return-value]
+        return join_weights(payload, path)  # type: ignore[return-value]
     except Exception as err:  # a weights file missing or unreadable: the checkpoint is unusable
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"cannot load the weights files of {path}: {first}") from None

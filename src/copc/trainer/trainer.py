@@ -23,9 +23,8 @@ One step, in order:
    the first minibatch (``cur`` is then still the step-start policy);
 6. ``version += 1``: the new weights are what a driver publishes next (and what ``snapshot`` stores).
 
-Truncated trajectories (``truncation``): ``terminal`` (V after the last token = 0), ``bootstrap``
-(V after the last token := the pre-update critic's value at the last position), or ``mask`` (the rows
-leave the actor and critic losses).
+Truncated trajectories (``truncation``): ``terminal`` (V after the last token = 0), ``bootstrap`` (V
+after it := the pre-update critic's value at the last position), or ``mask`` (out of both losses).
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ from copc.channels import compute_advantages, count_loss_tokens, policy_loss, va
 from copc.channels.methods import MethodConfig
 from copc.ops import k3_from_log, log_ratio, zero_where_not
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
-from copc.trainer.checkpoint import Weights
 from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer, trim_length
 from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
 from copc.trainer.forwards import Forwards
@@ -56,6 +54,7 @@ from copc.trainer.proximal import (
     loglinear_logp,
     train_eval_equivalent,
 )
+from copc.trainer.weight_files import Weights
 
 __all__ = ["ActorCriticTrainer", "StepTensors", "TrainerConfig"]
 
@@ -225,31 +224,25 @@ class ActorCriticTrainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *, optimizers: bool = True) -> dict[str, object]:
-        """Everything needed to continue training exactly (weights, optimizers, counters).
-
-        ``optimizers=False`` leaves the AdamW moments out (a checkpoint about a third the size): a run
-        resumed from it restarts them from zero, so it is not bit-identical to an uninterrupted one.
-        """
+        """Everything to continue training exactly; ``optimizers=False``: no AdamW moments (then
+        :meth:`load_state_dict` returns False and the moments start from zero)."""
         return {
             "policy": Weights(self.policy.state_dict()),
             "critic": Weights(self.critic.state_dict()) if self.critic is not None else None,
             "actor_optimizer": self.actor_optimizer.state_dict() if optimizers else None,
             "critic_optimizer": self.critic_optimizer.state_dict() if optimizers and self.critic_optimizer else None,
-            "version": self.version,
-            "steps_done": self.steps_done,
+            "version": self.version, "steps_done": self.steps_done,
             "proximal": self.proximal.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> bool:
-        """Restore :meth:`state_dict`; False when it held no optimizer state (the moments start from zero)."""
         self.policy.load_state_dict(state["policy"])  # type: ignore[arg-type]
         if self.critic is not None and state.get("critic") is not None:
             self.critic.load_state_dict(state["critic"])  # type: ignore[arg-type]
-        has_optimizers = state.get("actor_optimizer") is not None
-        if has_optimizers:
+        if has_optimizers := state.get("actor_optimizer") is not None:
             self.actor_optimizer.load_state_dict(state["actor_optimizer"])  # type: ignore[arg-type]
-        if self.critic_optimizer is not None and state.get("critic_optimizer") is not None:
-            self.critic_optimizer.load_state_dict(state["critic_optimizer"])  # type: ignore[arg-type]
+        if self.critic_optimizer is not None and (critic_moments := state.get("critic_optimizer")) is not None:
+            self.critic_optimizer.load_state_dict(critic_moments)  # type: ignore[arg-type]
         self.version = int(state["version"])  # type: ignore[call-overload]
         self.steps_done = int(state["steps_done"])  # type: ignore[call-overload]
         self.proximal.load_state_dict(state.get("proximal"), self.policy, version=self.version)  # type: ignore[arg-type]
