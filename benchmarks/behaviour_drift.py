@@ -62,7 +62,7 @@ def main() -> None:
         rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
         drift = last_half_mean(rows, "ratio/mean_abs_log", steps)
         kl = last_half_mean(rows, "ratio/kl_k3", steps)
-        table[method.removeprefix("method=")][int(seed)] = (drift, kl, float(record["summary"]["eval_last_half"]))
+        table[method.split("=", 1)[-1]][int(seed)] = (drift, kl, float(record["summary"]["eval_last_half"]))
     print(f"{'method':<10} {'seed':>4} {'|log old/mu|':>13} {'k3 KL':>8} {'eval_last_half':>15}")
     drifts, accs = [], []
     for method, seeds in sorted(table.items()):
@@ -71,8 +71,9 @@ def main() -> None:
             if method != "ppo_sync":  # sync PPO has no lag: its drift is 0 by construction
                 drifts.append(drift)
                 accs.append(acc)
-    print(f"\nSpearman rank correlation of drift and eval_last_half over the {len(drifts)} lagged runs: "
-          f"{spearman(drifts, accs):+.2f}")
+    if len(drifts) >= 3:
+        print(f"\nSpearman rank correlation of drift and eval_last_half over the {len(drifts)} lagged runs: "
+              f"{spearman(drifts, accs):+.2f}")
     base = table.get(args.baseline, {})
     for method, seeds in sorted(table.items()):
         paired = [seeds[s][0] - base[s][0] for s in sorted(seeds) if s in base]
