@@ -10,14 +10,13 @@ policy) share one file. Any safetensors reader opens the files; copc's loader gi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors
+from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
 __all__ = ["WEIGHTS_SUFFIX", "WeightFiles", "Weights", "join_weights", "read_weights", "split_weights", "write_weights"]
@@ -34,27 +33,24 @@ class Weights(dict[str, torch.Tensor]):
     """
 
 
-
 class WeightFiles:
-    """The weights files of one checkpoint; a set equal to one already added (names, dtypes, shapes and
-    bytes: e.g. the driver's snapshot of the newest version and the trained policy) shares its file."""
+    """The weights files of one checkpoint; a set equal to one already added (the same names, dtypes,
+    shapes and values: e.g. the driver's snapshot of the newest version and the trained policy)
+    shares its file."""
 
     def __init__(self) -> None:
         self.files: dict[str, Weights] = {}
-        self._by_digest: dict[str, str] = {}
 
     def add(self, name: str, weights: Weights) -> str:
-        digest = hashlib.sha256()
-        for key in sorted(weights):
-            tensor = weights[key].detach().contiguous()
-            digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
-        same = self._by_digest.get(digest.hexdigest())
-        if same is not None:
-            return same
-        self._by_digest[digest.hexdigest()] = name
+        for known, other in self.files.items():
+            if other.keys() == weights.keys() and all(_same(other[k], weights[k]) for k in weights):
+                return known
         self.files[name] = weights
         return name
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)  # equal() alone promotes dtypes
 
 
 def split_weights(value: object, path: tuple[str, ...], out: WeightFiles) -> object:
@@ -69,7 +65,10 @@ def split_weights(value: object, path: tuple[str, ...], out: WeightFiles) -> obj
 
 
 def write_weights(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
-    """One safetensors file: each storage written once, names that alias it recorded in the metadata."""
+    """One safetensors file: each storage written once, names that alias it recorded in the metadata.
+
+    Serialised in memory first (one transient copy of the set), so a failed write is an ``OSError``
+    with its errno and path, as the rest of the checkpoint reports it."""
     stored: dict[str, torch.Tensor] = {}
     seen: dict[tuple[object, ...], str] = {}
     storages: set[int] = set()
@@ -98,17 +97,17 @@ def write_weights(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    data = path.read_bytes()
-    tensors = load_safetensors(data)
-    header_len = int.from_bytes(data[:8], "little")
-    metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
-    for alias, name in json.loads(metadata.get(_ALIASES, "{}")).items():
+    """The tensors of one file written by :func:`write_weights`, aliases tied again."""
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+        aliases = json.loads((handle.metadata() or {}).get(_ALIASES, "{}"))
+    for alias, name in aliases.items():
         tensors[alias] = tensors[name]
     return tensors
 
 
 def join_weights(value: object, directory: Path) -> object:
-    """Inverse of :func:`_split_weights`: each file reference replaced by the tensors it names."""
+    """Inverse of :func:`split_weights`: each file reference replaced by the tensors it names."""
     if isinstance(value, dict):
         if set(value) == {_WEIGHTS_REF}:
             return read_weights(directory / str(value[_WEIGHTS_REF]))
