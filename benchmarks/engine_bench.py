@@ -21,7 +21,8 @@ import time
 import torch
 
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
-from copc.rollout.engine import Engine, SamplingConfig
+from copc.rollout.engine import Engine
+from copc.rollout.sampling import SamplingConfig
 
 
 def main() -> None:

@@ -82,6 +82,7 @@ TIME_GENERATE = "time/generate"
 TIME_WAIT = "time/wait"
 TIME_TRAIN = "time/train"
 TIME_STEP = "time/step"
+TIME_PUBLISH = "time/publish"
 TIME_EVAL = "time/eval"
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
@@ -186,6 +187,7 @@ METRICS: dict[str, str] = {
     TIME_WAIT: "seconds the trainer waited for its batch [s]",
     TIME_TRAIN: "seconds of the training update (forward, backward, optimizer) [s]",
     TIME_STEP: "wall seconds of the whole step [s]",
+    TIME_PUBLISH: "seconds from the end of the update to the new weights being published (finiteness check, copy, hand-over) [s]",
     TIME_EVAL: "wall seconds of the held-out evaluation made after this step (not in time/step) [s]",
     REWARD_MEAN: "mean episode reward of the consumed batch",
     REWARD_STD: "std of episode rewards of the consumed batch",

@@ -17,7 +17,7 @@ from copc.models.hf import (
     token_logprobs_and_entropy,
 )
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
-from copc.rollout.engine import truncated_logprobs
+from copc.rollout.sampling import truncated_logprobs
 
 # fp32 forwards of the same prefix batched/padded vs alone differ by summation order only: ~1e-6.
 ATOL = 2e-5

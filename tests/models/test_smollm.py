@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from copc.models.hf import ValueModel, convert_gguf, load_policy, token_logprobs
-from copc.rollout.engine import Engine, SamplingConfig
+from copc.rollout.engine import Engine
+from copc.rollout.sampling import SamplingConfig
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

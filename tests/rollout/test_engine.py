@@ -9,13 +9,8 @@ import torch
 
 from copc.models.hf import token_logprobs
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
-from copc.rollout.engine import (
-    Engine,
-    FinishReason,
-    SamplingConfig,
-    sample_inverse_cdf,
-    truncated_logprobs,
-)
+from copc.rollout.engine import Engine, FinishReason
+from copc.rollout.sampling import SamplingConfig, sample_inverse_cdf, truncated_logprobs
 
 # KV-cached, padded, one-token-at-a-time fp32 vs one full forward: summation order differs, ~1e-6.
 ATOL = 1e-5
@@ -153,6 +148,33 @@ def test_padded_batch_equals_row_by_row(engine, tok) -> None:
         # The random tiny model may sample EOS early; otherwise the row ran exactly to its own budget.
         assert alone.finish in (FinishReason.LENGTH, FinishReason.EOS)
         assert (len(alone.token_ids) == budgets[i]) == (alone.finish is FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize(("max_rows", "prefill_tokens"), [(2, 0), (1, 0), (0, 8), (2, 16)])
+def test_row_blocks_and_prefill_chunks_give_the_same_samples(model, tok, max_rows, prefill_tokens) -> None:
+    """Rows decoded in blocks of ``max_rows`` and prefilled in chunks of ``prefill_tokens`` sample what one
+    batch samples (per-row seeds), with or without cached prefixes."""
+    prompts = _prompts(tok) * 2
+    config = SamplingConfig(temperature=0.9, max_new_tokens=10)
+    seeds, budgets = list(range(20, 26)), [10, 3, 7, 10, 1, 6]
+    whole = Engine(model, tok, max_rows=0, prefill_tokens=0)
+    split = Engine(model, tok, max_rows=max_rows, prefill_tokens=prefill_tokens)
+    first = whole.generate(prompts, config, seeds=seeds, max_new_tokens=budgets, return_kv=True)
+    second = [p + g.token_ids.tolist() + tok.encode("<output>7</output>", add_special_tokens=False)
+              for p, g in zip(prompts, first, strict=True)]
+    prefixes = [g.kv if i % 2 else None for i, g in enumerate(first)]
+    for engine_prompts, kv in ((prompts, None), (second, prefixes)):
+        a = whole.generate(engine_prompts, config, seeds=seeds, max_new_tokens=budgets, prefix_kv=kv, return_kv=True)
+        b = split.generate(engine_prompts, config, seeds=seeds, max_new_tokens=budgets, prefix_kv=kv, return_kv=True)
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x.token_ids, y.token_ids) and x.finish == y.finish
+            torch.testing.assert_close(x.logp, y.logp, atol=ATOL, rtol=0)
+            assert x.kv is not None and y.kv is not None and x.kv.length == y.kv.length
+            for (kx, vx), (ky, vy) in zip(x.kv.layers, y.kv.layers, strict=True):
+                torch.testing.assert_close(ky, kx, atol=ATOL, rtol=0)
+                torch.testing.assert_close(vy, vx, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Engine(model, tok, max_rows=-1)
 
 
 def test_stop_strings(engine, tok) -> None:

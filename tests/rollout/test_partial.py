@@ -14,8 +14,9 @@ import torch
 from tests.rollout.test_episode import ScriptedEnv
 
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
-from copc.rollout.engine import Engine, SamplingConfig
+from copc.rollout.engine import Engine
 from copc.rollout.episode import run_episodes
+from copc.rollout.sampling import SamplingConfig
 
 # KV-cached padded decoding vs one unpadded full forward in fp32: summation order differs, ~1e-6.
 ATOL = 1e-5

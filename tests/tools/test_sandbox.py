@@ -9,6 +9,7 @@ The fork-server and isolation checks that need two processes live in ``test_sand
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -607,3 +608,34 @@ def test_tools_of_many_episodes_share_one_warm_sandbox() -> None:
     tools = [SandboxTool(timeout_s=3.5, max_output_chars=300) for _ in range(5)]
     assert [tool.call(f"print({i})").text for i, tool in enumerate(tools)] == ["0", "1", "2", "3", "4"]
     assert _fork_servers() <= before + 1
+
+
+def _live_fork_servers() -> set[int]:
+    """pids of this process's bwrap children that are running (not zombies)."""
+    live = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z" and b"bwrap" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    live.add(int(pid))
+    return live
+
+
+def test_the_fork_server_outlives_the_thread_that_started_it() -> None:
+    """The episode loop's first tool call runs on a thread pool's thread, which exits at the end of the
+    round. bwrap's ``--die-with-parent`` fires when the *thread* that started it exits, so a server
+    started there would die after every round, and every round would pay a new server's start."""
+    before = _live_fork_servers()
+    sandbox = PythonSandbox(CONFIG)
+    try:
+        worker = threading.Thread(target=sandbox.run, args=("print(1)",))
+        worker.start()
+        worker.join()
+        time.sleep(0.3)  # the parent-death signal is delivered asynchronously
+        started = _live_fork_servers() - before
+        assert len(started) == 1, "the fork server died with the thread that started it"
+        assert sandbox.run("print(2)").stdout.strip() == "2"
+        assert _live_fork_servers() - before == started  # the same server served the next run
+    finally:
+        sandbox.close()

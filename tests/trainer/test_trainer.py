@@ -17,7 +17,8 @@ from copc.channels.methods import get_method
 from copc.models import build_tiny_model, build_tiny_tokenizer
 from copc.models.hf import ValueModel, token_logprobs
 from copc.ops import importance_diagnostics, log_ratio
-from copc.rollout.engine import Engine, SamplingConfig
+from copc.rollout.engine import Engine
+from copc.rollout.sampling import SamplingConfig
 from copc.trainer.batching import TrainBatch, collate
 from copc.trainer.trainer import ActorCriticTrainer, TrainerConfig
 from copc.types import StopReason, Trajectory

@@ -1,19 +1,10 @@
 """Batched sampling from an HF causal LM with a KV cache, per-token behaviour log-probs and versions.
 
 The loop is written here (not ``model.generate``) so that the log-prob recorded for every sampled
-token is computed from the *exact* distribution the token was drawn from:
-
-    l = logits(prefix) / tau                                  (float32, tau = temperature > 0)
-    keep_k(v) = l[v] >= (k-th largest l)      if top_k > 0    (ties at the threshold are kept)
-    p_k = softmax(l restricted to keep_k)
-    keep_p(v) = sum of p_k over tokens ranked strictly before v (descending p_k) < top_p
-    log mu(v) = l[v] - logsumexp(l over keep_k & keep_p)      (-inf outside the kept set)
-
-so with ``top_k = 0`` and ``top_p = 1`` the behaviour log-prob is ``log_softmax(l)``, the same number
-``copc.models.token_logprobs(..., temperature=tau)`` gives in a teacher-forced pass. The sampled token
-is the inverse CDF (in vocabulary order) of ``mu`` at a uniform draw; each row draws its uniforms from
-its own seed when ``seeds`` are given, so a row's tokens do not depend on which other rows share the
-batch.
+token is computed from the *exact* distribution the token was drawn from (:mod:`copc.rollout.sampling`):
+with ``top_k = 0`` and ``top_p = 1`` it is the number ``copc.models.token_logprobs(..., temperature=tau)``
+gives in a teacher-forced pass. Each row draws its uniforms from its own seed when ``seeds`` are given,
+so a row's tokens do not depend on which other rows share the batch (up to float rounding).
 
 Batches are left-padded; ``position_ids`` count real tokens only, so a padded row sees exactly the
 positions and keys it would see alone. Rows that finish are dropped from the KV cache, so the step
@@ -33,6 +24,7 @@ token's own version ``v`` (docs/algorithms.md, "Partial rollouts", has why and t
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -42,6 +34,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
 
 from copc.models.hf import position_ids_from_mask
+from copc.rollout.sampling import SamplingConfig, sample_inverse_cdf, truncated_logprobs
 
 
 class FinishReason(str, Enum):
@@ -50,36 +43,6 @@ class FinishReason(str, Enum):
     STOP = "stop"  # the text of this call ends with a stop string
     EOS = "eos"  # the model sampled an end-of-sequence token
     LENGTH = "length"  # the row's max_new_tokens ran out
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How tokens are drawn (see the module docstring for the exact distribution)."""
-
-    temperature: float = 1.0
-    """tau > 0: logits are divided by it before softmax. Greedy decoding is ``top_k=1``."""
-    top_p: float = 1.0
-    """Nucleus mass in (0, 1]; 1 keeps every token."""
-    top_k: int = 0
-    """Keep the k most likely tokens (ties kept); 0 keeps every token."""
-    max_new_tokens: int = 64
-    """Most tokens generated per row per call (a per-row override can only be given per call)."""
-    stop_strings: tuple[str, ...] = ()
-    """A row stops when the text it generated in this call ends with one of these (kept in the text)."""
-    ignore_eos: bool = False
-    """Keep sampling after EOS (benchmarks only: fixed lengths)."""
-
-    def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (got {self.temperature}); for greedy use top_k=1")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p}); 1 disables nucleus sampling")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (got {self.top_k}); 0 disables top-k")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-        if not isinstance(self.stop_strings, tuple) or any(not s for s in self.stop_strings):
-            raise ValueError(f"stop_strings must be a tuple of non-empty strings (got {self.stop_strings!r})")
 
 
 @dataclass(frozen=True)
@@ -128,56 +91,6 @@ class PrefixKV:
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
-def truncated_logprobs(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """log mu over the vocabulary after temperature, top-k and top-p (module docstring formulas).
-
-    Args:
-        logits: ``[N, V]`` any float dtype.
-        temperature: tau > 0.
-        top_k: 0 = off, else keep tokens whose scaled logit >= the k-th largest.
-        top_p: in (0, 1]; 1 = off.
-
-    Returns:
-        ``[N, V] float32``, renormalised over the kept tokens, ``-inf`` elsewhere (at least the most
-        likely token is always kept).
-    """
-    scaled = logits.float() / temperature
-    neg_inf = torch.full_like(scaled, float("-inf"))
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
-        scaled = torch.where(scaled >= kth, scaled, neg_inf)
-    if top_p < 1.0:
-        probs = torch.softmax(scaled, dim=-1)
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        keep_sorted = mass_before < top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        scaled = torch.where(keep, scaled, neg_inf)
-    return torch.log_softmax(scaled, dim=-1)
-
-
-def sample_inverse_cdf(logp: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Token whose CDF interval (vocabulary order) contains ``u``: first v with cdf(v) > u * cdf(V-1).
-
-    The CDF is accumulated in float64. The first v where the CDF rises has probability > 0, so an
-    excluded token is never drawn; when rounding puts ``u * cdf(V-1)`` at the very top, the last
-    token with probability > 0 is taken (the interval that ``u -> 1`` belongs to).
-
-    Args:
-        logp: ``[N, V] float32`` log-probabilities (``-inf`` = excluded).
-        uniforms: ``[N]`` in [0, 1).
-
-    Returns:
-        ``[N] int64``.
-    """
-    probs = logp.double().exp()
-    cdf = torch.cumsum(probs, dim=-1)
-    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    first_above = (cdf <= target).sum(dim=-1)
-    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).long().argmax(dim=-1)
-    return torch.minimum(first_above, last_positive)
-
-
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     ids: set[int] = set()
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
@@ -199,16 +112,59 @@ def _plain_dynamic_cache(model: PreTrainedModel) -> bool:
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
+MAX_ROWS = 128
+"""Default rows decoded together: a ``generate`` call with more runs them in blocks of this many, one
+block after another. Hundreds of rows in one batch are slower per row than blocks of ~128 on a CPU (their
+keys/values, copied as the cache grows, leave the CPU caches; ``benchmarks/engine_blocks.py``)."""
+PREFILL_TOKENS = 8192
+"""Default token budget of one prefill forward (rows x padded width) when the cache is a plain one; a
+longer batch is fed in row chunks (each row's keys/values do not depend on its chunk but for rounding).
+A training batch of the testbeds (32 rows of at most 256 tokens) fits in one."""
+
+
+def _plain_kv(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(keys, values)`` ``[B, heads, length, head_dim]`` of a cache of plain layers."""
+    layers = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)  # plain layers only
+        layers.append((keys, values))
+    return layers
+
+
+def _cache_rows(cache: Cache, rows: slice) -> DynamicCache:
+    """The rows ``rows`` of a plain cache, as a cache of their own (views, no copy)."""
+    return DynamicCache(ddp_cache_data=[(keys[rows], values[rows]) for keys, values in _plain_kv(cache)])
+
+
+def _stack_caches(parts: Sequence[Cache]) -> DynamicCache:
+    """Plain caches of the same length stacked along the batch: one cache for the whole batch."""
+    layers = zip(*(_plain_kv(part) for part in parts), strict=True)
+    return DynamicCache(ddp_cache_data=[
+        (torch.cat([keys for keys, _ in group]), torch.cat([values for _, values in group])) for group in layers
+    ])
+
+
 class Engine:
     """Samples from a causal LM; owns the model it is given and the version of its weights.
+
+    Rows are decoded in blocks of at most ``max_rows`` (:data:`MAX_ROWS`), and a block's prefill feeds at
+    most ``prefill_tokens`` (:data:`PREFILL_TOKENS`) per forward; 0 lifts either limit. Per-row seeds make
+    a row's tokens independent of its block up to float rounding.
 
     The engine puts the model in eval mode and overwrites it in :meth:`load_weights`: give it its own
     copy (``copy.deepcopy(policy)``) when the trainer keeps training the original. Not thread-safe:
     call ``generate`` and ``load_weights`` from one thread (a rollout worker's loop).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, version: int = 0) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, version: int = 0,
+        max_rows: int = MAX_ROWS, prefill_tokens: int = PREFILL_TOKENS,
+    ) -> None:
+        if max_rows < 0 or prefill_tokens < 0:
+            raise ValueError(f"max_rows ({max_rows}) and prefill_tokens ({prefill_tokens}) must be >= 0 (0 = no limit)")
         self.model = model.eval()
+        self.max_rows, self.prefill_tokens = max_rows, prefill_tokens
         self.tokenizer = tokenizer
         self._version = int(version)
         self._eos = _eos_ids(model, tokenizer)
@@ -309,8 +265,11 @@ class Engine:
         if refresh is not None:
             refresh()  # a turn boundary: newer weights, if any, sample this whole call
         rows, prefixes = _Rows(n), self._usable_prefixes(prompts, prefix_kv)
-        self._decode_loop(prompts, prefixes, config, budgets, stops, uniforms, rows, return_kv and self._kv_reusable,
-                          refresh if chunk_tokens > 0 else None, chunk_tokens)
+        # Rows in blocks of max_rows, one after another (one block when weights may change mid-call).
+        block = n if refresh is not None or self.max_rows == 0 else self.max_rows
+        for lo in range(0, n, block):
+            self._decode_loop(list(range(lo, min(n, lo + block))), prompts, prefixes, config, budgets, stops, uniforms,
+                              rows, return_kv and self._kv_reusable, refresh if chunk_tokens > 0 else None, chunk_tokens)
         return [self._finish_row(rows, i) for i in range(n)]
 
     def _usable_prefixes(
@@ -378,8 +337,20 @@ class Engine:
         ids, mask = ids.to(self._device), mask.to(self._device)
         pos = position_ids_from_mask(mask)[:, width_c:]
         prefix_cache = self._batch_cache(prefixes, width_c) if width_c else None
-        logits, cache = self._forward(ids, mask, pos, prefix_cache)
-        return logits, cache, mask, pos[:, -1:] + 1
+        step = self._prefill_rows(width_s)
+        if step >= len(prompts) or not self._kv_reusable:
+            logits, cache = self._forward(ids, mask, pos, prefix_cache)
+            return logits, cache, mask, pos[:, -1:] + 1
+        parts = []
+        for lo in range(0, len(prompts), step):
+            rows = slice(lo, lo + step)
+            part = _cache_rows(prefix_cache, rows) if prefix_cache is not None else None
+            parts.append(self._forward(ids[rows], mask[rows], pos[rows], part))
+        return torch.cat([x for x, _ in parts]), _stack_caches([c for _, c in parts]), mask, pos[:, -1:] + 1
+
+    def _prefill_rows(self, width: int) -> int:
+        """Rows fed per prefill forward: ``prefill_tokens // width`` (at least one), or every row when 0."""
+        return max(1, self.prefill_tokens // width) if self.prefill_tokens > 0 else sys.maxsize
 
     def _batch_cache(self, prefixes: list[PrefixKV | None], width: int) -> DynamicCache:
         """Left-pad the rows' cached keys/values to ``width`` and stack them into one cache."""
@@ -397,15 +368,12 @@ class Engine:
     def _row_kv(self, cache: Cache, mask: torch.Tensor, b: int) -> PrefixKV:
         """Batch row b's keys/values at its real (unmasked) positions."""
         real = mask[b]
-        layers = []
-        for layer in cache.layers:
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)  # plain layers only
-            layers.append((keys[b][:, real], values[b][:, real]))
-        return PrefixKV(version=self._version, length=int(real.sum()), layers=tuple(layers))
+        layers = tuple((keys[b][:, real], values[b][:, real]) for keys, values in _plain_kv(cache))
+        return PrefixKV(version=self._version, length=int(real.sum()), layers=layers)
 
     def _decode_loop(
         self,
+        members: list[int],
         prompts: Sequence[Sequence[int]],
         prefixes: list[PrefixKV | None],
         config: SamplingConfig,
@@ -417,11 +385,12 @@ class Engine:
         refresh: Callable[[], bool] | None,
         chunk_tokens: int,
     ) -> None:
-        """Prefill the left-padded batch, then one token per step for the rows still active; every
-        ``chunk_tokens`` steps ``refresh`` may swap the weights (the active rows are then prefilled again)."""
-        logits, cache, mask, next_pos = self._prefill(prompts, prefixes)
-        active = list(range(len(prompts)))  # original row index of each batch row
-        for step in range(max(budgets)):
+        """Prefill rows ``members`` as one left-padded batch, then one token per step for the rows still
+        active; every ``chunk_tokens`` steps ``refresh`` may swap the weights (the active rows are then
+        prefilled again)."""
+        logits, cache, mask, next_pos = self._prefill([prompts[i] for i in members], [prefixes[i] for i in members])
+        active = list(members)  # original row index of each batch row
+        for step in range(max(budgets[i] for i in members)):
             if refresh is not None and step > 0 and step % chunk_tokens == 0 and refresh():
                 # New weights: recompute every running row's keys/values with them (module docstring).
                 fed = [list(prompts[i]) + rows.ids[i] for i in active]

@@ -55,7 +55,8 @@ import numpy as np
 import torch
 
 from copc.rollout.chat import ChatFormat
-from copc.rollout.engine import Engine, FinishReason, Generation, PrefixKV, SamplingConfig
+from copc.rollout.engine import Engine, FinishReason, Generation, PrefixKV
+from copc.rollout.sampling import SamplingConfig
 from copc.types import Env, EnvStep, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)

@@ -47,8 +47,9 @@ from copc import tracking as m
 from copc.config import check_one_of
 from copc.rewards.shaping import overlong_penalty
 from copc.rollout.chat import chat_format
-from copc.rollout.engine import Engine, SamplingConfig
+from copc.rollout.engine import Engine
 from copc.rollout.episode import run_episodes
+from copc.rollout.sampling import SamplingConfig
 from copc.tasks.base import Task
 from copc.types import Prompt, Trajectory
 

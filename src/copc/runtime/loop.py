@@ -178,7 +178,7 @@ def run_loop(
 
     The same loop serves every driver; only ``source`` differs. Time per step is split into generation
     (seconds spent producing the batch, in whichever process), waiting (seconds the trainer blocked on
-    the source) and training.
+    the source), training and publication.
     """
     history = []
     signals = signals or StopSignals()
@@ -197,6 +197,7 @@ def run_loop(
             train_batch = collate(batch.trajectories, pad_id=pad_id)
             metrics = rollout_metrics(batch, trainer.version)
             metrics.update(trainer.step(train_batch))
+            published = time.perf_counter()
             weights = trainer.policy_weights()
             check_finite(step, metrics, weights)
             source.publish(trainer.version, weights)
@@ -204,6 +205,7 @@ def run_loop(
             metrics.update({
                 m.TIME_GENERATE: batch.generate_s,
                 m.TIME_WAIT: waited,
+                m.TIME_PUBLISH: time.perf_counter() - published,
                 m.TIME_STEP: step_s,
                 m.PERF_TOKENS_PER_S: int(train_batch.attention_mask.sum()) / max(step_s, 1e-9),
             })

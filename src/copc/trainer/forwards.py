@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from copc.models.hf import LogProbTransform, token_logprobs, token_logprobs_and_entropy
-from copc.rollout.engine import truncated_logprobs
+from copc.rollout.sampling import truncated_logprobs
 from copc.trainer.batching import TrainBatch, micro_batches
 from copc.trainer.common import trim_length
 

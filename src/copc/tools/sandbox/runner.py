@@ -17,9 +17,14 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
 
 from copc.tools.sandbox.cgroups import CgroupPool, open_pool
 from copc.tools.sandbox.config import Fault, SandboxConfig, SandboxResult, SandboxUnavailable
@@ -35,6 +40,51 @@ SERVER_START_TIMEOUT_S = 60.0
 ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8", "HOME": "/tmp"}
 
 _RUN_IDS = itertools.count(1)
+T = TypeVar("T")
+
+
+class _OwnerThread:
+    """One thread per process that lives as long as the process and starts every fork server.
+
+    bwrap's ``--die-with-parent`` (``PR_SET_PDEATHSIG``) fires when the *thread* that started it exits,
+    not the process. The first tool call of a round usually runs on a thread pool's thread, which ends
+    with the round: a server started there died after every round (measured: a new server per round of
+    tool calls). Started from here, it lives until the process ends (or the sandbox closes it).
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="copc-sandbox-owner", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, result = self.calls.get()
+            try:
+                result.set_result(call())
+            except BaseException as exc:  # handed to the caller, who raises it
+                result.set_exception(exc)
+
+
+_OWNER: _OwnerThread | None = None
+_OWNER_LOCK = threading.Lock()
+os.register_at_fork(after_in_child=_OWNER_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
+
+
+def on_owner_thread(call: Callable[[], T], timeout_s: float = 2 * SERVER_START_TIMEOUT_S) -> T:
+    """``call()`` run on this process's owner thread (:class:`_OwnerThread`); its result or its exception
+    (:class:`SandboxUnavailable` when it has not returned within ``timeout_s``)."""
+    global _OWNER
+    with _OWNER_LOCK:
+        if _OWNER is None or _OWNER.pid != os.getpid():  # a forked child has no thread of its parent's
+            _OWNER = _OwnerThread()
+        owner = _OWNER
+    result: Future[object] = Future()
+    owner.calls.put((call, result))
+    try:
+        return result.result(timeout=timeout_s)  # type: ignore[return-value]
+    except FutureTimeout:
+        raise SandboxUnavailable(f"the sandbox fork server was not started within {timeout_s:.0f}s") from None
 
 
 class Runner:
@@ -152,7 +202,7 @@ class _Parts:
         self.cgroups: CgroupPool | None = None
         self.leases = UidLeases(config.uid_base, config.max_concurrent) if as_root else None
         try:
-            self.server = self._start(config, as_root)
+            self.server = on_owner_thread(lambda: self._start(config, as_root))
         except BaseException:
             self._release()
             raise
