@@ -103,7 +103,7 @@ class DatasetSplits:
         prompts = []
         for i, row in enumerate(take(rows, n, f"{split} rows")):
             text, answers = read(row)
-            meta = {"source": source, "row": row.line, "where": row.where}
+            meta: dict[str, str | int | float] = {"source": source, "row": row.line, "where": row.where}
             prompts.append(Prompt(id=f"{task}/{split}/{i}", text=text, answers=answers, meta=meta))
         return prompts
 
