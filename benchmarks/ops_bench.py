@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 
 from copc.ops import (
+    CorrectedInputs,
     brace,
     broadcast_to_tokens,
     clipped_td,
@@ -228,7 +229,7 @@ def full_step(d: dict[str, torch.Tensor], repeats: int, runs: int) -> None:
             log_w = log_ratio(d["logp_old"], d["logp_behav"], mask)
             ctd = clipped_td(rew, val, log_w, mask, gamma=1.0, lam_critic=1.0, lam_actor=1.0, low=0.8, high=1.2)
             adv = masked_whiten(ctd.advantages, mask)
-            out = copc_policy_loss(logp, d["logp_old"], d["logp_behav"], adv, mask)
+            out = copc_policy_loss(CorrectedInputs(logp, d["logp_old"], d["logp_behav"], adv, mask))
             out.loss.backward()
             logp.grad = None
             if diagnostics:

@@ -33,6 +33,7 @@ from copc.channels.methods import get_method  # noqa: E402
 from copc.ops import (  # noqa: E402
     AggSpec,
     ClipSpec,
+    CorrectedInputs,
     brace,
     clipped_td,
     copc_policy_loss,
@@ -185,7 +186,7 @@ def test_policy_loss_equals_copc_policy_loss(mode: str, weight_mode: str) -> Non
     )
     ref_logp = batch["log_prob"].clone().requires_grad_(True)
     ref = copc_policy_loss(
-        ref_logp, batch["old_log_probs"], batch["rollout_log_probs"], batch["advantages"], mask,
+        CorrectedInputs(ref_logp, batch["old_log_probs"], batch["rollout_log_probs"], batch["advantages"], mask),
         mask_low=0.5, mask_high=1.5, weight_mode=weight_mode, clip=ClipSpec(0.2, 0.28, 3.0),
         agg=AggSpec(mode),  # type: ignore[arg-type]
     )
@@ -212,7 +213,7 @@ def test_policy_loss_honours_verls_agg_loss_and_global_batch_info(mode: str) -> 
         batch["old_log_probs"], batch["log_prob"], batch["advantages"], mask, mode, actor, step.rollout_is_weights
     )
     per_token = copc_policy_loss(
-        batch["log_prob"], batch["old_log_probs"], batch["rollout_log_probs"], batch["advantages"], mask,
+        CorrectedInputs(batch["log_prob"], batch["old_log_probs"], batch["rollout_log_probs"], batch["advantages"], mask),
         mask_low=0.5, mask_high=2.0, clip=ClipSpec(0.2, 0.28, 3.0),
     ).per_token
     close(loss, core_algos.agg_loss(per_token, mask, mode, **info))

@@ -9,18 +9,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from copc.channels import PolicyChannelConfig, policy_loss
 from copc.ops import (
     AggSpec,
     ClipSpec,
+    CorrectedInputs,
     PolicyLossOutput,
-    bypass_ppo_loss,
     copc_policy_loss,
     decoupled_ppo_loss,
     dis_loss,
-    icepop_loss,
     pg_loss,
     ppo_clip_loss,
-    tis_ppo_loss,
     weighted_ppo_loss,
 )
 from reference import losses as ref
@@ -30,6 +29,9 @@ LN = math.log
 # float32 inside the ops vs float64 in the oracle: per-token values are O(1-10), so 1e-5 relative
 # (~100 float32 ulps) is loose enough for exp/clamp rounding and tight enough to catch any formula slip.
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+# IcePop (Ring-1T) is COPC's loss with masked IS, the band [0.5, 5] and seq-mean-token-mean.
+ICEPOP = {"mask_low": 0.5, "mask_high": 5.0, "weight_mode": "masked_is", "agg": AggSpec("seq-mean-token-mean")}
 
 
 def ragged_batch(b: int, t: int, seed: int, *, stale: float = 0.7) -> dict[str, torch.Tensor]:
@@ -75,7 +77,8 @@ def test_ppo_golden_dual_and_asymmetric() -> None:
 
 def test_bypass_golden_uses_behaviour_ratio() -> None:
     # mu = log 0.5, cur = 0: r = 2, A = 1 -> max(-2, -1.2) = -1.2 (3a clips on the stale ratio).
-    out = bypass_ppo_loss(torch.zeros(1, 1), torch.full((1, 1), LN(0.5)), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool))
+    # Bypass PPO is ppo_clip_loss centred on mu.
+    out = ppo_clip_loss(torch.zeros(1, 1), torch.full((1, 1), LN(0.5)), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool))
     torch.testing.assert_close(out.loss, torch.tensor(-1.2))
 
 
@@ -90,16 +93,16 @@ def test_decoupled_golden_mask_and_clip_cap() -> None:
     mu = torch.tensor([[LN(0.5), LN(0.125)]])
     adv = torch.ones(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    masked = decoupled_ppo_loss(logp, old, mu, adv, mask, cap=5.0)
+    masked = decoupled_ppo_loss(CorrectedInputs(logp, old, mu, adv, mask), cap=5.0)
     torch.testing.assert_close(masked.per_token, torch.tensor([[-2.2, 0.0]]))
     torch.testing.assert_close(masked.loss, torch.tensor(-1.1))
     assert masked.stats["policy/mask_frac"] == 0.5
-    clipped = decoupled_ppo_loss(logp, old, mu, adv, mask, cap=5.0, cap_mode="clip")
+    clipped = decoupled_ppo_loss(CorrectedInputs(logp, old, mu, adv, mask), cap=5.0, cap_mode="clip")
     torch.testing.assert_close(clipped.loss, torch.tensor(-3.85))
-    kept = decoupled_ppo_loss(logp, old, mu, adv, mask, cap=5.0, denominator="kept")
+    kept = decoupled_ppo_loss(CorrectedInputs(logp, old, mu, adv, mask), cap=5.0, denominator="kept")
     torch.testing.assert_close(kept.loss, torch.tensor(-2.2))
     # TIS C = 2: (min(2,2) * -1.1, min(8,2) * -1.1) = (-2.2, -2.2).
-    tis = tis_ppo_loss(logp, old, mu, adv, mask, cap=2.0)
+    tis = decoupled_ppo_loss(CorrectedInputs(logp, old, mu, adv, mask), cap=2.0, cap_mode="clip")
     torch.testing.assert_close(tis.loss, torch.tensor(-2.2))
 
 
@@ -110,15 +113,15 @@ def test_copc_golden_band_and_modes() -> None:
     mu = torch.tensor([[0.0, -LN(2.5), -LN(0.25), -LN(2.0)]])
     z = torch.zeros(1, 4)
     mask = torch.ones(1, 4, dtype=torch.bool)
-    out = copc_policy_loss(z, z, mu, torch.ones(1, 4), mask, mask_low=0.5, mask_high=2.0)
+    out = copc_policy_loss(CorrectedInputs(z, z, mu, torch.ones(1, 4), mask), mask_low=0.5, mask_high=2.0)
     torch.testing.assert_close(out.per_token, torch.tensor([[-1.0, 0.0, 0.0, -2.0]]))
     torch.testing.assert_close(out.loss, torch.tensor(-0.75))
     assert out.stats["policy/mask_frac"] == 0.5
-    binary = copc_policy_loss(z, z, mu, torch.ones(1, 4), mask, mask_low=0.5, mask_high=2.0, weight_mode="binary")
+    binary = copc_policy_loss(CorrectedInputs(z, z, mu, torch.ones(1, 4), mask), mask_low=0.5, mask_high=2.0, weight_mode="binary")
     torch.testing.assert_close(binary.loss, torch.tensor(-0.5))
     # mask_source="current": cur = log 3 on token 0 -> cur/mu = 3 > 2, masked although old/mu = 1.
     cur = torch.tensor([[LN(3.0), 0.0, 0.0, 0.0]])
-    current = copc_policy_loss(cur, z, mu, torch.ones(1, 4), mask, mask_source="current")
+    current = copc_policy_loss(CorrectedInputs(cur, z, mu, torch.ones(1, 4), mask), mask_source="current")
     assert current.per_token[0, 0] == 0.0 and current.per_token[0, 3] != 0.0
 
 
@@ -129,7 +132,7 @@ def test_icepop_golden_seq_mean() -> None:
     mu = torch.tensor([[0.0, -LN(6.0)], [-LN(0.6), 0.0]])
     z = torch.zeros(2, 2)
     mask = torch.tensor([[True, True], [True, False]])
-    out = icepop_loss(z, z, mu, torch.ones(2, 2), mask)
+    out = copc_policy_loss(CorrectedInputs(z, z, mu, torch.ones(2, 2), mask), **ICEPOP)  # type: ignore[arg-type]
     torch.testing.assert_close(out.loss, torch.tensor(-0.55))
 
 
@@ -141,13 +144,14 @@ def test_icepop_current_takes_the_mask_from_cur_and_the_weight_from_old() -> Non
     cur = torch.tensor([[LN(3.0), LN(6.0)]])
     z = torch.zeros(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    out = icepop_loss(cur, z, z, torch.ones(1, 2), mask, ratio_source="current")
+    out = copc_policy_loss(CorrectedInputs(cur, z, z, torch.ones(1, 2), mask), mask_source="current", **ICEPOP)  # type: ignore[arg-type]
     torch.testing.assert_close(out.per_token, torch.tensor([[-1.28, 0.0]]))
     torch.testing.assert_close(out.loss, torch.tensor(-0.64))
     assert out.keep.tolist() == [[True, False]]
-    # the same as COPC's "current" variant with IcePop's band and aggregation
-    copc = copc_policy_loss(cur, z, z, torch.ones(1, 2), mask, mask_low=0.5, mask_high=5.0, mask_source="current", agg=AggSpec("seq-mean-token-mean"))
-    assert torch.equal(out.per_token, copc.per_token) and torch.equal(out.loss, copc.loss)
+    # the policy channel's icepop objective (its preset's band and aggregation) is this loss
+    cfg = PolicyChannelConfig(objective="icepop", mask_high=5.0, mask_source="current", loss_agg="seq-mean-token-mean")
+    channel = policy_loss(cfg, logp=cur, logp_old=z, logp_behav=z, advantages=torch.ones(1, 2), action_mask=mask, num_tokens=None)
+    assert torch.equal(out.per_token, channel.per_token) and torch.equal(out.loss, channel.loss)
 
 
 def test_dis_golden_strict_band_and_gradient() -> None:
@@ -168,7 +172,7 @@ def test_dis_band_edges_are_strict_but_copc_edges_inclusive() -> None:
     mask = torch.ones(1, 2, dtype=torch.bool)
     sao = dis_loss(z, z, torch.ones(1, 2), mask, mask_low=1.0, mask_high=6.0)
     assert sao.loss == 0 and sao.stats["policy/mask_frac"] == 1
-    copc = copc_policy_loss(z, z, z, torch.ones(1, 2), mask, mask_low=1.0, mask_high=6.0)
+    copc = copc_policy_loss(CorrectedInputs(z, z, z, torch.ones(1, 2), mask), mask_low=1.0, mask_high=6.0)
     assert copc.loss == -1 and copc.stats["policy/mask_frac"] == 0
 
 
@@ -215,13 +219,13 @@ def _cases() -> dict[str, LossCase]:
 
     return {
         "ppo": (lambda d, mode, den, **kw: ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=dual, agg=agg(mode, kw)), ora_ppo),
-        "bypass": (lambda d, mode, den, **kw: bypass_ppo_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], clip=dual, agg=agg(mode, kw)), ora_bypass),
-        "decoupled_mask": (lambda d, mode, den, **kw: decoupled_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap=2.0, agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_decoupled(2.0, "mask"))),
-        "tis": (lambda d, mode, den, **kw: tis_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap=2.0, agg=agg(mode, kw), clip=clip), ora_rule(ref.rule_decoupled(2.0, "clip"))),
-        "copc": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=False, weight_current=False))),
-        "copc_binary": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], weight_mode="binary", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=True, select_current=False, weight_current=False))),
-        "copc_current": (lambda d, mode, den, **kw: copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], mask_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=True, weight_current=False))),
-        "icepop_current": (lambda d, mode, den, **kw: icepop_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], ratio_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 5.0, binary=False, select_current=True, weight_current=False))),
+        "bypass": (lambda d, mode, den, **kw: ppo_clip_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], clip=dual, agg=agg(mode, kw)), ora_bypass),
+        "decoupled_mask": (lambda d, mode, den, **kw: decoupled_ppo_loss(CorrectedInputs(**d), cap=2.0, agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_decoupled(2.0, "mask"))),
+        "tis": (lambda d, mode, den, **kw: decoupled_ppo_loss(CorrectedInputs(**d), cap=2.0, cap_mode="clip", agg=agg(mode, kw), clip=clip), ora_rule(ref.rule_decoupled(2.0, "clip"))),
+        "copc": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(**d), agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=False, weight_current=False))),
+        "copc_binary": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(**d), weight_mode="binary", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=True, select_current=False, weight_current=False))),
+        "copc_current": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(**d), mask_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=True, weight_current=False))),
+        "icepop_current": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(**d), mask_high=5.0, mask_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 5.0, binary=False, select_current=True, weight_current=False))),
         "dis": (lambda d, mode, den, **kw: dis_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], agg=agg(mode, kw), denominator=den), ora_dis),
         "pg": (lambda d, mode, den, **kw: pg_loss(d["logp"], d["advantages"], d["action_mask"], agg=agg(mode, kw)), ora_pg),
     }
@@ -255,7 +259,7 @@ def test_copc_with_unit_weights_is_ppo() -> None:
     d = ragged_batch(6, 9, 3)
     for dual in (None, 3.0):
         ppo = ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(0.2, 0.28, dual))
-        copc = copc_policy_loss(d["logp"], d["logp_old"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(0.2, 0.28, dual))
+        copc = copc_policy_loss(CorrectedInputs(**d)._replace(logp_behav=d["logp_old"]), clip=ClipSpec(0.2, 0.28, dual))
         assert torch.equal(copc.per_token, ppo.per_token) and torch.equal(copc.loss, ppo.loss)
         assert copc.stats["policy/mask_frac"] == 0 and copc.stats["policy/weight_mean"] == 1
 
@@ -263,37 +267,32 @@ def test_copc_with_unit_weights_is_ppo() -> None:
 def test_infinite_band_removes_masking() -> None:
     # band [0, inf]: COPC (masked_is) == AReaL decoupled without cap; binary == 3b PPO.
     d = ragged_batch(6, 9, 4, stale=3.0)
-    copc = copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], mask_low=0.0, mask_high=math.inf)
-    areal = decoupled_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap=math.inf, clip=ClipSpec(0.2, 0.28))
+    copc = copc_policy_loss(CorrectedInputs(**d), mask_low=0.0, mask_high=math.inf)
+    areal = decoupled_ppo_loss(CorrectedInputs(**d), cap=math.inf, clip=ClipSpec(0.2, 0.28))
     torch.testing.assert_close(copc.loss, areal.loss, rtol=0, atol=0)
     assert copc.stats["policy/mask_frac"] == 0
-    binary = copc_policy_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], mask_low=0.0, mask_high=math.inf, weight_mode="binary")
+    binary = copc_policy_loss(CorrectedInputs(**d), mask_low=0.0, mask_high=math.inf, weight_mode="binary")
     ppo = ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(0.2, 0.28))
     torch.testing.assert_close(binary.loss, ppo.loss, rtol=0, atol=0)
 
 
 def test_zero_staleness_makes_every_weight_one() -> None:
     d = ragged_batch(6, 9, 5)
-    old = d["logp_old"]
+    x = CorrectedInputs(**d)._replace(logp_behav=d["logp_old"])
     for out in (
-        decoupled_ppo_loss(d["logp"], old, old, d["advantages"], d["action_mask"]),
-        tis_ppo_loss(d["logp"], old, old, d["advantages"], d["action_mask"]),
-        icepop_loss(d["logp"], old, old, d["advantages"], d["action_mask"]),
-        copc_policy_loss(d["logp"], old, old, d["advantages"], d["action_mask"]),
+        decoupled_ppo_loss(x),
+        decoupled_ppo_loss(x, cap=2.0, cap_mode="clip"),  # TIS
+        copc_policy_loss(x, **ICEPOP),  # type: ignore[arg-type]
+        copc_policy_loss(x),
     ):
         assert out.stats["policy/weight_mean"] == 1 and out.stats["policy/mask_frac"] == 0
-    # and bypass == PPO when mu == old
-    a = bypass_ppo_loss(d["logp"], old, d["advantages"], d["action_mask"])
-    b = ppo_clip_loss(d["logp"], old, d["advantages"], d["action_mask"])
-    assert torch.equal(a.loss, b.loss)
 
 
 def test_kept_denominator_rescales_by_kept_fraction() -> None:
     # loss_all = loss_kept * N_kept / N_valid (spec section 8).
     d = ragged_batch(6, 9, 6, stale=1.5)
-    args = (d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"])
-    all_ = copc_policy_loss(*args)
-    kept = copc_policy_loss(*args, denominator="kept")
+    all_ = copc_policy_loss(CorrectedInputs(**d))
+    kept = copc_policy_loss(CorrectedInputs(**d), denominator="kept")
     frac_kept = 1 - all_.stats["policy/mask_frac"]
     torch.testing.assert_close(all_.loss, kept.loss * frac_kept, **TOL)
 
@@ -352,7 +351,7 @@ def test_icepop_current_mask_is_a_constant_in_the_gradient() -> None:
     # equals that of the same loss with the mask frozen and the weight k = old/mu fixed.
     d = ragged_batch(4, 7, 11)
     x = d["logp"].clone().requires_grad_(True)
-    out = icepop_loss(x, d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], ratio_source="current")
+    out = copc_policy_loss(CorrectedInputs(**d)._replace(logp=x), mask_source="current", **ICEPOP)  # type: ignore[arg-type]
     (g,) = torch.autograd.grad(out.loss, x)
     s = torch.exp(d["logp"] - d["logp_behav"])
     keep = d["action_mask"] & (s >= 0.5) & (s <= 5.0)
@@ -405,4 +404,4 @@ def test_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match=r"clip\.low"):
         ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(low=1.0))
     with pytest.raises(ValueError, match="cap_mode"):
-        decoupled_ppo_loss(d["logp"], d["logp_old"], d["logp_behav"], d["advantages"], d["action_mask"], cap_mode="bogus")  # type: ignore[arg-type]
+        decoupled_ppo_loss(CorrectedInputs(**d), cap_mode="bogus")  # type: ignore[arg-type]

@@ -202,6 +202,13 @@ def _estimator(
     return decorate
 
 
+def _off_policy(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rewards, values, log_w, action_mask)`` for an estimator that reads the critic and the ratio
+    (:func:`compute_advantages` has checked that both are given)."""
+    assert x.values is not None and x.log_w is not None
+    return x.rewards, x.values, x.log_w, x.action_mask
+
+
 @_estimator("gae", needs_critic=True, needs_log_w=False, doc="GAE(gamma, lambda), decoupled lambda_c / lambda_a")
 def _gae(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     values = x.values
@@ -218,32 +225,29 @@ def _gae(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
 
 @_estimator("vtrace", needs_critic=True, needs_log_w=True, doc="V-trace targets vs and pg advantages (pi = old)")
 def _vtrace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
-    assert x.values is not None and x.log_w is not None
     out = vtrace(
-        x.rewards, x.values, x.log_w, x.action_mask, gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar,
-        c_bar=cfg.c_bar, pg_rho_bar=cfg.pg_rho_bar, bootstrap_value=x.bootstrap_value,
+        *_off_policy(x), gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar, c_bar=cfg.c_bar,
+        pg_rho_bar=cfg.pg_rho_bar, bootstrap_value=x.bootstrap_value,
     )
     return Estimate(out.pg_td, out.vs, out.pg_rho)
 
 
 @_estimator("clipped_td", needs_critic=True, needs_log_w=True, doc="COPC two-sided clipped-ratio weighted TD sums")
 def _clipped_td(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
-    assert x.values is not None and x.log_w is not None
     out = clipped_td(
-        x.rewards, x.values, x.log_w, x.action_mask, gamma=cfg.gamma, lam_critic=cfg.lam_critic,
-        lam_actor=cfg.lam_actor, low=cfg.ratio_low, high=cfg.ratio_high, trace=cfg.trace,
-        trace_low=cfg.trace_low, trace_high=cfg.trace_high, advantage_window=cfg.advantage_window,
-        weight_own_residual=cfg.weight_own_residual, bootstrap_value=x.bootstrap_value,
+        *_off_policy(x), gamma=cfg.gamma, lam_critic=cfg.lam_critic, lam_actor=cfg.lam_actor, low=cfg.ratio_low,
+        high=cfg.ratio_high, trace=cfg.trace, trace_low=cfg.trace_low, trace_high=cfg.trace_high,
+        advantage_window=cfg.advantage_window, weight_own_residual=cfg.weight_own_residual,
+        bootstrap_value=x.bootstrap_value,
     )
     return Estimate(out.advantages, out.returns)
 
 
 @_estimator("brace", needs_critic=True, needs_log_w=True, doc="BRACE k-capped, Monte-Carlo-anchored targets")
 def _brace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
-    assert x.values is not None and x.log_w is not None
     out = brace(
-        x.rewards, x.values, x.log_w, x.action_mask, gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar,
-        c_bar=cfg.c_bar, k=cfg.brace_k, bootstrap_value=x.bootstrap_value,
+        *_off_policy(x), gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar, c_bar=cfg.c_bar, k=cfg.brace_k,
+        bootstrap_value=x.bootstrap_value,
     )
     return Estimate(out.advantages, out.returns)
 

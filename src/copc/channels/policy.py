@@ -21,17 +21,15 @@ from copc.ops import (
     LOSS_AGG_MODES,
     AggSpec,
     ClipSpec,
+    CorrectedInputs,
     LossAgg,
     PolicyLossOutput,
-    bypass_ppo_loss,
     check_mask,
     copc_policy_loss,
     decoupled_ppo_loss,
     dis_loss,
-    icepop_loss,
     pg_loss,
     ppo_clip_loss,
-    tis_ppo_loss,
 )
 from copc.registry import Registry
 
@@ -160,9 +158,10 @@ def _req(x: torch.Tensor | None, name: str, objective: str) -> torch.Tensor:
     return x
 
 
-def _old_mu(x: PolicyInputs, objective: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp_old, logp_behav)`` of ``x``, each required (checked in that order)."""
-    return _req(x.logp_old, "logp_old", objective), _req(x.logp_behav, "logp_behav", objective)
+def _corrected(x: PolicyInputs, objective: str) -> CorrectedInputs:
+    """``x`` as a behaviour-corrected loss's inputs; ``logp_old`` and ``logp_behav`` required (in that order)."""
+    old, mu = _req(x.logp_old, "logp_old", objective), _req(x.logp_behav, "logp_behav", objective)
+    return CorrectedInputs(x.logp, old, mu, x.advantages, x.action_mask)
 
 
 def _objective(name: str, *, needs_old: bool, doc: str, current_mask: Callable[[PolicyChannelConfig], bool] | None = None) -> Callable[
@@ -187,22 +186,20 @@ def _ppo(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
 @_objective("bypass_ppo", needs_old=False, doc="PPO clip on r = exp(cur - mu) (async PPO 3a)")
 def _bypass(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     mu = _req(x.logp_behav, "logp_behav", "bypass_ppo")
-    return bypass_ppo_loss(x.logp, mu, x.advantages, x.action_mask, clip=_clip(cfg), agg=_agg(cfg, x))
+    return ppo_clip_loss(x.logp, mu, x.advantages, x.action_mask, clip=_clip(cfg), agg=_agg(cfg, x))
 
 
 @_objective("decoupled", needs_old=True, doc="AReaL: w = old/mu (masked above weight_cap) times PPO clip on cur/old")
 def _decoupled(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
-    old, mu = _old_mu(x, "decoupled")
     return decoupled_ppo_loss(
-        x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, cap_mode=cfg.cap_mode,
-        clip=_clip(cfg), agg=_agg(cfg, x), denominator=cfg.denominator,
+        _corrected(x, "decoupled"), cap=cfg.weight_cap, cap_mode=cfg.cap_mode, clip=_clip(cfg), agg=_agg(cfg, x),
+        denominator=cfg.denominator,
     )
 
 
 @_objective("tis", needs_old=True, doc="min(old/mu, weight_cap) times PPO clip on cur/old (TIS)")
 def _tis(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
-    old, mu = _old_mu(x, "tis")
-    return tis_ppo_loss(x.logp, old, mu, x.advantages, x.action_mask, cap=cfg.weight_cap, clip=_clip(cfg), agg=_agg(cfg, x))
+    return decoupled_ppo_loss(_corrected(x, "tis"), cap=cfg.weight_cap, cap_mode="clip", clip=_clip(cfg), agg=_agg(cfg, x))
 
 
 def _moves_with_source(cfg: PolicyChannelConfig) -> bool:
@@ -211,20 +208,17 @@ def _moves_with_source(cfg: PolicyChannelConfig) -> bool:
 
 @_objective("icepop", needs_old=True, current_mask=_moves_with_source, doc="masked IS k = old/mu, band on old/mu or cur/mu (mask_source), times PPO clip")
 def _icepop(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
-    old, mu = _old_mu(x, "icepop")
-    return icepop_loss(
-        x.logp, old, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
-        ratio_source=cfg.mask_source, clip=_clip(cfg), agg=_agg(cfg, x), denominator=cfg.denominator,
+    return copc_policy_loss(
+        _corrected(x, "icepop"), mask_low=cfg.mask_low, mask_high=cfg.mask_high, weight_mode="masked_is",
+        mask_source=cfg.mask_source, clip=_clip(cfg), agg=_agg(cfg, x), denominator=cfg.denominator,
     )
 
 
 @_objective("copc", needs_old=True, current_mask=_moves_with_source, doc="COPC: omega = M*w (or M), M = band on old/mu, times PPO clip on cur/old")
 def _copc(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
-    old, mu = _old_mu(x, "copc")
     return copc_policy_loss(
-        x.logp, old, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
-        weight_mode=cfg.weight_mode, mask_source=cfg.mask_source, clip=_clip(cfg), agg=_agg(cfg, x),
-        denominator=cfg.denominator,
+        _corrected(x, "copc"), mask_low=cfg.mask_low, mask_high=cfg.mask_high, weight_mode=cfg.weight_mode,
+        mask_source=cfg.mask_source, clip=_clip(cfg), agg=_agg(cfg, x), denominator=cfg.denominator,
     )
 
 

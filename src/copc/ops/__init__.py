@@ -10,8 +10,8 @@ formulas as implemented are in docs/algorithms.md. Each name lives in one module
 - :mod:`copc.ops.scans`: the shared reverse-scan kernels (only ``discounted_reverse_cumsum`` here);
 - :mod:`copc.ops.advantages`: GAE, V-trace, group baselines; :mod:`copc.ops.corrected_advantages`:
   COPC's ``clipped_td`` and BRACE;
-- :mod:`copc.ops.policy_losses`: the one PPO formula, PPO, bypass PPO, PG;
-  :mod:`copc.ops.corrected_policy_losses`: decoupled, TIS, IcePop, COPC, SAO's DIS;
+- :mod:`copc.ops.policy_losses`: the one PPO formula, PPO (also bypass PPO), PG;
+  :mod:`copc.ops.corrected_policy_losses`: decoupled (and TIS), COPC (and IcePop), SAO's DIS;
 - :mod:`copc.ops.value_losses`: critic losses and the explained variance.
 """
 
@@ -34,14 +34,13 @@ from copc.ops.corrected_advantages import (
 )
 from copc.ops.corrected_policy_losses import (
     CapMode,
+    CorrectedInputs,
     MaskSource,
     WeightMode,
     band_weight,
     copc_policy_loss,
     decoupled_ppo_loss,
     dis_loss,
-    icepop_loss,
-    tis_ppo_loss,
 )
 from copc.ops.importance import (
     LOG_RATIO_CLAMP,
@@ -89,7 +88,6 @@ from copc.ops.policy_losses import (
     PolicyLossOutput,
     SurrogateTerms,
     aggregate_policy_loss,
-    bypass_ppo_loss,
     check_loss_inputs,
     clipped_surrogate,
     pg_loss,
@@ -126,6 +124,7 @@ __all__ = [
     "ClipFractions",
     "ClipSpec",
     "ClippedTDOutput",
+    "CorrectedInputs",
     "Denominator",
     "GAEOutput",
     "GroupMode",
@@ -146,7 +145,6 @@ __all__ = [
     "band_weight",
     "brace",
     "broadcast_to_tokens",
-    "bypass_ppo_loss",
     "check_bt",
     "check_loss_inputs",
     "check_mask",
@@ -164,7 +162,6 @@ __all__ = [
     "gae",
     "group_advantages",
     "huber_value_loss",
-    "icepop_loss",
     "importance_diagnostics",
     "k3_from_log",
     "kl_estimators",
@@ -184,7 +181,6 @@ __all__ = [
     "sequence_band_mask",
     "sequence_ess",
     "sequence_log_weights",
-    "tis_ppo_loss",
     "token_ess",
     "truncated_is",
     "value_penalty",

@@ -34,6 +34,7 @@ from copc.ops.scans import (
     reverse_linear_scan,
     shift_left,
     td_residuals,
+    truncated_traces,
     unpack,
 )
 
@@ -130,8 +131,7 @@ def vtrace(
     check_lambda("lam", lam)
     delta = td_residuals(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
     pk = pack_td(delta, clean_log_rho(log_rho, action_mask, rewards), action_mask)
-    rho = pk.weight.clamp(max=rho_bar)
-    trace = lam * pk.weight.clamp(max=c_bar)
+    rho, trace = truncated_traces(pk, lam=lam, rho_bar=rho_bar, c_bar=c_bar)
     excess = reverse_linear_scan(rho * pk.delta, gamma * trace)  # v_s - V(s_s)
     pg_rho = pk.weight.clamp(max=pg_rho_bar)
     pg_td = pk.delta + gamma * shift_left(excess)

@@ -24,6 +24,7 @@ from copc.ops.scans import (
     reverse_linear_scan,
     shift_left,
     td_residuals,
+    truncated_traces,
     unpack,
 )
 
@@ -219,7 +220,7 @@ def brace(
         raise ValueError(f"brace horizon k must be >= 0 (BRACE default 100), got {k}")
     delta = td_residuals(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
     pk = pack_td(delta, clean_log_rho(log_rho, action_mask, rewards), action_mask)
-    excess = _brace_excess(pk, pk.weight.clamp(max=rho_bar), lam * pk.weight.clamp(max=c_bar), gamma, k)
+    excess = _brace_excess(pk, *truncated_traces(pk, lam=lam, rho_bar=rho_bar, c_bar=c_bar), gamma, k)
     adv = pk.delta + gamma * shift_left(excess)
     cp = pk.cp
     return BraceOutput(unpack(adv, cp), on_actions(action_mask, unpack(excess, cp) + values))

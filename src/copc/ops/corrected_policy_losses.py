@@ -1,16 +1,17 @@
-"""Actor losses with a behaviour-policy correction: decoupled (AReaL), TIS, COPC, IcePop, SAO's DIS.
+"""Actor losses with a behaviour-policy correction: decoupled (AReaL; TIS), COPC (IcePop), SAO's DIS.
 
 Each builds a detached per-token weight and keep mask from the behaviour ratio ``w_t = exp(old_t -
 mu_t)`` or the total ratio ``r_t = exp(cur_t - mu_t)`` (masked above a cap, truncated at it, or kept
 inside a band as in :func:`band_weight`) and hands it to the one PPO formula
 :func:`~copc.ops.policy_losses.weighted_ppo_loss`; SAO's DIS drops the PPO clip and weights ``-r_t
-A_t`` directly. Notation, :class:`~copc.ops.policy_losses.ClipSpec`, :class:`~copc.ops.masked.AggSpec`
-and the denominator rules as in :mod:`copc.ops.policy_losses`.
+A_t`` directly. The PPO-family losses take the three policies' log-probs, the advantages and the
+mask as one :class:`CorrectedInputs`; notation, :class:`~copc.ops.policy_losses.ClipSpec`,
+:class:`~copc.ops.masked.AggSpec` and the denominator rules as in :mod:`copc.ops.policy_losses`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -30,21 +31,32 @@ from copc.ops.policy_losses import (
 
 __all__ = [
     "CapMode",
+    "CorrectedInputs",
     "MaskSource",
     "WeightMode",
     "band_weight",
     "copc_policy_loss",
     "decoupled_ppo_loss",
     "dis_loss",
-    "icepop_loss",
-    "tis_ppo_loss",
 ]
 
 WeightMode = Literal["masked_is", "binary"]
 MaskSource = Literal["step_start", "current"]
 CapMode = Literal["mask", "clip"]
 
-_SEQ_MEAN_TOKEN_MEAN = AggSpec("seq-mean-token-mean")  # IcePop's (Ring-1T) aggregation
+class CorrectedInputs(NamedTuple):
+    """The per-token tensors of a behaviour-corrected PPO loss, all ``[B, T]`` (module notation)."""
+
+    #: float cur_t = log pi_theta, carries the gradient.
+    logp: torch.Tensor
+    #: float old_t, the trainer's forward at the step start (detached here).
+    logp_old: torch.Tensor
+    #: float mu_t, the sampler's log-probs (detached here).
+    logp_behav: torch.Tensor
+    #: float A_t (constants).
+    advantages: torch.Tensor
+    #: bool, True on the tokens the policy sampled.
+    action_mask: torch.Tensor
 
 
 def band_weight(
@@ -79,6 +91,11 @@ def _ratio_of_clean(log_r: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_r.detach())
 
 
+def _log_behaviour_ratio(x: CorrectedInputs, logp: torch.Tensor) -> torch.Tensor:
+    """``log(pi / mu)`` for ``logp`` = old_t (the behaviour ratio ``w``) or cur_t (``r``): detached, clamped."""
+    return log_ratio(at_least_float32(logp.detach()), at_least_float32(x.logp_behav.detach()), x.action_mask)
+
+
 def _band(
     w: torch.Tensor, s: torch.Tensor, action_mask: torch.Tensor, *, low: float, high: float, mode: WeightMode, strict: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +108,7 @@ def _band(
 
 
 def decoupled_ppo_loss(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    logp_behav: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
+    x: CorrectedInputs,
     *,
     cap: float = 5.0,
     cap_mode: CapMode = "mask",
@@ -107,48 +120,29 @@ def decoupled_ppo_loss(
 
     ``w_t = exp(old_t - mu_t)`` (detached). ``cap_mode="mask"`` (AReaL default): ``omega = w`` if
     ``w <= cap`` else 0 (masked tokens stay in the ``"all"`` denominator). ``cap_mode="clip"``:
-    ``omega = min(w, cap)`` (TIS). ``cap = inf``: the weight without a cap.
+    ``omega = min(w, cap)``, truncated IS (TIS, Yao et al. 2025; spec section 8, ``cap`` = C = 2).
+    ``cap = inf``: the weight without a cap.
     """
     if cap <= 0:
         raise ValueError(f"cap must be > 0 (AReaL uses 5.0; inf disables it), got {cap}")
-    check_loss_inputs(action_mask, logp_old=logp_old, logp_behav=logp_behav)
-    log_w = log_ratio(at_least_float32(logp_old.detach()), at_least_float32(logp_behav.detach()), action_mask)
+    check_loss_inputs(x.action_mask, logp_old=x.logp_old, logp_behav=x.logp_behav)
+    log_w = _log_behaviour_ratio(x, x.logp_old)
     if cap_mode == "mask":
         w = _ratio_of_clean(log_w)
-        weight, keep = _band(w, w, action_mask, low=0.0, high=cap, mode="masked_is", strict=False)
+        weight, keep = _band(w, w, x.action_mask, low=0.0, high=cap, mode="masked_is", strict=False)
     elif cap_mode == "clip":
-        weight = zero_where_not(action_mask, truncated_is(ratio_from_log(log_w, action_mask), action_mask, cap=cap))
-        keep = action_mask
+        weight = zero_where_not(x.action_mask, truncated_is(ratio_from_log(log_w, x.action_mask), x.action_mask, cap=cap))
+        keep = x.action_mask
     else:
         raise ValueError(f"cap_mode must be 'mask' (AReaL) or 'clip' (TIS), got {cap_mode!r}")
     return weighted_ppo_loss(
-        logp, logp_old, advantages, action_mask, weight=weight, keep=keep, clip=clip, agg=agg, denominator=denominator
-    )
-
-
-def tis_ppo_loss(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    logp_behav: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    cap: float = 2.0,
-    clip: ClipSpec = PPO_CLIP,
-    agg: AggSpec = TOKEN_MEAN,
-) -> PolicyLossOutput:
-    """Truncated IS (Yao et al. 2025; spec section 8): ``l_t = min(w_t, C) * PPOclip(u_t, A_t)``, C = 2."""
-    return decoupled_ppo_loss(
-        logp, logp_old, logp_behav, advantages, action_mask, cap=cap, cap_mode="clip", clip=clip, agg=agg
+        x.logp, x.logp_old, x.advantages, x.action_mask, weight=weight, keep=keep, clip=clip, agg=agg,
+        denominator=denominator,
     )
 
 
 def copc_policy_loss(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    logp_behav: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
+    x: CorrectedInputs,
     *,
     mask_low: float = 0.5,
     mask_high: float = 2.0,
@@ -165,47 +159,23 @@ def copc_policy_loss(
     minibatch); ``omega_t = M_t * w_t`` (``masked_is``) or ``M_t`` (``binary``);
     ``l_t = omega_t * max(-A*u, -A*clip(u, 1-eps_low, 1+eps_high))``, ``u = exp(cur - old)``.
     With ``current`` and ``masked_is``: ``omega_t * u_t = M_t * exp(cur_t - mu_t)``.
-    IcePop (:func:`icepop_loss`) is the same formula with band (0.5, 5) and ``masked_is``.
+
+    IcePop / masked IS (Ring-1T; spec section 8) is this loss with ``masked_is`` and the band
+    ``[alpha, beta] = [0.5, 5]``, aggregated seq-mean-token-mean: its weight is ``k_t = w_t`` and its
+    mask tests ``w_t`` (``step_start``, Ring-1T) or ``exp(cur_t - mu_t)`` (``current``, BRACE's IcePop
+    baseline).
     """
-    check_loss_inputs(action_mask, logp=logp, logp_old=logp_old, logp_behav=logp_behav)
+    check_loss_inputs(x.action_mask, logp=x.logp, logp_old=x.logp_old, logp_behav=x.logp_behav)
     if mask_source not in ("step_start", "current"):
         raise ValueError(f"mask_source must be 'step_start' (old/mu) or 'current' (cur/mu), got {mask_source!r}")
     if weight_mode not in ("masked_is", "binary"):
         raise ValueError(f"weight_mode must be 'masked_is' (omega = M*w) or 'binary' (omega = M), got {weight_mode!r}")
-    behav = at_least_float32(logp_behav.detach())
-    w = _ratio_of_clean(log_ratio(at_least_float32(logp_old.detach()), behav, action_mask))
-    select = w if mask_source == "step_start" else _ratio_of_clean(log_ratio(at_least_float32(logp.detach()), behav, action_mask))
-    weight, keep = _band(w, select, action_mask, low=mask_low, high=mask_high, mode=weight_mode, strict=False)
+    w = _ratio_of_clean(_log_behaviour_ratio(x, x.logp_old))
+    select = w if mask_source == "step_start" else _ratio_of_clean(_log_behaviour_ratio(x, x.logp))
+    weight, keep = _band(w, select, x.action_mask, low=mask_low, high=mask_high, mode=weight_mode, strict=False)
     return weighted_ppo_loss(
-        logp, logp_old, advantages, action_mask, weight=weight, keep=keep, clip=clip, agg=agg, denominator=denominator
-    )
-
-
-def icepop_loss(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    logp_behav: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    mask_low: float = 0.5,
-    mask_high: float = 5.0,
-    ratio_source: MaskSource = "step_start",
-    clip: ClipSpec = CLIP_HIGHER,
-    agg: AggSpec = _SEQ_MEAN_TOKEN_MEAN,
-    denominator: Denominator = "all",
-) -> PolicyLossOutput:
-    """IcePop / masked IS (Ring-1T; spec section 8): ``l_t = M_t * k_t * PPOclip(exp(cur - old), A)``.
-
-    ``k_t = exp(old_t - mu_t)`` (detached) is the weight; the mask ``M_t = 1[alpha <= s_t <= beta]``
-    tests ``s_t = k_t`` (``ratio_source="step_start"``, Ring-1T) or ``s_t = exp(cur_t - mu_t)``
-    detached, recomputed every minibatch (``"current"``, BRACE's IcePop baseline); alpha = 0.5,
-    beta = 5. :func:`copc_policy_loss` with IcePop's band and ``masked_is``; aggregated
-    seq-mean-token-mean over original tokens by default.
-    """
-    return copc_policy_loss(
-        logp, logp_old, logp_behav, advantages, action_mask, mask_low=mask_low, mask_high=mask_high,
-        weight_mode="masked_is", mask_source=ratio_source, clip=clip, agg=agg, denominator=denominator,
+        x.logp, x.logp_old, x.advantages, x.action_mask, weight=weight, keep=keep, clip=clip, agg=agg,
+        denominator=denominator,
     )
 
 
@@ -224,7 +194,8 @@ def dis_loss(
 
     ``r_t = exp(cur_t - mu_t)``; ``M_t = 1[mask_low < r_t < mask_high]`` (strict, detached). The
     gradient ``-M_t r_t A_t grad(cur_t)`` equals that of the paper's ``f(r) A log pi`` with ``f(r)``
-    read as a stop-gradient coefficient [interpretation, spec 13.7]. Defaults: band (0.7, 6.0).
+    read as a stop-gradient coefficient [interpretation, spec 13.7]. Defaults: band (0.7, 6.0). No
+    ``logp_old`` (so no :class:`CorrectedInputs`): the ratio is taken against mu alone.
     """
     check_loss_inputs(action_mask, logp=logp, logp_behav=logp_behav, advantages=advantages)
     log_r = log_ratio(at_least_float32(logp), at_least_float32(logp_behav.detach()), action_mask)

@@ -29,7 +29,8 @@ or a gradient. No ``.item()``, no in-place writes, no config objects.
 
 This module defines the shared pieces (:func:`weighted_ppo_loss`, :func:`clipped_surrogate`,
 :func:`aggregate_policy_loss`, :func:`policy_stats`, :func:`check_loss_inputs`) and the losses
-without a behaviour correction (:func:`ppo_clip_loss`, :func:`bypass_ppo_loss`, :func:`pg_loss`).
+without a behaviour correction (:func:`ppo_clip_loss`, which is also async PPO's bypass variant 3a when
+given ``logp_behav`` as its centre, and :func:`pg_loss`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ __all__ = [
     "PolicyLossOutput",
     "SurrogateTerms",
     "aggregate_policy_loss",
-    "bypass_ppo_loss",
     "check_loss_inputs",
     "clipped_surrogate",
     "pg_loss",
@@ -247,25 +247,11 @@ def ppo_clip_loss(
     """PPO clip (spec section 2; async PPO 3b when ``logp_old`` is recomputed on stale data).
 
     ``l_t = max(-A*u, -A*clip(u, 1-eps_low, 1+eps_high))``, ``u = exp(cur - old)``; dual clip
-    ``min(l, -A*c_dual)`` for ``A < 0``. Arguments as in :func:`weighted_ppo_loss`.
+    ``min(l, -A*c_dual)`` for ``A < 0``. Arguments as in :func:`weighted_ppo_loss`. Async PPO 3a
+    (bypass: verl ``bypass_mode`` + ``ppo_clip``, AReaL "naive PPO") is this loss with the behaviour
+    log-probs mu_t as ``logp_old``: the clip on ``r = exp(cur - mu)``, no old forward, no extra weight.
     """
     return weighted_ppo_loss(logp, logp_old, advantages, action_mask, clip=clip, agg=agg)
-
-
-def bypass_ppo_loss(
-    logp: torch.Tensor,
-    logp_behav: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    clip: ClipSpec = PPO_CLIP,
-    agg: AggSpec = TOKEN_MEAN,
-) -> PolicyLossOutput:
-    """Async PPO 3a (bypass): the PPO clip centred on the behaviour policy, ``r = exp(cur - mu)``.
-
-    No ``old`` forward and no extra weight (verl ``bypass_mode`` + ``ppo_clip``; AReaL "naive PPO").
-    """
-    return weighted_ppo_loss(logp, logp_behav, advantages, action_mask, clip=clip, agg=agg)
 
 
 def pg_loss(

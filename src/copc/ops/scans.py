@@ -42,6 +42,7 @@ __all__ = [
     "reverse_linear_scan",
     "shift_left",
     "td_residuals",
+    "truncated_traces",
     "unpack",
 ]
 
@@ -279,6 +280,12 @@ def pack_td(delta: torch.Tensor, log_w: torch.Tensor, action_mask: torch.Tensor)
     """Compact ``delta`` and ``exp(log_w)`` (both exactly 0 off action tokens in token layout)."""
     cp, dest = compact_actions(action_mask)
     return PackedTD(cp, pack(delta, dest), pack(log_w, dest).exp_())
+
+
+def truncated_traces(pk: PackedTD, *, lam: float, rho_bar: float, c_bar: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """IMPALA's truncated weights on the compact ratios (V-trace, BRACE): ``(rho, c)`` with
+    ``rho_j = min(rho_bar, w_j)`` and the trace ``c_j = lam * min(c_bar, w_j)``."""
+    return pk.weight.clamp(max=rho_bar), lam * pk.weight.clamp(max=c_bar)
 
 
 def check_lambda(name: str, lam: float) -> None:

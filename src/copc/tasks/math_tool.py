@@ -19,6 +19,7 @@ runs (SimpleTIR: 5 in training, 10 in evaluation); later blocks get an error tex
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,6 +95,18 @@ class DatasetSplits:
             )
         return self.data, rows[: self.eval_size] if split == "eval" else rows[self.eval_size :]
 
+    def row_prompts(
+        self, task: str, split: Split, n: int | None, read: Callable[[SourceRow], tuple[str, tuple[str, ...]]]
+    ) -> list[Prompt]:
+        """Prompts ``task/split/i`` from the first ``n`` rows of ``split``; ``read(row)`` = (text, gold answers)."""
+        source, rows = self.rows(split)
+        prompts = []
+        for i, row in enumerate(take(rows, n, f"{split} rows")):
+            text, answers = read(row)
+            meta: dict[str, str | int | float] = {"source": source, "row": row.line, "where": row.where}
+            prompts.append(Prompt(id=f"{task}/{split}/{i}", text=text, answers=answers, meta=meta))
+        return prompts
+
 
 @dataclass(frozen=True)
 class MathToolConfig(DatasetSplits):
@@ -132,20 +145,12 @@ class MathToolTask:
         self.config = config
 
     def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
-        source, rows = self.config.rows(split)
-        prompts = []
-        for i, row in enumerate(take(rows, n, f"{split} rows")):
-            problem = text_column(row, self.config.problem_key, option="problem_key")
-            answer = text_column(row, self.config.answer_key, option="answer_key")
-            prompts.append(
-                Prompt(
-                    id=f"math_tool/{split}/{i}",
-                    text=self.config.template.format(problem=problem),
-                    answers=(answer,),
-                    meta={"source": source, "row": row.line, "where": row.where},
-                )
-            )
-        return prompts
+        return self.config.row_prompts("math_tool", split, n, self._read)
+
+    def _read(self, row: SourceRow) -> tuple[str, tuple[str, ...]]:
+        problem = text_column(row, self.config.problem_key, option="problem_key")
+        answer = text_column(row, self.config.answer_key, option="answer_key")
+        return self.config.template.format(problem=problem), (answer,)
 
     def sandbox_config(self) -> SandboxConfig:
         """The sandbox its tool calls run in (checked and recorded at the start of a run)."""

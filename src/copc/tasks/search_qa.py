@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from copc.config import check_positive
-from copc.tasks.base import Split, register_task, take
-from copc.tasks.datasets import answers_column, text_column
+from copc.tasks.base import Split, register_task
+from copc.tasks.datasets import SourceRow, answers_column, text_column
 from copc.tasks.math_tool import DatasetSplits, check_readable_file
 from copc.tasks.tooling import RetrieverTool, search_env
 from copc.types import Env, Prompt
@@ -117,20 +117,12 @@ class SearchQATask:
         return self._tool
 
     def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
-        source, rows = self.config.rows(split)
-        prompts = []
-        for i, row in enumerate(take(rows, n, f"{split} rows")):
-            question = text_column(row, self.config.question_key, option="question_key")
-            golds = answers_column(row, self.config.answers_key, option="answers_key")
-            prompts.append(
-                Prompt(
-                    id=f"search_qa/{split}/{i}",
-                    text=self.config.template.format(question=question),
-                    answers=golds,
-                    meta={"source": source, "row": row.line, "where": row.where},
-                )
-            )
-        return prompts
+        return self.config.row_prompts("search_qa", split, n, self._read)
+
+    def _read(self, row: SourceRow) -> tuple[str, tuple[str, ...]]:
+        question = text_column(row, self.config.question_key, option="question_key")
+        golds = answers_column(row, self.config.answers_key, option="answers_key")
+        return self.config.template.format(question=question), golds
 
     def make_env(self, prompt: Prompt) -> Env:
         return search_env(prompt, self.tool(), max_tool_calls=self.config.max_tool_calls)
