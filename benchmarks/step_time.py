@@ -1,6 +1,6 @@
 """Step time of sync PPO, async PPO and async COPC at the same batch on the tiny model (issue 4, part 5).
 
-    .venv/bin/python benchmarks/step_time.py [--steps 10] [--rounds 2] [--policy warmstart|tiny] [--no-old-forward-reuse]
+    .venv/bin/python benchmarks/step_time.py [--steps 10] [--rounds 2] [--policy warmstart|tiny] [--no-forward-reuse]
         [key=value ...]     # copc train overrides, e.g. task=kv_search 'task_options={hard: true}' (E5)
 
 Prints, measured in this one run (configurations run in interleaved rounds, so a drifting load on a
@@ -24,7 +24,8 @@ shared machine hits them alike; medians over the steps after the first ``--warmu
 
 Every configuration uses the async driver's defaults except the method and driver (one rollout worker,
 bounded staleness 8), with no critic warm-up (every timed step trains the actor) and
-``trainer.old_forward_reuse`` on (``--no-old-forward-reuse`` turns it off; it applies to 3b and COPC);
+``trainer.old_forward_reuse`` (3b, COPC) and ``trainer.critic_forward_reuse`` on (``--no-forward-reuse``
+turns both off);
 the sync run generates and trains in one process.
 """
 
@@ -153,8 +154,9 @@ def main() -> None:
     parser.add_argument("--policy", default="warmstart", help="warmstart | tiny | an HF folder")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="copc train overrides applied first (e.g. task=kv_search 'task_options={hard: true}')")
-    parser.add_argument("--old-forward-reuse", action=argparse.BooleanOptionalAction, default=True,
-                        help="trainer.old_forward_reuse for every configuration (it applies to 3b and COPC)")
+    parser.add_argument("--forward-reuse", action=argparse.BooleanOptionalAction, default=True,
+                        help="trainer.old_forward_reuse (3b, COPC) and trainer.critic_forward_reuse (every "
+                             "method with a critic) for every configuration")
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = replace(
@@ -167,7 +169,8 @@ def main() -> None:
         staleness=StalenessConfig(mode="bounded", staleness=8),
     )
     # Every timed step trains the actor: no critic warm-up (its steps skip the actor's forwards).
-    base = replace(base, trainer=replace(base.trainer, critic_warmup_steps=0, old_forward_reuse=args.old_forward_reuse))
+    base = replace(base, trainer=replace(base.trainer, critic_warmup_steps=0, old_forward_reuse=args.forward_reuse,
+                                         critic_forward_reuse=args.forward_reuse))
     configs = {
         "sync PPO": replace(base, method="ppo", driver=DriverConfig(kind="sync")),
         "async PPO (3a)": replace(base, method="async_ppo", driver=DriverConfig(kind="async")),

@@ -353,3 +353,19 @@ def test_eval_curves_collect_each_seed_per_step_and_the_figures_are_drawn(tmp_pa
     assert eval_curves(records, "greedy_accuracy") == {"method=ppo": {0: [0.4]}}
     assert plot_curves(records, ["accuracy"], tmp_path / "c.png", title="t").stat().st_size > 0
     assert plot_summary(records, ["eval_last_half"], tmp_path / "s.png", title="t").stat().st_size > 0
+
+
+def test_a_record_made_before_a_config_field_existed_still_counts(tmp_path):
+    """A field added to the config later, at its default, does not change what an earlier run computed:
+    its record (whose config lacks the key, and whose hash was taken without it) is still the cell's."""
+    cfg = to_dict(load_run_config(None, ["method=copc", "seed=2"]))
+    old = json.loads(json.dumps(cfg))
+    del old["trainer"]["old_forward_reuse"]  # as written by code before the field existed
+    write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(old), "config": old, "steps": cfg["steps"]})
+    assert cell_state(cfg, tmp_path / "run", tmp_path / "rec.json")[0] == "recorded"
+    changed = json.loads(json.dumps(cfg))
+    changed["trainer"]["old_forward_reuse"] = True  # the same key at another value is another config
+    assert cell_state(changed, tmp_path / "run", tmp_path / "rec.json")[0] == "conflict"
+    broken = {**old, "no_such_section": {}}  # a record no current config can read is a conflict, not a crash
+    write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(broken), "config": broken, "steps": 1})
+    assert cell_state(cfg, tmp_path / "run", tmp_path / "rec.json")[0] == "conflict"

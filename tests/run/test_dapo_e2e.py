@@ -23,7 +23,7 @@ from copc.run.train import train
 from copc.runtime.async_local import AsyncSource, WorkerSpec
 from copc.runtime.staleness import StalenessConfig
 from copc.trainer.checkpoint import load_latest
-from copc.trainer.trainer import TrainerConfig
+from copc.trainer.config import TrainerConfig
 
 DYNSAMPLE = (m.ROLLOUT_DYNSAMPLE_ROUNDS, m.ROLLOUT_DYNSAMPLE_EXTRA_GROUPS, m.ROLLOUT_DYNSAMPLE_DROPPED_GROUPS,
              m.ROLLOUT_DYNSAMPLE_PADDED_GROUPS, m.ROLLOUT_DYNSAMPLE_SHORT, m.ROLLOUT_OVERLONG_PENALTY)

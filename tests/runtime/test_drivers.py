@@ -21,7 +21,7 @@ from copc.run.config import DriverConfig, ModelConfig, RunConfig
 from copc.run.train import train
 from copc.runtime.staleness import StalenessConfig
 from copc.trainer.checkpoint import load_latest
-from copc.trainer.trainer import TrainerConfig
+from copc.trainer.config import TrainerConfig
 
 #: Metrics that measure time (and so differ between runs) or depend on who generated the batch.
 VOLATILE = ("time/", "perf/", "buffer/", "runtime/")

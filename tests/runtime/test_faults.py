@@ -41,7 +41,7 @@ from copc.runtime.journal import Journal, JournalDamage, JournalError
 from copc.runtime.staleness import StalenessConfig
 from copc.runtime.workers import WorkerSpec
 from copc.trainer.checkpoint import CheckpointError, list_checkpoints, load_latest, save_checkpoint
-from copc.trainer.trainer import TrainerConfig
+from copc.trainer.config import TrainerConfig
 
 pytestmark = pytest.mark.timeout(400)  # generous: a 2-core machine shared with other jobs
 

@@ -33,7 +33,7 @@ from copc.runtime.ray_workers import RayOptions, RayWorkerPool, ray_transport
 from copc.runtime.staleness import StalenessConfig
 from copc.runtime.workers import WorkerSpec
 from copc.trainer.checkpoint import load_latest
-from copc.trainer.trainer import TrainerConfig
+from copc.trainer.config import TrainerConfig
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -28,6 +28,7 @@ from copc.ops import zero_where_not
 from copc.run.config import apply_run_overrides, default_config, validate_names
 from copc.trainer.batching import TrainBatch, collate
 from copc.trainer.checkpoint import load_checkpoint, save_checkpoint
+from copc.trainer.config import TrainerConfig
 from copc.trainer.proximal import (
     SnapshotMissingError,
     ewma_update,
@@ -35,7 +36,7 @@ from copc.trainer.proximal import (
     loglinear_logp,
     weights_nbytes,
 )
-from copc.trainer.trainer import ActorCriticTrainer, TrainerConfig
+from copc.trainer.trainer import ActorCriticTrainer
 from copc.types import Trajectory
 
 from .test_trainer import TOKENIZER, make_trainer, params, synthetic_trajectories
@@ -309,6 +310,43 @@ def test_old_forward_reuse_saves_the_first_minibatchs_old_forward() -> None:
     trainer.step(batch)
     assert calls[0] == 3 + 4  # old for the 6 other rows in micro-batches of 2, then 4 actor minibatches
     assert trainer.prepare(batch).reused_rows == 2
+
+
+@pytest.mark.parametrize(("method", "minibatches"), [("copc", 1), ("ppo", 2)])
+def test_critic_forward_reuse_trains_like_the_separate_forward(method: str, minibatches: int) -> None:
+    """V_old of the first critic minibatch's rows from their own first critic forward: the same training to
+    float tolerance (as the old-forward test above: other micro-batch neighbours, other summation order),
+    with the old forward reuse on too (both kept forwards in one step), value clipping on (copc, ppo: 0.5),
+    and a second critic minibatch (ppo) whose rows keep the separate forward."""
+    runs = []
+    for reuse in (False, True):
+        trainer = make_trainer(method, micro_batch_size=2, optimizer="sgd", actor_lr=0.1, critic_lr=0.1,
+                               max_grad_norm=0.0, critic_max_grad_norm=0.0, critic_minibatches=minibatches,
+                               critic_updates=2, old_forward_reuse=True, critic_forward_reuse=reuse)
+        history = [trainer.step(batch_of(trainer.policy, seed=s, versions=(max(s - 1, 0),))) for s in range(2)]
+        runs.append((params(trainer.policy), params(trainer.critic), history))
+    (pi_a, v_a, h_a), (pi_b, v_b, h_b) = runs
+    start = params(make_trainer(method).critic)
+    assert max(float((v_a[k] - start[k]).abs().max()) for k in v_a) > 1e-3  # the comparison is not vacuous
+    for a, b in ((pi_a, pi_b), (v_a, v_b)):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+    for ma, mb in zip(h_a, h_b, strict=True):
+        for key in (m.LOSS_POLICY, m.LOSS_VALUE, m.ADV_RAW_MEAN, m.RETURNS_MEAN):
+            assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+
+
+def test_critic_forward_reuse_saves_the_first_minibatchs_value_forward() -> None:
+    """8 rows, micro-batches of 2, one critic minibatch and one critic epoch: 4 critic forwards in the
+    update and none before it (5 x 2 rows -> 4 without reuse + 4), and nothing is held after the step."""
+    counts = []
+    for reuse in (False, True):
+        trainer = make_trainer("copc", micro_batch_size=2, critic_forward_reuse=reuse)
+        calls = count_forwards(trainer.critic)
+        trainer.step(batch_of(trainer.policy, seed=0, versions=(0,)))
+        counts.append(calls[0])
+        assert not trainer._early_values
+    assert counts == [4 + 4, 4]
 
 
 def test_old_forward_reuse_falls_back_where_train_and_eval_forwards_differ() -> None:

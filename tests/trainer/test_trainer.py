@@ -20,7 +20,8 @@ from copc.ops import importance_diagnostics, log_ratio
 from copc.rollout.engine import Engine
 from copc.rollout.sampling import SamplingConfig
 from copc.trainer.batching import TrainBatch, collate
-from copc.trainer.trainer import ActorCriticTrainer, TrainerConfig
+from copc.trainer.config import TrainerConfig
+from copc.trainer.trainer import ActorCriticTrainer
 from copc.types import StopReason, Trajectory
 
 TOKENIZER = build_tiny_tokenizer()

@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from copc.config import ConfigError, load_yaml, to_dict
+from copc.config import ConfigError, from_dict, load_yaml, to_dict
 from copc.experiments.results import (
     build_record,
     config_hash,
@@ -99,6 +99,19 @@ def _same_except_steps(a: Mapping[str, object], b: Mapping[str, object]) -> bool
     return config_hash({**a, "steps": 0}) == config_hash({**b, "steps": 0})
 
 
+def _recorded_config(record: Mapping[str, object]) -> dict[str, object] | None:
+    """The record's config in today's form: keys added to the config since the record was made take
+    their defaults (a field added later, at its default, does not change what the run computed); None
+    when today's config cannot read it (a key removed or renamed since)."""
+    config = record.get("config")
+    if not isinstance(config, dict):
+        return None
+    try:
+        return to_dict(from_dict(RunConfig, config))  # type: ignore[return-value]
+    except (ConfigError, TypeError, ValueError):
+        return None
+
+
 def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -> tuple[str, str]:
     """``(state, detail)``: ``recorded``, ``finished`` (run done, record missing), ``resume`` (from a
     checkpoint), ``fresh``, or ``conflict`` (record or run directory of a different config).
@@ -116,9 +129,10 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -
             record = read_record(record_path)
         except ValueError as err:
             return "conflict", str(err)
-        if record.get("config_hash") == want:
+        recorded = _recorded_config(record)
+        if record.get("config_hash") == want or (recorded is not None and config_hash(recorded) == want):
             return "recorded", ""
-        shorter = isinstance(record.get("config"), dict) and _same_except_steps(record["config"], config)  # type: ignore[arg-type]
+        shorter = recorded is not None and _same_except_steps(recorded, config)
         if not (shorter and int(record["steps"]) < steps and saved is not None and checkpoints):  # type: ignore[call-overload]
             return "conflict", (f"{record_path} was made by config {record.get('config_hash')}, the file now gives "
                                 f"{want}; move the record away to re-run the cell")

@@ -31,8 +31,8 @@ from copc.config import (
 from copc.eval.evaluate import EvalConfig
 from copc.rollout.generator import RolloutConfig
 from copc.runtime.staleness import StalenessConfig
+from copc.trainer.config import TrainerConfig
 from copc.trainer.proximal import check_proximal_source
-from copc.trainer.trainer import TrainerConfig
 
 __all__ = [
     "DriverConfig",

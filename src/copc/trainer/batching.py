@@ -164,7 +164,8 @@ def split_minibatches(
 
 
 def micro_batches(index: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
-    """Consecutive pieces of ``index`` of at most ``micro_batch_size`` rows (gradient accumulation)."""
+    """Consecutive pieces of ``index`` of at most ``micro_batch_size`` rows (gradient accumulation); none
+    for an empty ``index``."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    return list(torch.split(index, micro_batch_size))
+    return list(torch.split(index, micro_batch_size)) if len(index) else []

@@ -32,7 +32,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -43,12 +42,11 @@ from copc.channels.methods import MethodConfig
 from copc.ops import k3_from_log, log_ratio, zero_where_not
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
 from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer, trim_length
+from copc.trainer.config import TrainerConfig
 from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
 from copc.trainer.forwards import Forwards
 from copc.trainer.proximal import (
-    PROXIMAL_SOURCES,
     Proximal,
-    ProximalSource,
     check_proximal_source,
     loglinear_alpha,
     loglinear_logp,
@@ -56,99 +54,7 @@ from copc.trainer.proximal import (
 )
 from copc.trainer.weight_files import Weights
 
-__all__ = ["ActorCriticTrainer", "StepTensors", "TrainerConfig"]
-
-Truncation = Literal["terminal", "bootstrap", "mask"]
-TRUNCATION_MODES: tuple[str, ...] = get_args(Truncation)
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """Optimisation settings of :class:`ActorCriticTrainer` (the method's maths lives in the method)."""
-
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    """adamw (default) or plain sgd (linear in the gradient: used by the accumulation-invariance test)."""
-    actor_lr: float = 1e-5
-    """Learning rate of the policy."""
-    critic_lr: float = 1e-4
-    """Learning rate of the value model."""
-    weight_decay: float = 0.0
-    """AdamW weight decay (both models)."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    max_grad_norm: float = 1.0
-    """Actor gradient-norm clip (<= 0 disables clipping; the norm is still logged)."""
-    critic_max_grad_norm: float = 1.0
-    """Critic gradient-norm clip (<= 0 disables clipping)."""
-    micro_batch_size: int = 16
-    """Rows per forward/backward; gradients of a minibatch are accumulated over its micro-batches."""
-    actor_minibatches: int = 0
-    """Actor optimizer steps per epoch; 0 = the method preset's (policy.minibatches)."""
-    critic_updates: int = 0
-    """Critic epochs K_critic per step; 0 = the method preset's (critic.updates_per_step)."""
-    critic_minibatches: int = 1
-    """Critic optimizer steps per critic epoch."""
-    ppo_epochs: int = 1
-    """Passes over the actor minibatches per step."""
-    critic_warmup_steps: int = -1
-    """First steps during which only the critic trains (actor frozen, version advances); -1 = preset's."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL(pi || pi_ref) loss on action tokens; needs a reference model when > 0."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (subtracted from the actor loss)."""
-    temperature: float = 1.0
-    """Sampling temperature; log-probs are computed under the same transform as sampling (spec 14)."""
-    top_p: float = 1.0
-    """Sampling top-p (1 = off): log-probs come from the same truncated, renormalised distribution."""
-    top_k: int = 0
-    """Sampling top-k (0 = off): log-probs come from the same truncated, renormalised distribution."""
-    truncation: Truncation = "terminal"
-    """How truncated episodes end: terminal | bootstrap | mask (spec section 0)."""
-    shuffle: bool = True
-    """Shuffle rows into minibatches (seeded by (seed, step, epoch))."""
-    seed: int = 0
-    """Seed of the minibatch shuffles."""
-    proximal: ProximalSource = "recompute"
-    """Where old log-probs come from: recompute | snapshot | ewma | loglinear (copc.trainer.proximal)."""
-    proximal_decay: float = 0.75
-    """ewma: decay beta per actor optimizer step (center of mass beta / (1 - beta) = 3 steps back)."""
-    proximal_max_bytes: int = 32 << 20
-    """snapshot: bound of the stored versions (memory and checkpoints) [bytes]; needs (staleness + 1) x one."""
-    old_forward_reuse: bool = False
-    """recompute: take old of the first actor minibatch's rows from their own first forward (issue 12)."""
-
-    def __post_init__(self) -> None:
-        for name in ("actor_lr", "critic_lr", "temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "critic_minibatches", "ppo_epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
-        if self.critic_warmup_steps < -1:
-            raise ValueError(f"trainer.critic_warmup_steps must be >= 0 (or -1 = preset), got {self.critic_warmup_steps}")
-        for name in ("actor_minibatches", "critic_updates", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("kl_coef", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"trainer.top_p must be in (0, 1] (1 = off; use the rollout's), got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"trainer.top_k must be >= 0 (0 = off; use the rollout's), got {self.top_k}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"trainer.optimizer must be adamw or sgd, got {self.optimizer!r}")
-        if self.proximal not in PROXIMAL_SOURCES:
-            raise ValueError(f"trainer.proximal must be one of {', '.join(PROXIMAL_SOURCES)}, got {self.proximal!r}")
-        if not 0.0 <= self.proximal_decay < 1.0:
-            raise ValueError(f"trainer.proximal_decay must be in [0, 1) (e.g. 0.75), got {self.proximal_decay}")
-        if self.proximal_max_bytes < 1:
-            raise ValueError(f"trainer.proximal_max_bytes must be >= 1, got {self.proximal_max_bytes}")
-        if self.truncation not in TRUNCATION_MODES:
-            raise ValueError(
-                f"trainer.truncation must be one of {', '.join(TRUNCATION_MODES)}, got {self.truncation!r}"
-            )
-
+__all__ = ["ActorCriticTrainer", "StepTensors"]
 
 @dataclass(frozen=True)
 class StepTensors:
@@ -220,6 +126,7 @@ class ActorCriticTrainer:
         self.proximal = Proximal(config.proximal, policy, version=0, decay=config.proximal_decay,
                                  max_bytes=config.proximal_max_bytes)
         self._early: dict[tuple[int, ...], EarlyForward] = {}
+        self._early_values: dict[tuple[int, ...], torch.Tensor] = {}  # critic_forward_reuse
         self.fwd = Forwards(config.temperature, config.top_k, config.top_p, config.micro_batch_size)
 
     # ------------------------------------------------------------------ state
@@ -289,6 +196,26 @@ class ActorCriticTrainer:
             self.fwd.full(self.fwd.logp_of(self.policy), batch, rest, out)
         return zero_where_not(mask, out), None, batch.batch_size - len(rest)
 
+    def _values_old(self, batch: TrainBatch, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Pre-update ``V(s_t)`` ``[B, T]`` (0 without a critic); with ``critic_forward_reuse`` the first
+        critic minibatch's rows come from their own first critic forward, kept for their update."""
+        self._early_values.clear()
+        if self.critic is None:
+            return torch.zeros_like(batch.logp_behav)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        rest = torch.arange(batch.batch_size)
+        if self.config.critic_forward_reuse and train_eval_equivalent(self.critic):
+            first = self._minibatches(loss_mask, self.config.critic_minibatches, salt=1)[0].index
+            self.critic.train()
+            for rows in micro_batches(first, self.config.micro_batch_size):  # with grad: kept for the update
+                values = self.fwd.values(self.critic, batch, rows)
+                self._early_values[tuple(rows.tolist())] = values
+                out[rows, : values.shape[1]] = values.detach().float()
+            rest = rest[~torch.isin(rest, first)]
+        with eval_mode(self.critic):
+            self.fwd.full(partial(self.fwd.values, self.critic), batch, rest, out)
+        return zero_where_not(batch.action_mask, out)
+
     def _reuses_first_forward(self) -> bool:
         """``old_forward_reuse`` applies this step: recompute, the actor trains, and a train-mode forward
         equals the eval-mode one (no dropout, no batch norm; else the separate forward is kept)."""
@@ -305,12 +232,7 @@ class ActorCriticTrainer:
         if self.config.truncation == "mask":
             loss_mask = action_mask & ~batch.truncated[:, None]
         logp_old, alpha, reused = self._old_logp(batch, loss_mask)
-        with eval_mode(self.critic):
-            values_old = (
-                zero_where_not(action_mask, self.fwd.full(partial(self.fwd.values, self.critic), batch))
-                if self.critic is not None
-                else torch.zeros_like(batch.logp_behav)
-            )
+        values_old = self._values_old(batch, loss_mask)
         log_w = log_ratio(logp_old, batch.logp_behav, action_mask)
         bootstrap = None
         if self.config.truncation == "bootstrap" and self.critic is not None:
@@ -361,9 +283,10 @@ class ActorCriticTrainer:
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 for rows in micro_batches(mb.index, self.config.micro_batch_size):
                     length = trim_length(rows, batch.attention_mask)
+                    kept = self._early_values.pop(tuple(rows.tolist()), None)
                     res = value_loss(
                         critic_cfg,
-                        values=self.fwd.values(self.critic, batch, rows).float(),
+                        values=(kept if kept is not None else self.fwd.values(self.critic, batch, rows)).float(),
                         values_old=st.values_old[rows, :length],
                         returns=st.returns[rows, :length],
                         action_mask=st.loss_mask[rows, :length],
@@ -375,6 +298,8 @@ class ActorCriticTrainer:
                     accumulate(stats_acc, res.stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
                 norms.append(clip_grad(self.critic, self.config.critic_max_grad_norm))
                 self.critic_optimizer.step()
+        if self._early_values:
+            raise RuntimeError("critic_forward_reuse: a kept critic forward was not used; the minibatch split changed")
         updates = max(1, epochs * self.config.critic_minibatches)
         out = {k: v / updates for k, v in stats_acc.items()}
         out[m.LOSS_VALUE] = sum(losses) / updates
@@ -488,6 +413,7 @@ class ActorCriticTrainer:
                 metrics.update(self._actor_updates(batch, st))
         finally:
             self._early.clear()  # never hold a graph past its step
+            self._early_values.clear()
         if self.config.old_forward_reuse:
             metrics[m.PROXIMAL_REUSED_ROWS_FRAC] = st.reused_rows / batch.batch_size
         self.version += 1

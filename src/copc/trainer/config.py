@@ -1,0 +1,106 @@
+"""``TrainerConfig``: the optimisation settings of :class:`~copc.trainer.trainer.ActorCriticTrainer` (the
+method's maths lives in the method, :mod:`copc.channels.methods`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from copc.trainer.proximal import PROXIMAL_SOURCES, ProximalSource
+
+__all__ = ["TRUNCATION_MODES", "TrainerConfig", "Truncation"]
+
+Truncation = Literal["terminal", "bootstrap", "mask"]
+TRUNCATION_MODES: tuple[str, ...] = get_args(Truncation)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Optimisation settings of the trainer (module docstring)."""
+
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """adamw (default) or plain sgd (linear in the gradient: used by the accumulation-invariance test)."""
+    actor_lr: float = 1e-5
+    """Learning rate of the policy."""
+    critic_lr: float = 1e-4
+    """Learning rate of the value model."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (both models)."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    max_grad_norm: float = 1.0
+    """Actor gradient-norm clip (<= 0 disables clipping; the norm is still logged)."""
+    critic_max_grad_norm: float = 1.0
+    """Critic gradient-norm clip (<= 0 disables clipping)."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward; gradients of a minibatch are accumulated over its micro-batches."""
+    actor_minibatches: int = 0
+    """Actor optimizer steps per epoch; 0 = the method preset's (policy.minibatches)."""
+    critic_updates: int = 0
+    """Critic epochs K_critic per step; 0 = the method preset's (critic.updates_per_step)."""
+    critic_minibatches: int = 1
+    """Critic optimizer steps per critic epoch."""
+    ppo_epochs: int = 1
+    """Passes over the actor minibatches per step."""
+    critic_warmup_steps: int = -1
+    """First steps during which only the critic trains (actor frozen, version advances); -1 = preset's."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL(pi || pi_ref) loss on action tokens; needs a reference model when > 0."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the actor loss)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are computed under the same transform as sampling (spec 14)."""
+    top_p: float = 1.0
+    """Sampling top-p (1 = off): log-probs come from the same truncated, renormalised distribution."""
+    top_k: int = 0
+    """Sampling top-k (0 = off): log-probs come from the same truncated, renormalised distribution."""
+    truncation: Truncation = "terminal"
+    """How truncated episodes end: terminal | bootstrap | mask (spec section 0)."""
+    shuffle: bool = True
+    """Shuffle rows into minibatches (seeded by (seed, step, epoch))."""
+    seed: int = 0
+    """Seed of the minibatch shuffles."""
+    proximal: ProximalSource = "recompute"
+    """Where old log-probs come from: recompute | snapshot | ewma | loglinear (copc.trainer.proximal)."""
+    proximal_decay: float = 0.75
+    """ewma: decay beta per actor optimizer step (center of mass beta / (1 - beta) = 3 steps back)."""
+    proximal_max_bytes: int = 32 << 20
+    """snapshot: bound of the stored versions (memory and checkpoints) [bytes]; needs (staleness + 1) x one."""
+    old_forward_reuse: bool = False
+    """recompute: take old of the first actor minibatch's rows from their own first forward (issue 12)."""
+    critic_forward_reuse: bool = False
+    """Take V_old of the first critic minibatch's rows from their own first critic forward (train mode, with
+    grad, kept for that minibatch's update): one critic forward fewer per step; the kept activations live
+    until the update (issue 12)."""
+
+    def __post_init__(self) -> None:
+        for name in ("actor_lr", "critic_lr", "temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("micro_batch_size", "critic_minibatches", "ppo_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.critic_warmup_steps < -1:
+            raise ValueError(f"trainer.critic_warmup_steps must be >= 0 (or -1 = preset), got {self.critic_warmup_steps}")
+        for name in ("actor_minibatches", "critic_updates", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("kl_coef", "entropy_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"trainer.top_p must be in (0, 1] (1 = off; use the rollout's), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"trainer.top_k must be >= 0 (0 = off; use the rollout's), got {self.top_k}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"trainer.optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.proximal not in PROXIMAL_SOURCES:
+            raise ValueError(f"trainer.proximal must be one of {', '.join(PROXIMAL_SOURCES)}, got {self.proximal!r}")
+        if not 0.0 <= self.proximal_decay < 1.0:
+            raise ValueError(f"trainer.proximal_decay must be in [0, 1) (e.g. 0.75), got {self.proximal_decay}")
+        if self.proximal_max_bytes < 1:
+            raise ValueError(f"trainer.proximal_max_bytes must be >= 1, got {self.proximal_max_bytes}")
+        if self.truncation not in TRUNCATION_MODES:
+            raise ValueError(
+                f"trainer.truncation must be one of {', '.join(TRUNCATION_MODES)}, got {self.truncation!r}"
+            )
