@@ -1,6 +1,6 @@
 """Experiment throughput: steps per hour of one hard-testbed run, and of two side by side (issue 12, part 3).
 
-    .venv/bin/python benchmarks/throughput.py [--steps 50] [--method copc] [--lag 16] [--eval-every 25]
+    .venv/bin/python benchmarks/throughput.py [--steps 50] [--method copc] [--lag 16] [--eval-every 25] [key=value ...]
 
 A run is a ``copc train`` with the ``copc testbed`` settings (``copc.experiments.testbed.base_overrides``:
 arith_tool hard, 8 prompts x 4 samples, 200 held-out prompts, avg@1 + greedy, evaluation every 25
@@ -11,9 +11,10 @@ prints for each:
 - steps per hour: ``steps / wall * 3600``, ``wall`` the whole ``copc train`` call (model loading, the
   sandbox check, evaluations and checkpoints included: what a sweep cell costs), and per run when two
   share the machine (their sum is the machine's experiment throughput);
-- where the wall time went: generation (``time/generate``, tool calls included), of which the
-  sandbox's CPU seconds (its fork server and every run, reaped when the run closes), training (``time/train``), held-out evaluation
-  (every one, before and after included), checkpoints, and the rest (start-up, logging, publication);
+- where the wall time went: generation (``time/generate``, tool calls included), the sandbox's CPU
+  seconds (its fork server's whole process tree, every run included, read before the process exits),
+  training (``time/train``), held-out evaluation (every one, before and after included), checkpoints,
+  and the rest (start-up, logging, publication);
 - the first and last evaluation and the train reward of the last 10 steps, to compare learning
   curves between code versions on the same seed (same batches: the figures must not move).
 
@@ -35,12 +36,15 @@ from pathlib import Path
 from copc.experiments.testbed import base_overrides
 
 
-def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_dir: Path) -> dict[str, float]:
+def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_dir: Path,
+            extra: list[str]) -> dict[str, float]:
     """Train one testbed run in this process; its throughput figures."""
     import torch
 
     from copc.run.config import load_run_config
     from copc.run.train import train
+    from copc.tasks import get_task
+    from copc.tools.sandbox import shared_sandbox
     from copc.tracking import read_metrics
 
     torch.set_num_threads(1)
@@ -48,15 +52,19 @@ def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_d
                  f"eval.every={eval_every}", f"seed={seed}", f"run_dir={run_dir}", "samples.per_log=0"]
     if method != "ppo":
         overrides += ["staleness.mode=fixed_lag", f"staleness.staleness={lag}"]
-    cfg = load_run_config(None, overrides)
+    cfg = load_run_config(None, [*overrides, *extra])
     start = time.perf_counter()
     result = train(cfg, show_progress=False)
     wall = time.perf_counter() - start
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "time/step" in r]
     summary = result.summary
-    # The sandbox's fork server (and every run it forked) has exited and been reaped when train returns.
+    # Tool CPU: subprocesses that exited (RUSAGE_CHILDREN) and the process's warm sandbox fork server,
+    # still alive here (it serves every run of the process), through its process tree.
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     tool_cpu = usage.ru_utime + usage.ru_stime
+    sandbox_config = getattr(get_task(cfg.task, **cfg.task_options), "sandbox_config", None)
+    if sandbox_config is not None:
+        tool_cpu += shared_sandbox(sandbox_config()).server_cpu_s()
     rewards = [float(r["reward/mean"]) for r in rows[-10:]]
     return {
         "steps": steps,
@@ -76,7 +84,7 @@ def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_d
 def spawn(args: argparse.Namespace, seed: int, run_dir: Path) -> subprocess.Popen[str]:
     command = [sys.executable, __file__, "--one", "--steps", str(args.steps), "--method", args.method,
                "--lag", str(args.lag), "--eval-every", str(args.eval_every), "--seed", str(seed),
-               "--run-dir", str(run_dir)]
+               "--run-dir", str(run_dir), *args.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
 
@@ -104,9 +112,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="more copc train overrides for every run (e.g. trainer.critic_forward_reuse=true)")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.steps, args.method, args.lag, args.eval_every, args.seed, Path(args.run_dir))))
+        print(json.dumps(run_one(args.steps, args.method, args.lag, args.eval_every, args.seed, Path(args.run_dir),
+                                 args.overrides)))
         return
     with tempfile.TemporaryDirectory(prefix="copc-throughput-") as tmp:
         root = Path(tmp)
@@ -116,7 +127,8 @@ def main() -> None:
         pair = [spawn(args, seed, root / f"pair{seed}") for seed in (0, 1)]
         both = [collect(p) for p in pair]
         print(f"hard testbed, {args.method} at fixed lag {args.lag}, {args.steps} steps, evaluation every "
-              f"{args.eval_every} (measured {time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - start:.0f} s)")
+              f"{args.eval_every} {' '.join(args.overrides)} (measured {time.strftime('%Y-%m-%d %H:%M')}, "
+              f"{time.perf_counter() - start:.0f} s)")
         print(f"{'':<22} {'steps/h':>7} {'wall':>7} {'gen':>7} {'toolCPU':>7} {'train':>7} {'eval':>7} "
               f"{'ckpt':>6} {'rest':>6}   eval before -> after, train reward of the last 10 steps")
         print(row("one run alone", alone))
