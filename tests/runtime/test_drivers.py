@@ -13,6 +13,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from copc.eval.evaluate import EvalConfig
@@ -128,3 +129,39 @@ def test_async_bfloat16_sampling_equals_sync_with_half_size_snapshots(tmp_path: 
     assert sorted(snapshots) == [2, 3]  # type: ignore[call-overload]  # versions step 3 and 4 still need
     assert {t.dtype for w in snapshots.values() for t in w.values() if t.is_floating_point()} == {torch.bfloat16}  # type: ignore[attr-defined]
     assert {t.dtype for t in final_policy(tmp_path / "async").values()} == {torch.float32}  # master weights
+
+
+def _worker_niceness(spec: object, out: object) -> None:
+    import os
+
+    from copc.runtime.workers import build_generator
+
+    build_generator(spec)  # type: ignore[arg-type]
+    out.put(os.nice(0))  # type: ignore[attr-defined]
+
+
+def test_rollout_workers_yield_the_cpu_to_the_trainer(tmp_path: Path) -> None:
+    """``driver.worker_nice``: a worker process (and so its tool subprocesses) runs that much nicer than
+    the trainer, which stays at its own priority; the sync driver has no worker to renice."""
+    import multiprocessing as mp
+    import os
+
+    from copc.models import build_tiny_model, build_tiny_tokenizer
+    from copc.runtime.workers import WorkerSpec
+
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model(tokenizer, seed=0).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    spec = WorkerSpec(model_path=str(tmp_path / "tiny"), task="arith_tool",
+                      task_options={"train_size": 50, "eval_size": 4}, nice=3)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_worker_niceness, args=(spec, out))
+    proc.start()
+    try:
+        assert out.get(timeout=120) == os.nice(0) + 3
+    finally:
+        proc.join(timeout=30)
+    assert DriverConfig().worker_nice == 5
+    with pytest.raises(ValueError, match="worker_nice must be in"):
+        DriverConfig(worker_nice=20)

@@ -86,6 +86,10 @@ class DriverConfig:
     """Rollout worker processes (async driver) or actors (ray driver)."""
     trainer_threads: int = 1
     """torch threads of the trainer process (each worker uses one)."""
+    worker_nice: int = 5
+    """Niceness of the rollout worker processes (async driver; 0-19): when trainer and workers want the
+    same cores the trainer, the step's critical path, gets them first; a worker ahead of the trainer
+    only fills what the trainer leaves (nothing changes in what is computed)."""
     max_worker_restarts: int = 3
     """Rollout worker failures survived (restart, batch requested again); one more ends the run."""
     batch_timeout_s: float = 3600.0
@@ -106,6 +110,8 @@ class DriverConfig:
         check_one_of("driver.kind", self.kind, ("sync", "async", "ray"))
         if self.num_workers < 1 or self.trainer_threads < 1:
             raise ValueError("driver.num_workers and driver.trainer_threads must be >= 1")
+        if not 0 <= self.worker_nice <= 19:
+            raise ValueError(f"driver.worker_nice must be in [0, 19] (0 = the trainer's priority), got {self.worker_nice}")
         if self.max_worker_restarts < 0 or not 0 <= self.batch_timeout_s < float("inf"):
             raise ValueError("driver.max_worker_restarts must be >= 0 and driver.batch_timeout_s finite and >= 0")
         for key, value in (("ray_cpus_per_worker", self.ray_cpus_per_worker),

@@ -84,6 +84,8 @@ class WorkerSpec:
     seed: int = 0
     num_threads: int = 1
     """torch threads per worker process."""
+    nice: int = 0
+    """Niceness the worker process adds to itself (``os.nice``; its tool subprocesses inherit it)."""
     device: str = "cpu"
     """Where the worker's generator runs (``cuda`` for a Ray actor given a GPU)."""
 
@@ -95,6 +97,8 @@ class WorkerSpec:
 def build_generator(spec: WorkerSpec) -> RolloutGenerator:
     """The worker's generator: policy (architecture and tokenizer of ``spec.model_path``), task and tools."""
     torch.set_num_threads(spec.num_threads)
+    if spec.nice:
+        os.nice(spec.nice)
     from transformers.utils import logging as hf_logging
 
     from copc.models import load_policy
