@@ -299,7 +299,9 @@ def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, re
         for ax, (panel_title, metric, window) in zip(axes[0], panels, strict=True):
             curves = curves_for(runs, metric, mean_seeds=True, window=window)
             for k, curve in enumerate(curves):
-                label = labels.get(f"{curve.label.split(' (n=')[0]}_seed{seeds[0]}", curve.label)
+                # a group is named after its runs' directories less the seed: "ppo_sync_" or "arm=ppo_sync_"
+                group = curve.label.split(" (n=")[0].removeprefix("arm=").rstrip("_")
+                label = labels.get(f"{group}_seed{seeds[0]}", group)
                 ax.plot(curve.steps, curve.mean, color=f"C{k}", label=f"{label} (n={len(seeds)})")
                 if curve.low is not None and curve.high is not None:
                     ax.fill_between(curve.steps, curve.low, curve.high, color=f"C{k}", alpha=0.2)
