@@ -48,6 +48,7 @@ from copc.eval.evaluate import EvalConfig
 from copc.run.config import DriverConfig, ModelConfig, RunConfig, load_run_config
 from copc.run.train import train
 from copc.runtime.staleness import StalenessConfig
+from copc.tasks.tooling import sandbox_cpu_s
 
 
 def busy(seconds_of_work: int, out: mp.Queue) -> None:
@@ -133,16 +134,8 @@ def _cpu(who: int) -> float:
 
 
 def _tool_cpu(task: object) -> float:
-    """CPU seconds of this process's tool subprocesses so far: fresh interpreters through
-    ``RUSAGE_CHILDREN``, the sandbox's long-lived fork server (and every run it forked) through its own
-    account (``RUSAGE_CHILDREN`` sees a child only once it has exited)."""
-    total = _cpu(resource.RUSAGE_CHILDREN)
-    config = getattr(task, "sandbox_config", None)
-    if config is not None:
-        from copc.tools.sandbox import shared_sandbox
-
-        total += shared_sandbox(config()).server_cpu_s()
-    return total
+    """CPU seconds of this process's tool subprocesses so far: those that exited, and the live fork server."""
+    return _cpu(resource.RUSAGE_CHILDREN) + sandbox_cpu_s(task)
 
 
 def main() -> None:

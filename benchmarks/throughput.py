@@ -44,7 +44,7 @@ def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_d
     from copc.run.config import load_run_config
     from copc.run.train import train
     from copc.tasks import get_task
-    from copc.tools.sandbox import shared_sandbox
+    from copc.tasks.tooling import sandbox_cpu_s
     from copc.tracking import read_metrics
 
     torch.set_num_threads(1)
@@ -62,9 +62,7 @@ def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_d
     # still alive here (it serves every run of the process), through its process tree.
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     tool_cpu = usage.ru_utime + usage.ru_stime
-    sandbox_config = getattr(get_task(cfg.task, **cfg.task_options), "sandbox_config", None)
-    if sandbox_config is not None:
-        tool_cpu += shared_sandbox(sandbox_config()).server_cpu_s()
+    tool_cpu += sandbox_cpu_s(get_task(cfg.task, **cfg.task_options))
     rewards = [float(r["reward/mean"]) for r in rows[-10:]]
     return {
         "steps": steps,

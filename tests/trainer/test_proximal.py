@@ -337,8 +337,8 @@ def test_critic_forward_reuse_trains_like_the_separate_forward(method: str, mini
 
 
 def test_critic_forward_reuse_saves_the_first_minibatchs_value_forward() -> None:
-    """8 rows, micro-batches of 2, one critic minibatch and one critic epoch: 4 critic forwards in the
-    update and none before it (5 x 2 rows -> 4 without reuse + 4), and nothing is held after the step."""
+    """8 rows in micro-batches of 2, one critic minibatch, one critic epoch: without reuse 4 value forwards
+    before the update and 4 in it; with reuse only the update's 4. Nothing is held after the step."""
     counts = []
     for reuse in (False, True):
         trainer = make_trainer("copc", micro_batch_size=2, critic_forward_reuse=reuse)

@@ -60,6 +60,18 @@ class SandboxTool:
         return ToolReply(format_observation(result, self.max_output_chars), failed, result.infra_failed)
 
 
+def sandbox_cpu_s(task: object) -> float:
+    """CPU seconds used so far by this process's shared sandbox of ``task`` (its live fork server's whole
+    process tree, every run included; ``RUSAGE_CHILDREN`` sees none of it while the server lives); 0 for
+    a task whose tools run no model-written code."""
+    config_of = getattr(task, "sandbox_config", None)
+    if config_of is None:
+        return 0.0
+    from copc.tools.sandbox import shared_sandbox
+
+    return shared_sandbox(config_of()).server_cpu_s()
+
+
 def sandbox_config(timeout_s: float) -> SandboxConfig:
     """The sandbox every Python tool call of a task runs in: its wall timeout, and the protections the
     environment (``COPC_SANDBOX_ALLOW_MISSING``) explicitly allows to be missing."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ __all__ = ["Forwards", "RowsFn"]
 
 #: ``fn(batch, rows)``: a per-token quantity ``[len(rows), t]`` of the rows ``rows`` (``[b] int64``).
 RowsFn = Callable[[TrainBatch, torch.Tensor], torch.Tensor]
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,21 @@ class Forwards:
     def logp_of(self, model: nn.Module) -> RowsFn:
         """:meth:`logp` of ``model`` as a :data:`RowsFn`."""
         return lambda b, r: self.logp(model, b, r)
+
+    def keep_first(
+        self, fn: Callable[[TrainBatch, torch.Tensor], tuple[K, torch.Tensor]], batch: TrainBatch,
+        first: torch.Tensor, out: torch.Tensor,
+    ) -> tuple[dict[tuple[int, ...], K], torch.Tensor]:
+        """Forwards kept for the step's first update: ``fn(batch, rows) = (kept, value)`` run with grad over
+        the rows ``first``, micro-batch by micro-batch, ``value`` written (detached) into ``out``. Returns
+        the kept objects by their rows and the rows not in ``first`` (for :meth:`full`)."""
+        kept: dict[tuple[int, ...], K] = {}
+        for rows in micro_batches(first, self.micro_batch_size):
+            keep, value = fn(batch, rows)
+            kept[tuple(rows.tolist())] = keep
+            out[rows, : value.shape[1]] = value.detach().float()
+        every = torch.arange(batch.batch_size)
+        return kept, every[~torch.isin(every, first)]
 
     @torch.no_grad()
     def full(self, fn: RowsFn, batch: TrainBatch, index: torch.Tensor | None = None,

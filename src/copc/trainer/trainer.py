@@ -56,6 +56,7 @@ from copc.trainer.weight_files import Weights
 
 __all__ = ["ActorCriticTrainer", "StepTensors"]
 
+
 @dataclass(frozen=True)
 class StepTensors:
     """Per-token constants of one step, computed once before any update (all ``[B, T]`` float32).
@@ -187,11 +188,12 @@ class ActorCriticTrainer:
         rest = torch.arange(batch.batch_size)
         if self._reuses_first_forward():
             first = self._minibatches(loss_mask, self._actor_minibatch_count(), salt=100)[0].index
-            for rows in micro_batches(first, self.config.micro_batch_size):  # train mode, with grad: kept
-                logp, entropy = self.fwd.logp_entropy(self.policy, batch, rows, entropy=self.config.entropy_coef != 0)
-                self._early[tuple(rows.tolist())] = (logp, entropy)
-                out[rows, : logp.shape[1]] = logp.detach().float()
-            rest = rest[~torch.isin(rest, first)]
+
+            def actor_forward(b: TrainBatch, rows: torch.Tensor) -> tuple[EarlyForward, torch.Tensor]:
+                logp, entropy = self.fwd.logp_entropy(self.policy, b, rows, entropy=self.config.entropy_coef != 0)
+                return (logp, entropy), logp
+
+            self._early, rest = self.fwd.keep_first(actor_forward, batch, first, out)  # train mode, with grad
         with eval_mode(self.policy):
             self.fwd.full(self.fwd.logp_of(self.policy), batch, rest, out)
         return zero_where_not(mask, out), None, batch.batch_size - len(rest)
@@ -206,12 +208,13 @@ class ActorCriticTrainer:
         rest = torch.arange(batch.batch_size)
         if self.config.critic_forward_reuse and train_eval_equivalent(self.critic):
             first = self._minibatches(loss_mask, self.config.critic_minibatches, salt=1)[0].index
-            self.critic.train()
-            for rows in micro_batches(first, self.config.micro_batch_size):  # with grad: kept for the update
-                values = self.fwd.values(self.critic, batch, rows)
-                self._early_values[tuple(rows.tolist())] = values
-                out[rows, : values.shape[1]] = values.detach().float()
-            rest = rest[~torch.isin(rest, first)]
+            critic = self.critic.train()
+
+            def critic_forward(b: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                values = self.fwd.values(critic, b, rows)
+                return values, values
+
+            self._early_values, rest = self.fwd.keep_first(critic_forward, batch, first, out)  # kept for the update
         with eval_mode(self.critic):
             self.fwd.full(partial(self.fwd.values, self.critic), batch, rest, out)
         return zero_where_not(batch.action_mask, out)

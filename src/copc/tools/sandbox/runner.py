@@ -53,7 +53,6 @@ class _OwnerThread:
     """
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self.calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="copc-sandbox-owner", daemon=True).start()
 
@@ -68,7 +67,15 @@ class _OwnerThread:
 
 _OWNER: _OwnerThread | None = None
 _OWNER_LOCK = threading.Lock()
-os.register_at_fork(after_in_child=_OWNER_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
+
+
+def _forget_owner() -> None:
+    """In a forked child: the parent's owner thread does not exist here, and its lock may be held."""
+    global _OWNER, _OWNER_LOCK
+    _OWNER, _OWNER_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_owner)
 
 
 def on_owner_thread(call: Callable[[], T], timeout_s: float = 2 * SERVER_START_TIMEOUT_S) -> T:
@@ -76,7 +83,7 @@ def on_owner_thread(call: Callable[[], T], timeout_s: float = 2 * SERVER_START_T
     (:class:`SandboxUnavailable` when it has not returned within ``timeout_s``)."""
     global _OWNER
     with _OWNER_LOCK:
-        if _OWNER is None or _OWNER.pid != os.getpid():  # a forked child has no thread of its parent's
+        if _OWNER is None:
             _OWNER = _OwnerThread()
         owner = _OWNER
     result: Future[object] = Future()
