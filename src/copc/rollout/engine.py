@@ -8,7 +8,8 @@ so a row's tokens do not depend on which other rows share the batch (up to float
 
 Batches are left-padded; ``position_ids`` count real tokens only, so a padded row sees exactly the
 positions and keys it would see alone. Rows that finish are dropped from the KV cache, so the step
-cost follows the number of rows still generating.
+cost follows the number of rows still generating. The cache grows in place (:mod:`copc.rollout.kv_cache`),
+not by a copy per step.
 
 A row stops at EOS (the EOS token is kept in its ids, not in its text), when the decoded text of the
 tokens generated in this call ends with one of its stop strings (the stop string is kept), or at its
@@ -34,6 +35,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
 
 from copc.models.hf import position_ids_from_mask
+from copc.rollout.kv_cache import growing_cache, plain_kv, rows_of, stacked
 from copc.rollout.sampling import SamplingConfig, sample_inverse_cdf, truncated_logprobs
 
 
@@ -115,34 +117,12 @@ def _plain_dynamic_cache(model: PreTrainedModel) -> bool:
 MAX_ROWS = 128
 """Default rows decoded together: a ``generate`` call with more runs them in blocks of this many, one
 block after another. Hundreds of rows in one batch are slower per row than blocks of ~128 on a CPU (their
-keys/values, copied as the cache grows, leave the CPU caches; ``benchmarks/engine_blocks.py``)."""
+keys/values leave the CPU caches; ``benchmarks/engine_blocks.py``, measured when the cache still grew by
+copying)."""
 PREFILL_TOKENS = 8192
 """Default token budget of one prefill forward (rows x padded width) when the cache is a plain one; a
 longer batch is fed in row chunks (each row's keys/values do not depend on its chunk but for rounding).
 A training batch of the testbeds (32 rows of at most 256 tokens) fits in one."""
-
-
-def _plain_kv(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ``(keys, values)`` ``[B, heads, length, head_dim]`` of a cache of plain layers."""
-    layers = []
-    for layer in cache.layers:
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)  # plain layers only
-        layers.append((keys, values))
-    return layers
-
-
-def _cache_rows(cache: Cache, rows: slice) -> DynamicCache:
-    """The rows ``rows`` of a plain cache, as a cache of their own (views, no copy)."""
-    return DynamicCache(ddp_cache_data=[(keys[rows], values[rows]) for keys, values in _plain_kv(cache)])
-
-
-def _stack_caches(parts: Sequence[Cache]) -> DynamicCache:
-    """Plain caches of the same length stacked along the batch: one cache for the whole batch."""
-    layers = zip(*(_plain_kv(part) for part in parts), strict=True)
-    return DynamicCache(ddp_cache_data=[
-        (torch.cat([keys for keys, _ in group]), torch.cat([values for _, values in group])) for group in layers
-    ])
 
 
 class Engine:
@@ -309,6 +289,8 @@ class Engine:
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache | None
     ) -> tuple[torch.Tensor, Cache]:
+        if cache is None and self._kv_reusable:
+            cache = growing_cache()
         kwargs = {self._cache_kw: cache} if cache is not None else {}
         out = self.model(
             input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
@@ -344,15 +326,15 @@ class Engine:
         parts = []
         for lo in range(0, len(prompts), step):
             rows = slice(lo, lo + step)
-            part = _cache_rows(prefix_cache, rows) if prefix_cache is not None else None
+            part = rows_of(prefix_cache, rows) if prefix_cache is not None else None
             parts.append(self._forward(ids[rows], mask[rows], pos[rows], part))
-        return torch.cat([x for x, _ in parts]), _stack_caches([c for _, c in parts]), mask, pos[:, -1:] + 1
+        return torch.cat([x for x, _ in parts]), stacked([c for _, c in parts]), mask, pos[:, -1:] + 1
 
     def _prefill_rows(self, width: int) -> int:
         """Rows fed per prefill forward: ``prefill_tokens // width`` (at least one), or every row when 0."""
         return max(1, self.prefill_tokens // width) if self.prefill_tokens > 0 else sys.maxsize
 
-    def _batch_cache(self, prefixes: list[PrefixKV | None], width: int) -> DynamicCache:
+    def _batch_cache(self, prefixes: list[PrefixKV | None], width: int) -> Cache:
         """Left-pad the rows' cached keys/values to ``width`` and stack them into one cache."""
         first = next(p for p in prefixes if p is not None)
         layers = []
@@ -363,12 +345,12 @@ class Engine:
                 if p is not None:
                     keys[i, :, width - p.length :], values[i, :, width - p.length :] = p.layers[layer]
             layers.append((keys, values))
-        return DynamicCache(ddp_cache_data=layers)
+        return growing_cache(layers)
 
     def _row_kv(self, cache: Cache, mask: torch.Tensor, b: int) -> PrefixKV:
         """Batch row b's keys/values at its real (unmasked) positions."""
         real = mask[b]
-        layers = tuple((keys[b][:, real], values[b][:, real]) for keys, values in _plain_kv(cache))
+        layers = tuple((keys[b][:, real], values[b][:, real]) for keys, values in plain_kv(cache))
         return PrefixKV(version=self._version, length=int(real.sum()), layers=layers)
 
     def _decode_loop(
