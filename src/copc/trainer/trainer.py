@@ -37,7 +37,14 @@ import torch
 from torch import nn
 
 from copc import tracking as m
-from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
+from copc.channels import (
+    PolicyInputs,
+    ValueInputs,
+    compute_advantages,
+    count_loss_tokens,
+    policy_loss,
+    value_loss,
+)
 from copc.channels.methods import MethodConfig
 from copc.models.hf import TokenLogProbs
 from copc.ops import k3_from_log, log_ratio, zero_where_not
@@ -284,15 +291,14 @@ class ActorCriticTrainer:
                 for rows in micro_batches(mb.index, self.config.micro_batch_size):
                     length = trim_length(rows, batch.attention_mask)
                     kept = self._early_values.pop(tuple(rows.tolist()), None)
-                    res = value_loss(
-                        critic_cfg,
+                    res = value_loss(critic_cfg, ValueInputs(
                         values=(kept if kept is not None else self.fwd.values(self.critic, batch, rows)).float(),
                         values_old=st.values_old[rows, :length],
                         returns=st.returns[rows, :length],
                         action_mask=st.loss_mask[rows, :length],
                         num_tokens=mb.num_tokens,
                         num_seqs=mb.num_seqs,
-                    )
+                    ))
                     res.loss.backward()
                     losses.append(float(res.loss.detach()))
                     accumulate(stats_acc, res.stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
@@ -321,8 +327,7 @@ class ActorCriticTrainer:
         if st.alpha is not None:  # A-3PO: interpolate towards this forward's own (detached) log-probs
             logp_old = loglinear_logp(batch.logp_behav[rows, :length], logp, st.alpha[rows, :length],
                                       batch.action_mask[rows, :length])
-        res = policy_loss(
-            self.method.policy,
+        res = policy_loss(self.method.policy, PolicyInputs(
             logp=logp,
             logp_old=logp_old if self.method.needs_old_forward else None,
             logp_behav=batch.logp_behav[rows, :length],
@@ -330,7 +335,7 @@ class ActorCriticTrainer:
             action_mask=mask,
             num_tokens=mb.actor_tokens,
             num_seqs=mb.num_seqs,
-        )
+        ))
         loss, stats = res.loss, dict(res.stats)
         if self.config.kl_coef > 0:
             assert self.reference is not None
