@@ -38,7 +38,7 @@ def discrepancy(model: torch.nn.Module, trajectories: list[Trajectory], temperat
             if traj.num_action_tokens == 0:
                 continue
             ids = traj.token_ids.unsqueeze(0)
-            logp = token_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool), temperature=temperature)[0]
+            logp = token_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool), temperature=temperature).logp[0]
             out.append((logp - traj.logp_behav)[traj.action_mask])
     return torch.cat(out)
 

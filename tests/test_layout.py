@@ -152,3 +152,22 @@ def test_no_module_is_only_re_exports() -> None:
         if body and all(isinstance(n, ast.ImportFrom | ast.Import | ast.Assign) for n in body):
             bad.append(str(path.relative_to(SRC)))
     assert not bad, f"modules that only re-export: {bad}"
+
+
+def test_ops_facade_is_the_submodules_lists() -> None:
+    """``copc.ops.__all__`` is built from its submodules' lists: each name in one of them, bound to that object."""
+    import importlib
+
+    import copc.ops
+
+    owners: dict[str, list[str]] = {}
+    for path in sorted((SRC / "ops").glob("[!_]*.py")):
+        module = importlib.import_module(f"copc.ops.{path.stem}")
+        for name in module.__all__:
+            owners.setdefault(name, []).append(path.stem)
+    twice = {name: where for name, where in owners.items() if len(where) > 1}
+    assert not twice, f"names in more than one ops module's __all__: {twice}"
+    assert len(copc.ops.__all__) == len(set(copc.ops.__all__))
+    for name in copc.ops.__all__:
+        module = importlib.import_module(f"copc.ops.{owners[name][0]}")
+        assert getattr(copc.ops, name) is getattr(module, name), name

@@ -15,6 +15,8 @@ from copc.channels import (
     AdvantageChannelConfig,
     CriticConfig,
     PolicyChannelConfig,
+    PolicyInputs,
+    ValueInputs,
     compute_advantages,
     count_loss_tokens,
     policy_loss,
@@ -36,10 +38,10 @@ def run_step(method_name: str, d: dict[str, torch.Tensor], **over: object) -> tu
         scores=d["scores"], group_ids=d["group_ids"],
     )
     policy = replace(m.policy, **over) if over else m.policy  # type: ignore[arg-type]
-    out = policy_loss(
-        policy, logp=d["logp"], logp_old=d["logp_old"], logp_behav=d["logp_behav"], advantages=adv.advantages,
+    out = policy_loss(policy, PolicyInputs(
+        logp=d["logp"], logp_old=d["logp_old"], logp_behav=d["logp_behav"], advantages=adv.advantages,
         action_mask=d["action_mask"], num_tokens=d["action_mask"].sum(), num_seqs=d["action_mask"].any(-1).sum(),
-    )
+    ))
     return adv.advantages, out.loss
 
 
@@ -168,7 +170,7 @@ def test_missing_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="values"):
         compute_advantages(AdvantageChannelConfig(), rewards=d["rewards"], values=None, log_w=None, action_mask=d["action_mask"])
     with pytest.raises(ValueError, match="logp_old"):
-        policy_loss(PolicyChannelConfig(), logp=d["logp"], logp_old=None, logp_behav=None, advantages=d["values"], action_mask=d["action_mask"], num_tokens=None)
+        policy_loss(PolicyChannelConfig(), PolicyInputs(logp=d["logp"], logp_old=None, logp_behav=None, advantages=d["values"], action_mask=d["action_mask"], num_tokens=None))
 
 
 # ---------------------------------------------------------------- end-to-end reductions
@@ -214,10 +216,10 @@ def run_step_with_gae(method_name: str, d: dict[str, torch.Tensor], **over: obje
     """Policy loss of a preset on the SAME (whitened GAE) advantages."""
     adv = compute_advantages(AdvantageChannelConfig(), rewards=d["rewards"], values=d["values"], log_w=None, action_mask=d["action_mask"])
     policy = replace(get_method(method_name).policy, **over)  # type: ignore[arg-type]
-    out = policy_loss(
-        policy, logp=d["logp"], logp_old=d["logp_old"], logp_behav=d["logp_behav"], advantages=adv.advantages,
+    out = policy_loss(policy, PolicyInputs(
+        logp=d["logp"], logp_old=d["logp_old"], logp_behav=d["logp_behav"], advantages=adv.advantages,
         action_mask=d["action_mask"], num_tokens=d["action_mask"].sum(),
-    )
+    ))
     return adv.advantages, out.loss
 
 
@@ -238,9 +240,9 @@ def test_kept_denominator_counts_and_micro_batches_sum_to_full_batch() -> None:
     )
     assert n_kept == want_kept and 0 < n_kept < n_all
     adv = torch.randn(d["logp"].shape, generator=torch.Generator().manual_seed(0))
-    full = policy_loss(policy, logp=d["logp"], logp_old=d["logp_old"], logp_behav=d["logp_behav"], advantages=adv, action_mask=d["action_mask"], num_tokens=n_kept)
+    full = policy_loss(policy, PolicyInputs(logp=d["logp"], logp_old=d["logp_old"], logp_behav=d["logp_behav"], advantages=adv, action_mask=d["action_mask"], num_tokens=n_kept))
     parts = sum(
-        policy_loss(policy, logp=d["logp"][c], logp_old=d["logp_old"][c], logp_behav=d["logp_behav"][c], advantages=adv[c], action_mask=d["action_mask"][c], num_tokens=n_kept).loss
+        policy_loss(policy, PolicyInputs(logp=d["logp"][c], logp_old=d["logp_old"][c], logp_behav=d["logp_behav"][c], advantages=adv[c], action_mask=d["action_mask"][c], num_tokens=n_kept)).loss
         for c in chunks
     )
     torch.testing.assert_close(parts, full.loss, rtol=1e-6, atol=1e-7)
@@ -251,6 +253,6 @@ def test_value_loss_dispatch_matches_the_op() -> None:
     returns = d["values"] + torch.randn(d["values"].shape, generator=torch.Generator().manual_seed(1))
     values = d["values"] + 0.7
     for cfg in (CriticConfig(), CriticConfig(loss="huber", clip_eps=None, huber_delta=0.5)):
-        got = value_loss(cfg, values=values, values_old=d["values"], returns=returns, action_mask=d["action_mask"], num_tokens=None)
+        got = value_loss(cfg, ValueInputs(values=values, values_old=d["values"], returns=returns, action_mask=d["action_mask"], num_tokens=None))
         want = clipped_value_loss(values, d["values"], returns, d["action_mask"], clip_eps=cfg.clip_eps, kind=cfg.loss, huber_delta=cfg.huber_delta)  # type: ignore[arg-type]
         assert torch.equal(got.loss, want.loss)

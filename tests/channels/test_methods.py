@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from copc.channels import compute_advantages, policy_loss, value_loss
+from copc.channels import PolicyInputs, ValueInputs, compute_advantages, policy_loss, value_loss
 from copc.channels.methods import MethodConfig, get_method, method_names
 from copc.registry import RegistryError
 from reference.batches import step_batch
@@ -116,15 +116,15 @@ def test_each_preset_runs_a_step_on_a_random_batch(name: str) -> None:
         scores=d["scores"], group_ids=d["group_ids"],
     )
     logp = d["logp"].clone().requires_grad_(True)
-    out = policy_loss(
-        m.policy, logp=logp, logp_old=logp_old, logp_behav=d["logp_behav"], advantages=adv.advantages,
+    out = policy_loss(m.policy, PolicyInputs(
+        logp=logp, logp_old=logp_old, logp_behav=d["logp_behav"], advantages=adv.advantages,
         action_mask=d["action_mask"], num_tokens=d["action_mask"].sum(), num_seqs=d["action_mask"].any(-1).sum(),
-    )
+    ))
     (grad,) = torch.autograd.grad(out.loss, logp)
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
     assert grad.abs().sum() > 0 and torch.equal(grad[~d["action_mask"]], torch.zeros_like(grad[~d["action_mask"]]))
     if m.critic is not None:
         v = (d["values"] + 0.3).requires_grad_(True)
-        vl = value_loss(m.critic, values=v, values_old=d["values"], returns=adv.returns, action_mask=d["action_mask"], num_tokens=d["action_mask"].sum())
+        vl = value_loss(m.critic, ValueInputs(values=v, values_old=d["values"], returns=adv.returns, action_mask=d["action_mask"], num_tokens=d["action_mask"].sum()))
         (gv,) = torch.autograd.grad(vl.loss, v)
         assert torch.isfinite(vl.loss) and gv.abs().sum() > 0

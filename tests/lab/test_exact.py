@@ -15,7 +15,13 @@ import dataclasses
 import pytest
 import torch
 
-from copc.channels import POLICY_OBJECTIVES, AdvantageChannelConfig, PolicyChannelConfig, policy_loss
+from copc.channels import (
+    POLICY_OBJECTIVES,
+    AdvantageChannelConfig,
+    PolicyChannelConfig,
+    PolicyInputs,
+    policy_loss,
+)
 from copc.lab.corrections import (
     LAB_ADVANTAGE_ESTIMATORS,
     Correction,
@@ -70,10 +76,10 @@ def _corr(policy: str, advantage: str, weight_mode: str = "masked_is") -> Correc
 
 def per_token_loss(cfg, logp, logp_behav, advantages, mask):
     """The trainer's per-token actor loss at the step start (old = cur), straight from production."""
-    out = policy_loss(
-        cfg, logp=logp, logp_old=logp.detach(), logp_behav=logp_behav, advantages=advantages, action_mask=mask,
+    out = policy_loss(cfg, PolicyInputs(
+        logp=logp, logp_old=logp.detach(), logp_behav=logp_behav, advantages=advantages, action_mask=mask,
         num_tokens=None,
-    )
+    ))
     return out.per_token
 
 

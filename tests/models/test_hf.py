@@ -14,7 +14,6 @@ from copc.models.hf import (
     load_policy,
     position_ids_from_mask,
     token_logprobs,
-    token_logprobs_and_entropy,
 )
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
 from copc.rollout.sampling import truncated_logprobs
@@ -71,7 +70,7 @@ def test_token_logprobs_match_per_prefix_oracle(model, tok, temperature, pad) ->
     rows = [tok.encode(t) for t in ROWS_TEXT]
     ids, mask = pad(rows, tok.pad_token_id)
     with torch.no_grad():
-        logp = token_logprobs(model, ids, mask, temperature=temperature)
+        logp = token_logprobs(model, ids, mask, temperature=temperature).logp
     assert logp.dtype == torch.float32 and logp.shape == ids.shape
     for b, row in enumerate(rows):
         got = logp[b][mask[b]].tolist()
@@ -81,7 +80,7 @@ def test_token_logprobs_match_per_prefix_oracle(model, tok, temperature, pad) ->
 
 def test_token_logprobs_has_gradients_and_checks_input(model, tok) -> None:
     ids, mask = _left_pad([tok.encode("abc")], tok.pad_token_id)
-    token_logprobs(model, ids, mask)[:, 1:].sum().backward()
+    token_logprobs(model, ids, mask).logp[:, 1:].sum().backward()
     assert model.model.embed_tokens.weight.grad is not None
     model.zero_grad(set_to_none=True)
     with pytest.raises(ValueError, match="temperature"):
@@ -93,12 +92,12 @@ def test_token_logprobs_has_gradients_and_checks_input(model, tok) -> None:
 def test_truncated_transform_and_entropy(model, tok) -> None:
     # The trainer's log-probs under the sampler's top-p transform: the picked entry of
     # truncated_logprobs(l_{t-1}); tokens outside the nucleus get EXCLUDED_LOGPROB (finite), no NaN in
-    # the gradient; the entropy is over the kept tokens; without a transform the entropy helper's
-    # log-probs are token_logprobs' bit for bit.
+    # the gradient; the entropy is over the kept tokens; asking for the entropy leaves the log-probs
+    # bit for bit as they are without it (with and without a transform).
     rows = [tok.encode(t) for t in ROWS_TEXT]
     ids, mask = _right_pad(rows, tok.pad_token_id)
     transform = partial(truncated_logprobs, temperature=0.8, top_k=0, top_p=0.5)
-    logp = token_logprobs(model, ids, mask, transform=transform)
+    logp = token_logprobs(model, ids, mask, transform=transform).logp
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask)).logits.float()
     full = transform(logits[:, :-1])  # [B, T-1, V]
@@ -109,7 +108,9 @@ def test_truncated_transform_and_entropy(model, tok) -> None:
     assert excluded.any() and kept.any()  # a near-uniform random model: half the vocabulary is out
     torch.testing.assert_close(logp[:, 1:][kept], want[kept], atol=ATOL, rtol=0)
     assert bool((logp[:, 1:][excluded] == EXCLUDED_LOGPROB).all())
-    logp_e, entropy = token_logprobs_and_entropy(model, ids, mask, transform=transform)
+    assert token_logprobs(model, ids, mask, transform=transform).entropy is None
+    logp_e, entropy = token_logprobs(model, ids, mask, transform=transform, entropy=True)
+    assert entropy is not None and torch.equal(logp_e.detach(), logp.detach())
     (logp_e[:, 1:][kept].sum() + entropy.sum()).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     model.zero_grad(set_to_none=True)
@@ -118,8 +119,9 @@ def test_truncated_transform_and_entropy(model, tok) -> None:
     torch.testing.assert_close(entropy[:, 1:][has_prefix], want_h[has_prefix], atol=ATOL, rtol=0)
     with torch.no_grad():
         plain = token_logprobs(model, ids, mask, temperature=0.7)
-        both, _ = token_logprobs_and_entropy(model, ids, mask, temperature=0.7)
-    assert torch.equal(plain, both)
+        both = token_logprobs(model, ids, mask, temperature=0.7, entropy=True)
+    assert plain.entropy is None and both.entropy is not None
+    assert torch.equal(plain.logp, both.logp)
     with pytest.raises(ValueError, match="give the temperature to the transform"):
         token_logprobs(model, ids, mask, temperature=0.5, transform=transform)
 

@@ -47,7 +47,7 @@ def test_smollm2_samples_with_exact_logprobs() -> None:
     for prompt, gen in zip(prompts, gens, strict=True):
         full = torch.tensor([prompt + gen.token_ids.tolist()])
         with torch.no_grad():
-            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=0.8)
+            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=0.8).logp
         # 30 layers of fp32 with a KV cache vs one forward: differences ~1e-5.
         torch.testing.assert_close(gen.logp, forced[0, len(prompt) :], atol=1e-4, rtol=0)
     # Multi-turn prefix reuse on a real GQA model: same tokens and log-probs as feeding everything.

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from copc.channels import PolicyChannelConfig, policy_loss
+from copc.channels import PolicyChannelConfig, PolicyInputs, policy_loss
 from copc.ops import (
     AggSpec,
     ClipSpec,
@@ -150,7 +150,7 @@ def test_icepop_current_takes_the_mask_from_cur_and_the_weight_from_old() -> Non
     assert out.keep.tolist() == [[True, False]]
     # the policy channel's icepop objective (its preset's band and aggregation) is this loss
     cfg = PolicyChannelConfig(objective="icepop", mask_high=5.0, mask_source="current", loss_agg="seq-mean-token-mean")
-    channel = policy_loss(cfg, logp=cur, logp_old=z, logp_behav=z, advantages=torch.ones(1, 2), action_mask=mask, num_tokens=None)
+    channel = policy_loss(cfg, PolicyInputs(logp=cur, logp_old=z, logp_behav=z, advantages=torch.ones(1, 2), action_mask=mask, num_tokens=None))
     assert torch.equal(out.per_token, channel.per_token) and torch.equal(out.loss, channel.loss)
 
 

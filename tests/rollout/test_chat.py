@@ -172,7 +172,7 @@ def test_episode_renders_as_the_template_with_exact_masks_and_logprobs(template:
         # Behaviour log-probs equal a teacher-forced forward on the recorded ids.
         ids = traj.token_ids.unsqueeze(0)
         with torch.no_grad():
-            teacher = token_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool))[0]
+            teacher = token_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool)).logp[0]
         mask = traj.action_mask
         torch.testing.assert_close(traj.logp_behav[mask], teacher[mask], atol=1e-5, rtol=0)
         assert (traj.logp_behav[~mask] == 0).all() and (traj.policy_version[~mask] == -1).all()

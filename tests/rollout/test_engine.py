@@ -101,7 +101,7 @@ def test_logp_equals_teacher_forced_forward(engine, model, tok, temperature) -> 
     for prompt, gen in zip(prompts, gens, strict=True):
         full = torch.tensor([prompt + gen.token_ids.tolist()])
         with torch.no_grad():
-            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=temperature)
+            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=temperature).logp
         assert gen.logp.dtype == torch.float32
         torch.testing.assert_close(gen.logp, forced[0, len(prompt) :], atol=ATOL, rtol=0)
 
@@ -227,7 +227,7 @@ def test_load_weights_stamps_versions(model, tok) -> None:
     for prompt, gen in zip(prompts, gens, strict=True):
         full = torch.tensor([prompt + gen.token_ids.tolist()])
         with torch.no_grad():
-            forced = token_logprobs(new, full, torch.ones_like(full, dtype=torch.bool))
+            forced = token_logprobs(new, full, torch.ones_like(full, dtype=torch.bool)).logp
         torch.testing.assert_close(gen.logp, forced[0, len(prompt) :], atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="increase"):
         engine.load_weights(new.state_dict(), version=7)
@@ -270,7 +270,7 @@ def test_prefix_kv_reuse_gives_the_same_samples(model, tok) -> None:
         torch.testing.assert_close(a.logp, b.logp, atol=ATOL, rtol=0)
         full = torch.tensor([prompt + a.token_ids.tolist()])
         with torch.no_grad():
-            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=0.9)
+            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=0.9).logp
         torch.testing.assert_close(a.logp, forced[0, len(prompt) :], atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([prompts[0][:2]], config, prefix_kv=[first[0].kv])
@@ -287,6 +287,6 @@ def test_prefix_kv_from_old_weights_is_ignored(tok) -> None:
     (reused,) = engine.generate([nxt], config, seeds=[2], prefix_kv=[old.kv])
     full = torch.tensor([nxt + reused.token_ids.tolist()])
     with torch.no_grad():
-        forced = token_logprobs(new, full, torch.ones_like(full, dtype=torch.bool))
+        forced = token_logprobs(new, full, torch.ones_like(full, dtype=torch.bool)).logp
     # Keys/values of the old weights would shift these; the stale prefix was recomputed instead.
     torch.testing.assert_close(reused.logp, forced[0, len(nxt) :], atol=ATOL, rtol=0)

@@ -122,7 +122,7 @@ def test_masks_versions_and_logp_match_a_teacher_forced_pass(engine, tok) -> Non
         assert (traj.logp_behav[~mask] == 0).all() and (traj.logp_behav[mask] < 0).all()
         ids = traj.token_ids.unsqueeze(0)
         with torch.no_grad():
-            forced = token_logprobs(engine.model, ids, torch.ones_like(ids, dtype=torch.bool))[0]
+            forced = token_logprobs(engine.model, ids, torch.ones_like(ids, dtype=torch.bool)).logp[0]
         # The ids are what the model saw, so the recorded log-probs are the teacher-forced ones.
         torch.testing.assert_close(traj.logp_behav[mask], forced[mask], atol=ATOL, rtol=0)
 

@@ -86,7 +86,7 @@ def slow_snapshot_oracle(batch: TrainBatch, history: list[dict[str, torch.Tensor
     with torch.no_grad():
         for i, t in batch.action_mask.nonzero().tolist():
             prefix = batch.input_ids[i, : t + 1][None]
-            logp = token_logprobs(models[int(batch.policy_version[i, t])], prefix, torch.ones_like(prefix, dtype=torch.bool))
+            logp = token_logprobs(models[int(batch.policy_version[i, t])], prefix, torch.ones_like(prefix, dtype=torch.bool)).logp
             out[i, t] = logp[0, t]
     return out
 
@@ -104,7 +104,7 @@ def test_snapshot_matches_the_per_token_recomputation_at_each_tokens_version() -
     mask = batch.action_mask
     torch.testing.assert_close(st.logp_old[mask], want[mask], rtol=0, atol=2e-5)
     assert torch.all(st.logp_old[~mask] == 0)
-    recompute = zero_where_not(mask, token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask).detach())
+    recompute = zero_where_not(mask, token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask).logp.detach())
     older = mask & (batch.policy_version < 3)
     assert (st.logp_old[older] - recompute[older]).abs().max() > 1e-3  # the versions really differ
     assert trainer.proximal.version_forwards == 4
@@ -159,7 +159,7 @@ def test_ewma_weights_after_three_updates_and_the_old_they_give() -> None:
     model = build_tiny_model(TOKENIZER, seed=77)
     model.load_state_dict({k: v.float() for k, v in bar.items()})
     with torch.no_grad():
-        want_old = token_logprobs(model.eval(), batch.input_ids, batch.attention_mask)
+        want_old = token_logprobs(model.eval(), batch.input_ids, batch.attention_mask).logp
     mask = batch.action_mask
     torch.testing.assert_close(st.logp_old[mask], want_old[mask], rtol=0, atol=1e-5)
 
@@ -189,7 +189,7 @@ def test_loglinear_skips_the_old_forward_and_interpolates_towards_the_first_forw
     trainer, _ = trained("areal", steps=3, proximal="loglinear", actor_minibatches=1)
     batch = batch_of(trainer.policy, seed=11, versions=(0, 1, 2, 3))
     with torch.no_grad():
-        cur0 = token_logprobs(trainer.policy.eval(), batch.input_ids, batch.attention_mask)
+        cur0 = token_logprobs(trainer.policy.eval(), batch.input_ids, batch.attention_mask).logp
     calls = count_forwards(trainer.policy)
     metrics = trainer.step(batch)
     assert calls[0] == 3  # 8 rows in micro-batches of 3: the actor's forwards only, no old forward

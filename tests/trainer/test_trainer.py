@@ -45,7 +45,7 @@ def synthetic_trajectories(model: torch.nn.Module, *, n: int = 8, seed: int = 0,
         mask[lens[0]: lens[0] + lens[1]] = True
         mask[lens[0] + lens[1] + lens[2]:] = True
         with torch.no_grad():
-            logp = token_logprobs(model, ids[None], torch.ones(1, len(ids), dtype=torch.bool))[0]
+            logp = token_logprobs(model, ids[None], torch.ones(1, len(ids), dtype=torch.bool)).logp[0]
         logp = logp + behaviour_noise * torch.randn(len(ids), generator=gen)
         reward = float(i % 3 == 0)
         rewards = torch.zeros(len(ids))
@@ -167,7 +167,7 @@ def test_zero_staleness_gives_unit_behaviour_weights() -> None:
     batch = collate(trajs, pad_id=TOKENIZER.pad_token_id)
     # Recompute mu with the trainer's own padded forward so it is bit-identical to logp_old.
     with torch.no_grad():
-        logp = token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask)
+        logp = token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask).logp
     batch = replace(batch, logp_behav=torch.where(batch.action_mask, logp, 0.0))
     state = trainer.prepare(batch)
     assert torch.equal(state.log_w, torch.zeros_like(state.log_w))
@@ -264,7 +264,7 @@ def test_methods_without_an_old_forward_log_the_ratio_of_cur_to_mu() -> None:
     trainer = make_trainer("async_ppo", actor_minibatches=1, micro_batch_size=3)
     batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=0.5), pad_id=TOKENIZER.pad_token_id)
     with torch.no_grad():
-        cur = token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask)
+        cur = token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask).logp
     adv = get_method("async_ppo").advantage
     want = importance_diagnostics(log_ratio(cur, batch.logp_behav, batch.action_mask), batch.action_mask,
                                   clip_low=adv.ratio_low, clip_high=adv.ratio_high)
@@ -295,7 +295,7 @@ def test_no_grad_forwards_run_in_eval_mode() -> None:
     policy.eval()
     critic.eval()
     with torch.no_grad():
-        want_old = token_logprobs(policy, batch.input_ids, batch.attention_mask)
+        want_old = token_logprobs(policy, batch.input_ids, batch.attention_mask).logp
         want_v = critic(batch.input_ids, batch.attention_mask)
     mask = batch.action_mask
     torch.testing.assert_close(st.logp_old[mask], want_old[mask], rtol=0, atol=1e-6)

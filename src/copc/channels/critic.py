@@ -25,14 +25,20 @@ ValueLossResult = ValueLossOutput
 
 
 class ValueInputs(NamedTuple):
-    """One (micro-)batch for the critic loss."""
+    """One (micro-)batch for the critic loss: tensors ``[B, T]``, counts global over the minibatch."""
 
+    #: float V(s_t) of the critic being trained, carries the gradient.
     values: torch.Tensor
+    #: float pre-update V(s_t), detached: the value clip's centre (may be None only when ``clip_eps`` is None).
     values_old: torch.Tensor | None
+    #: float critic targets.
     returns: torch.Tensor
+    #: bool, True on the tokens that enter the loss.
     action_mask: torch.Tensor
+    #: the GLOBAL action-token count of the minibatch; None = this micro-batch's own count.
     num_tokens: torch.Tensor | float | None
-    num_seqs: torch.Tensor | float | None
+    #: the GLOBAL count of sequences with at least one action token (seq-* aggregations).
+    num_seqs: torch.Tensor | float | None = None
 
 
 VALUE_LOSSES: Registry[Callable[[CriticConfig, ValueInputs], ValueLossOutput]] = Registry("value loss")
@@ -82,16 +88,6 @@ VALUE_LOSSES.add("mse", _value_penalty("mse"))
 VALUE_LOSSES.add("huber", _value_penalty("huber"))
 
 
-def value_loss(
-    cfg: CriticConfig,
-    *,
-    values: torch.Tensor,
-    values_old: torch.Tensor | None,
-    returns: torch.Tensor,
-    action_mask: torch.Tensor,
-    num_tokens: torch.Tensor | float | None,
-    num_seqs: torch.Tensor | float | None = None,
-) -> ValueLossResult:
-    """The critic loss of ``cfg`` on one (micro-)batch; ``num_tokens`` = global action-token count."""
-    fn = VALUE_LOSSES.get(cfg.loss)
-    return fn(cfg, ValueInputs(values, values_old, returns, action_mask, num_tokens, num_seqs))
+def value_loss(cfg: CriticConfig, inputs: ValueInputs) -> ValueLossResult:
+    """The critic loss of ``cfg`` on one (micro-)batch (:class:`ValueInputs`)."""
+    return VALUE_LOSSES.get(cfg.loss)(cfg, inputs)

@@ -47,15 +47,23 @@ PolicyLossResult = PolicyLossOutput
 
 
 class PolicyInputs(NamedTuple):
-    """One (micro-)batch for the actor loss; all ``[B, T]``, counts global over the minibatch."""
+    """One (micro-)batch for the actor loss: tensors ``[B, T]``, counts global over the minibatch."""
 
+    #: float cur = log pi_theta, carries the gradient.
     logp: torch.Tensor
+    #: float old, the trainer's forward at the step start (None for objectives that do not read it).
     logp_old: torch.Tensor | None
+    #: float mu, the sampler's log-probs (None for objectives that do not read it).
     logp_behav: torch.Tensor | None
+    #: float A_t (constants).
     advantages: torch.Tensor
+    #: bool, True on the tokens that enter the loss.
     action_mask: torch.Tensor
+    #: the GLOBAL actor denominator of the minibatch (all micro-batches, all ranks): the sum of
+    #: :func:`count_loss_tokens` over its micro-batches; None = this micro-batch's own count.
     num_tokens: torch.Tensor | float | None
-    num_seqs: torch.Tensor | float | None
+    #: the GLOBAL count of sequences with at least one action token (seq-* aggregations).
+    num_seqs: torch.Tensor | float | None = None
 
 
 @dataclass(frozen=True)
@@ -236,25 +244,12 @@ def _pg(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     return pg_loss(x.logp, x.advantages, x.action_mask, agg=_agg(cfg, x))
 
 
-def policy_loss(
-    cfg: PolicyChannelConfig,
-    *,
-    logp: torch.Tensor,
-    logp_old: torch.Tensor | None,
-    logp_behav: torch.Tensor | None,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    num_tokens: torch.Tensor | float | None,
-    num_seqs: torch.Tensor | float | None = None,
-) -> PolicyLossResult:
-    """The actor loss of ``cfg`` on one (micro-)batch (all tensors ``[B, T]``; see the module docstring).
+def policy_loss(cfg: PolicyChannelConfig, inputs: PolicyInputs) -> PolicyLossResult:
+    """The actor loss of ``cfg`` on one (micro-)batch (:class:`PolicyInputs`; see the module docstring).
 
-    ``num_tokens`` / ``num_seqs`` are the GLOBAL counts of the minibatch (all micro-batches, all ranks):
-    ``num_tokens`` from :func:`count_loss_tokens` summed over micro-batches; ``num_seqs`` = sequences
-    with at least one action token (seq-* aggregations). Returns ``(loss, per_token, stats, keep)``.
+    Returns ``(loss, per_token, stats, keep)``.
     """
-    entry = POLICY_OBJECTIVES.get(cfg.objective)
-    return entry.fn(cfg, PolicyInputs(logp, logp_old, logp_behav, advantages, action_mask, num_tokens, num_seqs))
+    return POLICY_OBJECTIVES.get(cfg.objective).fn(cfg, inputs)
 
 
 def count_loss_tokens(
@@ -279,8 +274,8 @@ def count_loss_tokens(
     zeros = torch.zeros_like(anchor, dtype=torch.float32)
     with torch.no_grad():
         out = policy_loss(
-            cfg, logp=anchor, logp_old=logp_old, logp_behav=logp_behav, advantages=zeros,
-            action_mask=action_mask, num_tokens=None,
+            cfg, PolicyInputs(logp=anchor, logp_old=logp_old, logp_behav=logp_behav, advantages=zeros,
+                              action_mask=action_mask, num_tokens=None),
         )
     return out.keep.sum()
 

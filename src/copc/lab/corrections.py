@@ -38,6 +38,7 @@ from copc.channels import (
     ADVANTAGE_ESTIMATORS,
     AdvantageChannelConfig,
     PolicyChannelConfig,
+    PolicyInputs,
     compute_advantages,
     policy_loss,
 )
@@ -145,15 +146,14 @@ def update_coefficients(
     ``ĝ = sum_t c_t · grad log pi(a_t|s_t)``: the per-token coefficient of the update direction.
     """
     cur = logp.detach().clone().requires_grad_(True)
-    out = policy_loss(
-        config,
+    out = policy_loss(config, PolicyInputs(
         logp=cur,
         logp_old=logp.detach(),
         logp_behav=logp_behav.detach(),
         advantages=advantages,
         action_mask=action_mask,
         num_tokens=None,
-    )
+    ))
     (grad,) = torch.autograd.grad(out.per_token.sum(), cur)
     return (-grad).detach().to(torch.float64)
 

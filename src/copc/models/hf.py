@@ -3,7 +3,7 @@
 Alignment (spec/algorithms.md section 0). For a sequence ``x_0 .. x_{T-1}`` the quantities of token
 ``t`` are about the state *before* it, ``s_t = x_{<t}``:
 
-- ``token_logprobs(...)[:, t] = log pi(x_t | x_{<t})`` = log_softmax(logits[:, t-1] / temperature)[x_t];
+- ``token_logprobs(...).logp[:, t] = log pi(x_t | x_{<t})`` = log_softmax(logits[:, t-1] / temperature)[x_t];
 - ``ValueModel(...)[:, t] = V(s_t)`` = head(hidden[:, t-1]).
 
 Position 0 (and, in a left-padded row, the first real token) has no prefix: both are defined as 0
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -143,6 +144,15 @@ def _finite(picked: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(picked), picked, EXCLUDED_LOGPROB)
 
 
+class TokenLogProbs(NamedTuple):
+    """:func:`token_logprobs`' result: ``[B, T] float32`` each, 0 where token t has no real predecessor."""
+
+    logp: torch.Tensor
+    """``log pi(x_t | x_{<t})`` under the sampler's transform."""
+    entropy: torch.Tensor | None
+    """``H(pi(. | x_{<t}))`` of the same distributions; None unless asked for (``entropy=True``)."""
+
+
 def token_logprobs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -150,8 +160,10 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     transform: LogProbTransform | None = None,
-) -> torch.Tensor:
-    """log pi(x_t | x_{<t}) for every token, under the sampler's transform, in float32.
+    entropy: bool = False,
+) -> TokenLogProbs:
+    """log pi(x_t | x_{<t}) for every token, under the sampler's transform, in float32, and (``entropy``)
+    the entropies of the same distributions from the same forward.
 
     Without ``transform``: ``logp[:, t] = (l_{t-1}[x_t] / tau) - logsumexp(l_{t-1} / tau)`` where
     ``l_{t-1}`` are the model's float32 logits at position t-1 and tau the temperature (the engine's
@@ -162,53 +174,41 @@ def token_logprobs(
     piecewise constant in the weights, so the gradient is that of the truncated policy almost
     everywhere); wrap in ``torch.no_grad()`` for logp_old.
 
+    ``entropy[:, t] = -sum_v p_v log p_v`` over the tokens the distribution keeps, for the distribution
+    that predicts token t. Asking for it costs the full ``[B, T-1, V]`` log-prob tensor (and its
+    backward); without it and without ``transform`` only the picked entries are formed. The log-probs
+    are the same bit for bit either way.
+
     Args:
         model: a causal LM.
         input_ids: ``[B, T] int64``.
         attention_mask: ``[B, T]`` bool/int, True on real tokens (left or right padding both work).
         temperature: tau > 0, the same value the engine sampled with (1 when ``transform`` is given).
         transform: the sampler's logits -> log-probs map, or None (temperature only).
+        entropy: also return the entropies.
 
     Returns:
-        ``[B, T] float32``; 0 on each row's first real token (no prefix) and on padding.
+        :class:`TokenLogProbs`; 0 on each row's first real token (no prefix) and on padding.
     """
     _check_logprob_args(input_ids, attention_mask, temperature, transform)
     logits_prev = _next_token_logits(model, input_ids, attention_mask)  # [B, T-1, V]
     targets = input_ids[:, 1:].unsqueeze(-1)
-    if transform is None:
+    if transform is None and not entropy:  # the picked entries only: no [B, T-1, V] log-prob tensor
         scaled = logits_prev / temperature
         picked = scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
-    else:
-        picked = _finite(transform(logits_prev).gather(-1, targets).squeeze(-1))
-    return _shift_right(picked, attention_mask)
-
-
-def token_logprobs_and_entropy(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    transform: LogProbTransform | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`token_logprobs` and the entropies ``H(pi(. | x_{<t}))`` of the same distributions, one forward.
-
-    ``entropy[:, t] = -sum_v p_v log p_v`` over the tokens the distribution keeps, for the distribution
-    that predicts token t (from position t-1's logits), 0 where token t has no real predecessor. Both
-    ``[B, T] float32``; without ``transform`` the log-probs equal :func:`token_logprobs` bit for bit.
-    """
-    _check_logprob_args(input_ids, attention_mask, temperature, transform)
-    logits_prev = _next_token_logits(model, input_ids, attention_mask)
+        return TokenLogProbs(_shift_right(picked, attention_mask), None)
     if transform is None:
         scaled = logits_prev / temperature
         logprobs = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # [B, T-1, V]
     else:
         logprobs = transform(logits_prev)
-    picked = _finite(logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1))
+    picked = _finite(logprobs.gather(-1, targets).squeeze(-1))
+    if not entropy:
+        return TokenLogProbs(_shift_right(picked, attention_mask), None)
     kept = torch.isfinite(logprobs)
     safe = torch.where(kept, logprobs, 0.0)  # 0 * -inf would be NaN, in the forward and the backward
-    entropy = -torch.where(kept, safe.exp() * safe, 0.0).sum(dim=-1)
-    return _shift_right(picked, attention_mask), _shift_right(entropy, attention_mask)
+    entropies = -torch.where(kept, safe.exp() * safe, 0.0).sum(dim=-1)
+    return TokenLogProbs(_shift_right(picked, attention_mask), _shift_right(entropies, attention_mask))
 
 
 def _shift_right(prev: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

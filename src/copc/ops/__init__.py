@@ -15,176 +15,32 @@ formulas as implemented are in docs/algorithms.md. Each name lives in one module
 - :mod:`copc.ops.value_losses`: critic losses and the explained variance.
 """
 
-from copc.ops.advantages import (
-    GAEOutput,
-    GroupMode,
-    VTraceOutput,
-    broadcast_to_tokens,
-    fold_rewards,
-    gae,
-    group_advantages,
-    vtrace,
+# Each submodule's ``__all__`` is the one list of its public names: the star imports bind exactly those
+# names here and the package's ``__all__`` is their concatenation (the ``+= submodule.__all__`` form that
+# mypy and pyright read as re-exports). ``scans`` is the exception the docstring names.
+from copc.ops import (
+    advantages,
+    corrected_advantages,
+    corrected_policy_losses,
+    importance,
+    masked,
+    policy_losses,
+    value_losses,
 )
-from copc.ops.corrected_advantages import (
-    BraceOutput,
-    ClippedTDOutput,
-    TraceKind,
-    brace,
-    clipped_td,
-)
-from copc.ops.corrected_policy_losses import (
-    CapMode,
-    CorrectedInputs,
-    MaskSource,
-    WeightMode,
-    band_weight,
-    copc_policy_loss,
-    decoupled_ppo_loss,
-    dis_loss,
-)
-from copc.ops.importance import (
-    LOG_RATIO_CLAMP,
-    ClipFractions,
-    KLEstimates,
-    band_mask,
-    clip_fractions,
-    clip_ratio,
-    importance_diagnostics,
-    k3_from_log,
-    kl_estimators,
-    log_ratio,
-    mask_fraction,
-    mean_abs_log_ratio,
-    ratio_from_log,
-    sequence_band_mask,
-    sequence_ess,
-    sequence_log_weights,
-    token_ess,
-    truncated_is,
-)
-from copc.ops.masked import (
-    ADVANTAGE_NORMS,
-    LOSS_AGG_MODES,
-    TOKEN_MEAN,
-    AdvantageNorm,
-    AggSpec,
-    LossAgg,
-    agg_loss,
-    at_least_float32,
-    check_bt,
-    check_mask,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-    normalize_advantages,
-    zero_where_not,
-)
-from copc.ops.policy_losses import (
-    CLIP_HIGHER,
-    PPO_CLIP,
-    ClipSpec,
-    Denominator,
-    PolicyLossOutput,
-    SurrogateTerms,
-    aggregate_policy_loss,
-    check_loss_inputs,
-    clipped_surrogate,
-    pg_loss,
-    policy_stats,
-    ppo_clip_loss,
-    weighted_ppo_loss,
-)
-from copc.ops.scans import (
-    discounted_reverse_cumsum,
-)
-from copc.ops.value_losses import (
-    EXPLAINED_VAR_MIN_VAR,
-    ValueLossOutput,
-    ValuePenalty,
-    clipped_value_loss,
-    explained_variance,
-    huber_value_loss,
-    mse_value_loss,
-    value_penalty,
-)
+from copc.ops.advantages import *
+from copc.ops.corrected_advantages import *
+from copc.ops.corrected_policy_losses import *
+from copc.ops.importance import *
+from copc.ops.masked import *
+from copc.ops.policy_losses import *
+from copc.ops.scans import discounted_reverse_cumsum
+from copc.ops.value_losses import *
 
-__all__ = [
-    "ADVANTAGE_NORMS",
-    "CLIP_HIGHER",
-    "EXPLAINED_VAR_MIN_VAR",
-    "LOG_RATIO_CLAMP",
-    "LOSS_AGG_MODES",
-    "PPO_CLIP",
-    "TOKEN_MEAN",
-    "AdvantageNorm",
-    "AggSpec",
-    "BraceOutput",
-    "CapMode",
-    "ClipFractions",
-    "ClipSpec",
-    "ClippedTDOutput",
-    "CorrectedInputs",
-    "Denominator",
-    "GAEOutput",
-    "GroupMode",
-    "KLEstimates",
-    "LossAgg",
-    "MaskSource",
-    "PolicyLossOutput",
-    "SurrogateTerms",
-    "TraceKind",
-    "VTraceOutput",
-    "ValueLossOutput",
-    "ValuePenalty",
-    "WeightMode",
-    "agg_loss",
-    "aggregate_policy_loss",
-    "at_least_float32",
-    "band_mask",
-    "band_weight",
-    "brace",
-    "broadcast_to_tokens",
-    "check_bt",
-    "check_loss_inputs",
-    "check_mask",
-    "clip_fractions",
-    "clip_ratio",
-    "clipped_surrogate",
-    "clipped_td",
-    "clipped_value_loss",
-    "copc_policy_loss",
-    "decoupled_ppo_loss",
-    "dis_loss",
-    "discounted_reverse_cumsum",
-    "explained_variance",
-    "fold_rewards",
-    "gae",
-    "group_advantages",
-    "huber_value_loss",
-    "importance_diagnostics",
-    "k3_from_log",
-    "kl_estimators",
-    "log_ratio",
-    "mask_fraction",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "masked_whiten",
-    "mean_abs_log_ratio",
-    "mse_value_loss",
-    "normalize_advantages",
-    "pg_loss",
-    "policy_stats",
-    "ppo_clip_loss",
-    "ratio_from_log",
-    "sequence_band_mask",
-    "sequence_ess",
-    "sequence_log_weights",
-    "token_ess",
-    "truncated_is",
-    "value_penalty",
-    "vtrace",
-    "weighted_ppo_loss",
-    "zero_where_not",
-]
+__all__ = ["discounted_reverse_cumsum"]
+__all__ += advantages.__all__
+__all__ += corrected_advantages.__all__
+__all__ += corrected_policy_losses.__all__
+__all__ += importance.__all__
+__all__ += masked.__all__
+__all__ += policy_losses.__all__
+__all__ += value_losses.__all__

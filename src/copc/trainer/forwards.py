@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from copc.models.hf import LogProbTransform, token_logprobs, token_logprobs_and_entropy
+from copc.models.hf import LogProbTransform, TokenLogProbs, token_logprobs
 from copc.rollout.sampling import truncated_logprobs
 from copc.trainer.batching import TrainBatch, micro_batches
 from copc.trainer.common import trim_length
@@ -46,30 +46,19 @@ class Forwards:
 
     def logp(self, model: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
         """``[b, t] float32`` log-probs of the rows ``index`` (gradients flow unless under no_grad)."""
-        length = trim_length(index, batch.attention_mask)
+        return self.logp_entropy(model, batch, index, entropy=False).logp
+
+    def logp_entropy(self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor, *, entropy: bool) -> TokenLogProbs:
+        """Log-probs (with grad) and, when ``entropy``, per-token entropies ``[b, t] float32`` (one forward)."""
+        length = trim_length(rows, batch.attention_mask)
         temperature, transform = self.transform()
         return token_logprobs(
             model,  # type: ignore[arg-type]  # any causal LM module; typed as PreTrainedModel upstream
-            batch.input_ids[index, :length],
-            batch.attention_mask[index, :length],
-            temperature=temperature,
-            transform=transform,
-        )
-
-    def logp_entropy(
-        self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor, *, entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (with grad) and, when ``entropy``, per-token entropies ``[b, t] float32`` (one forward)."""
-        if not entropy:
-            return self.logp(model, batch, rows), None
-        length = trim_length(rows, batch.attention_mask)
-        temperature, transform = self.transform()
-        return token_logprobs_and_entropy(
-            model,  # type: ignore[arg-type]  # any causal LM module
             batch.input_ids[rows, :length],
             batch.attention_mask[rows, :length],
             temperature=temperature,
             transform=transform,
+            entropy=entropy,
         )
 
     def values(self, critic: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:

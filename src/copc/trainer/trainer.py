@@ -37,8 +37,16 @@ import torch
 from torch import nn
 
 from copc import tracking as m
-from copc.channels import compute_advantages, count_loss_tokens, policy_loss, value_loss
+from copc.channels import (
+    PolicyInputs,
+    ValueInputs,
+    compute_advantages,
+    count_loss_tokens,
+    policy_loss,
+    value_loss,
+)
 from copc.channels.methods import MethodConfig
+from copc.models.hf import TokenLogProbs
 from copc.ops import k3_from_log, log_ratio, zero_where_not
 from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
 from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer, trim_length
@@ -87,10 +95,6 @@ class StepTensors:
     reused_rows: int = 0
 
 
-#: One micro-batch's actor forward kept from the step start: ``(logp with grad, entropy or None)``.
-EarlyForward = tuple[torch.Tensor, torch.Tensor | None]
-
-
 class ActorCriticTrainer:
     """Owns the policy, the critic and their optimizers; :meth:`step` runs one training step.
 
@@ -126,7 +130,7 @@ class ActorCriticTrainer:
         self.steps_done = 0
         self.proximal = Proximal(config.proximal, policy, version=0, decay=config.proximal_decay,
                                  max_bytes=config.proximal_max_bytes)
-        self._early: dict[tuple[int, ...], EarlyForward] = {}
+        self._early: dict[tuple[int, ...], TokenLogProbs] = {}  # actor forwards kept from the step start
         self._early_values: dict[tuple[int, ...], torch.Tensor] = {}  # critic_forward_reuse
         self.fwd = Forwards(config.temperature, config.top_k, config.top_p, config.micro_batch_size)
 
@@ -189,9 +193,9 @@ class ActorCriticTrainer:
         if self._reuses_first_forward():
             first = self._minibatches(loss_mask, self._actor_minibatch_count(), salt=100)[0].index
 
-            def actor_forward(b: TrainBatch, rows: torch.Tensor) -> tuple[EarlyForward, torch.Tensor]:
-                logp, entropy = self.fwd.logp_entropy(self.policy, b, rows, entropy=self.config.entropy_coef != 0)
-                return (logp, entropy), logp
+            def actor_forward(b: TrainBatch, rows: torch.Tensor) -> tuple[TokenLogProbs, torch.Tensor]:
+                forward = self.fwd.logp_entropy(self.policy, b, rows, entropy=self.config.entropy_coef != 0)
+                return forward, forward.logp
 
             self._early, rest = self.fwd.keep_first(actor_forward, batch, first, out)  # train mode, with grad
         with eval_mode(self.policy):
@@ -287,15 +291,14 @@ class ActorCriticTrainer:
                 for rows in micro_batches(mb.index, self.config.micro_batch_size):
                     length = trim_length(rows, batch.attention_mask)
                     kept = self._early_values.pop(tuple(rows.tolist()), None)
-                    res = value_loss(
-                        critic_cfg,
+                    res = value_loss(critic_cfg, ValueInputs(
                         values=(kept if kept is not None else self.fwd.values(self.critic, batch, rows)).float(),
                         values_old=st.values_old[rows, :length],
                         returns=st.returns[rows, :length],
                         action_mask=st.loss_mask[rows, :length],
                         num_tokens=mb.num_tokens,
                         num_seqs=mb.num_seqs,
-                    )
+                    ))
                     res.loss.backward()
                     losses.append(float(res.loss.detach()))
                     accumulate(stats_acc, res.stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
@@ -324,8 +327,7 @@ class ActorCriticTrainer:
         if st.alpha is not None:  # A-3PO: interpolate towards this forward's own (detached) log-probs
             logp_old = loglinear_logp(batch.logp_behav[rows, :length], logp, st.alpha[rows, :length],
                                       batch.action_mask[rows, :length])
-        res = policy_loss(
-            self.method.policy,
+        res = policy_loss(self.method.policy, PolicyInputs(
             logp=logp,
             logp_old=logp_old if self.method.needs_old_forward else None,
             logp_behav=batch.logp_behav[rows, :length],
@@ -333,7 +335,7 @@ class ActorCriticTrainer:
             action_mask=mask,
             num_tokens=mb.actor_tokens,
             num_seqs=mb.num_seqs,
-        )
+        ))
         loss, stats = res.loss, dict(res.stats)
         if self.config.kl_coef > 0:
             assert self.reference is not None
