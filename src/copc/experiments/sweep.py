@@ -70,6 +70,7 @@ from copc.experiments.step_times import (
     timing_key,
 )
 from copc.experiments.sweep_spec import Cell, SpecError, SweepSpec, expand, load_spec
+from copc.run.build import run_dir_holder
 from copc.run.config import RunConfig, load_run_config
 from copc.trainer.checkpoint import list_checkpoints
 
@@ -232,6 +233,10 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
     pending: list[tuple[Cell, dict[str, object], bool]] = []
     for cell in cells:
         run_dir = paths.run_dir(cell)
+        holder = run_dir_holder(run_dir)
+        if holder is not None:  # another sweep (or a hand-started copc train) is running this cell
+            log(f"[sweep] {cell.cell_id}: skipped, pid {holder} is training in {run_dir}")
+            continue
         config: dict[str, object] = dict(to_dict(resolve(cell, run_dir)))
         state, detail = cell_state(config, run_dir, paths.record(spec.experiment, cell))
         if state == "conflict":

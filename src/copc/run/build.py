@@ -1,13 +1,17 @@
 """Building a run's pieces from its :class:`~copc.run.config.RunConfig`: the policy folder (warm start,
-tiny model or an HF folder), the run directory (never reused by accident), the seeds, the check that
-every training prompt fits the context, and the driver's batch source.
+tiny model or an HF folder), the run directory (never reused by accident, and held by one process at a
+time), the seeds, the check that every training prompt fits the context, and the driver's batch source.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +30,12 @@ from copc.tasks import Task
 from copc.tasks.datasets import DataError
 
 __all__ = [
-    "RUN_ENTRIES", "build_source", "check_prompts_fit", "check_sandbox", "make_run_dir", "policy_path", "quiet_transformers",
-    "seed_everything",
+    "RUN_ENTRIES", "build_source", "check_prompts_fit", "check_sandbox", "claimed_run_dir", "policy_path",
+    "quiet_transformers", "run_dir_holder", "seed_everything",
 ]
+
+LOCK_NAME = ".lock"
+"""The file in a run directory whose exclusive ``flock`` the one process training there holds."""
 
 #: What ``copc train`` writes into a run directory (``overwrite=true`` removes exactly these).
 RUN_ENTRIES = (
@@ -94,9 +101,13 @@ def build_critic(cfg: RunConfig, policy: PreTrainedModel, tokenizer: PreTrainedT
     return critic
 
 
-def make_run_dir(cfg: RunConfig) -> Path:
-    """The run directory, created; an existing run there is continued (``resume=true``), replaced
-    (``overwrite=true``) or refused (:class:`ConfigError`): a run is never overwritten by accident."""
+@contextmanager
+def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
+    """The run directory, created and held by this process for the block; an existing run there is
+    continued (``resume=true``), replaced (``overwrite=true``) or refused (:class:`ConfigError`): a run is
+    never overwritten by accident, nor trained by two processes at once (a second claim of a directory
+    another process holds is refused, naming that process). The hold is an exclusive ``flock`` on
+    ``<run_dir>/.lock``: the kernel drops it when the process ends, however it ends."""
     if cfg.resume and not cfg.run_dir:
         raise ConfigError("resume=true needs run_dir=<the run directory to continue>")
     if cfg.resume and cfg.overwrite:
@@ -108,18 +119,47 @@ def make_run_dir(cfg: RunConfig) -> Path:
         path = Path("runs") / f"{stamp}-{cfg.method}-{cfg.task}-s{cfg.staleness.staleness}-seed{cfg.seed}"
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run_dir {path} is a file, not a directory")
-    existing = [name for name in RUN_ENTRIES if (path / name).exists()]
-    if existing and not cfg.resume:
-        if not cfg.overwrite:
-            raise ConfigError(
-                f"run_dir {path} already holds a run ({', '.join(existing)}); pass resume=true to continue it, "
-                "overwrite=true to replace it, or choose another run_dir"
-            )
-        for name in existing:
-            target = path / name
-            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise ConfigError(f"run_dir {path} is in use by another copc train (pid {holder}); wait for it to end "
+                              "or choose another run_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        existing = [name for name in RUN_ENTRIES if (path / name).exists()]
+        if existing and not cfg.resume:
+            if not cfg.overwrite:
+                raise ConfigError(
+                    f"run_dir {path} already holds a run ({', '.join(existing)}); pass resume=true to continue it, "
+                    "overwrite=true to replace it, or choose another run_dir"
+                )
+            for name in existing:
+                target = path / name
+                shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+        yield path
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def run_dir_holder(path: Path) -> int | None:
+    """The pid of the process training in ``path`` now (:func:`claimed_run_dir`), or None when none is."""
+    try:
+        fd = os.open(path / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else -1
+    else:
+        return None
+    finally:
+        os.close(fd)
 
 
 def check_prompts_fit(task: Task, tokenizer: PreTrainedTokenizerBase, context_limit: int) -> int:

@@ -47,7 +47,7 @@ from copc.run.build import (
     build_source,
     check_prompts_fit,
     check_sandbox,
-    make_run_dir,
+    claimed_run_dir,
     policy_path,
     quiet_transformers,
     seed_everything,
@@ -186,9 +186,13 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     step (when the stop came at a step boundary), and the runtime's errors (docs/reliability.md).
     """
     wall = time.perf_counter()
+    with claimed_run_dir(cfg) as run_dir:  # one process per run directory, for the whole run
+        return _train(cfg, run_dir, wall, show_progress)
+
+
+def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool) -> TrainResult:
     torch.set_num_threads(cfg.driver.trainer_threads)
     seed_everything(cfg.seed)
-    run_dir = make_run_dir(cfg)
     resumed = find_checkpoint(cfg, run_dir) if cfg.resume else None
     dump_yaml(cfg, run_dir / "config.yaml")
     method = resolve_method(cfg)

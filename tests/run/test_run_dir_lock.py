@@ -1,0 +1,73 @@
+"""One process per run directory: a second ``copc train`` there is refused in one line naming the holder,
+nothing of the first run is touched, the hold ends with the process, and ``copc sweep`` skips a cell
+another process is training."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from copc.config import ConfigError
+from copc.experiments.sweep import sweep_cli
+from copc.run.build import claimed_run_dir, run_dir_holder
+from copc.run.config import default_config
+
+
+def test_a_second_claim_is_refused_naming_the_holder_and_touches_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = replace(default_config(), run_dir=str(run))
+    assert run_dir_holder(run) is None
+    with claimed_run_dir(cfg) as path:
+        (path / "metrics.jsonl").write_text("{}\n")  # the first run's output so far
+        assert run_dir_holder(run) == os.getpid()
+        for other in (cfg, replace(cfg, resume=True), replace(cfg, overwrite=True)):
+            with pytest.raises(ConfigError, match=r"in use by another copc train \(pid \d+\)"), claimed_run_dir(other):
+                pass
+        assert (path / "metrics.jsonl").read_text() == "{}\n"  # overwrite=true did not remove it
+    assert run_dir_holder(run) is None
+    with claimed_run_dir(replace(cfg, resume=True)):  # free again once the holder let go
+        pass
+
+
+def test_the_hold_ends_with_the_process_however_it_ends(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from dataclasses import replace; from copc.run.build import claimed_run_dir; "
+        "from copc.run.config import default_config; "
+        f"cm = claimed_run_dir(replace(default_config(), run_dir={str(run)!r})); cm.__enter__(); "
+        "print('held', flush=True); time.sleep(60)"
+    )], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert run_dir_holder(run) == holder.pid
+    finally:
+        holder.kill()  # SIGKILL: no cleanup code runs
+        holder.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while run_dir_holder(run) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run_dir_holder(run) is None
+
+
+def test_sweep_skips_a_cell_another_process_is_training(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    spec = {"experiment": "held", "seeds": 1, "shared": ["model.policy=tiny", "steps=2"],
+            "axes": {"method": {"ppo_sync": ["method=ppo", "driver.kind=sync"]}}}
+    (tmp_path / "held.yaml").write_text(yaml.safe_dump(spec))
+    runs = tmp_path / "runs" / "sweep" / "held"
+    cell_dir = runs / "method=ppo_sync__seed0"
+    with claimed_run_dir(replace(default_config(), run_dir=str(cell_dir))):
+        code = sweep_cli(["held.yaml", "--jobs", "1", "--runs", str(runs),
+                          "--results", str(tmp_path / "results")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "skipped, pid" in out and "start" not in out
+    assert not (tmp_path / "results" / "held").exists()
