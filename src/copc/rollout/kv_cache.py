@@ -2,7 +2,7 @@
 
 transformers' :class:`~transformers.cache_utils.DynamicLayer` appends a decode step's keys and values
 with ``torch.cat``, so every step copies the whole cache: under the profiler that copy was half of the
-self time of a 128-row decode on a CPU, and ``benchmarks/kv_cache.py`` measures the call 1.15-1.2x
+self time of a 128-row decode on a CPU, and ``benchmarks/engine_blocks.py`` measures the call 1.15-1.2x
 faster without it (one thread, 2026-12-01). A
 :class:`GrowingLayer` keeps its keys and values in a buffer with room for more tokens and writes each
 step's into it; ``keys`` and ``values`` are views of the filled part, so attention reads the same
