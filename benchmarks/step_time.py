@@ -19,8 +19,11 @@ shared machine hits them alike; medians over the steps after the first ``--warmu
 - speed-up as a fraction of that scaled bound (target >= 90%) and the COPC overhead (target <= 2%);
 - COPC's overhead measured on the trainer step alone, methods alternated on identical batches;
 - the CPU cost of generation (generator process + the sandbox's fork server and its runs, for the tool
-  calls) and the overlap bound it implies: two processes cannot overlap beyond the machine's cores when
-  generation alone already keeps more than one core busy (the CPU-time bound, capped by ``c``).
+  calls) and the overlap bound it implies, the CPU-time bound: a step needs ``gen CPU + train`` seconds
+  of CPU, and the machine delivers ``c`` cores of it to busy processes, so an async step takes at least
+  ``max(gen, train, (gen CPU + train) / c)``. (Until 2026-12-01 22:40 the last term divided by the
+  nominal ``os.cpu_count()`` = 2 and the result was capped by ``c``: a bound no run on this machine
+  could reach when generation alone keeps more than one core busy. The line prints that figure too.)
 
 Every configuration uses the async driver's defaults except the method and driver (one rollout worker,
 bounded staleness 8), with no critic warm-up (every timed step trains the actor) and
@@ -224,7 +227,8 @@ def report(
     speedup_copc = sync["step"] / results["async COPC"]["step"]
     gen_cpu = overhead["gen_cpu_self"] + overhead["gen_cpu_tools"]
     cores = os.cpu_count() or 1
-    cpu_bound = min(capacity, (gen + trn) / max(gen, trn, (gen_cpu + trn) / cores))
+    cpu_bound = min(capacity, (gen + trn) / max(gen, trn, (gen_cpu + trn) / capacity))
+    nominal = min(capacity, (gen + trn) / max(gen, trn, (gen_cpu + trn) / cores))
     e2e_3a = results["async COPC"]["step"] / results["async PPO (3a)"]["step"] - 1
     e2e_3b = results["async COPC"]["step"] / results["async PPO (3b, recompute)"]["step"] - 1
     print(f"\nideal overlap bound (gen + train) / max(gen, train) = {bound:.2f}x; scaled by capacity: {scaled:.2f}x")
@@ -236,8 +240,9 @@ def report(
     t3a, t3b, tc = overhead["async_ppo"], overhead["async_ppo_recompute"], overhead["copc"]
     print(f"generation of one batch in-process: {overhead['gen_wall']:.2f}s wall, {overhead['gen_cpu_self']:.2f}s CPU "
           f"in the generator + {overhead['gen_cpu_tools']:.2f}s CPU in sandbox subprocesses (tool calls) -> "
-          f"generation alone uses {gen_cpu / overhead['gen_wall']:.1f} cores; CPU-time bound on {cores} cores: "
-          f"min(c, (gen + train) / max(gen, train, (gen CPU + train) / cores)) = {cpu_bound:.2f}x")
+          f"generation alone uses {gen_cpu / overhead['gen_wall']:.1f} cores; CPU-time bound with the measured "
+          f"capacity: (gen + train) / max(gen, train, (gen CPU + train) / c) = {cpu_bound:.2f}x (with the nominal "
+          f"{cores} cores instead of c, capped by c: {nominal:.2f}x; async COPC at {speedup_copc / nominal:.0%} of that)")
     print(f"trainer step alone (paired, same batches): 3a {t3a:.3f}s, 3b {t3b:.3f}s, COPC {tc:.3f}s -> COPC "
           f"{tc / t3a - 1:+.1%} vs 3a (one extra no-grad forward), {tc / t3b - 1:+.1%} vs 3b (same forwards)")
 
