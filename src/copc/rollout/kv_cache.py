@@ -2,16 +2,17 @@
 
 transformers' :class:`~transformers.cache_utils.DynamicLayer` appends a decode step's keys and values
 with ``torch.cat``, so every step copies the whole cache: under the profiler that copy was half of the
-self time of a 128-row decode on a CPU, and ``benchmarks/engine_blocks.py`` measures the call 1.15-1.2x
-faster without it (one thread, 2026-12-01). A
-:class:`GrowingLayer` keeps its keys and values in a buffer with room for more tokens and writes each
-step's into it; ``keys`` and ``values`` are views of the filled part, so attention reads the same
-numbers in the same layout order as before (the generations are bit-identical, tested). The buffer
-grows by half its length when full, so the copying is amortised O(length).
+self time of a 128-row decode on a CPU, and without it the call is 1.15-1.2x faster
+(``benchmarks/engine_blocks.py``, one thread, 2026-12-01). A :class:`GrowingLayer` keeps its keys and
+values in a buffer with room for more tokens and writes each step's into it; ``keys`` and ``values``
+are views of the filled part, so attention reads the same numbers as before (the generations are
+bit-identical, tested). The buffer grows by half its length when full, so the copying is amortised
+O(length).
 
 Everything else (row selection, the prefix reuse of multi-turn episodes) works on ``keys`` and
-``values`` as on a ``DynamicLayer``; a method of the base class that replaces them (``crop``,
-``reorder_cache``) is noticed at the next ``update``, which then starts a new buffer from them.
+``values`` as on a ``DynamicLayer``. ``crop`` leaves views of the same buffer; a base-class method that
+replaces them with new tensors (``reorder_cache``, ``batch_repeat_interleave``) is noticed at the next
+``update``, which then starts a new buffer from them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 __all__ = ["GrowingLayer", "growing_cache", "plain_kv", "rows_of", "stacked"]
 
 MIN_ROOM = 64
-"""Tokens of room a new buffer gets at least beyond what it holds (a turn's decode fits in it)."""
+"""Tokens of room a new buffer gets at least beyond what it holds (a testbed turn's 48 fit in it)."""
 
 
 class GrowingLayer(DynamicLayer):
