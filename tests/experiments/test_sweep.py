@@ -18,6 +18,7 @@ from copc.experiments import testbed
 from copc.experiments.results import (
     build_record,
     collapse_step,
+    collapse_text,
     config_hash,
     load_records,
     paired_differences,
@@ -163,6 +164,21 @@ def test_collapse_detector_golden():
     assert collapse_step(run([0.5, 0.3]), patience=1) == 25
     with pytest.raises(ValueError):
         collapse_step(run([0.1]), margin=0.0)
+
+
+def test_collapse_counts_per_group_golden():
+    def run(method, seed, values):
+        return {"levels": {"method": method}, "seed": seed,
+                "evals": [{"step": 25 * i, "greedy_accuracy": v} for i, v in enumerate(values)]}
+
+    records = [run("copc", 0, [0.2, 0.5, 0.5, 0.5]), run("copc", 1, [0.2, 0.6, 0.4, 0.45, 0.3]),
+               run("vtrace", 0, [0.5, 0.2, 0.2, 0.2, 0.6])]
+    assert collapse_text(records).splitlines() == [
+        "collapses (3 consecutive evaluations more than 0.1 below the run's best greedy_accuracy):",
+        "  method=copc    1 of 2  (seed 1 at step 50)",
+        "  method=vtrace  1 of 1  (seed 0 at step 25)",
+    ]
+    assert "0 of 2" in collapse_text(records[:2], margin=0.5)
 
 
 # -------------------------------------------------------------------------------------------- records

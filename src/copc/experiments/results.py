@@ -44,6 +44,7 @@ __all__ = [
     "build_record",
     "by_group",
     "collapse_step",
+    "collapse_text",
     "config_hash",
     "group_key",
     "group_text",
@@ -326,6 +327,22 @@ def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy",
             length = 0
         best = max(best, value)
     return None
+
+
+def collapse_text(records: Sequence[Mapping[str, object]], metric: str = "greedy_accuracy", *, margin: float = 0.1,
+                  patience: int = 3) -> str:
+    """E4's count: per group, how many of its runs collapse (:func:`collapse_step`) and where."""
+    groups: dict[tuple[tuple[str, str], ...], list[tuple[int, int | None]]] = {}
+    for record in records:
+        step = collapse_step(record, metric, margin=margin, patience=patience)
+        groups.setdefault(group_key(record), []).append((int(record["seed"]), step))  # type: ignore[call-overload]
+    lines = [f"collapses ({patience} consecutive evaluations more than {margin:g} below the run's best {metric}):"]
+    width = max((len(group_text(k)) for k in groups), default=0)
+    for key, runs in groups.items():
+        hits = sorted((seed, step) for seed, step in runs if step is not None)
+        where = f"  ({', '.join(f'seed {seed} at step {step}' for seed, step in hits)})" if hits else ""
+        lines.append(f"  {group_text(key):<{width}}  {len(hits)} of {len(runs)}{where}")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ tables

@@ -54,6 +54,7 @@ from pathlib import Path
 from copc.config import ConfigError, from_dict, load_yaml, to_dict
 from copc.experiments.results import (
     build_record,
+    collapse_text,
     config_hash,
     load_records,
     machine_info,
@@ -389,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
                         help="with --dry-run: probe each unmeasured task/method/driver for STEPS steps first")
     parser.add_argument("--report", action="store_true", help="print the table of the finished records")
+    parser.add_argument("--collapse", default=None, metavar="METRIC[,MARGIN[,PATIENCE]]",
+                        help="with --report: count each group's collapses (E4: greedy_accuracy,0.1,3 = three "
+                             "evaluations in a row more than 0.1 below the run's best so far)")
     parser.add_argument("--plot", default=None, metavar="DIR",
                         help="with --report: also draw <experiment>_curves.png and <experiment>_summary.png into DIR")
     parser.add_argument("--baseline", default=None, metavar="AXIS=LEVEL[,AXIS=LEVEL]",
@@ -401,6 +405,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a later run with more steps extends the runs from their checkpoints)")
     parser.add_argument("--only", default=None, metavar="SUBSTRING", help="only the cells whose id contains this")
     return parser
+
+
+def _collapse_rule(text: str) -> tuple[str, float, int]:
+    """``METRIC[,MARGIN[,PATIENCE]]`` of ``--collapse`` (defaults 0.1 and 3); SpecError naming the fix."""
+    parts = text.split(",")
+    try:
+        metric = parts[0]
+        margin = float(parts[1]) if len(parts) > 1 else 0.1
+        patience = int(parts[2]) if len(parts) > 2 else 3
+    except ValueError:
+        raise SpecError(f"--collapse {text!r}: expected METRIC[,MARGIN[,PATIENCE]], e.g. greedy_accuracy,0.1,3") from None
+    if len(parts) > 3 or not metric or margin <= 0 or patience < 1:
+        raise SpecError(f"--collapse {text!r}: expected METRIC[,MARGIN[,PATIENCE]] with MARGIN > 0 and PATIENCE >= 1, "
+                        "e.g. greedy_accuracy,0.1,3")
+    return metric, margin, patience
 
 
 def _baseline(text: str | None, spec: SweepSpec) -> dict[str, str]:
@@ -417,6 +436,7 @@ def sweep_cli(argv: Sequence[str]) -> int:
     if args.jobs < 0 or args.measure < 0 or args.steps < 0:
         print("copc sweep: error: --jobs, --measure and --steps must be >= 0", file=sys.stderr)
         return 2
+    collapse = _collapse_rule(args.collapse) if args.collapse else None
     spec = load_spec(args.file)
     cells = expand(spec)
     if args.steps:
@@ -431,6 +451,9 @@ def sweep_cli(argv: Sequence[str]) -> int:
         records = load_records(paths.results / spec.experiment)
         print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
         print(report_text(records, spec.report, _baseline(args.baseline, spec) or None))
+        if collapse is not None and records:
+            metric, margin, patience = collapse
+            print("\n" + collapse_text(records, metric, margin=margin, patience=patience))
         if args.plot and records:
             from copc.experiments.figures import plot_curves, plot_summary
 
