@@ -31,13 +31,20 @@ MIN_ROOM = 64
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys/values are views of a buffer with room to grow (module docstring)."""
 
-    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, keys: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        values: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Empty, or holding ``keys``/``values`` ``[B, heads, length, head_dim]`` (or their batch parts, in
+        order: copied once, straight into the buffer)."""
         super().__init__()
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         if keys is not None and values is not None:
-            self.device, self.is_initialized = keys.device, True
-            self._rebuffer(keys, values, extra=0)
+            key_parts = [keys] if isinstance(keys, torch.Tensor) else list(keys)
+            value_parts = [values] if isinstance(values, torch.Tensor) else list(values)
+            self.device, self.is_initialized = key_parts[0].device, True
+            self._rebuffer(key_parts, value_parts, extra=0)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -45,11 +52,11 @@ class GrowingLayer(DynamicLayer):
         """Append ``[B, heads, n, head_dim]`` keys/values; the whole filled cache as views."""
         if not self.is_initialized or self.keys is None or self.values is None:
             self.device, self.is_initialized = key_states.device, True
-            self._rebuffer(key_states, value_states, extra=0)
+            self._rebuffer([key_states], [value_states], extra=0)
             return self._views(key_states.shape[-2])
         length, added = self.keys.shape[-2], key_states.shape[-2]
         if not self._owns_views() or length + added > self.capacity:
-            self._rebuffer(self.keys, self.values, extra=added)
+            self._rebuffer([self.keys], [self.values], extra=added)
         assert self._key_buffer is not None and self._value_buffer is not None
         self._key_buffer[:, :, length : length + added] = key_states
         self._value_buffer[:, :, length : length + added] = value_states
@@ -86,16 +93,24 @@ class GrowingLayer(DynamicLayer):
             and keys.stride() == buffer.stride()
         )
 
-    def _rebuffer(self, keys: torch.Tensor, values: torch.Tensor, *, extra: int) -> None:
-        """New buffers holding ``keys``/``values`` with room for ``extra`` more tokens and then some."""
-        length = keys.shape[-2]
+    def _rebuffer(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *, extra: int) -> None:
+        """New buffers holding the batch parts ``keys``/``values`` (stacked in order) with room for
+        ``extra`` more tokens and then some."""
+        length = keys[0].shape[-2]
         room = length + extra + max(MIN_ROOM, (length + extra) // 2)
-        batch, heads, _, dim = keys.shape
-        self._key_buffer = keys.new_empty(batch, heads, room, dim)
-        self._value_buffer = values.new_empty(batch, heads, room, values.shape[-1])
-        self._key_buffer[:, :, :length] = keys
-        self._value_buffer[:, :, :length] = values
+        self._key_buffer, self._value_buffer = _buffer(keys, room), _buffer(values, room)
         self._views(length)
+
+
+def _buffer(parts: Sequence[torch.Tensor], room: int) -> torch.Tensor:
+    """``[sum of B, heads, room, dim]``: the parts' tokens first, stacked along the batch; the rest unset."""
+    batch, (_, heads, length, dim) = sum(p.shape[0] for p in parts), parts[0].shape
+    out = parts[0].new_empty(batch, heads, room, dim)
+    lo = 0
+    for part in parts:
+        out[lo : lo + part.shape[0], :, :length] = part
+        lo += part.shape[0]
+    return out
 
 
 def growing_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Cache:
@@ -124,6 +139,4 @@ def rows_of(cache: Cache, rows: slice) -> Cache:
 def stacked(parts: Sequence[Cache]) -> Cache:
     """Plain caches of the same length stacked along the batch: one growing cache for the whole batch."""
     layers = zip(*(plain_kv(part) for part in parts), strict=True)
-    return growing_cache([
-        (torch.cat([keys for keys, _ in group]), torch.cat([values for _, values in group])) for group in layers
-    ])
+    return Cache(layers=[GrowingLayer([k for k, _ in group], [v for _, v in group]) for group in layers])
