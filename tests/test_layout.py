@@ -28,7 +28,8 @@ LAYERS: list[set[str]] = [
     {"runtime", "trainer"},
     {"eval"},
     {"run"},
-    {"experiments", "lab", "integrations"},
+    {"lab"},
+    {"experiments", "integrations"},
     {"cli", "__init__"},
 ]
 SIDEWAYS_ALLOWED = {("runtime", "trainer")}

@@ -3,8 +3,9 @@
 :func:`plot_curves` draws one panel per evaluation metric: for each group of cells (the axis levels
 without the seed), the seed mean of the metric at every evaluation step, with a band from the lowest to
 the highest seed. :func:`plot_summary` draws, per summary metric, each group's seed mean with its 95%
-t interval over seeds (no bar where a group has one seed) and the seeds as dots. Matplotlib (Agg
-backend) is imported when a figure is drawn.
+t interval over seeds (no bar where a group has one seed) and the seeds as dots. :func:`plot_heatmaps`
+draws a joint sweep's grid of seed means per panel (copc.experiments.interaction), with the lab's exact
+prediction for the same cells beside it. Matplotlib (Agg backend) is imported when a figure is drawn.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
+
+from copc.experiments.interaction import Panel
 from copc.experiments.results import by_group, group_key, group_text, t_interval
 
-__all__ = ["eval_curves", "plot_curves", "plot_summary"]
+__all__ = ["eval_curves", "plot_curves", "plot_heatmaps", "plot_summary"]
 
 Curve = dict[int, list[float]]  # evaluation step -> one value per seed
 
@@ -63,7 +67,8 @@ def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str],
         ax.set_xlabel("training step")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=7)
     return _save(plt, fig, out, title)
 
 
@@ -83,4 +88,41 @@ def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str]
                       ha="right", fontsize=8)
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3, axis="y")
+    return _save(plt, fig, out, title)
+
+
+def _grid(ax, values: np.ndarray, rows: Sequence[str], cols: Sequence[str], cmap: str, title: str) -> None:  # type: ignore[no-untyped-def]
+    image = ax.imshow(values, cmap=cmap, aspect="auto")
+    for (i, j), v in np.ndenumerate(values):
+        red, green, blue, _ = image.cmap(image.norm(v))
+        dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
+        ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=8, color="white" if dark else "black")
+    ax.set_xticks(range(len(cols)), cols, fontsize=8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.set_title(title, fontsize=9)
+
+
+def plot_heatmaps(panels: Sequence[Panel], row_axis: str, col_axis: str, panel_axis: str | None, out: Path, *,
+                  title: str) -> Path:
+    """One row per panel with a recorded grid: the loop's seed means (higher is better) and, when given,
+    the lab's relative MSE for the same cells (reversed colours: lower is better). Returns the PNG."""
+    plt = _pyplot()
+    shown = [p for p in panels if p.result is not None]
+    if not shown:
+        raise ValueError("no panel has its full grid recorded yet; nothing to draw")
+    columns = 2 if any(p.lab is not None for p in shown) else 1
+    fig, axes = plt.subplots(len(shown), columns, figsize=(5.2 * columns, 3.4 * len(shown)), squeeze=False)
+    for row, panel in zip(axes, shown, strict=True):
+        result = panel.result
+        assert result is not None
+        p_text = "" if result.p is None else f", interaction p = {result.p:.2g}"
+        where = f"{panel_axis}={panel.level}" if panel_axis else ""
+        _grid(row[0], result.means, result.rows, result.cols, "viridis",
+              f"loop {where}: {panel.metric} (n={len(result.seeds)}{p_text})")
+        if panel.lab is not None:
+            _grid(row[1], panel.lab, result.rows, result.cols, "viridis_r",
+                  f"lab {where}: relative MSE (Spearman with loop {panel.rho:.2f})")
+        for ax in row:
+            ax.set_xlabel(col_axis)
+            ax.set_ylabel(row_axis)
     return _save(plt, fig, out, title)

@@ -46,6 +46,7 @@ __all__ = [
     "collapse_step",
     "collapse_text",
     "config_hash",
+    "f_survival",
     "group_key",
     "group_text",
     "load_records",
@@ -252,6 +253,15 @@ def _betai(a: float, b: float, x: float) -> float:
 def _t_cdf(t: float, df: float) -> float:
     tail = 0.5 * _betai(df / 2.0, 0.5, df / (df + t * t))
     return 1.0 - tail if t >= 0 else tail
+
+
+def f_survival(f: float, df1: float, df2: float) -> float:
+    """``P(F > f)`` for Fisher's F with ``(df1, df2)`` degrees of freedom: ``I_{df2/(df2 + df1 f)}(df2/2, df1/2)``."""
+    if df1 <= 0 or df2 <= 0:
+        raise ValueError(f"f_survival needs df1 > 0 and df2 > 0, got {df1}, {df2}")
+    if f <= 0.0:
+        return 1.0
+    return _betai(df2 / 2.0, df1 / 2.0, df2 / (df2 + df1 * f))
 
 
 def student_t_quantile(p: float, df: float) -> float:

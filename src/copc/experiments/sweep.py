@@ -20,6 +20,10 @@ The YAML file (``experiments/*.yaml`` are the committed ones)::
       - {method: [async_ppo], s: all}
     baseline: {method: ppo_sync}         # what --report pairs the other cells with
     report: [eval_last_half, eval_final] # the record figures --report tabulates (optional)
+    heatmap:                             # optional, a joint sweep (copc.experiments.interaction)
+      rows: method                       # two axes crossed in every panel, one panel per level of
+      cols: s                            # `panels` (optional); `lab:` (optional) sets the lab's exact
+                                         # prediction beside it: {json, rows: {level: c}, cols: {level: eps_A}}
 
 A cell is one grid point and one seed, its id ``axis=level__axis=level__seedN``; it runs as
 ``nice -n 10 python -m copc.cli train`` with one torch thread into ``runs/sweep/<experiment>/<cell-id>``
@@ -52,9 +56,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from copc.config import ConfigError, from_dict, load_yaml, to_dict
+from copc.experiments.report import print_report
 from copc.experiments.results import (
     build_record,
-    collapse_text,
     config_hash,
     load_records,
     machine_info,
@@ -448,21 +452,8 @@ def sweep_cli(argv: Sequence[str]) -> int:
             return 2
     paths = Paths(Path(args.results), Path(args.runs) if args.runs else Path("runs") / "sweep" / spec.experiment)
     if args.report:
-        records = load_records(paths.results / spec.experiment)
-        print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
-        print(report_text(records, spec.report, _baseline(args.baseline, spec) or None))
-        if collapse is not None and records:
-            metric, margin, patience = collapse
-            print("\n" + collapse_text(records, metric, margin=margin, patience=patience))
-        if args.plot and records:
-            from copc.experiments.figures import plot_curves, plot_summary
-
-            title = f"{spec.experiment}: seed mean (band: min-max over seeds)"
-            for path in (plot_curves(records, ["accuracy", "greedy_accuracy"],
-                                     Path(args.plot) / f"{spec.experiment}_curves.png", title=title),
-                         plot_summary(records, list(spec.report), Path(args.plot) / f"{spec.experiment}_summary.png",
-                                      title=f"{spec.experiment}: seed mean, 95% t interval over seeds")):
-                print(f"wrote {path}")
+        print_report(spec, len(cells), paths.results / spec.experiment, baseline=_baseline(args.baseline, spec),
+                     collapse=collapse, plot_dir=Path(args.plot) if args.plot else None)
         return 0
     if args.dry_run:
         if args.measure:

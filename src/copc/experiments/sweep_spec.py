@@ -19,10 +19,26 @@ from pathlib import Path
 from copc.config import ConfigError
 from copc.experiments.results import SUMMARY_METRICS
 
-__all__ = ["Cell", "SpecError", "SweepSpec", "expand", "load_spec", "parse_spec"]
+__all__ = ["Cell", "Heatmap", "SpecError", "SweepSpec", "expand", "load_spec", "parse_spec"]
 
 #: Characters allowed in axis and level names (they become file names).
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+@dataclass(frozen=True)
+class Heatmap:
+    """The two-knob analysis of a joint sweep (``heatmap:``; copc.experiments.interaction): the row and
+    column axes, an optional panel axis (one analysis per level) and, optionally, the lab's exact
+    prediction to set beside it: its JSON, each row level's mask band ``c``, each column level's ``eps_A``
+    (the panel levels are then the staleness the lab was run at) and the lab's batch size N."""
+
+    rows: str
+    cols: str
+    panels: str | None = None
+    lab_json: str | None = None
+    lab_rows: dict[str, float] | None = None
+    lab_cols: dict[str, float] | None = None
+    lab_batch: int = 64
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,7 @@ class SweepSpec:
     grids: tuple[dict[str, tuple[str, ...]], ...]
     baseline: dict[str, str]
     report: tuple[str, ...]
+    heatmap: Heatmap | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +98,7 @@ def _parse_axis(name: str, value: object, where: str) -> dict[str, tuple[str, ..
 
 def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepSpec:
     """A :class:`SweepSpec` from the YAML mapping (module docstring); :class:`SpecError` on bad input."""
-    known = {"experiment", "description", "seeds", "shared", "axes", "grids", "baseline", "report"}
+    known = {"experiment", "description", "seeds", "shared", "axes", "grids", "baseline", "report", "heatmap"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise SpecError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
@@ -131,9 +148,35 @@ def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepS
     bad = [r for r in report if r not in SUMMARY_METRICS]
     if bad:
         raise SpecError(f"{source}: report metric {bad[0]!r} unknown; valid: {', '.join(SUMMARY_METRICS)}")
+    heatmap = _parse_heatmap(data["heatmap"], axes, f"{source}: heatmap") if data.get("heatmap") else None
     return SweepSpec(experiment=experiment, description=str(data.get("description", "")), seeds=seeds,
                      shared=_overrides(data.get("shared", []), f"{source}: shared"), axes=axes,
-                     grids=tuple(grids), baseline=baseline, report=report)
+                     grids=tuple(grids), baseline=baseline, report=report, heatmap=heatmap)
+
+
+def _parse_heatmap(value: object, axes: Mapping[str, Mapping[str, object]], where: str) -> Heatmap:
+    if not isinstance(value, Mapping) or not {"rows", "cols"} <= set(value) or not set(value) <= {"rows", "cols", "panels", "lab"}:
+        raise SpecError(f"{where}: expected {{rows: AXIS, cols: AXIS, panels: AXIS, lab: {{...}}}} (panels, lab optional)")
+    names = {key: str(value[key]) for key in ("rows", "cols", "panels") if value.get(key) is not None}
+    for key, axis in names.items():
+        if axis not in axes:
+            raise SpecError(f"{where}.{key}: unknown axis {axis!r}; axes: {', '.join(axes)}")
+    lab = value.get("lab")
+    if lab is None:
+        return Heatmap(names["rows"], names["cols"], names.get("panels"))
+    if not isinstance(lab, Mapping) or set(lab) - {"json", "rows", "cols", "batch"} or not {"json", "rows", "cols"} <= set(lab):
+        raise SpecError(f"{where}.lab: expected {{json: PATH, rows: {{level: mask band c}}, cols: {{level: eps_A}}, batch: N}}")
+    maps = {}
+    for key in ("rows", "cols"):
+        levels, mapping = axes[names[key]], lab[key]
+        if not isinstance(mapping, Mapping) or {str(k) for k in mapping} != set(levels):
+            raise SpecError(f"{where}.lab.{key}: map every level of axis {names[key]!r} ({', '.join(levels)}) to a number")
+        try:
+            maps[key] = {str(k): float(mapping[k]) for k in mapping}
+        except (TypeError, ValueError):
+            raise SpecError(f"{where}.lab.{key}: the values must be numbers (.inf for no band)") from None
+    return Heatmap(names["rows"], names["cols"], names.get("panels"), str(lab["json"]), maps["rows"], maps["cols"],
+                   int(lab.get("batch", 64)))
 
 
 def load_spec(path: str | os.PathLike[str]) -> SweepSpec:

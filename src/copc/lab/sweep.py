@@ -309,3 +309,17 @@ def run_sweep(
     result["json"] = str(out_dir / (f"lab_sweep_{tag}.json" if tag else "lab_sweep.json"))
     Path(str(result["json"])).write_text(json.dumps(_rounded(result)))
     return result
+
+
+def read_sweep(path: Path) -> tuple[SweepConfig, list[dict[str, float | str | int]]]:
+    """The config and cells of a ``lab_sweep*.json`` that :func:`run_sweep` wrote (to draw or compare again)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        config = dict(data["config"])
+        cells = list(data["cells"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a lab sweep JSON written by `copc lab sweep` ({err})") from None
+    for key in ("families", "seeds", "staleness", "mask_bands", "adv_clips"):
+        config[key] = tuple(float(x) if key in ("mask_bands", "adv_clips") else x for x in config[key])
+    config["staleness"] = tuple(float(s) for s in config["staleness"])
+    return SweepConfig(**config), cells

@@ -1,0 +1,55 @@
+"""What ``copc sweep FILE --report`` prints and, with ``--plot DIR``, draws, from the records alone.
+
+- the table of every report metric (copc.experiments.results.report_text): seed means with their t
+  intervals, and each group's paired difference from the baseline;
+- with ``--collapse``: E4's collapse count per group (copc.experiments.results.collapse_text);
+- for a sweep with a ``heatmap:`` section (a joint sweep, E2): per panel and metric, the two-knob
+  analysis (copc.experiments.interaction) with the lab's exact prediction beside it;
+- figures: ``<experiment>_curves.png``, ``<experiment>_summary.png`` and, for a joint sweep,
+  ``<experiment>_heatmaps.png`` (its first report metric).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from copc.experiments.results import collapse_text, load_records, report_text
+from copc.experiments.sweep_spec import SweepSpec
+
+__all__ = ["print_report"]
+
+
+def print_report(spec: SweepSpec, cells: int, folder: Path, *, baseline: Mapping[str, str] | None,
+                 collapse: tuple[str, float, int] | None, plot_dir: Path | None) -> None:
+    """Print the report of the records in ``folder`` (``cells``: how many the sweep has) and draw its figures."""
+    records = load_records(folder)
+    print(f"experiment {spec.experiment}: {len(records)} of {cells} cells recorded")
+    print(report_text(records, spec.report, baseline or None))
+    if not records:
+        return
+    if collapse is not None:
+        metric, margin, patience = collapse
+        print("\n" + collapse_text(records, metric, margin=margin, patience=patience))
+    if spec.heatmap is not None:
+        from copc.experiments.interaction import heatmap_text
+
+        print("\n" + heatmap_text(records, spec))
+    if plot_dir is None:
+        return
+    from copc.experiments.figures import plot_curves, plot_heatmaps, plot_summary
+
+    title = f"{spec.experiment}: seed mean (band: min-max over seeds)"
+    paths = [plot_curves(records, ["accuracy", "greedy_accuracy"], plot_dir / f"{spec.experiment}_curves.png", title=title),
+             plot_summary(records, list(spec.report), plot_dir / f"{spec.experiment}_summary.png",
+                          title=f"{spec.experiment}: seed mean, 95% t interval over seeds")]
+    if spec.heatmap is not None:
+        from copc.experiments.interaction import heatmap_panels
+
+        panels = heatmap_panels(records, spec, spec.report[0])
+        if any(p.result is not None for p in panels):
+            paths.append(plot_heatmaps(panels, spec.heatmap.rows, spec.heatmap.cols, spec.heatmap.panels,
+                                       plot_dir / f"{spec.experiment}_heatmaps.png",
+                                       title=f"{spec.experiment}: seed means of the loop beside the lab's prediction"))
+    for path in paths:
+        print(f"wrote {path}")
