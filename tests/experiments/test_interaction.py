@@ -9,7 +9,14 @@ import re
 import numpy as np
 import pytest
 
-from copc.experiments.interaction import lab_prediction, panel_values, rank_correlation, two_way, two_way_text
+from copc.experiments.interaction import (
+    holm,
+    lab_prediction,
+    panel_values,
+    rank_correlation,
+    two_way,
+    two_way_text,
+)
 from copc.experiments.results import f_survival, student_t_quantile
 
 
@@ -45,13 +52,21 @@ def test_two_way_golden_values_worked_by_hand():
     assert result.p == pytest.approx(1 - 2 / math.pi * (x / (1 + x * x) + math.atan(x)), rel=1e-9)
     # Share of the cell means: 4 * 0.75^2 / ((-2)^2 + (-1.5)^2 + 0 + 3.5^2) = 2.25 / 18.5.
     assert result.share == pytest.approx(2.25 / 18.5, rel=1e-12)
-    # The column step b0 -> b1 at a0 is 0.5, at a1 3.5, each -+ t_{0.975,3} sqrt(2 (1/3) / 2).
-    half = student_t_quantile(0.975, 3) * math.sqrt(1 / 3)
+    # The column step b0 -> b1 at a0 is 0.5, at a1 3.5, each -+ t sqrt(2 (1/3) / 2), t at the Bonferroni
+    # level over the panel's 4 steps (two column steps, two row steps): 1 - 0.05 / (2 * 4).
+    half = student_t_quantile(1 - 0.05 / 8, 3) * math.sqrt(1 / 3)
     at = {(s.axis, s.at): s.interval for s in result.steps}
     assert (at[("col", "a0")].mean, at[("col", "a0")].low) == pytest.approx((0.5, 0.5 - half), rel=1e-12)
     assert (at[("col", "a1")].mean, at[("col", "a1")].high) == pytest.approx((3.5, 3.5 + half), rel=1e-12)
     assert (at[("row", "b1")].mean) == pytest.approx(5.0, rel=1e-12)
     assert result.reversals() == []
+    # One contrast: (7 - 3.5) - (2 - 1.5) = 3, -+ t_{0.975,3} sqrt(4 (1/3) / 2); its square over the
+    # contrast's variance is the F: 9 / (2/3) = 13.5.
+    (contrast,) = result.contrasts
+    assert (contrast.col_src, contrast.col_dst, contrast.row_src, contrast.row_dst) == ("b0", "b1", "a0", "a1")
+    assert contrast.interval.mean == pytest.approx(3.0, rel=1e-12)
+    assert contrast.interval.high - 3.0 == pytest.approx(student_t_quantile(0.975, 3) * math.sqrt(2 / 3), rel=1e-12)
+    assert contrast.interval.mean**2 / (2 / 3) == pytest.approx(result.f, rel=1e-12)
 
 
 def slow_sums(y: np.ndarray) -> tuple[float, float]:
@@ -91,7 +106,8 @@ def test_reversal_is_held_only_when_both_intervals_exclude_zero():
     assert {(up.axis, up.at, down.at) for up, down in reversals} == {("clip", "none", "band"), ("mask", "w1", "clip")}
     assert result.p is not None and result.p < 1e-4
     text = two_way_text(result, "eval_last_half", "s=16: ")
-    assert "reversal: clip w1 -> clip" in text and "held at 5%" in text
+    assert "simultaneous over the panel's 4 steps): clip w1 -> clip" in text
+    assert "clip w1 -> clip, mask none -> band: -0.600" in text
     # The same means with noise far larger than the effect: nothing is held.
     loud = two_way(grid_values(base[None] + 30 * noise, rows, cols), rows, cols)
     assert loud.reversals() == []
@@ -103,6 +119,26 @@ def test_one_seed_gives_means_without_a_test():
     assert result.f is None and result.p is None and result.df == (1, 0)
     assert all(s.interval.low is None for s in result.steps)
     assert "needs >= 2 complete seeds" in two_way_text(result, "m")
+
+
+def test_no_seed_to_seed_variation_gives_no_test_and_non_finite_values_are_refused():
+    # Seeds identical up to an offset: the seed block explains every difference, the error term is 0.
+    y = np.array([[[1.0, 2.0], [3.0, 5.0]], [[2.0, 3.0], [4.0, 6.0]]])
+    result = two_way(grid_values(y, ["a", "b"], ["x", "y"]), ["a", "b"], ["x", "y"])
+    assert result.f is None and result.p is None and result.reversals() == []
+    assert "no seed-to-seed variation" in two_way_text(result, "m")
+    y[1, 0, 1] = float("nan")
+    with pytest.raises(ValueError, match="cell row=a col=y has a non-finite value"):
+        two_way(grid_values(y, ["a", "b"], ["x", "y"]), ["a", "b"], ["x", "y"])
+    one_row = two_way({("a", "x"): {0: 1.0, 1: 2.0}, ("a", "y"): {0: 1.5, 1: 2.0}}, ["a"], ["x", "y"])
+    assert one_row.p is None and "no interaction to test" in one_row.note
+
+
+def test_holm_adjusts_step_down_in_the_input_order():
+    # Sorted 0.01, 0.03, 0.04: x3 = 0.03, x2 = 0.06, x1 = 0.04 -> kept monotone at 0.06.
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    assert holm([]) == []
 
 
 def test_missing_cells_and_seeds_are_named():
@@ -168,23 +204,29 @@ def joint_spec(tmp_path, lab: dict | None = None):
 @pytest.mark.parametrize("heatmap, needle", [
     ({"rows": "mask"}, "expected {rows: AXIS, cols: AXIS"),
     ({"rows": "mask", "cols": "lag"}, "heatmap.cols: unknown axis 'lag'"),
-    ({"rows": "mask", "cols": "clip", "lab": {"json": "x.json", "rows": {"none": 1.25}, "cols": {"w1": 0, "clip": 1}}},
+    ({"rows": "mask", "cols": "clip", "lab": {"json": "x.json", "rows": {"none": 1.25, "band": 2}, "cols": {"w1": 0, "clip": 1}}},
+     "heatmap: a lab: section needs panels"),
+    ({"rows": "mask", "cols": "clip", "panels": "s", "lab": {"json": "x.json", "rows": {"none": 1.25}, "cols": {"w1": 0, "clip": 1}}},
      "heatmap.lab.rows: map every level of axis 'mask' (none, band)"),
-    ({"rows": "mask", "cols": "clip", "lab": {"json": "x.json", "rows": {"none": "x", "band": 2}, "cols": {"w1": 0, "clip": 1}}},
+    ({"rows": "mask", "cols": "clip", "panels": "s", "lab": {"json": "x.json", "rows": {"none": "x", "band": 2}, "cols": {"w1": 0, "clip": 1}}},
      "heatmap.lab.rows: the values must be numbers"),
+    ({"rows": "mask", "cols": "clip", "panels": "s", "lab": {"json": "x.json", "rows": {"none": 1, "band": 2}, "cols": {"w1": 0, "clip": 1}, "batch": 0}},
+     "heatmap.lab.batch: the lab's batch size N must be an integer >= 1"),
 ])
 def test_bad_heatmap_section_fails_in_one_line_naming_it(heatmap, needle):
     from copc.experiments.sweep_spec import SpecError, parse_spec
 
-    data = {"experiment": "joint", "axes": {"mask": {"none": ["a=1"], "band": ["a=2"]}, "clip": {"w1": ["b=1"], "clip": ["b=2"]}},
+    data = {"experiment": "joint", "axes": {"mask": {"none": ["a=1"], "band": ["a=2"]}, "clip": {"w1": ["b=1"], "clip": ["b=2"]},
+                                            "s": {"key": "staleness.staleness", "values": [8]}},
             "heatmap": heatmap}
     with pytest.raises(SpecError, match=re.escape(needle)):
         parse_spec(data, "joint.yaml")
 
 
 def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_path, capsys):
+    from copc.experiments.interaction import heatmap_panels
     from copc.experiments.report import print_report
-    from copc.experiments.results import write_record
+    from copc.experiments.results import load_records, write_record
 
     config = {"families": ["sparse"], "seeds": [0], "staleness": [8.0, 16.0], "mask_bands": [1.25, "inf"],
               "adv_clips": [0.0, 1.0], "batch_size": 64}
@@ -192,8 +234,9 @@ def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_pa
               "bias_norm": 1.0 + (b == "inf") + 0.5 * e, "var_trace": 0.0}
              for s in (8.0, 16.0) for b in (1.25, "inf") for e in (0.0, 1.0)]
     (tmp_path / "lab.json").write_text(json.dumps({"config": config, "cells": cells}))
-    spec = joint_spec(tmp_path, {"json": str(tmp_path / "lab.json"), "rows": {"none": math.inf, "band": 1.25},
-                                 "cols": {"w1": 0.0, "clip": 1.0}})
+    # The lab's rows are given in another order than the axis's: the grid must follow the axis.
+    spec = joint_spec(tmp_path, {"json": str(tmp_path / "lab.json"), "rows": {"band": 1.25, "none": math.inf},
+                                 "cols": {"clip": 1.0, "w1": 0.0}})
     means = {("none", "w1"): 0.2, ("none", "clip"): 0.5, ("band", "w1"): 0.5, ("band", "clip"): 0.2}
     folder = tmp_path / "results"
     for seed, jitter in enumerate((0.01, -0.01, 0.0)):
@@ -207,7 +250,11 @@ def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_pa
     out = capsys.readouterr().out
     assert "s=8: eval_last_half: 1 of 4 cells recorded" in out
     assert "s=16: eval_last_half, seed mean over seeds 0, 1, 2" in out
-    assert "interaction F(1, 6)" in out and "reversal: clip w1 -> clip" in out
-    # Lab MSE: none (bias 2, 2.5), band (1, 1.5): best cell band/w1; loop's best cells are band/w1 and none/clip.
-    assert "lab (exact relative MSE at N=64, lower is better): best cell mask=band clip=w1" in out
+    assert "interaction F(1, 6)" in out
+    assert "reversal (95% intervals simultaneous over the panel's 4 steps): clip w1 -> clip" in out
+    assert "interaction (primary metric, Holm over 1 panel(s)): adjusted p = " in out and ": held at 5%" in out
+    # Lab MSE = bias^2: none (bias 2, 2.5), band (1, 1.5), rows and columns in the axes' order.
+    (panel16,) = [p for p in heatmap_panels(load_records(folder), spec, "eval_last_half") if p.level == "16"]
+    np.testing.assert_allclose(panel16.lab, [[4.0, 6.25], [1.0, 2.25]], rtol=1e-12)
+    assert "lab, analogous cells (exact relative MSE at N=64 on tiny MDPs, lower is better): best mask=band clip=w1" in out
     assert (tmp_path / "fig" / "joint_heatmaps.png").stat().st_size > 0

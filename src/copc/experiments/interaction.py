@@ -11,17 +11,29 @@ with sums of squares over the ``n`` complete seeds (``R`` rows, ``C`` columns, b
 
 - ``SS_int = n * sum_ij (ybar_ij - ybar_i. - ybar_.j + ybar)^2``, df ``(R - 1)(C - 1)``;
 - ``SS_err = SS_total - SS_seed - SS_row - SS_col - SS_int``, df ``(n - 1)(RC - 1)``;
-- the interaction test ``F = (SS_int / df_int) / (SS_err / df_err)`` and its p value;
+- the interaction test ``F = (SS_int / df_int) / (SS_err / df_err)`` and its p value; over the panels
+  of a sweep (:func:`heatmap_text`) the first report metric is the primary one, and its p values are
+  Holm-adjusted across the panels (the other metrics are printed unadjusted, as secondary);
 - the interaction share of the cell means (:func:`copc.lab.sweep.interaction_share`, the lab's figure:
   0 when the knobs act separately);
+- the interaction contrasts, one per 2 x 2 block of adjacent levels (the column step under the next row
+  minus under this one), ``d -+ t sqrt(4 MS_err / n)``;
 - the simple effects: every step between adjacent levels of one knob, at each level of the other, the
-  difference of two cell means with the pooled interval ``d -+ t_{(1+c)/2, df_err} sqrt(2 MS_err / n)``;
+  difference of two cell means, ``d -+ t sqrt(2 MS_err / n)``;
 - reversals: a step whose interval lies above 0 at one level of the other knob and below 0 at another.
   That is the paper's "the effect of one reverses with the other", and it is called held only then.
 
-With fewer than two complete seeds there is no error term: the means and the share are given, the test
-and the intervals are not. :func:`lab_prediction` reads the lab's exact relative MSE for the same cells
-(``copc lab sweep``'s JSON, its levels mapped to the sweep's), to set beside the loop's grid.
+Every ``t`` is on ``df_err`` degrees of freedom at the Bonferroni level for its family (the panel's
+contrasts, or the panel's steps), so "held" means held simultaneously, not one comparison among 17
+picked after the fact. The pooled ``MS_err`` assumes the cells share one seed-to-seed variance; a cell
+that collapses in one seed only breaks that, so read the grid of means beside the test.
+
+With fewer than two complete seeds, or no seed-to-seed variation at all, there is no error term: the
+means and the share are given, the test and the intervals are not. :func:`lab_prediction` reads the
+lab's exact relative MSE (``copc lab sweep``'s JSON) for the analogous cells, to set beside the loop's
+grid. Analogous, not the same: the lab's staleness is exact-gradient steps on a tiny MDP, it has no PPO
+clip and no advantage whitening, and its clip ``eps_A`` = 1 is ``[0, 2]``; the rank correlation of the
+two grids is descriptive.
 """
 
 from __future__ import annotations
@@ -37,11 +49,13 @@ from copc.experiments.results import Interval, by_group, f_survival, student_t_q
 from copc.experiments.sweep_spec import SweepSpec
 
 __all__ = [
+    "Contrast",
     "Panel",
     "Step",
     "TwoWay",
     "heatmap_panels",
     "heatmap_text",
+    "holm",
     "lab_prediction",
     "panel_values",
     "rank_correlation",
@@ -65,8 +79,21 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Contrast:
+    """The interaction of one 2 x 2 block of adjacent levels: the column step ``col_src -> col_dst``
+    under ``row_dst`` minus the same step under ``row_src``."""
+
+    col_src: str
+    col_dst: str
+    row_src: str
+    row_dst: str
+    interval: Interval
+
+
+@dataclass(frozen=True)
 class TwoWay:
-    """The analysis of one panel (module docstring). ``means[i, j]`` is the seed mean of cell (row i, col j)."""
+    """The analysis of one panel (module docstring). ``means[i, j]`` is the seed mean of cell (row i, col j);
+    the step and contrast intervals are simultaneous (Bonferroni) over the panel's steps and contrasts."""
 
     row_axis: str
     col_axis: str
@@ -79,6 +106,10 @@ class TwoWay:
     df: tuple[int, int]
     p: float | None
     steps: tuple[Step, ...]
+    contrasts: tuple[Contrast, ...]
+    note: str
+    """Why there is no test (empty when there is one)."""
+    confidence: float
 
     def reversals(self) -> list[tuple[Step, Step]]:
         """Pairs of the same step, held above 0 at one level of the other knob and held below 0 at another."""
@@ -119,6 +150,9 @@ def two_way(values: Values, rows: Sequence[str], cols: Sequence[str], *, row_axi
     if missing:
         raise ValueError(f"cell {row_axis}={missing[0][0]} {col_axis}={missing[0][1]} has no record; "
                          "the analysis needs the full grid")
+    bad = [(r, c) for r in rows for c in cols if not all(math.isfinite(v) for v in values[(r, c)].values())]
+    if bad:
+        raise ValueError(f"cell {row_axis}={bad[0][0]} {col_axis}={bad[0][1]} has a non-finite value; fix its record")
     seeds = sorted(set.intersection(*(set(values[(r, c)]) for r in rows for c in cols)))
     if not seeds:
         raise ValueError("no seed is recorded in every cell of the grid")
@@ -135,28 +169,53 @@ def two_way(values: Values, rows: Sequence[str], cols: Sequence[str], *, row_axi
     ss_col = n * n_rows * float(((means.mean(axis=0) - grand) ** 2).sum())
     df_int, df_err = (n_rows - 1) * (n_cols - 1), (n - 1) * (n_rows * n_cols - 1)
     ss_err = max(ss_total - ss_seed - ss_row - ss_col - ss_int, 0.0)
+    if df_int == 0:
+        note = f"one level on an axis ({n_rows} x {n_cols}): there is no interaction to test"
+    elif df_err == 0:
+        note = "needs >= 2 complete seeds (no error term)"
+    elif ss_err <= 1e-12 * max(ss_total, 1e-300):
+        note = "no seed-to-seed variation is left beside the cell means (error term 0): no test"
+    else:
+        note = ""
+    ms_err = ss_err / df_err if not note else None
     f = p = None
-    half = None
-    if df_err > 0:
-        ms_err = ss_err / df_err
-        if df_int > 0:
-            f = (ss_int / df_int) / ms_err if ms_err > 0 else math.inf
-            p = f_survival(f, df_int, df_err) if math.isfinite(f) else 0.0
-        half = student_t_quantile(0.5 + confidence / 2.0, df_err) * math.sqrt(2.0 * ms_err / n)
+    if ms_err is not None:
+        f = (ss_int / df_int) / ms_err
+        p = f_survival(f, df_int, df_err)
+    n_steps = (n_cols - 1) * n_rows + (n_rows - 1) * n_cols
 
-    def step(diff: float) -> Interval:
-        return Interval(diff, None, None, n) if half is None else Interval(diff, diff - half, diff + half, n)
+    def interval(diff: float, var_factor: float, family: int) -> Interval:
+        """``diff`` with its interval, simultaneous over ``family`` such intervals (Bonferroni)."""
+        if ms_err is None:
+            return Interval(diff, None, None, n)
+        half = student_t_quantile(1.0 - (1.0 - confidence) / (2.0 * family), df_err) * math.sqrt(var_factor * ms_err / n)
+        return Interval(diff, diff - half, diff + half, n)
 
-    steps = [Step(col_axis, cols[j], cols[j + 1], row_axis, rows[i], step(float(means[i, j + 1] - means[i, j])))
+    steps = [Step(col_axis, cols[j], cols[j + 1], row_axis, rows[i],
+                  interval(float(means[i, j + 1] - means[i, j]), 2.0, n_steps))
              for j in range(n_cols - 1) for i in range(n_rows)]
-    steps += [Step(row_axis, rows[i], rows[i + 1], col_axis, cols[j], step(float(means[i + 1, j] - means[i, j])))
+    steps += [Step(row_axis, rows[i], rows[i + 1], col_axis, cols[j],
+                   interval(float(means[i + 1, j] - means[i, j]), 2.0, n_steps))
               for i in range(n_rows - 1) for j in range(n_cols)]
+    contrasts = [Contrast(cols[j], cols[j + 1], rows[i], rows[i + 1], interval(float(
+        means[i + 1, j + 1] - means[i, j + 1] - means[i + 1, j] + means[i, j]), 4.0, max(df_int, 1)))
+        for i in range(n_rows - 1) for j in range(n_cols - 1)]
     return TwoWay(row_axis, col_axis, tuple(rows), tuple(cols), tuple(seeds), means, share, f, (df_int, df_err), p,
-                  tuple(steps))
+                  tuple(steps), tuple(contrasts), note, confidence)
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p values, in the input order (reject where adjusted p < alpha)."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 def two_way_text(result: TwoWay, metric: str, title: str = "") -> str:
-    """The grid of seed means, the interaction test and every held reversal, as plain lines."""
+    """The grid of seed means, the interaction test, the interaction contrasts and every held reversal."""
     width = max(len(c) for c in result.cols) + 2
     head = f"{title}{metric}, seed mean over seeds {', '.join(map(str, result.seeds))} " \
            f"(rows {result.row_axis}, columns {result.col_axis}):"
@@ -165,17 +224,24 @@ def two_way_text(result: TwoWay, metric: str, title: str = "") -> str:
         lines.append(f"{name:>12}" + "".join(f"{v:>{width}.3f}" for v in row))
     lines.append(f"interaction share of the cell means: {result.share:.3f}")
     if result.f is None or result.p is None:
-        lines.append("interaction test: needs >= 2 complete seeds (no error term)")
+        lines.append(f"interaction test: {result.note}")
         return "\n".join(lines)
-    held = "held" if result.p < 0.05 else "not held"
-    lines.append(f"interaction F({result.df[0]}, {result.df[1]}) = {result.f:.3f}, p = {result.p:.3g}: {held} at 5%")
+    pct = f"{100 * result.confidence:g}%"
+    lines.append(f"interaction F({result.df[0]}, {result.df[1]}) = {result.f:.3f}, p = {result.p:.3g}")
+    lines.append(f"interaction contrasts (step of {result.col_axis} under the next {result.row_axis} minus under "
+                 f"this one; {pct} intervals simultaneous over the {len(result.contrasts)}):")
+    for c in result.contrasts:
+        mark = " *" if c.interval.excludes_zero() else ""
+        lines.append(f"  {result.col_axis} {c.col_src} -> {c.col_dst}, {result.row_axis} {c.row_src} -> {c.row_dst}: "
+                     f"{c.interval.text()}{mark}")
     reversals = result.reversals()
+    simultaneous = f"{pct} intervals simultaneous over the panel's {len(result.steps)} steps"
     if not reversals:
-        lines.append("reversals: none held (no step is held above 0 at one level of the other knob and below 0 at "
-                     "another)")
+        lines.append(f"reversals: none held ({simultaneous}: no step is held above 0 at one level of the other knob "
+                     "and below 0 at another)")
     for up, down in reversals:
-        lines.append(f"reversal: {up.axis} {up.src} -> {up.dst} gives {up.interval.text()} at {up.at_axis}={up.at} "
-                     f"and {down.interval.text()} at {down.at_axis}={down.at}")
+        lines.append(f"reversal ({simultaneous}): {up.axis} {up.src} -> {up.dst} gives {up.interval.text()} at "
+                     f"{up.at_axis}={up.at} and {down.interval.text()} at {down.at_axis}={down.at}")
     return "\n".join(lines)
 
 
@@ -249,27 +315,40 @@ def heatmap_panels(records: Sequence[Mapping[str, object]], spec: SweepSpec, met
                                     f"cells recorded ({err})"
         lab = rho = None
         if heat.lab_json and heat.lab_rows and heat.lab_cols:
-            lab = lab_prediction(Path(heat.lab_json), heat.lab_rows, heat.lab_cols, float(level), heat.lab_batch)
+            lab = lab_prediction(Path(heat.lab_json), {lv: heat.lab_rows[lv] for lv in rows},
+                                 {lv: heat.lab_cols[lv] for lv in cols}, float(level), heat.lab_batch)
             rho = rank_correlation(result.means, -lab) if result is not None else None
         out.append(Panel(level, metric, result, missing, lab, rho))
     return out
 
 
 def heatmap_text(records: Sequence[Mapping[str, object]], spec: SweepSpec) -> str:
-    """Every panel's analysis for every report metric, with the lab's prediction beside it."""
+    """Every panel's analysis for every report metric (the first one primary: its interaction tests
+    Holm-adjusted across the panels), with the lab's figure for the analogous cells beside it."""
     heat = spec.heatmap
     assert heat is not None
     lines = []
-    for metric in spec.report:
-        for panel in heatmap_panels(records, spec, metric):
+    for rank, metric in enumerate(spec.report):
+        panels = heatmap_panels(records, spec, metric)
+        tested = [p for p in panels if p.result is not None and p.result.p is not None]
+        adjusted = dict(zip((p.level for p in tested), holm([p.result.p for p in tested]), strict=True))  # type: ignore[union-attr,misc]
+        for panel in panels:
             title = f"{heat.panels}={panel.level}: " if heat.panels else ""
             if panel.result is None:
                 lines.append(f"\n{title}{metric}: {panel.missing}")
                 continue
             lines.append("\n" + two_way_text(panel.result, metric, title))
+            if panel.level in adjusted and rank == 0:
+                alpha = 1.0 - panel.result.confidence
+                verdict = "held" if adjusted[panel.level] < alpha else "not held"
+                lines.append(f"interaction (primary metric, Holm over {len(tested)} panel(s)): adjusted p = "
+                             f"{adjusted[panel.level]:.3g}: {verdict} at {100 * alpha:g}%")
+            elif panel.level in adjusted:
+                lines.append("(secondary metric: p unadjusted, for description)")
             if panel.lab is not None:
                 best = np.unravel_index(int(np.argmin(panel.lab)), panel.lab.shape)
-                lines.append(f"lab (exact relative MSE at N={heat.lab_batch}, lower is better): best cell "
-                             f"{heat.rows}={panel.result.rows[best[0]]} {heat.cols}={panel.result.cols[best[1]]}; "
-                             f"Spearman of the loop's means with the lab's -MSE: {panel.rho:.2f}")
+                lines.append(f"lab, analogous cells (exact relative MSE at N={heat.lab_batch} on tiny MDPs, lower is "
+                             f"better): best {heat.rows}={panel.result.rows[best[0]]} "
+                             f"{heat.cols}={panel.result.cols[best[1]]}; Spearman of the loop's means with the lab's "
+                             f"-MSE {panel.rho:.2f} (descriptive)")
     return "\n".join(lines).lstrip("\n")

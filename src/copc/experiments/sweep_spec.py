@@ -164,6 +164,8 @@ def _parse_heatmap(value: object, axes: Mapping[str, Mapping[str, object]], wher
     lab = value.get("lab")
     if lab is None:
         return Heatmap(names["rows"], names["cols"], names.get("panels"))
+    if "panels" not in names:
+        raise SpecError(f"{where}: a lab: section needs panels: the axis whose levels are the lab's staleness")
     if not isinstance(lab, Mapping) or set(lab) - {"json", "rows", "cols", "batch"} or not {"json", "rows", "cols"} <= set(lab):
         raise SpecError(f"{where}.lab: expected {{json: PATH, rows: {{level: mask band c}}, cols: {{level: eps_A}}, batch: N}}")
     maps = {}
@@ -175,8 +177,10 @@ def _parse_heatmap(value: object, axes: Mapping[str, Mapping[str, object]], wher
             maps[key] = {str(k): float(mapping[k]) for k in mapping}
         except (TypeError, ValueError):
             raise SpecError(f"{where}.lab.{key}: the values must be numbers (.inf for no band)") from None
-    return Heatmap(names["rows"], names["cols"], names.get("panels"), str(lab["json"]), maps["rows"], maps["cols"],
-                   int(lab.get("batch", 64)))
+    batch = lab.get("batch", 64)
+    if not isinstance(batch, int) or batch < 1:
+        raise SpecError(f"{where}.lab.batch: the lab's batch size N must be an integer >= 1, got {batch!r}")
+    return Heatmap(names["rows"], names["cols"], names.get("panels"), str(lab["json"]), maps["rows"], maps["cols"], batch)
 
 
 def load_spec(path: str | os.PathLike[str]) -> SweepSpec:
