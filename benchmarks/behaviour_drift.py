@@ -8,7 +8,8 @@ step-start policy is from the one that sampled the batch, s versions earlier; fo
 has no step-start forward, the first minibatch's ``|log pi - log mu|``) and of ``ratio/kl_k3`` (the k3
 estimate of KL(mu || pi_old)), beside the record's held-out ``eval_last_half``. It then prints the
 Spearman rank correlation between drift and accuracy over all runs, and the drift of each method paired
-by seed with the sweep's baseline method (95% t interval over seeds).
+by seed with the sweep's baseline method (95% t interval over seeds). ``--plot PNG`` draws each run's
+drift and greedy accuracy over training, with its E4 collapse marked (E4 on search).
 
 This is a diagnostic read off finished runs: a correlation, not an intervention. It tunes nothing.
 """
@@ -20,7 +21,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from copc.experiments.results import t_interval
+import numpy as np
+
+from copc.experiments.interaction import rank_correlation
+from copc.experiments.results import collapse_step, t_interval
 from copc.tracking import read_metrics
 
 
@@ -29,29 +33,16 @@ def last_half_mean(rows: list[dict[str, object]], key: str, steps: int) -> float
     return sum(values) / len(values) if values else float("nan")
 
 
-def ranks(values: list[float]) -> list[float]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    for rank, i in enumerate(order):
-        out[i] = float(rank)
-    return out
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    ra, rb = ranks(a), ranks(b)
-    mean = (len(a) - 1) / 2
-    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb, strict=True))
-    var = sum((x - mean) ** 2 for x in ra)
-    return cov / var
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="?", default="runs/sweep/e1_arith_tool")
     parser.add_argument("--results", default="results/e1_arith_tool")
     parser.add_argument("--baseline", default="async_ppo", help="method the drift is paired with")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="also draw each run's drift and greedy accuracy "
+                        "over training, its E4 collapse (greedy_accuracy, 0.1, 3) marked")
     args = parser.parse_args()
     table: dict[str, dict[int, tuple[float, float, float]]] = defaultdict(dict)
+    traces: dict[str, tuple[list[dict[str, object]], dict[str, object]]] = {}
     for record_path in sorted(Path(args.results).glob("*.json")):
         record = json.loads(record_path.read_text())
         run_dir = Path(args.runs) / record_path.stem
@@ -63,6 +54,7 @@ def main() -> None:
         drift = last_half_mean(rows, "ratio/mean_abs_log", steps)
         kl = last_half_mean(rows, "ratio/kl_k3", steps)
         table[method.split("=", 1)[-1]][int(seed)] = (drift, kl, float(record["summary"]["eval_last_half"]))
+        traces[f"{method.split('=', 1)[-1]} seed {seed}"] = (rows, record)
     print(f"{'method':<10} {'seed':>4} {'|log old/mu|':>13} {'k3 KL':>8} {'eval_last_half':>15}")
     drifts, accs = [], []
     for method, seeds in sorted(table.items()):
@@ -73,7 +65,7 @@ def main() -> None:
                 accs.append(acc)
     if len(drifts) >= 3:
         print(f"\nSpearman rank correlation of drift and eval_last_half over the {len(drifts)} lagged runs: "
-              f"{spearman(drifts, accs):+.2f}")
+              f"{rank_correlation(np.array(drifts), np.array(accs)):+.2f}")
     base = table.get(args.baseline, {})
     for method, seeds in sorted(table.items()):
         paired = [seeds[s][0] - base[s][0] for s in sorted(seeds) if s in base]
@@ -81,6 +73,44 @@ def main() -> None:
             continue
         interval = t_interval(paired).text() if len(paired) > 1 else f"{paired[0]:+.3f} (n=1)"
         print(f"drift of {method} minus {args.baseline}, paired by seed: {interval}")
+    if args.plot:
+        print(f"wrote {plot_traces(traces, Path(args.plot))}")
+
+
+def plot_traces(traces: dict[str, tuple[list[dict[str, object]], dict[str, object]]], out: Path) -> Path:
+    """Per run: its drift (10-step means) and greedy accuracy over training, the collapse step dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for name, (rows, record) in sorted(traces.items()):
+        steps = [int(r["step"]) for r in rows if "ratio/mean_abs_log" in r]  # type: ignore[call-overload]
+        drift = [float(r["ratio/mean_abs_log"]) for r in rows if "ratio/mean_abs_log" in r]  # type: ignore[arg-type]
+        bins = range(0, len(drift), 10)
+        line = top.plot([steps[i] for i in bins], [sum(drift[i:i + 10]) / len(drift[i:i + 10]) for i in bins],
+                        label=name)[0]
+        evals = record["evals"]
+        assert isinstance(evals, list)
+        bottom.plot([e["step"] for e in evals], [e["greedy_accuracy"] for e in evals], marker="o", markersize=3,
+                    color=line.get_color(), label=name)
+        collapse = collapse_step(record)
+        if collapse is not None:
+            for ax in (top, bottom):
+                ax.axvline(collapse, color=line.get_color(), linestyle="--", alpha=0.6)
+    top.set_yscale("log")
+    top.set_ylabel("|log pi_old - log mu| per action token")
+    bottom.set_ylabel("greedy accuracy (held out)")
+    bottom.set_xlabel("training step (dashed: E4 collapse, 3 evaluations > 0.1 below the best)")
+    top.legend(fontsize=7)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 if __name__ == "__main__":
