@@ -20,6 +20,7 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,8 +29,8 @@ from copc.experiments.results import collapse_step, t_interval
 from copc.tracking import read_metrics
 
 
-def last_half_mean(rows: list[dict[str, object]], key: str, steps: int) -> float:
-    values = [float(r[key]) for r in rows if key in r and int(r["step"]) >= steps / 2]  # type: ignore[call-overload]
+def last_half_mean(rows: list[dict[str, float]], key: str, steps: int) -> float:
+    values = [float(r[key]) for r in rows if key in r and int(r["step"]) >= steps / 2]
     return sum(values) / len(values) if values else float("nan")
 
 
@@ -42,19 +43,19 @@ def main() -> None:
                         "over training, its E4 collapse (greedy_accuracy, 0.1, 3) marked")
     args = parser.parse_args()
     table: dict[str, dict[int, tuple[float, float, float]]] = defaultdict(dict)
-    traces: dict[str, tuple[list[dict[str, object]], dict[str, object]]] = {}
+    traces: dict[str, tuple[list[dict[str, float]], dict[str, Any]]] = {}
     for record_path in sorted(Path(args.results).glob("*.json")):
         record = json.loads(record_path.read_text())
         run_dir = Path(args.runs) / record_path.stem
         if not (run_dir / "metrics.jsonl").exists():
             continue
-        method, seed = record_path.stem.split("__seed")
+        method, seed_text = record_path.stem.split("__seed")
         steps = int(record["config"]["steps"])
         rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
         drift = last_half_mean(rows, "ratio/mean_abs_log", steps)
         kl = last_half_mean(rows, "ratio/kl_k3", steps)
-        table[method.split("=", 1)[-1]][int(seed)] = (drift, kl, float(record["summary"]["eval_last_half"]))
-        traces[f"{method.split('=', 1)[-1]} seed {seed}"] = (rows, record)
+        table[method.split("=", 1)[-1]][int(seed_text)] = (drift, kl, float(record["summary"]["eval_last_half"]))
+        traces[f"{method.split('=', 1)[-1]} seed {seed_text}"] = (rows, record)
     print(f"{'method':<10} {'seed':>4} {'|log old/mu|':>13} {'k3 KL':>8} {'eval_last_half':>15}")
     drifts, accs = [], []
     for method, seeds in sorted(table.items()):
@@ -77,7 +78,7 @@ def main() -> None:
         print(f"wrote {plot_traces(traces, Path(args.plot))}")
 
 
-def plot_traces(traces: dict[str, tuple[list[dict[str, object]], dict[str, object]]], out: Path) -> Path:
+def plot_traces(traces: dict[str, tuple[list[dict[str, float]], dict[str, Any]]], out: Path) -> Path:
     """Per run: its drift (10-step means) and greedy accuracy over training, the collapse step dashed."""
     import matplotlib
 
@@ -86,8 +87,8 @@ def plot_traces(traces: dict[str, tuple[list[dict[str, object]], dict[str, objec
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     for name, (rows, record) in sorted(traces.items()):
-        steps = [int(r["step"]) for r in rows if "ratio/mean_abs_log" in r]  # type: ignore[call-overload]
-        drift = [float(r["ratio/mean_abs_log"]) for r in rows if "ratio/mean_abs_log" in r]  # type: ignore[arg-type]
+        steps = [int(r["step"]) for r in rows if "ratio/mean_abs_log" in r]
+        drift = [float(r["ratio/mean_abs_log"]) for r in rows if "ratio/mean_abs_log" in r]
         bins = range(0, len(drift), 10)
         line = top.plot([steps[i] for i in bins], [sum(drift[i:i + 10]) / len(drift[i:i + 10]) for i in bins],
                         label=name)[0]
