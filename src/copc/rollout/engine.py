@@ -119,9 +119,9 @@ MAX_ROWS = 128
 block after another. Re-measured with the growing cache (2026-12-02): in ``benchmarks/engine_blocks.py``,
 where every row decodes the same number of tokens, one block of 200-400 rows is 1.1-1.3x faster than
 blocks of 128; but a real held-out evaluation of the arith_tool testbed (200 rows that finish at different
-times) took 12.1 s in one block against 10.6 s in blocks of 128 (kv_search: 6.7 s against 6.6 s), because
-each time rows finish the block's cache is compacted (``batch_select_indices`` copies it), and a larger
-block copies more. So 128 stays."""
+times) took 12.19 s in one block against 11.71 s in blocks of 128 (``benchmarks/eval_blocks.py --repeats
+6``, medians; kv_search 6.73 s against 6.62 s, 2 repeats): each time rows finish, the block's cache is
+compacted (``batch_select_indices`` copies it), and a larger block copies more. So 128 stays."""
 PREFILL_TOKENS = 8192
 """Default token budget of one prefill forward (rows x padded width) when the cache is a plain one; a
 longer batch is fed in row chunks (each row's keys/values do not depend on its chunk but for rounding).
