@@ -385,3 +385,18 @@ def test_a_record_made_before_a_config_field_existed_still_counts(tmp_path):
     broken = {**old, "no_such_section": {}}  # a record no current config can read is a conflict, not a crash
     write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(broken), "config": broken, "steps": 1})
     assert cell_state(cfg, tmp_path / "run", tmp_path / "rec.json")[0] == "conflict"
+
+
+def test_only_takes_several_substrings(tmp_path, capsys):
+    spec_file = tmp_path / "grid.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "experiment": "grid", "seeds": [0, 1], "shared": TINY,
+        "axes": {"method": {"ppo": ["method=ppo"], "copc": ["method=copc"], "vtrace": ["method=vtrace"]}},
+    }))
+    args = [str(spec_file), "--dry-run", "--results", str(tmp_path / "results"), "--runs", str(tmp_path / "runs")]
+    capsys.readouterr()
+    assert sweep_cli([*args, "--only", "method=copc,method=vtrace"]) == 0
+    out = capsys.readouterr().out
+    assert "method=copc__seed1" in out and "method=vtrace__seed0" in out and "method=ppo__seed" not in out
+    assert sweep_cli([*args, "--only", "method=dapo,seed7"]) == 2
+    assert "no cell id contains any of 'method=dapo', 'seed7'" in capsys.readouterr().err

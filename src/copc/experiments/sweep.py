@@ -407,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", default=None, help="run directories (default runs/sweep/<experiment>)")
     parser.add_argument("--steps", type=int, default=0, help="train every cell for this many steps instead "
                         "(a later run with more steps extends the runs from their checkpoints)")
-    parser.add_argument("--only", default=None, metavar="SUBSTRING", help="only the cells whose id contains this")
+    parser.add_argument("--only", default=None, metavar="SUBSTRING[,SUBSTRING]",
+                        help="only the cells whose id contains one of these (e.g. method=copc,method=async_ppo)")
     return parser
 
 
@@ -446,9 +447,10 @@ def sweep_cli(argv: Sequence[str]) -> int:
     if args.steps:
         cells = [replace(c, overrides=(*c.overrides, f"steps={args.steps}")) for c in cells]
     if args.only:
-        cells = [c for c in cells if args.only in c.cell_id]
+        wanted = [w for w in args.only.split(",") if w]
+        cells = [c for c in cells if any(w in c.cell_id for w in wanted)]
         if not cells:
-            print(f"copc sweep: error: no cell id contains {args.only!r}", file=sys.stderr)
+            print(f"copc sweep: error: no cell id contains any of {', '.join(map(repr, wanted))}", file=sys.stderr)
             return 2
     paths = Paths(Path(args.results), Path(args.runs) if args.runs else Path("runs") / "sweep" / spec.experiment)
     if args.report:
