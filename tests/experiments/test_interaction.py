@@ -258,3 +258,22 @@ def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_pa
     np.testing.assert_allclose(panel16.lab, [[4.0, 6.25], [1.0, 2.25]], rtol=1e-12)
     assert "lab, analogous cells (exact relative MSE at N=64 on tiny MDPs, lower is better): best mask=band clip=w1" in out
     assert (tmp_path / "fig" / "joint_heatmaps.png").stat().st_size > 0
+
+
+def test_a_missing_lab_json_fails_the_report_in_one_line(tmp_path, capsys):
+    import yaml
+
+    from copc.experiments.results import write_record
+    from copc.experiments.sweep import sweep_cli
+
+    spec = {"experiment": "joint", "seeds": [0], "axes": {"mask": {"none": ["a=1"]}, "clip": {"w1": ["b=1"]},
+                                                        "s": {"key": "staleness.staleness", "values": [8]}},
+            "heatmap": {"rows": "mask", "cols": "clip", "panels": "s",
+                        "lab": {"json": str(tmp_path / "absent.json"), "rows": {"none": 2}, "cols": {"w1": 0}}}}
+    (tmp_path / "joint.yaml").write_text(yaml.safe_dump(spec))
+    write_record(tmp_path / "results" / "joint" / "c.json", {"levels": {"mask": "none", "clip": "w1", "s": "8"},
+                                                             "seed": 0, "summary": {"eval_last_half": 0.5}})
+    code = sweep_cli([str(tmp_path / "joint.yaml"), "--report", "--results", str(tmp_path / "results")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "cannot read the lab sweep" in err[0] and "absent.json: No such file or directory" in err[0]

@@ -454,8 +454,12 @@ def sweep_cli(argv: Sequence[str]) -> int:
             return 2
     paths = Paths(Path(args.results), Path(args.runs) if args.runs else Path("runs") / "sweep" / spec.experiment)
     if args.report:
-        print_report(spec, len(cells), paths.results / spec.experiment, baseline=_baseline(args.baseline, spec),
-                     collapse=collapse, plot_dir=Path(args.plot) if args.plot else None)
+        try:
+            print_report(spec, len(cells), paths.results / spec.experiment, baseline=_baseline(args.baseline, spec),
+                         collapse=collapse, plot_dir=Path(args.plot) if args.plot else None)
+        except ValueError as err:  # e.g. the heatmap's lab JSON missing (its path is relative to the working dir)
+            print(f"copc sweep: error: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.dry_run:
         if args.measure:

@@ -314,10 +314,15 @@ def run_sweep(
 def read_sweep(path: Path) -> tuple[SweepConfig, list[dict[str, float | str | int]]]:
     """The config and cells of a ``lab_sweep*.json`` that :func:`run_sweep` wrote (to draw or compare again)."""
     try:
-        data = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"cannot read the lab sweep {path}: {err.strerror} (run `copc lab sweep` to write it; "
+                         "a relative path is from the working directory)") from None
+    try:
+        data = json.loads(text)
         config = dict(data["config"])
         cells = list(data["cells"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a lab sweep JSON written by `copc lab sweep` ({err})") from None
     for key in ("families", "seeds", "staleness", "mask_bands", "adv_clips"):
         config[key] = tuple(float(x) if key in ("mask_bands", "adv_clips") else x for x in config[key])
