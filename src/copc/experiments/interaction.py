@@ -42,11 +42,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from copc.experiments.results import Interval, by_group, f_survival, student_t_quantile
 from copc.experiments.sweep_spec import SweepSpec
+
+if TYPE_CHECKING:
+    from copc.lab.sweep import SweepConfig
 
 __all__ = [
     "Contrast",
@@ -64,6 +68,7 @@ __all__ = [
 ]
 
 Values = Mapping[tuple[str, str], Mapping[int, float]]  # (row level, column level) -> {seed: value}
+LabSweep = tuple["SweepConfig", list[dict[str, float | str | int]]]  # copc.lab.sweep.read_sweep's result
 
 
 @dataclass(frozen=True)
@@ -246,13 +251,14 @@ def two_way_text(result: TwoWay, metric: str, title: str = "") -> str:
 
 
 def lab_prediction(path: Path, rows: Mapping[str, float], cols: Mapping[str, float], staleness: float,
-                   batch: int = 64) -> np.ndarray:
+                   batch: int = 64, *, lab: LabSweep | None = None) -> np.ndarray:
     """The lab's exact relative MSE (lower is better) for the sweep's cells: ``[len(rows), len(cols)]``,
     averaged over the lab's reward families and seeds. ``rows`` maps each row level to the lab's mask band
-    ``c`` and ``cols`` each column level to its advantage clip ``eps_A``."""
+    ``c`` and ``cols`` each column level to its advantage clip ``eps_A``; ``lab`` is ``path`` already read
+    (:func:`copc.lab.sweep.read_sweep`), to read it once for several panels."""
     from copc.lab.sweep import mean_grid, read_sweep
 
-    cfg, cells = read_sweep(path)
+    cfg, cells = lab if lab is not None else read_sweep(path)
     if float(staleness) not in cfg.staleness:
         raise ValueError(f"{path} has no staleness {staleness}; it has {', '.join(f'{s:g}' for s in cfg.staleness)}")
     for name, mapping, known in (("mask band", rows, cfg.mask_bands), ("advantage clip", cols, cfg.adv_clips)):
@@ -305,6 +311,11 @@ def heatmap_panels(records: Sequence[Mapping[str, object]], spec: SweepSpec, met
         raise ValueError(f"sweep {spec.experiment} has no heatmap: section")
     rows, cols = list(spec.axes[heat.rows]), list(spec.axes[heat.cols])
     values = panel_values(records, metric, heat.rows, heat.cols, heat.panels)
+    lab_sweep = None
+    if heat.lab_json and heat.lab_rows and heat.lab_cols:
+        from copc.lab.sweep import read_sweep
+
+        lab_sweep = read_sweep(Path(heat.lab_json))
     out = []
     for level in list(spec.axes[heat.panels]) if heat.panels else [""]:
         cells = values.get(level, {})
@@ -314,9 +325,9 @@ def heatmap_panels(records: Sequence[Mapping[str, object]], spec: SweepSpec, met
             result, missing = None, f"{sum(1 for k in cells if k[0] in rows and k[1] in cols)} of {len(rows) * len(cols)} " \
                                     f"cells recorded ({err})"
         lab = rho = None
-        if heat.lab_json and heat.lab_rows and heat.lab_cols:
+        if lab_sweep is not None and heat.lab_json and heat.lab_rows and heat.lab_cols:
             lab = lab_prediction(Path(heat.lab_json), {lv: heat.lab_rows[lv] for lv in rows},
-                                 {lv: heat.lab_cols[lv] for lv in cols}, float(level), heat.lab_batch)
+                                 {lv: heat.lab_cols[lv] for lv in cols}, float(level), heat.lab_batch, lab=lab_sweep)
             rho = rank_correlation(result.means, -lab) if result is not None else None
         out.append(Panel(level, metric, result, missing, lab, rho))
     return out

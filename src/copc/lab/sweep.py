@@ -324,7 +324,8 @@ def read_sweep(path: Path) -> tuple[SweepConfig, list[dict[str, float | str | in
         cells = list(data["cells"])
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a lab sweep JSON written by `copc lab sweep` ({err})") from None
-    for key in ("families", "seeds", "staleness", "mask_bands", "adv_clips"):
-        config[key] = tuple(float(x) if key in ("mask_bands", "adv_clips") else x for x in config[key])
-    config["staleness"] = tuple(float(s) for s in config["staleness"])
+    for key in ("families", "seeds"):
+        config[key] = tuple(config[key])
+    for key in ("staleness", "mask_bands", "adv_clips"):  # "inf" was written as a string
+        config[key] = tuple(float(x) for x in config[key])
     return SweepConfig(**config), cells
