@@ -3,6 +3,7 @@ side by side, a caller killed with SIGKILL, and a caller that is not root."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -232,6 +233,50 @@ def test_caller_killed_mid_run_leaves_nothing_behind() -> None:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the lease is free again
     reap_stale_pools()
     assert [p for p in seen["pools"] if os.path.exists(p)] == []
+
+
+def test_a_stale_pool_under_the_uid_just_leased_is_replaced(fresh_probe: object) -> None:
+    """A caller killed before it removed its pool leaves ``copc-sbx-u<uid>``; the next caller to lease that
+    uid holds the lease, so the reaper (which removes only pools whose lease is free) leaves the directory
+    alone: the new sandbox must replace it, not run without cgroups (CI saw a sweep's cell refuse to start,
+    two processes of one seed having tried the same uids first)."""
+    from copc.tools.sandbox.cgroups import POOL_PREFIX, _mounts, _own_paths, open_pool
+    from copc.tools.sandbox.identity import UidLeases
+
+    if os.geteuid() != 0:
+        pytest.skip("cgroup pools are made only by root callers")
+    mounts, own = _mounts(), _own_paths()
+    controllers = ("memory", "pids") if "memory" in mounts and "pids" in mounts else ("",)
+    leases = UidLeases(CONFIG.uid_base, 1)
+    uid = leases.uids[0]
+    stale = [os.path.join(mounts[c] + own.get(c, "/"), f"{POOL_PREFIX}{uid}") for c in controllers]
+    try:
+        for path in stale:
+            os.makedirs(os.path.join(path, f"s{uid}"))  # a run group inside, as a dead caller leaves it
+        pool, reason = open_pool(uid)
+        assert pool is not None, reason
+        pool.create_group(f"s{uid}", memory_bytes=64 << 20, max_procs=4)  # a fresh slot group: the old one is gone
+        pool.close()
+        assert [p for p in stale if os.path.exists(p)] == []
+    finally:
+        for path in stale:
+            for sub in (os.path.join(path, f"s{uid}"), path):
+                with contextlib.suppress(OSError):
+                    os.rmdir(sub)
+        leases.release()
+
+
+def test_uid_leases_leave_the_seeded_random_alone() -> None:
+    """Training seeds ``random``; leases drawn from it would send every run of one seed to the same uids."""
+    import random
+
+    from copc.tools.sandbox.identity import UidLeases
+
+    random.seed(0)
+    before = random.getstate()
+    leases = UidLeases(CONFIG.uid_base, 2)
+    leases.release()
+    assert random.getstate() == before
 
 
 # --------------------------------------------------------------------------------------------------

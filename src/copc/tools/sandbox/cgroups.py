@@ -7,7 +7,8 @@ and one child cgroup per slot (``s<uid>``), reused by the slot's runs one after 
 reused only once its previous run's PID namespace is empty, so its cgroup is empty too. A run's first
 process joins it from inside the jail before it runs anything, and every process it forks inherits
 it; only root can move a process out, and the code is never root. Pool directories of callers that
-died (SIGKILL) are removed by the next sandbox (a pool is stale when nobody holds the lease of its uid).
+died (SIGKILL) are removed by the next sandbox (a pool is stale when nobody holds the lease of its uid),
+and the one a new sandbox finds under the uid it has just leased is replaced (its holder is dead).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 
 from copc.tools.sandbox.identity import lease_is_free
@@ -142,6 +144,25 @@ class CgroupPool:
             _remove_tree(base)
 
 
+def _clear_stale(path: str) -> None:
+    """Remove the pool directory ``path`` a previous holder of this uid left (it died before removing
+    it); the caller holds the uid's lease, so nobody else owns it. Its processes, orphans of a dead
+    sandbox, are killed first. Raises ``OSError`` when it cannot be removed."""
+    if not os.path.isdir(path):
+        return
+    for _ in range(8):
+        with contextlib.suppress(OSError):
+            for root, _dirs, files in os.walk(path):
+                if "cgroup.procs" in files:
+                    for pid in _read(os.path.join(root, "cgroup.procs")).split():
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.kill(int(pid), signal.SIGKILL)
+        if _remove_tree(path):
+            return
+        time.sleep(0.05)  # killed processes leave their cgroup when the kernel has reaped them
+    raise OSError(f"a stale {path} of a dead sandbox still holds processes")
+
+
 def reap_stale_pools() -> list[str]:
     """Remove pool directories whose uid lease nobody holds (their caller is gone); returns what was removed."""
     removed: list[str] = []
@@ -175,6 +196,7 @@ def open_pool(uid: int) -> tuple[CgroupPool | None, str]:
         made: list[str] = []
         try:
             for path in dirs.values():
+                _clear_stale(path)
                 os.mkdir(path)
                 made.append(path)
             if "cpu" in mounts:  # optional: fair CPU shares per run where the hierarchy is writable
@@ -196,6 +218,7 @@ def open_pool(uid: int) -> tuple[CgroupPool | None, str]:
             if not {"memory", "pids"} <= set(available):
                 return None, f"{reason}; cgroup v2 at {parent} offers {available}, not memory and pids"
             path = os.path.join(parent, name)
+            _clear_stale(path)
             os.mkdir(path)
             try:
                 _write(f"{path}/cgroup.subtree_control", "+memory +pids")

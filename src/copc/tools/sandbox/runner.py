@@ -131,6 +131,11 @@ class Runner:
         parts = self._parts
         return parts.leases.uids if parts is not None and parts.leases is not None else []
 
+    def cgroups_reason(self) -> str:
+        """Why this sandbox's runs have no cgroups (empty when they have, or before its first run)."""
+        parts = self._parts
+        return parts.cgroups_reason if parts is not None else ""
+
     def server_cpu_s(self) -> float:
         """CPU seconds the fork server's process tree (every run so far included) has used; 0 before it starts."""
         parts = self._parts
@@ -207,6 +212,8 @@ class _Parts:
         self.pid = os.getpid()
         as_root = os.geteuid() == 0
         self.cgroups: CgroupPool | None = None
+        self.cgroups_reason = "the caller is not root" if os.geteuid() else ""
+        """Why ``cgroups`` is None (empty when it is not)."""
         self.leases = UidLeases(config.uid_base, config.max_concurrent) if as_root else None
         try:
             self.server = on_owner_thread(lambda: self._start(config, as_root))
@@ -219,7 +226,7 @@ class _Parts:
 
     def _start(self, config: SandboxConfig, as_root: bool) -> ForkServer:
         if self.leases is not None:
-            pool = open_pool(self.leases.uids[0])[0]
+            pool, self.cgroups_reason = open_pool(self.leases.uids[0])
             self.cgroups = pool
             if pool is not None:
                 for uid in self.leases.uids:
