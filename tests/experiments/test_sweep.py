@@ -354,6 +354,39 @@ def test_interrupted_cell_resumes_then_is_recorded_and_skipped(tmp_path, capsys)
     assert "recorded" in capsys.readouterr().out
 
 
+def test_commit_records_each_record_alone_and_keeps_what_else_is_staged(tmp_path, capsys):
+    """--commit: a finished run's record (and the step-time table) is committed on its own; a file the
+    user staged stays staged and out of the commit; without a repository the sweep still records."""
+    import subprocess
+
+    from copc.run.train import train
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    spec_file = tmp_path / "tiny.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "experiment": "tiny", "seeds": [0], "shared": TINY, "axes": {"method": {"ppo": ["method=ppo"]}},
+    }))
+    cell = expand(load_spec(spec_file))[0]
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    train(resolve(cell, runs / cell.cell_id), show_progress=False)  # finished, no record yet
+    args = [str(spec_file), "--jobs", "1", "--nice", "0", "--results", str(results), "--runs", str(runs), "--commit"]
+    assert sweep_cli(args) == 0  # not a repository: recorded, the commit only warned
+    assert "records not committed" in capsys.readouterr().out
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "notes.txt").write_text("work in progress\n")
+    git("add", "notes.txt")
+    (results / "tiny" / f"{cell.cell_id}.json").unlink()  # recorded again from the finished run
+    assert sweep_cli(args) == 0
+    assert "committed tiny's records (1 so far)" in capsys.readouterr().out
+    committed = git("show", "--name-only", "--format=%s", "HEAD").split()
+    assert f"results/tiny/{cell.cell_id}.json" in committed and "results/step_times.json" in committed
+    assert "notes.txt" not in committed and git("diff", "--cached", "--name-only").split() == ["notes.txt"]
+
+
 def test_eval_curves_collect_each_seed_per_step_and_the_figures_are_drawn(tmp_path):
     from copc.experiments.figures import eval_curves, plot_curves, plot_summary
 

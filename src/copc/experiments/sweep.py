@@ -28,7 +28,7 @@ The YAML file (``experiments/*.yaml`` are the committed ones)::
 A cell is one grid point and one seed, its id ``axis=level__axis=level__seedN``; it runs as
 ``nice -n 10 python -m copc.cli train`` with one torch thread into ``runs/sweep/<experiment>/<cell-id>``
 (log beside it). When it finishes, its record (copc.experiments.results) is written atomically to
-``results/<experiment>/<cell-id>.json``. On the next invocation a cell with a record is skipped, a run
+``results/<experiment>/<cell-id>.json`` (and, with ``--commit``, committed to git on its own). On the next invocation a cell with a record is skipped, a run
 directory that finished without a record gets its record, one with a checkpoint is resumed
 (``resume=true``; a larger ``steps`` extends it), and one without a checkpoint starts again. A run
 directory or record made by a different config is never reused: the sweep stops and names it.
@@ -67,6 +67,7 @@ from copc.experiments.results import (
     write_record,
 )
 from copc.experiments.step_times import (
+    STEP_TIMES,
     episodes,
     estimate_seconds,
     load_step_times,
@@ -232,9 +233,32 @@ def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, 
     return path
 
 
+def commit_records(paths: Paths, experiment: str, log: Callable[[str], None] = print) -> None:
+    """``git commit`` the experiment's records and the step-time table, and nothing else (whatever else is
+    staged stays staged). A failure (no repository, a held index lock) is logged, not raised: the records
+    are on disk, and the next commit takes every one not yet committed."""
+    folder = paths.results / experiment
+    files = [str(p.resolve()) for p in (folder, paths.results / STEP_TIMES) if p.exists()]
+    count = len(list(folder.glob("*.json")))
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=60, check=True)
+
+    try:
+        git("add", "--", *files)
+        if git("status", "--porcelain", "--", *files).stdout.strip():
+            git("commit", "-q", "-m", f"results: {experiment} records ({count} so far)", "--", *files)
+            log(f"[sweep] committed {experiment}'s records ({count} so far)")
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        log(f"[sweep] warning: records not committed ({detail.strip().splitlines()[-1] if detail.strip() else err}); "
+            "they are on disk: the next record's commit takes them, or commit them by hand")
+
+
 def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int, nice: int,
-              log: Callable[[str], None] = print) -> list[str]:
-    """Run or record every cell not yet recorded, ``jobs`` at a time; returns the ids that failed."""
+              log: Callable[[str], None] = print, commit: bool = False) -> list[str]:
+    """Run or record every cell not yet recorded, ``jobs`` at a time; returns the ids that failed.
+    ``commit``: commit each record to git as it is written (:func:`commit_records`)."""
     pending: list[tuple[Cell, dict[str, object], bool]] = []
     for cell in cells:
         run_dir = paths.run_dir(cell)
@@ -250,6 +274,8 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
             continue
         if state == "finished":
             log(f"[sweep] {cell.cell_id}: finished run, record {finish_cell(spec, cell, paths, config)}")
+            if commit:
+                commit_records(paths, spec.experiment, log)
             continue
         if state == "fresh" and run_dir.exists():
             shutil.rmtree(run_dir)  # no checkpoint: nothing to resume, and a half metrics.jsonl would mix in
@@ -279,6 +305,8 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
                 if proc.returncode == 0:
                     record = finish_cell(spec, cell, paths, config)
                     log(f"[sweep] done  {cell.cell_id} in {took / 60:.1f} min: {record}")
+                    if commit:
+                        commit_records(paths, spec.experiment, log)
                 else:
                     failures.append(cell.cell_id)
                     log(f"[sweep] FAILED {cell.cell_id} (exit {proc.returncode}); see {paths.runs / cell.cell_id}.log")
@@ -407,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", default=None, help="run directories (default runs/sweep/<experiment>)")
     parser.add_argument("--steps", type=int, default=0, help="train every cell for this many steps instead "
                         "(a later run with more steps extends the runs from their checkpoints)")
+    parser.add_argument("--commit", action="store_true",
+                        help="git-commit each record (and results/step_times.json) as it is written, alone")
     parser.add_argument("--only", default=None, metavar="SUBSTRING[,SUBSTRING]",
                         help="only the cells whose id contains one of these (e.g. method=copc,method=async_ppo)")
     return parser
@@ -480,7 +510,8 @@ def sweep_cli(argv: Sequence[str]) -> int:
     paths.runs.mkdir(parents=True, exist_ok=True)
     print(f"[sweep] {spec.experiment}: {len(cells)} cells, {jobs} at a time", flush=True)
     prepare_warmstarts(cells, paths, log=lambda s: print(s, flush=True))
-    failures = run_cells(spec, cells, paths, jobs=jobs, nice=args.nice, log=lambda s: print(s, flush=True))
+    failures = run_cells(spec, cells, paths, jobs=jobs, nice=args.nice, log=lambda s: print(s, flush=True),
+                         commit=args.commit)
     if failures:
         print(f"copc sweep: error: cells failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)
         return 1
