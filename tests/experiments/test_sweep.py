@@ -381,7 +381,7 @@ def test_commit_records_each_record_alone_and_keeps_what_else_is_staged(tmp_path
     git("add", "notes.txt")
     (results / "tiny" / f"{cell.cell_id}.json").unlink()  # recorded again from the finished run
     assert sweep_cli(args) == 0
-    assert "committed tiny's records (1 so far)" in capsys.readouterr().out
+    assert "committed: results: tiny records (1 so far)" in capsys.readouterr().out
     committed = git("show", "--name-only", "--format=%s", "HEAD").split()
     assert f"results/tiny/{cell.cell_id}.json" in committed and "results/step_times.json" in committed
     assert "notes.txt" not in committed and git("diff", "--cached", "--name-only").split() == ["notes.txt"]

@@ -5,6 +5,7 @@ directory is gone: the resolved config and its hash, the cell's levels and seed,
 evaluation, the train-reward curve averaged into at most :data:`CURVE_POINTS` bins, the summary figures,
 step times, wall seconds and the machine. Records are written atomically (a temporary sibling, then
 ``os.replace``), so a reader never sees half a record, and a cell whose record exists is finished.
+:func:`commit_alone` commits records to git as they land (``copc sweep --commit``).
 
 Summary figures of one run (``record["summary"]``):
 
@@ -28,7 +29,8 @@ import json
 import math
 import os
 import platform
-from collections.abc import Iterable, Mapping, Sequence
+import subprocess
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,7 @@ __all__ = [
     "by_group",
     "collapse_step",
     "collapse_text",
+    "commit_alone",
     "config_hash",
     "f_survival",
     "group_key",
@@ -216,6 +219,32 @@ def load_records(folder: Path) -> list[dict[str, object]]:
 
 
 # ------------------------------------------------------------------------------------- interval maths
+def commit_alone(files: Sequence[Path], message: str, log: Callable[[str], None] = print) -> bool:
+    """``git add`` and ``git commit`` these files (those that exist) and nothing else: whatever else is
+    staged stays staged. A failure (no repository, a held index lock) is logged, not raised: the files
+    are on disk, and a later commit of the same paths takes them. True when a commit was made."""
+    existing = [str(p.resolve()) for p in files if p.exists()]
+    if not existing:
+        return False
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], cwd=os.path.dirname(existing[0]), capture_output=True, text=True,
+                              timeout=60, check=True)
+
+    try:
+        git("add", "--", *existing)
+        if not git("status", "--porcelain", "--", *existing).stdout.strip():
+            return False
+        git("commit", "-q", "-m", message, "--", *existing)
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = (getattr(err, "stderr", "") or str(err)).strip()
+        log(f"[sweep] warning: records not committed ({detail.splitlines()[-1] if detail else err}); they are "
+            "on disk: the next record's commit takes them, or commit them by hand")
+        return False
+    log(f"[sweep] committed: {message}")
+    return True
+
+
 def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the regularized incomplete beta (modified Lentz; Numerical Recipes 6.4)."""
 

@@ -59,6 +59,7 @@ from copc.config import ConfigError, from_dict, load_yaml, to_dict
 from copc.experiments.report import print_report
 from copc.experiments.results import (
     build_record,
+    commit_alone,
     config_hash,
     load_records,
     machine_info,
@@ -216,8 +217,10 @@ def _add_wall(run_dir: Path, seconds: float) -> float:
     return total
 
 
-def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, object]) -> Path:
-    """Write the record of the cell's finished run directory; its path."""
+def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, object], *, commit: bool = False,
+                log: Callable[[str], None] = print) -> Path:
+    """Write the record of the cell's finished run directory; its path. ``commit``: then commit the
+    experiment's records and the step-time table to git, alone (:func:`~copc.experiments.results.commit_alone`)."""
     run_dir = paths.run_dir(cell)
     try:
         wall: float | None = float(json.loads((run_dir / "sweep_wall.json").read_text())["wall_seconds"])
@@ -230,35 +233,16 @@ def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, 
     timing = timing_from_record(record, cfg)
     if timing is not None:
         store_step_time(paths.results, timing_key(cfg), timing)
+    if commit:
+        count = len(list(path.parent.glob("*.json")))
+        commit_alone([path.parent, paths.results / STEP_TIMES], f"results: {spec.experiment} records ({count} so far)", log)
     return path
-
-
-def commit_records(paths: Paths, experiment: str, log: Callable[[str], None] = print) -> None:
-    """``git commit`` the experiment's records and the step-time table, and nothing else (whatever else is
-    staged stays staged). A failure (no repository, a held index lock) is logged, not raised: the records
-    are on disk, and the next commit takes every one not yet committed."""
-    folder = paths.results / experiment
-    files = [str(p.resolve()) for p in (folder, paths.results / STEP_TIMES) if p.exists()]
-    count = len(list(folder.glob("*.json")))
-
-    def git(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=60, check=True)
-
-    try:
-        git("add", "--", *files)
-        if git("status", "--porcelain", "--", *files).stdout.strip():
-            git("commit", "-q", "-m", f"results: {experiment} records ({count} so far)", "--", *files)
-            log(f"[sweep] committed {experiment}'s records ({count} so far)")
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or str(err)
-        log(f"[sweep] warning: records not committed ({detail.strip().splitlines()[-1] if detail.strip() else err}); "
-            "they are on disk: the next record's commit takes them, or commit them by hand")
 
 
 def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int, nice: int,
               log: Callable[[str], None] = print, commit: bool = False) -> list[str]:
     """Run or record every cell not yet recorded, ``jobs`` at a time; returns the ids that failed.
-    ``commit``: commit each record to git as it is written (:func:`commit_records`)."""
+    ``commit``: commit each record to git as it is written."""
     pending: list[tuple[Cell, dict[str, object], bool]] = []
     for cell in cells:
         run_dir = paths.run_dir(cell)
@@ -273,9 +257,7 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
         if state == "recorded":
             continue
         if state == "finished":
-            log(f"[sweep] {cell.cell_id}: finished run, record {finish_cell(spec, cell, paths, config)}")
-            if commit:
-                commit_records(paths, spec.experiment, log)
+            log(f"[sweep] {cell.cell_id}: finished run, record {finish_cell(spec, cell, paths, config, commit=commit, log=log)}")
             continue
         if state == "fresh" and run_dir.exists():
             shutil.rmtree(run_dir)  # no checkpoint: nothing to resume, and a half metrics.jsonl would mix in
@@ -303,10 +285,8 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
                 took = time.perf_counter() - start
                 _add_wall(paths.run_dir(cell), took)
                 if proc.returncode == 0:
-                    record = finish_cell(spec, cell, paths, config)
+                    record = finish_cell(spec, cell, paths, config, commit=commit, log=log)
                     log(f"[sweep] done  {cell.cell_id} in {took / 60:.1f} min: {record}")
-                    if commit:
-                        commit_records(paths, spec.experiment, log)
                 else:
                     failures.append(cell.cell_id)
                     log(f"[sweep] FAILED {cell.cell_id} (exit {proc.returncode}); see {paths.runs / cell.cell_id}.log")
