@@ -175,6 +175,26 @@ def test_zero_staleness_gives_unit_behaviour_weights() -> None:
     assert float(stale.log_w.abs().max()) > 0.1  # noisy mu: weights differ from 1
 
 
+def test_engine_behaviour_logprobs_give_unit_weights_in_the_trainer() -> None:
+    """End to end at lag 0: mu recorded by the engine (left-padded KV-cached decode, rows of different lengths,
+    a real task's prompts and grading) and the trainer's step-start forward on the collated, right-padded batch
+    agree on every action token to float rounding, so w = old/mu is 1 and COPC's mask and clips do nothing."""
+    from copc.rollout.generator import RolloutConfig, RolloutGenerator
+    from copc.tasks import get_task
+
+    trainer = make_trainer("copc", micro_batch_size=4)
+    config = RolloutConfig(prompts_per_batch=4, group_size=2, max_new_tokens_per_turn=12, max_total_tokens=24,
+                           temperature=1.0)
+    generator = RolloutGenerator(trainer.policy, TOKENIZER, get_task("kv_search", eval_size=8),
+                                 config, seed=0)
+    batch = collate(generator.generate(0).trajectories, pad_id=TOKENIZER.pad_token_id)
+    lengths = batch.attention_mask.sum(dim=1)
+    assert int(lengths.min()) < int(lengths.max()) and batch.num_action_tokens > 40  # padding is exercised
+    state = trainer.prepare(batch)
+    assert float(state.log_w[batch.action_mask].abs().max()) < 1e-5
+    assert float(state.log_w[~batch.action_mask].abs().max()) == 0.0
+
+
 def test_method_from_channel_configs_directly() -> None:
     """A MethodConfig assembled from channel configs (not a preset name) drives the trainer."""
     base = get_method("copc")
