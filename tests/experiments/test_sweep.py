@@ -24,6 +24,7 @@ from copc.experiments.results import (
     paired_differences,
     read_record,
     report_text,
+    start_mismatches,
     student_t_quantile,
     subsample_curve,
     t_interval,
@@ -149,6 +150,22 @@ def test_paired_differences_pair_seeds_with_the_baseline_of_the_same_other_level
     assert seeds8 == [0] and interval8.mean == pytest.approx(0.05) and interval8.low is None
     text = report_text(records, ["eval_last_half"], {"method": "ppo_sync"})
     assert "method=copc s=16" in text and "0.120 [" in text and " *" in text
+
+
+def test_records_of_one_seed_from_different_warm_starts_are_flagged():
+    """Step-0 evaluations are made before any update: two records of one seed that differ there started
+    from different policies (a warm start rebuilt on another CPU), so the report warns they are not paired."""
+    def rec(cell: str, seed: int, acc: float, greedy: float) -> dict[str, object]:
+        return {"cell": cell, "seed": seed, "levels": {"method": cell.split("__")[0]}, "summary": {"eval_final": acc},
+                "evals": [{"step": 0, "accuracy": acc, "greedy_accuracy": greedy}, {"step": 9, "accuracy": 0.5,
+                                                                                    "greedy_accuracy": 0.5}]}
+    same = [rec("a__seed0", 0, 0.385, 0.82), rec("b__seed0", 0, 0.385, 0.82), rec("a__seed1", 1, 0.42, 0.82)]
+    assert start_mismatches(same) == []
+    mixed = [*same, rec("b__seed1", 1, 0.21, 0.435)]
+    assert start_mismatches(mixed) == [
+        "seed 1: step-0 accuracy 0.21 / greedy 0.435: b__seed1; step-0 accuracy 0.42 / greedy 0.82: a__seed1"]
+    assert report_text(mixed, ["eval_final"]).startswith("warning: records of one seed start from different policies")
+    assert "warning" not in report_text(same, ["eval_final"])
 
 
 def test_collapse_detector_golden():

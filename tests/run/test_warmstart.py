@@ -14,6 +14,7 @@ from copc.models.tiny import build_tiny_tokenizer
 from copc.run.warmstart import (
     DEFAULT_SFT,
     MARKER,
+    PINNED_ENV,
     SFTConfig,
     action_nll,
     build_warmstart,
@@ -22,6 +23,7 @@ from copc.run.warmstart import (
     is_complete,
     load_warmstart,
     measure_accuracy,
+    pin_warmstart,
     sft_cli,
     shuffled_batches,
     warmstart_dir,
@@ -129,6 +131,26 @@ def test_directory_without_marker_is_rebuilt(tmp_path, monkeypatch):
     stamp = (path / MARKER).stat().st_mtime_ns
     _build(tmp_path, force=True)
     assert (path / MARKER).stat().st_mtime_ns != stamp
+
+
+def test_a_pinned_warm_start_is_used_instead_of_building(tmp_path, monkeypatch):
+    """A warm start built on one machine and pinned (copied to $COPC_WARMSTART_PINNED, committed with the
+    records) is what every later machine starts from: no rebuild, the same weights bit for bit."""
+    monkeypatch.setenv("COPC_CACHE", str(tmp_path / "cache"))
+    built = _build(tmp_path)
+    monkeypatch.delenv(PINNED_ENV, raising=False)
+    assert pin_warmstart(built) is None  # nothing pinned without a pinned folder
+    monkeypatch.setenv(PINNED_ENV, str(tmp_path / "pinned"))
+    pinned = pin_warmstart(built)
+    assert pinned == tmp_path / "pinned" / built.name and is_complete(pinned)
+    assert pin_warmstart(pinned) == pinned  # already there: kept as it is
+    monkeypatch.setenv("COPC_CACHE", str(tmp_path / "another_machine"))  # an empty cache elsewhere
+    assert warmstart_dir("arith_tool", task_config=SMALL_TASK, sft=TINY_SFT) == pinned
+    assert _build(tmp_path) == pinned and not (tmp_path / "another_machine").exists()  # not rebuilt
+    model_a, _ = load_warmstart(built)
+    model_b, _ = load_warmstart(pinned)
+    for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_only_builtin_tasks_have_demos():

@@ -33,6 +33,7 @@ import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -57,6 +58,7 @@ __all__ = [
     "paired_differences",
     "read_record",
     "report_text",
+    "start_mismatches",
     "student_t_quantile",
     "subsample_curve",
     "t_interval",
@@ -440,6 +442,24 @@ def paired_differences(
     return out
 
 
+def start_mismatches(records: Sequence[Mapping[str, object]]) -> list[str]:
+    """One line per seed whose records start from different policies: their step-0 evaluations (made
+    before any update, so a function of the warm start and the evaluation alone) differ. Such records
+    are not paired, whatever their seed says: the warm start was built anew on another machine (pin it,
+    ``copc.run.warmstart``), or the evaluation changed."""
+    starts: dict[int, dict[tuple[float, float], list[str]]] = {}
+    for record in records:
+        evals = cast(list[dict[str, float]], record.get("evals", []))
+        first = next((e for e in evals if e.get("step") == 0), None)
+        if first is not None:
+            key = (round(float(first["accuracy"]), 6), round(float(first["greedy_accuracy"]), 6))
+            seed = int(cast(int, record["seed"]))
+            starts.setdefault(seed, {}).setdefault(key, []).append(str(record["cell"]))
+    return [f"seed {seed}: " + "; ".join(f"step-0 accuracy {a:g} / greedy {g:g}: {', '.join(sorted(cells))}"
+                                         for (a, g), cells in sorted(by.items()))
+            for seed, by in sorted(starts.items()) if len(by) > 1]
+
+
 def report_text(
     records: Sequence[Mapping[str, object]],
     metrics: Sequence[str] = ("eval_last_half", "eval_final", "greedy_last_half"),
@@ -451,7 +471,9 @@ def report_text(
     if not records:
         return "no finished records"
     pct = f"{100 * confidence:g}%"
-    lines = [f"{len(records)} records; mean [{pct} t interval over seeds] (n = seeds)"]
+    lines = [f"warning: records of one seed start from different policies, so they are not paired: {line}"
+             for line in start_mismatches(records)]
+    lines.append(f"{len(records)} records; mean [{pct} t interval over seeds] (n = seeds)")
     for metric in metrics:
         groups = by_group(records, metric)
         if not groups:

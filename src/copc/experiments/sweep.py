@@ -299,16 +299,17 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
 
 
 def prepare_warmstarts(cells: Sequence[Cell], paths: Paths, log: Callable[[str], None] = print) -> None:
-    """Build every warm start the cells need once, before cells start in parallel (cached)."""
+    """Build (or find) every warm start the cells need once, before cells start, pinned in ``<results>/warmstarts``."""
     from copc.run.build import policy_path
-
+    from copc.run.warmstart import PINNED_ENV, pin_warmstart
+    os.environ.setdefault(PINNED_ENV, str((paths.results / "warmstarts").resolve()))  # the cells inherit it
     seen: set[str] = set()
     for cell in cells:
         cfg = resolve(cell, paths.run_dir(cell))
         key = json.dumps([cfg.task, cfg.task_options, to_dict(cfg.model)], sort_keys=True, default=str)
         if cfg.model.policy == "warmstart" and key not in seen:
             seen.add(key)
-            log(f"[sweep] warm start {cfg.task}: {policy_path(cfg, paths.runs)}")
+            log(f"[sweep] warm start {cfg.task}: {pin_warmstart(policy_path(cfg, paths.runs))}")
 
 
 def _children_cpu_seconds() -> float:

@@ -18,6 +18,13 @@ hash covering the task config, the SFT config, the seed and the model size. A bu
 temporary sibling directory, writes the completion marker ``warmstart.json`` last, then renames the
 directory into place, so a killed build never leaves a directory that :func:`load_warmstart` accepts; a
 directory without the marker is deleted and rebuilt.
+
+Pinned warm starts: SFT of 3000 steps is chaotic in float rounding, so the same build on another CPU
+gives other weights (on kv_search hard, greedy EM 0.82 on one machine and 0.435 on another, same code).
+Runs compared by seed must start from the same weights, so an experiment pins them: with
+``$COPC_WARMSTART_PINNED`` set (``copc sweep`` sets it to ``<results>/warmstarts``, committed with the
+records), a complete ``<pinned>/<task>-<hash>`` is used instead of the cache, and :func:`pin_warmstart`
+copies a freshly built one there.
 """
 
 from __future__ import annotations
@@ -196,6 +203,32 @@ def cache_root() -> Path:
     return Path(os.environ.get("COPC_CACHE", "~/.cache/copc")).expanduser() / "warmstart"
 
 
+#: A folder of pinned warm starts (module docstring), checked before the cache.
+PINNED_ENV = "COPC_WARMSTART_PINNED"
+
+
+def pinned_root() -> Path | None:
+    """``$COPC_WARMSTART_PINNED``, or None when unset."""
+    value = os.environ.get(PINNED_ENV, "")
+    return Path(value).expanduser() if value else None
+
+
+def pin_warmstart(path: Path) -> Path | None:
+    """Copy the complete warm start ``path`` into the pinned folder (if one is set and it is not there
+    yet); the pinned copy, or None without a pinned folder."""
+    root = pinned_root()
+    if root is None or not is_complete(path):
+        return None
+    target = root / path.name
+    if target.resolve() != path.resolve() and not is_complete(target):
+        staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(path, staging)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+    return target
+
+
 def _sft_task(task_name: str, task_config: Mapping[str, ConfigValue]) -> SupportsSFT:
     task = get_task(task_name, **task_config)
     if not isinstance(task, SupportsSFT):
@@ -210,7 +243,8 @@ def warmstart_dir(
     task_config: Mapping[str, ConfigValue] | None = None,
     sft: SFTConfig | None = None,
 ) -> Path:
-    """Cache directory of a warm start (whether or not it is built yet)."""
+    """Directory of a warm start: its pinned copy when there is one (module docstring), else its cache
+    directory (whether or not it is built yet)."""
     task = _sft_task(task_name, task_config or {})
     sft = sft or DEFAULT_SFT.get(task_name, SFTConfig())
     from copc.models.tiny import DEFAULT_SIZE
@@ -222,7 +256,11 @@ def warmstart_dir(
         "size": DEFAULT_SIZE,
         "version": WARMSTART_VERSION,
     }
-    return cache_root() / f"{task_name}-{stable_hash(key)}"
+    name = f"{task_name}-{stable_hash(key)}"
+    pinned = pinned_root()
+    if pinned is not None and is_complete(pinned / name):
+        return pinned / name
+    return cache_root() / name
 
 
 def is_complete(path: Path) -> bool:
