@@ -41,7 +41,7 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
         "testbed_cli",
         "does staleness hurt here? sync PPO vs uncorrected async PPO at fixed lag, several seeds",
     ),
-    "sweep": ("copc.experiments.sweep", "sweep_cli", "run a grid of copc train runs from a YAML, one record each"),
+    "sweep": ("copc.experiments.sweep_cli", "sweep_cli", "run a grid of copc train runs from a YAML, one record each"),
 }
 LOCAL = {
     "plot": "redraw a run's plots, or overlay several runs: copc plot RUN_DIR... [--out DIR]",

@@ -264,7 +264,7 @@ def test_a_missing_lab_json_fails_the_report_in_one_line(tmp_path, capsys):
     import yaml
 
     from copc.experiments.results import write_record
-    from copc.experiments.sweep import sweep_cli
+    from copc.experiments.sweep_cli import sweep_cli
 
     spec = {"experiment": "joint", "seeds": [0], "axes": {"mask": {"none": ["a=1"]}, "clip": {"w1": ["b=1"]},
                                                         "s": {"key": "staleness.staleness", "values": [8]}},

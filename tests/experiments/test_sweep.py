@@ -31,7 +31,8 @@ from copc.experiments.results import (
     write_record,
 )
 from copc.experiments.step_times import estimate_seconds, evaluations, timing_key
-from copc.experiments.sweep import cell_state, resolve, sweep_cli
+from copc.experiments.sweep import cell_state, resolve
+from copc.experiments.sweep_cli import sweep_cli
 from copc.experiments.sweep_spec import SpecError, expand, load_spec, parse_spec
 from copc.run.config import load_run_config
 from copc.tracking import Tracker

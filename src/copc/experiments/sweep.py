@@ -28,10 +28,11 @@ The YAML file (``experiments/*.yaml`` are the committed ones)::
 A cell is one grid point and one seed, its id ``axis=level__axis=level__seedN``; it runs as
 ``nice -n 10 python -m copc.cli train`` with one torch thread into ``runs/sweep/<experiment>/<cell-id>``
 (log beside it). When it finishes, its record (copc.experiments.results) is written atomically to
-``results/<experiment>/<cell-id>.json`` (and, with ``--commit``, committed to git on its own). On the next invocation a cell with a record is skipped, a run
-directory that finished without a record gets its record, one with a checkpoint is resumed
-(``resume=true``; a larger ``steps`` extends it), and one without a checkpoint starts again. A run
-directory or record made by a different config is never reused: the sweep stops and names it.
+``results/<experiment>/<cell-id>.json`` (``--commit``: and committed to git alone). Next time a cell with a
+record is skipped, a finished run without a record gets its record, one with a checkpoint is resumed
+(``resume=true``; a larger ``steps`` extends it), one without starts again. A run directory or record
+made by a different config is never reused: the sweep stops and names it. ``--experiment`` runs the grid
+again under another name (e.g. from another warm start, pinned in ``<results>/warmstarts``).
 
 Cells run ``--jobs`` at a time; by default as many as a short CPU probe finds the machine has free
 cores for (each added process must add at least :data:`PROBE_MIN_GAIN` of a core's throughput).
@@ -44,7 +45,6 @@ measured one (same task and method, then same task) and the plan says so.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -52,19 +52,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from copc.config import ConfigError, from_dict, load_yaml, to_dict
-from copc.experiments.report import print_report
 from copc.experiments.results import (
     build_record,
     commit_alone,
     config_hash,
-    load_records,
     machine_info,
     read_record,
-    report_text,
     write_record,
 )
 from copc.experiments.step_times import (
@@ -76,12 +73,12 @@ from copc.experiments.step_times import (
     timing_from_record,
     timing_key,
 )
-from copc.experiments.sweep_spec import Cell, SpecError, SweepSpec, expand, load_spec
+from copc.experiments.sweep_spec import Cell, SpecError, SweepSpec
 from copc.run.build import run_dir_holder
 from copc.run.config import RunConfig, load_run_config
 from copc.trainer.checkpoint import list_checkpoints
 
-__all__ = ["cell_state", "estimate_seconds", "resolve", "sweep_cli"]
+__all__ = ["cell_state", "estimate_seconds", "resolve", "run_cells"]
 
 #: An added parallel process must raise the probe's total throughput by this fraction of one process.
 PROBE_MIN_GAIN = 0.6
@@ -392,109 +389,3 @@ def plan_text(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, jobs: int) -
     lines.append(f"estimated {total / 3600:.1f} machine-hours of one process; {total / 3600 / jobs:.1f} h of wall "
                  f"at {jobs} at a time" + (f"; {unknown} cells without an estimate (--measure)" if unknown else ""))
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="copc sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("file", help="sweep YAML (experiments/*.yaml)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and its estimated hours; run nothing")
-    parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
-                        help="with --dry-run: probe each unmeasured task/method/driver for STEPS steps first")
-    parser.add_argument("--report", action="store_true", help="print the table of the finished records")
-    parser.add_argument("--collapse", default=None, metavar="METRIC[,MARGIN[,PATIENCE]]",
-                        help="with --report: count each group's collapses (E4: greedy_accuracy,0.1,3 = three "
-                             "evaluations in a row more than 0.1 below the run's best so far)")
-    parser.add_argument("--plot", default=None, metavar="DIR",
-                        help="with --report: also draw <experiment>_curves.png and <experiment>_summary.png into DIR")
-    parser.add_argument("--baseline", default=None, metavar="AXIS=LEVEL[,AXIS=LEVEL]",
-                        help="the cells --report pairs the others with (default: the file's baseline)")
-    parser.add_argument("--jobs", type=int, default=0, help="cells at a time (default: the measured capacity)")
-    parser.add_argument("--nice", type=int, default=10, help="niceness of the train processes (0: none)")
-    parser.add_argument("--results", default="results", help="results folder (records under <results>/<experiment>)")
-    parser.add_argument("--runs", default=None, help="run directories (default runs/sweep/<experiment>)")
-    parser.add_argument("--steps", type=int, default=0, help="train every cell for this many steps instead "
-                        "(a later run with more steps extends the runs from their checkpoints)")
-    parser.add_argument("--commit", action="store_true",
-                        help="git-commit each record (and results/step_times.json) as it is written, alone")
-    parser.add_argument("--only", default=None, metavar="SUBSTRING[,SUBSTRING]",
-                        help="only the cells whose id contains one of these (e.g. method=copc,method=async_ppo)")
-    return parser
-
-
-def _collapse_rule(text: str) -> tuple[str, float, int]:
-    """``METRIC[,MARGIN[,PATIENCE]]`` of ``--collapse`` (defaults 0.1 and 3); SpecError naming the fix."""
-    parts = text.split(",")
-    try:
-        metric = parts[0]
-        margin = float(parts[1]) if len(parts) > 1 else 0.1
-        patience = int(parts[2]) if len(parts) > 2 else 3
-    except ValueError:
-        raise SpecError(f"--collapse {text!r}: expected METRIC[,MARGIN[,PATIENCE]], e.g. greedy_accuracy,0.1,3") from None
-    if len(parts) > 3 or not metric or margin <= 0 or patience < 1:
-        raise SpecError(f"--collapse {text!r}: expected METRIC[,MARGIN[,PATIENCE]] with MARGIN > 0 and PATIENCE >= 1, "
-                        "e.g. greedy_accuracy,0.1,3")
-    return metric, margin, patience
-
-
-def _baseline(text: str | None, spec: SweepSpec) -> dict[str, str]:
-    if text is None:
-        return spec.baseline
-    pairs = [p.split("=", 1) for p in text.split(",") if p]
-    if any(len(p) != 2 for p in pairs):
-        raise SpecError(f"--baseline {text!r}: expected axis=level[,axis=level]")
-    return {a: lv for a, lv in pairs}
-
-
-def sweep_cli(argv: Sequence[str]) -> int:
-    args = build_parser().parse_args(list(argv))
-    if args.jobs < 0 or args.measure < 0 or args.steps < 0:
-        print("copc sweep: error: --jobs, --measure and --steps must be >= 0", file=sys.stderr)
-        return 2
-    collapse = _collapse_rule(args.collapse) if args.collapse else None
-    spec = load_spec(args.file)
-    cells = expand(spec)
-    if args.steps:
-        cells = [replace(c, overrides=(*c.overrides, f"steps={args.steps}")) for c in cells]
-    if args.only:
-        wanted = [w for w in args.only.split(",") if w]
-        cells = [c for c in cells if any(w in c.cell_id for w in wanted)]
-        if not cells:
-            print(f"copc sweep: error: no cell id contains any of {', '.join(map(repr, wanted))}", file=sys.stderr)
-            return 2
-    paths = Paths(Path(args.results), Path(args.runs) if args.runs else Path("runs") / "sweep" / spec.experiment)
-    if args.report:
-        try:
-            print_report(spec, len(cells), paths.results / spec.experiment, baseline=_baseline(args.baseline, spec),
-                         collapse=collapse, plot_dir=Path(args.plot) if args.plot else None)
-        except ValueError as err:  # e.g. the heatmap's lab JSON missing (its path is relative to the working dir)
-            print(f"copc sweep: error: {err}", file=sys.stderr)
-            return 2
-        return 0
-    if args.dry_run:
-        if args.measure:
-            from copc.run.build import quiet_transformers
-
-            quiet_transformers()
-            table = load_step_times(paths.results)
-            prepare_warmstarts(cells, paths)
-            for cell in cells:
-                key = timing_key(resolve(cell, paths.run_dir(cell)))
-                if key not in table:
-                    table[key] = probe_step_time(cell, paths, steps=args.measure, nice=args.nice)
-        print(plan_text(spec, cells, paths, args.jobs or 1))
-        return 0
-    if args.nice > os.nice(0):
-        os.nice(args.nice - os.nice(0))  # the warm-start builds below run in this process
-    jobs = args.jobs or measure_capacity()
-    paths.runs.mkdir(parents=True, exist_ok=True)
-    print(f"[sweep] {spec.experiment}: {len(cells)} cells, {jobs} at a time", flush=True)
-    prepare_warmstarts(cells, paths, log=lambda s: print(s, flush=True))
-    failures = run_cells(spec, cells, paths, jobs=jobs, nice=args.nice, log=lambda s: print(s, flush=True),
-                         commit=args.commit)
-    if failures:
-        print(f"copc sweep: error: cells failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)
-        return 1
-    print(report_text(load_records(paths.results / spec.experiment), spec.report, spec.baseline or None))
-    return 0
