@@ -451,3 +451,17 @@ def test_only_takes_several_substrings(tmp_path, capsys):
     assert "method=copc__seed1" in out and "method=vtrace__seed0" in out and "method=ppo__seed" not in out
     assert sweep_cli([*args, "--only", "method=dapo,seed7"]) == 2
     assert "no cell id contains any of 'method=dapo', 'seed7'" in capsys.readouterr().err
+
+
+def test_experiment_runs_the_grid_again_under_another_name(tmp_path, capsys):
+    """--experiment keeps the cells and configs and moves the records (a grid run again from another warm start)."""
+    spec_file = tmp_path / "grid.yaml"
+    spec_file.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0], "shared": TINY,
+                                         "axes": {"method": {"ppo": ["method=ppo"]}}}))
+    results = tmp_path / "results"
+    (results / "grid").mkdir(parents=True)
+    (results / "grid" / "method=ppo__seed0.json").write_text("{}")  # the first run's record: not this one's
+    capsys.readouterr()
+    assert sweep_cli([str(spec_file), "--dry-run", "--results", str(results), "--experiment", "grid_b"]) == 0
+    out = capsys.readouterr().out
+    assert f"records in {results / 'grid_b'}" in out and "fresh" in out and "recorded" not in out
