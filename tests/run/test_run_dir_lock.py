@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from copc.config import ConfigError
-from copc.experiments.sweep import sweep_cli
+from copc.experiments.sweep_cli import sweep_cli
 from copc.run.build import claimed_run_dir, run_dir_holder
 from copc.run.config import default_config
 
