@@ -220,7 +220,6 @@ def load_records(folder: Path) -> list[dict[str, object]]:
     return [read_record(p) for p in sorted(folder.glob("*.json")) if not p.name.startswith(".")]
 
 
-# ------------------------------------------------------------------------------------- interval maths
 def commit_alone(files: Sequence[Path], message: str, log: Callable[[str], None] = print) -> bool:
     """``git add`` and ``git commit`` these files (those that exist) and nothing else: whatever else is
     staged stays staged. A failure (no repository, a held index lock) is logged, not raised: the files
@@ -247,6 +246,7 @@ def commit_alone(files: Sequence[Path], message: str, log: Callable[[str], None]
     return True
 
 
+# ------------------------------------------------------------------------------------- interval maths
 def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the regularized incomplete beta (modified Lentz; Numerical Recipes 6.4)."""
 

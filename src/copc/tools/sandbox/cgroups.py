@@ -202,6 +202,7 @@ def open_pool(uid: int) -> tuple[CgroupPool | None, str]:
             if "cpu" in mounts:  # optional: fair CPU shares per run where the hierarchy is writable
                 cpu_dir = os.path.join(mounts["cpu"] + own.get("cpu", "/"), name)
                 with contextlib.suppress(OSError):
+                    _clear_stale(cpu_dir)
                     os.mkdir(cpu_dir)
                     dirs["cpu"] = cpu_dir
             return CgroupPool("v1", dirs), ""
