@@ -299,7 +299,8 @@ def prepare_warmstarts(cells: Sequence[Cell], paths: Paths, log: Callable[[str],
     """Build (or find) every warm start the cells need once, before cells start, pinned in ``<results>/warmstarts``."""
     from copc.run.build import policy_path
     from copc.run.warmstart import PINNED_ENV, pin_warmstart
-    os.environ.setdefault(PINNED_ENV, str((paths.results / "warmstarts").resolve()))  # the cells inherit it
+    # This sweep's results folder, not one an earlier sweep in this process set; its cells inherit it.
+    os.environ[PINNED_ENV] = str((paths.results / "warmstarts").resolve())
     seen: set[str] = set()
     for cell in cells:
         cfg = resolve(cell, paths.run_dir(cell))
