@@ -63,3 +63,19 @@ def test_minibatches_partition_rows_with_global_counts() -> None:
     assert [m.index.tolist() for m in again] == [m.index.tolist() for m in mbs]
     assert split_minibatches(mask, 1)[0].index.tolist() == list(range(7))
     assert [c.tolist() for c in micro_batches(torch.arange(5), 2)] == [[0, 1], [2, 3], [4]]
+
+
+def test_micro_batches_by_length_cover_the_index_once_with_less_padding() -> None:
+    """Sorted by length (stable: ties keep the index's order), the pieces still cover the index once, and
+    the rectangles they pad to (each piece trimmed to its longest row) hold fewer cells."""
+    lengths = torch.tensor([9, 2, 7, 2, 9, 3, 1, 8])
+    index = torch.tensor([7, 3, 0, 5, 1, 6])  # a minibatch's rows, in shuffled order
+    pieces = micro_batches(index, 2, lengths)
+    assert [p.tolist() for p in pieces] == [[6, 3], [1, 5], [7, 0]]  # lengths 1, 2 | 2, 3 | 8, 9
+    assert sorted(torch.cat(pieces).tolist()) == sorted(index.tolist())
+
+    def cells(ps: list[torch.Tensor]) -> int:
+        return sum(len(p) * int(lengths[p].max()) for p in ps)
+
+    assert (cells(pieces), cells(micro_batches(index, 2))) == (28, 38)
+    assert [p.tolist() for p in micro_batches(index, 4, lengths)] == [[6, 3, 1, 5], [7, 0]]

@@ -126,6 +126,9 @@ def test_micro_batch_accumulation_is_invariant(method: str) -> None:
     moved = max(float((pi_a[k] - init[k]).abs().max()) for k in init)
     assert moved > 1e-4  # the step did something, so equality is not vacuous
     assert m_a["loss/policy"] == pytest.approx(m_b["loss/policy"], abs=1e-6)
+    # the logged entropy is the minibatch's token mean whatever the micro-batches (it was divided by the
+    # global count and then weighted by each micro-batch's token share again: 1/8 of it in 8 pieces)
+    assert m_b["loss/entropy"] == pytest.approx(m_a["loss/entropy"], rel=1e-5)
 
 
 def test_tool_and_prompt_tokens_get_no_gradient() -> None:
@@ -353,3 +356,34 @@ def test_kept_denominator_leaves_kl_and_entropy_over_valid_tokens() -> None:
     assert results["kept"]["policy/mask_frac"] > 0.2  # the band really removes tokens
     assert results["kept"]["loss/entropy"] == pytest.approx(results["all"]["loss/entropy"], rel=1e-6)
     assert results["kept"]["policy/mask_frac"] == pytest.approx(results["all"]["policy/mask_frac"], rel=1e-6)
+
+
+@pytest.mark.parametrize(("method", "micro"), [("copc", 3), ("async_ppo", 3), ("ppo", 1)])
+def test_micro_batches_by_length_train_like_index_order(method: str, micro: int) -> None:
+    """``trainer.micro_batch_by_length`` regroups each minibatch's rows (sorted by length) before cutting
+    micro-batches: the same update to float tolerance (the sums run in another order), with the forwards
+    kept by their rows (old and critic forward reuse) found again and the first minibatch's ratio
+    diagnostics (async PPO 3a: no step-start old), stitched row by row, unchanged. One actor minibatch of 8 rows in pieces of 3, two critic
+    minibatches, 2 steps of SGD (linear in the gradient, as in the accumulation test)."""
+    runs = []
+    for by_length in (False, True):
+        trainer = make_trainer(method, micro_batch_size=micro, optimizer="sgd", actor_lr=0.1, critic_lr=0.03,
+                               max_grad_norm=0.0, critic_max_grad_norm=0.0, actor_minibatches=1,
+                               critic_minibatches=2, entropy_coef=0.01, old_forward_reuse=method == "copc",
+                               critic_forward_reuse=True, micro_batch_by_length=by_length)
+        history = []
+        for s in range(2):
+            batch = collate(synthetic_trajectories(trainer.policy, seed=s), pad_id=TOKENIZER.pad_token_id)
+            history.append(trainer.step(batch))
+        runs.append((params(trainer.policy), params(trainer.critic), history))
+    (pi_a, v_a, h_a), (pi_b, v_b, h_b) = runs
+    init = params(build_tiny_model(TOKENIZER, seed=0))
+    assert max(float((pi_a[k] - init[k]).abs().max()) for k in init) > 1e-3  # not vacuous
+    for a, b in ((pi_a, pi_b), (v_a, v_b)):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+    for ma, mb in zip(h_a, h_b, strict=True):
+        keys = [k for k in ma if k.startswith(("loss/", "ratio/", "adv/")) and not k.startswith("ratio/time")]
+        assert len(keys) > 5
+        for key in keys:
+            assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-6), key

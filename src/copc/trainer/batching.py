@@ -163,9 +163,17 @@ def split_minibatches(
     ]
 
 
-def micro_batches(index: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+def micro_batches(
+    index: torch.Tensor, micro_batch_size: int, lengths: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Consecutive pieces of ``index`` of at most ``micro_batch_size`` rows (gradient accumulation); none
-    for an empty ``index``."""
+    for an empty ``index``. With ``lengths`` (``[B]``, every row's token count) the rows are first sorted
+    by length (stable), so each piece, trimmed to its longest row, carries less padding; the pieces still
+    cover ``index`` once, so their summed losses and gradients are the minibatch's, up to float rounding."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    return list(torch.split(index, micro_batch_size)) if len(index) else []
+    if not len(index):
+        return []
+    if lengths is not None:
+        index = index[torch.sort(lengths[index], stable=True).indices]
+    return list(torch.split(index, micro_batch_size))

@@ -29,12 +29,20 @@ K = TypeVar("K")
 
 @dataclass(frozen=True)
 class Forwards:
-    """The sampler's transform (``temperature``, ``top_k``, ``top_p``) and the micro-batch size."""
+    """The sampler's transform (``temperature``, ``top_k``, ``top_p``), the micro-batch size and whether
+    micro-batches are cut after sorting rows by length (``trainer.micro_batch_by_length``)."""
 
     temperature: float
     top_k: int
     top_p: float
     micro_batch_size: int
+    by_length: bool = False
+
+    def pieces(self, batch: TrainBatch, index: torch.Tensor) -> list[torch.Tensor]:
+        """The micro-batches of the rows ``index`` (:func:`~copc.trainer.batching.micro_batches`); every
+        loop over one set of rows cuts it here, so a forward kept by its rows is found again."""
+        lengths = batch.attention_mask.sum(dim=-1) if self.by_length else None
+        return micro_batches(index, self.micro_batch_size, lengths)
 
     def transform(self) -> tuple[float, LogProbTransform | None]:
         """``(temperature, transform)`` for the log-prob helpers: the sampler's own distribution (temperature
@@ -78,7 +86,7 @@ class Forwards:
         the rows ``first``, micro-batch by micro-batch, ``value`` written (detached) into ``out``. Returns
         the kept objects by their rows and the rows not in ``first`` (for :meth:`full`)."""
         kept: dict[tuple[int, ...], K] = {}
-        for rows in micro_batches(first, self.micro_batch_size):
+        for rows in self.pieces(batch, first):
             keep, value = fn(batch, rows)
             kept[tuple(rows.tolist())] = keep
             out[rows, : value.shape[1]] = value.detach().float()
@@ -92,7 +100,7 @@ class Forwards:
         a ``[B, T] float32`` result (into ``out`` when given)."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32) if out is None else out
         index = torch.arange(batch.batch_size) if index is None else index
-        for rows in micro_batches(index, self.micro_batch_size):
+        for rows in self.pieces(batch, index):
             piece = fn(batch, rows)
             out[rows, : piece.shape[1]] = piece.float()
         return out
@@ -103,7 +111,7 @@ class Forwards:
         last real position; ``truncation = bootstrap``)."""
         last = batch.attention_mask.sum(dim=-1) - 1
         out = torch.zeros(batch.batch_size, dtype=torch.float32)
-        for rows in micro_batches(torch.arange(batch.batch_size), self.micro_batch_size):
+        for rows in self.pieces(batch, torch.arange(batch.batch_size)):
             length = trim_length(rows, batch.attention_mask)
             raw = critic(batch.input_ids[rows, :length], batch.attention_mask[rows, :length], shift=False)
             out[rows] = raw.float().gather(1, last[rows, None]).squeeze(1)

@@ -48,7 +48,7 @@ from copc.channels import (
 from copc.channels.methods import MethodConfig
 from copc.models.hf import TokenLogProbs
 from copc.ops import k3_from_log, log_ratio, zero_where_not
-from copc.trainer.batching import Minibatch, TrainBatch, micro_batches, split_minibatches
+from copc.trainer.batching import Minibatch, TrainBatch, split_minibatches
 from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer, trim_length
 from copc.trainer.config import TrainerConfig
 from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
@@ -132,7 +132,8 @@ class ActorCriticTrainer:
                                  max_bytes=config.proximal_max_bytes)
         self._early: dict[tuple[int, ...], TokenLogProbs] = {}  # actor forwards kept from the step start
         self._early_values: dict[tuple[int, ...], torch.Tensor] = {}  # critic_forward_reuse
-        self.fwd = Forwards(config.temperature, config.top_k, config.top_p, config.micro_batch_size)
+        self.fwd = Forwards(config.temperature, config.top_k, config.top_p, config.micro_batch_size,
+                            by_length=config.micro_batch_by_length)
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *, optimizers: bool = True) -> dict[str, object]:
@@ -288,7 +289,7 @@ class ActorCriticTrainer:
         for epoch in range(epochs):
             for mb in self._minibatches(st.loss_mask, self.config.critic_minibatches, salt=1 + epoch):
                 self.critic_optimizer.zero_grad(set_to_none=True)
-                for rows in micro_batches(mb.index, self.config.micro_batch_size):
+                for rows in self.fwd.pieces(batch, mb.index):
                     length = trim_length(rows, batch.attention_mask)
                     kept = self._early_values.pop(tuple(rows.tolist()), None)
                     res = value_loss(critic_cfg, ValueInputs(
@@ -337,18 +338,21 @@ class ActorCriticTrainer:
             num_seqs=mb.num_seqs,
         ))
         loss, stats = res.loss, dict(res.stats)
+        # stats are this micro-batch's own token means (the caller weights them by its token share); the
+        # loss terms divide by the minibatch's global count
+        local = max(int(mask.sum()), 1)
         if self.config.kl_coef > 0:
             assert self.reference is not None
             with torch.no_grad():
                 logp_ref = self.fwd.logp(self.reference, batch, rows)
             # k3 estimator of KL(pi || ref) on action tokens: r - 1 - log r >= 0 with r = ref / cur.
-            kl = k3_from_log(log_ratio(logp_ref, logp, mask))
-            loss = loss + self.config.kl_coef * kl.sum() / max(mb.num_tokens, 1)
-            stats[m.LOSS_KL] = kl.sum().detach() / max(mb.num_tokens, 1)
+            kl = k3_from_log(log_ratio(logp_ref, logp, mask)).sum()
+            loss = loss + self.config.kl_coef * kl / max(mb.num_tokens, 1)
+            stats[m.LOSS_KL] = kl.detach() / local
         if entropy is not None:
-            ent = zero_where_not(mask, entropy).sum() / max(mb.num_tokens, 1)
-            loss = loss - self.config.entropy_coef * ent
-            stats[m.LOSS_ENTROPY] = ent.detach()
+            ent = zero_where_not(mask, entropy).sum()
+            loss = loss - self.config.entropy_coef * (ent / max(mb.num_tokens, 1))
+            stats[m.LOSS_ENTROPY] = ent.detach() / local
         return loss, stats, (logp_old if st.alpha is not None else logp).detach()
 
     def _actor_updates(self, batch: TrainBatch, st: StepTensors) -> dict[str, float]:
@@ -360,18 +364,18 @@ class ActorCriticTrainer:
             for mb in self._minibatches(st.loss_mask, count, salt=100 + epoch):
                 mb = self._actor_denominator(batch, st, mb)
                 first = epoch == 0 and not ratio_stats and st.ratio_from_first
-                cur = torch.zeros(len(mb.index), batch.input_ids.shape[1]) if first else None
+                cur = torch.zeros(batch.input_ids.shape) if first else None  # by row: pieces may reorder
                 self.actor_optimizer.zero_grad(set_to_none=True)
-                for rows in micro_batches(mb.index, self.config.micro_batch_size):
+                for rows in self.fwd.pieces(batch, mb.index):
                     loss, stats, probe = self._actor_loss(batch, st, rows, mb)
                     loss.backward()
                     losses.append(float(loss.detach()))
                     accumulate(stats_acc, stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
                     if cur is not None:
-                        cur[torch.isin(mb.index, rows), : probe.shape[1]] = probe.float()
+                        cur[rows, : probe.shape[1]] = probe.float()
                 if cur is not None:
                     adv = self.method.advantage
-                    ratio_stats = current_ratio_stats(cur, batch.logp_behav[mb.index], st.loss_mask[mb.index],
+                    ratio_stats = current_ratio_stats(cur[mb.index], batch.logp_behav[mb.index], st.loss_mask[mb.index],
                                                       clip_low=adv.ratio_low, clip_high=adv.ratio_high)
                 norms.append(clip_grad(self.policy, self.config.max_grad_norm))
                 self.actor_optimizer.step()
