@@ -266,6 +266,38 @@ def test_a_stale_pool_under_the_uid_just_leased_is_replaced(fresh_probe: object)
         leases.release()
 
 
+def test_the_pool_weighs_like_its_openers_niceness() -> None:
+    """Nice does not reach past a cpu cgroup: a worker at nice 5 put its tool calls in a pool that weighed
+    as much as the trainer (nice 0). The pool now carries the opener's niceness as its cpu weight."""
+    if os.geteuid() != 0:
+        pytest.skip("cgroup pools are made only by root callers")
+    code = (
+        "import os\n"
+        "from copc.tools.sandbox.cgroups import open_pool\n"
+        "from copc.tools.sandbox.identity import UidLeases\n"
+        "os.nice(5)\n"
+        f"leases = UidLeases({CONFIG.uid_base}, 1)\n"
+        "pool, reason = open_pool(leases.uids[0])\n"
+        "try:\n"
+        "    if pool is None or ('cpu' not in pool.dirs and pool.version == 'v1'):\n"
+        "        print('none', reason)\n"
+        "    elif pool.version == 'v1':\n"
+        "        print('v1', open(pool.dirs['cpu'] + '/cpu.shares').read().strip())\n"
+        "    else:\n"
+        "        path = pool.dirs['unified'] + '/cpu.weight.nice'\n"
+        "        print('v2', open(path).read().strip() if os.path.exists(path) else 'none')\n"
+        "finally:\n"
+        "    if pool is not None:\n"
+        "        pool.close()\n"
+        "    leases.release()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    kind, value = out.stdout.split()[:2]
+    if kind == "none" or value == "none":
+        pytest.skip(f"no writable cpu controller here ({out.stdout.strip()})")
+    assert (kind, value) in {("v1", "335"), ("v2", "5")}  # 335: the kernel's weight of nice 5
+
+
 def test_uid_leases_leave_the_seeded_random_alone() -> None:
     """Training seeds ``random``; leases drawn from it would send every run of one seed to the same uids."""
     import random

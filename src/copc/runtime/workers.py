@@ -85,7 +85,8 @@ class WorkerSpec:
     num_threads: int = 1
     """torch threads per worker process."""
     nice: int = 0
-    """Niceness the worker process adds to itself (``os.nice``; its tool subprocesses inherit it)."""
+    """Niceness the worker process adds to itself (``os.nice``; its tool subprocesses inherit it, and the
+    sandbox gives its cpu cgroup the same weight, ``tools/sandbox/cgroups.py``)."""
     device: str = "cpu"
     """Where the worker's generator runs (``cuda`` for a Ray actor given a GPU)."""
 

@@ -9,6 +9,12 @@ process joins it from inside the jail before it runs anything, and every process
 it; only root can move a process out, and the code is never root. Pool directories of callers that
 died (SIGKILL) are removed by the next sandbox (a pool is stale when nobody holds the lease of its uid),
 and the one a new sandbox finds under the uid it has just leased is replaced (its holder is dead).
+
+A process's niceness does not reach past a cpu cgroup: the pool competes with its siblings by the
+group's weight, whatever the nice of the processes inside. So the pool's weight is set to the weight
+of the opener's niceness (the kernel's nice-to-weight table), and a worker that runs at nice 5 to
+leave the trainer the CPU gives its tool calls nice 5 too (without this they weighed as much as the
+trainer: nice 0).
 """
 
 from __future__ import annotations
@@ -23,6 +29,13 @@ from dataclasses import dataclass
 from copc.tools.sandbox.identity import lease_is_free
 
 POOL_PREFIX = "copc-sbx-u"
+# The kernel's sched_prio_to_weight, nice -20 .. 19 (nice 0 = 1024 = cgroup v1's default cpu.shares).
+NICE_WEIGHTS = (
+    88761, 71755, 56483, 46273, 36291, 29154, 23254, 18705, 14949, 11916,
+    9548, 7620, 6100, 4904, 3906, 3121, 2501, 1991, 1586, 1277,
+    1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,
+    110, 87, 70, 56, 45, 36, 29, 23, 18, 15,
+)
 _POOL_RE = re.compile(rf"^{POOL_PREFIX}(\d+)$")
 
 
@@ -163,6 +176,19 @@ def _clear_stale(path: str) -> None:
     raise OSError(f"a stale {path} of a dead sandbox still holds processes")
 
 
+def _weigh_like_caller(version: str, path: str) -> None:
+    """Give the cpu group at ``path`` the weight of this thread's niceness (nothing to do at nice 0:
+    it is the default). Best effort, like the cpu controller itself."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice == 0:
+        return
+    with contextlib.suppress(OSError):
+        if version == "v1":
+            _write(f"{path}/cpu.shares", str(NICE_WEIGHTS[nice + 20]))
+        else:
+            _write(f"{path}/cpu.weight.nice", str(nice))
+
+
 def reap_stale_pools() -> list[str]:
     """Remove pool directories whose uid lease nobody holds (their caller is gone); returns what was removed."""
     removed: list[str] = []
@@ -205,6 +231,7 @@ def open_pool(uid: int) -> tuple[CgroupPool | None, str]:
                     _clear_stale(cpu_dir)
                     os.mkdir(cpu_dir)
                     dirs["cpu"] = cpu_dir
+                    _weigh_like_caller("v1", cpu_dir)
             return CgroupPool("v1", dirs), ""
         except OSError as exc:
             for path in made:
@@ -229,6 +256,7 @@ def open_pool(uid: int) -> tuple[CgroupPool | None, str]:
             if "cpu" in available:  # optional, as for v1
                 with contextlib.suppress(OSError):
                     _write(f"{path}/cgroup.subtree_control", "+cpu")
+                _weigh_like_caller("v2", path)
             return CgroupPool("v2", {"unified": path}), ""
         except OSError as exc:
             return None, f"{reason}; cgroup v2 at {parent} cannot delegate memory and pids ({exc})"
