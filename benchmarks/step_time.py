@@ -10,7 +10,9 @@ shared machine hits them alike; medians over the steps after the first ``--warmu
 - the async speed-up over sync (sync median step time / async median step time);
 - COPC's step-time overhead over async PPO (3a: ratio against the behaviour policy, no old forward) and,
   for reference, over async PPO 3b (``async_ppo_recompute``, the same forward count as COPC);
-- the split of each step: generation, training, waiting for the batch, publication of the new weights;
+- the split of each step: generation, training, waiting for the batch, publication of the new weights,
+  and the share of the training time its thread was on a CPU (``time/train_cpu / time/train``: below
+  100% it waited for a core; at 100% and still slower than in the sync run, it shared caches and memory);
 - the ideal overlap bound ``(gen + train) / max(gen, train)`` from the sync run's generation and
   training times, and the same bound scaled by this machine's measured parallel capacity ``c`` for two
   busy processes (``c = 2 t_1 / t_2``: ``t_1`` = time of one busy process alone, ``t_2`` = wall time of
@@ -199,6 +201,7 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
         "step": med("time/step"),
         "generate": med("time/generate"),
         "train": med("time/train"),
+        "train_cpu": med("time/train_cpu"),
         "wait": med("time/wait"),
         "publish": med("time/publish"),
         "tokens_per_s": med("perf/tokens_per_s"),
@@ -214,10 +217,10 @@ def report(
     print(f"\nparallel capacity for two busy processes: c = {capacity:.2f} (one alone {t1:.2f}s, two at once {t2:.2f}s)")
     print(f"task: {base.task} {base.task_options or ''}; batch: {base.rollout.batch_size} trajectories/step; {args.rounds} interleaved rounds of {args.steps} "
           f"steps per configuration, medians over steps after the first {args.warmup} of each run\n")
-    print(f"{'configuration':28s} {'step s':>8s} {'gen s':>8s} {'train s':>8s} {'wait s':>8s} {'publish s':>9s} "
+    print(f"{'configuration':28s} {'step s':>8s} {'gen s':>8s} {'train s':>8s} {'on CPU':>7s} {'wait s':>8s} {'publish s':>9s} "
           f"{'tok/s':>8s} {'stale':>6s} {'n':>4s}")
     for name, r in results.items():
-        print(f"{name:28s} {r['step']:8.3f} {r['generate']:8.3f} {r['train']:8.3f} {r['wait']:8.3f} "
+        print(f"{name:28s} {r['step']:8.3f} {r['generate']:8.3f} {r['train']:8.3f} {r['train_cpu'] / r['train']:7.0%} {r['wait']:8.3f} "
               f"{r['publish']:9.3f} {r['tokens_per_s']:8.1f} {r['staleness']:6.2f} {int(r['n']):4d}")
     sync = results["sync PPO"]
     gen, trn = sync["generate"], sync["train"]

@@ -83,8 +83,9 @@ def test_every_trainable_parameter_changes_and_version_advances() -> None:
     for name, value in trainer.critic.named_parameters():  # type: ignore[union-attr]
         assert not torch.equal(value, before_v[name]), f"critic parameter {name} did not change"
     for key in ("loss/policy", "loss/value", "grad/actor_norm", "grad/critic_norm", "critic/explained_var",
-                "critic/value_bias_gap", "time/train"):
+                "critic/value_bias_gap", "time/train", "time/train_cpu"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
+    assert 0 < metrics["time/train_cpu"] <= metrics["time/train"] + 1e-3  # one thread's CPU time within its wall
 
 
 def test_critic_warmup_freezes_the_actor() -> None:

@@ -408,7 +408,7 @@ class ActorCriticTrainer:
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One training step (module docstring); returns its metrics and advances :attr:`version`."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         self.policy.train()
         try:
             st = self.prepare(batch)
@@ -431,5 +431,6 @@ class ActorCriticTrainer:
         metrics.update(self.proximal.metrics())
         elapsed = time.perf_counter() - start
         metrics[m.TIME_TRAIN] = elapsed
+        metrics[m.TIME_TRAIN_CPU] = time.thread_time() - cpu_start
         metrics[m.PERF_TRAIN_TOKENS_PER_S] = int(batch.attention_mask.sum()) / max(elapsed, 1e-9)
         return metrics
