@@ -50,7 +50,7 @@ import torch
 import torch.multiprocessing as mp
 
 from copc.eval.evaluate import EvalConfig
-from copc.run.config import DriverConfig, ModelConfig, RunConfig, load_run_config
+from copc.run.config import ModelConfig, RunConfig, load_run_config
 from copc.run.train import train
 from copc.runtime.staleness import StalenessConfig
 from copc.tasks.tooling import sandbox_cpu_s
@@ -170,10 +170,10 @@ def main() -> None:
     base = replace(base, trainer=replace(base.trainer, critic_warmup_steps=0, old_forward_reuse=args.forward_reuse,
                                          critic_forward_reuse=args.forward_reuse))
     configs = {
-        "sync PPO": replace(base, method="ppo", driver=DriverConfig(kind="sync")),
-        "async PPO (3a)": replace(base, method="async_ppo", driver=DriverConfig(kind="async")),
-        "async PPO (3b, recompute)": replace(base, method="async_ppo_recompute", driver=DriverConfig(kind="async")),
-        "async COPC": replace(base, method="copc", driver=DriverConfig(kind="async")),
+        "sync PPO": replace(base, method="ppo", driver=replace(base.driver, kind="sync")),
+        "async PPO (3a)": replace(base, method="async_ppo", driver=replace(base.driver, kind="async")),
+        "async PPO (3b, recompute)": replace(base, method="async_ppo_recompute", driver=replace(base.driver, kind="async")),
+        "async COPC": replace(base, method="copc", driver=replace(base.driver, kind="async")),
     }
     capacity, t1, t2 = parallel_capacity()
     per_step: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
