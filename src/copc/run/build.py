@@ -207,7 +207,6 @@ def build_source(
         model_path=str(model_dir), task=cfg.task, task_options=dict(cfg.task_options), rollout=rollout,
         seed=cfg.seed, partial_chunk_tokens=cfg.driver.partial_chunk_tokens if cfg.driver.partial_rollouts else None,
         nice=cfg.driver.worker_nice if cfg.driver.kind == "async" else 0,
-        batch_sched=cfg.driver.worker_batch_sched and cfg.driver.kind == "async",
     )
     transport: TransportFactory = local_transport
     if cfg.driver.kind == "ray":  # the same driver over Ray actors (ray is imported only when they are built)

@@ -90,9 +90,6 @@ class DriverConfig:
     """Niceness of the rollout worker processes (async driver; 0-19): when trainer and workers want the
     same cores the trainer, the step's critical path, gets them first; a worker ahead of the trainer
     only fills what the trainer leaves (nothing changes in what is computed)."""
-    worker_batch_sched: bool = False
-    """Run the rollout workers (and their tool calls) under ``SCHED_BATCH`` (async driver, Linux): the
-    kernel's policy for CPU-bound non-interactive work, whose wake-ups do not preempt the trainer."""
     max_worker_restarts: int = 3
     """Rollout worker failures survived (restart, batch requested again); one more ends the run."""
     batch_timeout_s: float = 3600.0

@@ -87,9 +87,6 @@ class WorkerSpec:
     nice: int = 0
     """Niceness the worker process adds to itself (``os.nice``; its tool subprocesses inherit it, and the
     sandbox gives its cpu cgroup the same weight, ``tools/sandbox/cgroups.py``)."""
-    batch_sched: bool = False
-    """Put the worker process under ``SCHED_BATCH`` (inherited by its threads and tool subprocesses): its
-    wake-ups do not preempt the trainer (Linux; elsewhere ignored)."""
     device: str = "cpu"
     """Where the worker's generator runs (``cuda`` for a Ray actor given a GPU)."""
 
@@ -103,8 +100,6 @@ def build_generator(spec: WorkerSpec) -> RolloutGenerator:
     torch.set_num_threads(spec.num_threads)
     if spec.nice:
         os.nice(spec.nice)
-    if spec.batch_sched and hasattr(os, "SCHED_BATCH"):
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     from transformers.utils import logging as hf_logging
 
     from copc.models import load_policy
