@@ -12,7 +12,8 @@ shared machine hits them alike; medians over the steps after the first ``--warmu
   for reference, over async PPO 3b (``async_ppo_recompute``, the same forward count as COPC);
 - the split of each step: generation, training, waiting for the batch, publication of the new weights,
   and the share of the training time its thread was on a CPU (``time/train_cpu / time/train``: below
-  100% it waited for a core; at 100% and still slower than in the sync run, it shared caches and memory);
+  100% it was off a CPU, waiting for a core, the GIL or I/O; at 100% and still slower than in the sync
+  run, it shared caches and memory);
 - the ideal overlap bound ``(gen + train) / max(gen, train)`` from the sync run's generation and
   training times, and the same bound scaled by this machine's measured parallel capacity ``c`` for two
   busy processes (``c = 2 t_1 / t_2``: ``t_1`` = time of one busy process alone, ``t_2`` = wall time of
@@ -27,8 +28,9 @@ shared machine hits them alike; medians over the steps after the first ``--warmu
   nominal ``os.cpu_count()`` = 2 and the result was capped by ``c``: a bound no run on this machine
   could reach when generation alone keeps more than one core busy. The line prints that figure too.)
 
-Every configuration uses the async driver's defaults except the method and driver (one rollout worker,
-bounded staleness 8), with no critic warm-up (every timed step trains the actor) and
+Every configuration uses the async driver's defaults (one rollout worker, bounded staleness 8) but for
+the method and ``driver.kind``; ``driver.*`` overrides reach every configuration (async-only ones, such as
+``driver.partial_rollouts``, are refused by the sync configuration), with no critic warm-up (every timed step trains the actor) and
 ``trainer.old_forward_reuse`` (3b, COPC) and ``trainer.critic_forward_reuse`` on (``--no-forward-reuse``
 turns both off);
 the sync run generates and trains in one process.

@@ -187,8 +187,8 @@ METRICS: dict[str, str] = {
     TIME_GENERATE: "seconds spent generating the consumed batch (in whichever process) [s]",
     TIME_WAIT: "seconds the trainer waited for its batch [s]",
     TIME_TRAIN: "seconds of the training update (forward, backward, optimizer) [s]",
-    TIME_TRAIN_CPU: "CPU seconds the training thread ran during the update: below time/train when it waited for a "
-                    "core (with trainer_threads > 1, torch's pool threads are not counted) [s]",
+    TIME_TRAIN_CPU: "CPU seconds the training thread ran during the update; below time/train it was off a CPU "
+                    "(waiting for a core, the GIL or I/O; with trainer_threads > 1 torch's pool threads are not counted) [s]",
     TIME_STEP: "wall seconds of the whole step [s]",
     TIME_PUBLISH: "seconds from the end of the update to the new weights being published (finiteness check, copy, hand-over) [s]",
     TIME_EVAL: "wall seconds of the held-out evaluation made after this step (not in time/step) [s]",

@@ -267,10 +267,10 @@ def test_a_stale_pool_under_the_uid_just_leased_is_replaced(fresh_probe: object)
 
 
 def test_the_pool_weighs_like_its_openers_niceness() -> None:
-    from copc.tools.sandbox.cgroups import NICE_WEIGHTS
-
     """Nice does not reach past a cpu cgroup: a worker at nice 5 put its tool calls in a pool that weighed
     as much as the trainer (nice 0). The pool now carries the opener's niceness as its cpu weight."""
+    from copc.tools.sandbox.cgroups import NICE_WEIGHTS
+
     if os.geteuid() != 0:
         pytest.skip("cgroup pools are made only by root callers")
     code = (
@@ -293,7 +293,8 @@ def test_the_pool_weighs_like_its_openers_niceness() -> None:
         "        pool.close()\n"
         "    leases.release()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         env={**os.environ, "PYTHONPATH": str(SRC)})
     kind, value, *rest = out.stdout.split()
     if kind == "none" or value == "none":
         pytest.skip(f"no writable cpu controller here ({out.stdout.strip()})")

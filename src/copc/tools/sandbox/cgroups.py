@@ -12,9 +12,10 @@ and the one a new sandbox finds under the uid it has just leased is replaced (it
 
 A process's niceness does not reach past a cpu cgroup: the pool competes with its siblings by the
 group's weight, whatever the nice of the processes inside. So the pool's weight is set to the weight
-of the opener's niceness (the kernel's nice-to-weight table), and a worker that runs at nice 5 to
-leave the trainer the CPU gives its tool calls nice 5 too (without this they weighed as much as the
-trainer: nice 0).
+of the opener's niceness (the kernel's nice-to-weight table): the tool calls of a worker that runs at
+nice 5 to leave the trainer the CPU weigh together like one nice-5 process (without this they weighed
+like one nice-0 process, as much as the trainer). The caller's niceness is read on the sandbox's owner
+thread, which inherits it from the thread that starts the sandbox.
 """
 
 from __future__ import annotations
@@ -179,10 +180,10 @@ def _clear_stale(path: str) -> None:
 def _weigh_like_caller(version: str, path: str) -> None:
     """Give the cpu group at ``path`` the weight of this thread's niceness (nothing to do at nice 0:
     it is the default). Best effort, like the cpu controller itself."""
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice == 0:
-        return
     with contextlib.suppress(OSError):
+        nice = os.getpriority(os.PRIO_PROCESS, 0)  # on Linux: this thread's
+        if nice == 0:
+            return
         if version == "v1":
             _write(f"{path}/cpu.shares", str(NICE_WEIGHTS[nice + 20]))
         else:
