@@ -465,3 +465,41 @@ def test_experiment_runs_the_grid_again_under_another_name(tmp_path, capsys):
     assert sweep_cli([str(spec_file), "--dry-run", "--results", str(results), "--experiment", "grid_b"]) == 0
     out = capsys.readouterr().out
     assert f"records in {results / 'grid_b'}" in out and "fresh" in out and "recorded" not in out
+
+
+def test_a_sweep_stopped_with_sigterm_stops_its_cell_and_counts_its_wall_time(tmp_path):
+    """A queue stopped with ``kill`` (SIGTERM) ends like Ctrl-C: the running cell is stopped with its
+    checkpoints kept, and the seconds it ran are added to the cell's wall time (by default SIGTERM ended
+    the sweep with neither, and a resumed cell's record under-counted its machine time)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    spec_file = tmp_path / "long.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "experiment": "long", "seeds": [0], "shared": [*TINY, "steps=100000"],
+        "axes": {"method": {"ppo": ["method=ppo"]}},
+    }))
+    runs = tmp_path / "runs"
+    cell = expand(load_spec(spec_file))[0]
+    code = ("import sys; from copc.experiments.sweep_cli import sweep_cli; "
+            f"sys.exit(sweep_cli([{str(spec_file)!r}, '--jobs', '1', '--nice', '0', '--runs', {str(runs)!r}, "
+            f"'--results', {str(tmp_path / 'results')!r}]))")
+    sweep = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        metrics = runs / cell.cell_id / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and metrics.read_text().count('"step"') >= 2):  # the cell is training
+            assert sweep.poll() is None and time.monotonic() < deadline, "the cell never started training"
+            time.sleep(0.2)
+        sweep.send_signal(signal.SIGTERM)
+        sweep.wait(timeout=90)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 128 + signal.SIGTERM
+    wall = json.loads((runs / cell.cell_id / "sweep_wall.json").read_text())["wall_seconds"]
+    assert wall > 0
+    holder = subprocess.run(["pgrep", "-f", f"run_dir={runs / cell.cell_id}"], capture_output=True, text=True)
+    assert holder.stdout.strip() == "", "the cell's train process outlived the sweep"

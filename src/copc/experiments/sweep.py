@@ -48,8 +48,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -236,6 +238,10 @@ def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, 
     return path
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int, nice: int,
               log: Callable[[str], None] = print, commit: bool = False) -> list[str]:
     """Run or record every cell not yet recorded, ``jobs`` at a time; returns the ids that failed.
@@ -262,6 +268,10 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
     running: list[tuple[Cell, dict[str, object], subprocess.Popen[bytes], float]] = []
     failures: list[str] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # SIGTERM (a queue stopped with kill) unwinds like Ctrl-C, so the cleanup below stops the children and
+    # counts their wall time; by default it would end the process with neither.
+    on_main = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if on_main else None
     try:
         while pending or running:
             while pending and len(running) < jobs:
@@ -292,6 +302,8 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
             proc.terminate()
             proc.wait(timeout=60)
             _add_wall(paths.run_dir(cell), time.perf_counter() - start)
+        if on_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     return failures
 
 
