@@ -304,6 +304,33 @@ def test_the_pool_weighs_like_its_openers_niceness() -> None:
     assert NICE_WEIGHTS[20] == 1024 and NICE_WEIGHTS[25] == 335  # the kernel's weights of nice 0 and 5
 
 
+def test_a_niced_callers_sandbox_runs_its_code_in_a_pool_of_that_weight() -> None:
+    """The production path: a worker renices itself, then its task's sandbox starts at its first run, and
+    its owner thread opens the pool (nice is per thread on Linux: the owner thread inherits it)."""
+    from copc.tools.sandbox.cgroups import NICE_WEIGHTS
+
+    if os.geteuid() != 0:
+        pytest.skip("cgroup pools are made only by root callers")
+    code = (
+        "import os\n"
+        "from copc.tools.sandbox import PythonSandbox, SandboxConfig\n"
+        "nice = os.nice(5)\n"
+        "sb = PythonSandbox(SandboxConfig(timeout_s=5.0, cpu_s=2, memory_mb=256, max_procs=16))\n"
+        "assert sb.run('print(6 * 7)').stdout.strip() == '42'\n"  # the sandbox starts with its first run
+        "pool = sb._runner._parts.cgroups\n"
+        "if pool is None or 'cpu' not in pool.dirs:\n"
+        "    print('none', nice)\n"
+        "else:\n"
+        "    print(open(pool.dirs['cpu'] + '/cpu.shares').read().strip(), nice)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "PYTHONPATH": str(SRC)})
+    value, nice = out.stdout.split()[-2:]
+    if value == "none":
+        pytest.skip("no writable cgroup v1 cpu controller here")
+    assert value == str(NICE_WEIGHTS[int(nice) + 20])
+
+
 def test_uid_leases_leave_the_seeded_random_alone() -> None:
     """Training seeds ``random``; leases drawn from it would send every run of one seed to the same uids."""
     import random
