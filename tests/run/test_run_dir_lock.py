@@ -71,3 +71,32 @@ def test_sweep_skips_a_cell_another_process_is_training(tmp_path: Path, capsys: 
     assert code == 0, out
     assert "skipped, pid" in out and "start" not in out
     assert not (tmp_path / "results" / "held").exists()
+
+
+def test_a_cell_another_sweep_starts_after_the_plan_is_skipped_when_its_turn_comes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two queues over one grid: a cell the other queue claims while this one is busy with an earlier
+    cell is not started a second time (before, the plan's states were final and the second train failed
+    on the claim)."""
+    from contextlib import ExitStack
+
+    from copc.experiments.sweep import Paths, resolve, run_cells
+    from copc.experiments.sweep_spec import expand, parse_spec
+
+    monkeypatch.chdir(tmp_path)
+    spec = parse_spec({"experiment": "two", "seeds": 2, "shared": ["model.policy=tiny", "steps=2"],
+                       "axes": {"method": {"ppo_sync": ["method=ppo", "driver.kind=sync"]}}})
+    first, second = expand(spec)
+    paths = Paths(tmp_path / "results", tmp_path / "runs")
+    lines: list[str] = []
+    with ExitStack() as other_queue:
+        def log(line: str) -> None:
+            lines.append(line)
+            if line.startswith(f"[sweep] start {first.cell_id}"):  # meanwhile the other queue takes the second
+                other_queue.enter_context(claimed_run_dir(resolve(second, paths.run_dir(second))))
+
+        failures = run_cells(spec, [first, second], paths, jobs=1, nice=0, log=log)
+    assert failures == [], lines
+    assert any(f"{second.cell_id}: skipped, pid {os.getpid()}" in line for line in lines), lines
+    assert not any(line.startswith(f"[sweep] start {second.cell_id}") for line in lines), lines
+    assert paths.record("two", first).is_file() and not paths.record("two", second).exists()

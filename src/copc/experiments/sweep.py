@@ -245,26 +245,12 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
 def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int, nice: int,
               log: Callable[[str], None] = print, commit: bool = False) -> list[str]:
     """Run or record every cell not yet recorded, ``jobs`` at a time; returns the ids that failed.
-    ``commit``: commit each record to git as it is written."""
-    pending: list[tuple[Cell, dict[str, object], bool]] = []
-    for cell in cells:
-        run_dir = paths.run_dir(cell)
-        holder = run_dir_holder(run_dir)
-        if holder is not None:  # another sweep (or a hand-started copc train) is running this cell
-            log(f"[sweep] {cell.cell_id}: skipped, pid {holder} is training in {run_dir}")
-            continue
-        config: dict[str, object] = dict(to_dict(resolve(cell, run_dir)))
-        state, detail = cell_state(config, run_dir, paths.record(spec.experiment, cell))
-        if state == "conflict":
-            raise SpecError(f"cell {cell.cell_id}: {detail}")
-        if state == "recorded":
-            continue
-        if state == "finished":
-            log(f"[sweep] {cell.cell_id}: finished run, record {finish_cell(spec, cell, paths, config, commit=commit, log=log)}")
-            continue
-        if state == "fresh" and run_dir.exists():
-            shutil.rmtree(run_dir)  # no checkpoint: nothing to resume, and a half metrics.jsonl would mix in
-        pending.append((cell, config, state == "resume"))
+    ``commit``: commit each record to git as it is written.
+
+    A cell's state is read again when its turn comes, so two sweeps over one grid (two queues, two
+    machines on one shared checkout) never run a cell twice: one that the other has started since this
+    sweep began is skipped, one it has finished is recorded or left as it is."""
+    pending = [cell for cell in cells if _launch_state(spec, cell, paths, commit=commit, log=log) is not None]
     running: list[tuple[Cell, dict[str, object], subprocess.Popen[bytes], float]] = []
     failures: list[str] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -275,7 +261,11 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
     try:
         while pending or running:
             while pending and len(running) < jobs:
-                cell, config, resume = pending.pop(0)
+                cell = pending.pop(0)
+                state = _launch_state(spec, cell, paths, commit=commit, log=log)  # again: time has passed
+                if state is None:
+                    continue
+                config, resume = state
                 run_dir = paths.run_dir(cell)
                 run_dir.mkdir(parents=True, exist_ok=True)
                 command = train_command(cell, run_dir, resume=resume, nice=nice)
@@ -305,6 +295,29 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
         if on_main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     return failures
+
+
+def _launch_state(spec: SweepSpec, cell: Cell, paths: Paths, *, commit: bool, log: Callable[[str], None]
+                  ) -> tuple[dict[str, object], bool] | None:
+    """``(config, resume)`` when ``cell`` is to be trained now; ``None`` when it is recorded, held by
+    another process, or finished (its record is then written here)."""
+    run_dir = paths.run_dir(cell)
+    holder = run_dir_holder(run_dir)
+    if holder is not None:  # another sweep (or a hand-started copc train) is running this cell
+        log(f"[sweep] {cell.cell_id}: skipped, pid {holder} is training in {run_dir}")
+        return None
+    config: dict[str, object] = dict(to_dict(resolve(cell, run_dir)))
+    state, detail = cell_state(config, run_dir, paths.record(spec.experiment, cell))
+    if state == "conflict":
+        raise SpecError(f"cell {cell.cell_id}: {detail}")
+    if state == "recorded":
+        return None
+    if state == "finished":
+        log(f"[sweep] {cell.cell_id}: finished run, record {finish_cell(spec, cell, paths, config, commit=commit, log=log)}")
+        return None
+    if state == "fresh" and run_dir.exists():
+        shutil.rmtree(run_dir)  # no checkpoint: nothing to resume, and a half metrics.jsonl would mix in
+    return config, state == "resume"
 
 
 def prepare_warmstarts(cells: Sequence[Cell], paths: Paths, log: Callable[[str], None] = print) -> None:
