@@ -101,6 +101,43 @@ def test_numeric_equal(pred: str | None, gold: str, equal: bool) -> None:
     assert numeric_equal(pred, gold) is equal
 
 
+def test_numeric_equal_agrees_with_fractions_on_random_spellings() -> None:
+    """Against ``Fraction`` (exact, and fine while exponents stay small) on decimals, scientific
+    notation and ratios of the same and of different values."""
+    import random
+    from fractions import Fraction
+
+    rng = random.Random(0)
+
+    def spell() -> str:
+        kind = rng.randrange(3)
+        sign = rng.choice(["", "-", "+"])
+        if kind == 0:
+            return f"{sign}{rng.randrange(0, 2000)}/{rng.randrange(1, 2000)}"
+        digits = str(rng.randrange(0, 10 ** rng.randrange(1, 8))).zfill(rng.randrange(1, 4))
+        cut = rng.randrange(len(digits) + 1)
+        number = digits[:cut] + "." + digits[cut:] if rng.random() < 0.6 and cut < len(digits) else digits
+        exponent = f"e{rng.randrange(-30, 31)}" if kind == 2 else ""
+        return sign + number + exponent
+
+    spellings = [spell() for _ in range(400)]
+    spellings += [f"{Fraction(s).numerator}/{Fraction(s).denominator}" for s in spellings[:200]]  # equal pairs
+    for _ in range(20000):
+        a, b = rng.choice(spellings), rng.choice(spellings)
+        assert numeric_equal(a, b) is (Fraction(a) == Fraction(b)), (a, b)
+
+
+def test_a_huge_exponent_is_graded_at_once() -> None:
+    """A sampled answer ``1537640e412537443412`` (E2, 2026-12-02) made ``Fraction`` build 10**412537443412:
+    the episode's grading never ended. Run in a child so that a regression fails instead of hanging."""
+    code = ("from copc.rewards.math import numeric_equal as n; "
+            "assert not n('1537640e412537443412', '1537640'); assert not n('1e-99999999999', '0'); "
+            "assert n('1e400', '1' + '0' * 400) and not n('25e-99999999999', '0'); "
+            "assert n('1.5e1', '15') and not n('1' * 5000, '1')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def verifier() -> Iterator[MathVerifier]:
     """Short timeout: for the timeout tests."""

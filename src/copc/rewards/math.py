@@ -88,19 +88,54 @@ def extract_answer(text: str) -> str | None:
     return answer or None
 
 
-_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$|^[+-]?\d+/\d+$")
+_DECIMAL = re.compile(r"(?P<sign>[+-]?)(?P<int>\d+(?:\.(?P<tail>\d*))?|\.(?P<frac>\d+))(?:[eE](?P<exp>[+-]?\d+))?")
+_RATIO = re.compile(r"(?P<sign>[+-]?)(?P<num>\d+)/(?P<den>\d+)")
 
 
-def _to_fraction(text: str) -> Fraction | None:
+def _decimal(m: int, e: int) -> tuple[str, int, int]:
+    """``m * 10**e`` in its one spelling: ``m`` not a multiple of 10, zero as ``(0, 0)``."""
+    if m == 0:
+        return ("dec", 0, 0)
+    while m % 10 == 0:
+        m, e = m // 10, e + 1
+    return ("dec", m, e)
+
+
+def _exact_number(text: str) -> tuple[str, int, int] | None:
+    """The exact value of a plain number as a canonical tuple: ``("dec", m, e)`` for ``m * 10**e``
+    (every terminating decimal, whether written ``0.125``, ``1.25e-1`` or ``1/8``), ``("frac", p, q)``
+    for a reduced ``p/q`` that no decimal equals; ``None`` when ``text`` is not a plain number.
+
+    Equal numbers give equal tuples. No power of ten is ever built from the exponent, so a model's
+    ``1e412537443412`` costs what its characters cost (``Fraction`` would compute ``10**412537443412``,
+    and an episode's grading would never end). Numbers beyond Python's 4300-digit limit are not numbers.
+    """
     cleaned = text.strip().replace(",", "").replace(" ", "").rstrip(".")
     if cleaned.startswith("$") and cleaned.endswith("$") and len(cleaned) >= 2:
         cleaned = cleaned[1:-1]
-    if not _NUMBER.match(cleaned):
-        return None
     try:
-        return Fraction(cleaned)
-    except (ValueError, ZeroDivisionError):
+        if ratio := _RATIO.fullmatch(cleaned):
+            num, den = int(ratio["num"]), int(ratio["den"])
+            if den == 0:
+                return None
+            value = Fraction(-num if ratio["sign"] == "-" else num, den)
+            q, twos, fives = value.denominator, 0, 0
+            while q % 2 == 0:
+                q, twos = q // 2, twos + 1
+            while q % 5 == 0:
+                q, fives = q // 5, fives + 1
+            if q != 1:
+                return ("frac", value.numerator, value.denominator)
+            k = max(twos, fives)  # p / (2^a 5^b) = p * 2^(k-a) 5^(k-b) / 10^k
+            return _decimal(value.numerator * 2 ** (k - twos) * 5 ** (k - fives), -k)
+        if decimal := _DECIMAL.fullmatch(cleaned):
+            whole = decimal["int"].split(".")[0] if decimal["int"] else ""
+            frac = decimal["tail"] or decimal["frac"] or ""
+            m = int(whole + frac or "0")
+            return _decimal(-m if decimal["sign"] == "-" else m, int(decimal["exp"] or 0) - len(frac))
+    except ValueError:  # more digits than int() takes
         return None
+    return None
 
 
 def numeric_equal(pred: str | None, gold: str) -> bool:
@@ -108,12 +143,13 @@ def numeric_equal(pred: str | None, gold: str) -> bool:
 
     Both sides are parsed as exact rationals (integers, decimals, ``a/b``, scientific notation;
     thousands separators and surrounding ``$`` ignored): ``"1,000" == "1000.0"``, ``"1/2" == "0.5"``.
-    False when either side is not a plain number.
+    False when either side is not a plain number. Time is linear in the answer's length, whatever its
+    exponent (:func:`_exact_number`).
     """
     if pred is None:
         return False
-    a, b = _to_fraction(pred), _to_fraction(gold)
-    return a is not None and b is not None and a == b
+    a, b = _exact_number(pred), _exact_number(gold)
+    return a is not None and a == b
 
 
 def _as_boxed(answer: str) -> str:
