@@ -503,3 +503,40 @@ def test_a_sweep_stopped_with_sigterm_stops_its_cell_and_counts_its_wall_time(tm
     assert wall > 0
     holder = subprocess.run(["pgrep", "-f", f"run_dir={runs / cell.cell_id}"], capture_output=True, text=True)
     assert holder.stdout.strip() == "", "the cell's train process outlived the sweep"
+
+
+def test_a_cell_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    """A cell stuck where no signal handler runs (2026-12-02: a grader inside one big-integer power) does
+    not outlive its stopped sweep: after the grace it is killed (before, the sweep died of the timeout
+    and left the cell running alone)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    spec_file = tmp_path / "stuck.yaml"
+    spec_file.write_text(yaml.safe_dump({"experiment": "stuck", "seeds": [0], "shared": TINY,
+                                         "axes": {"method": {"ppo": ["method=ppo"]}}}))
+    ready = tmp_path / "ready"
+    stuck = (f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"open({str(ready)!r}, 'w').close(); time.sleep(600)")
+    code = ("import sys; import copc.experiments.sweep as sweep; from copc.experiments.sweep_cli import sweep_cli; "
+            "sweep.STOP_GRACE_SECONDS = 1.0; "
+            f"sweep.train_command = lambda cell, run_dir, resume, nice: [sys.executable, '-c', {stuck!r}]; "
+            f"sys.exit(sweep_cli([{str(spec_file)!r}, '--jobs', '1', '--nice', '0', "
+            f"'--runs', {str(tmp_path / 'runs')!r}, '--results', {str(tmp_path / 'results')!r}]))")
+    sweep = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert sweep.poll() is None and time.monotonic() < deadline, "the cell never started"
+            time.sleep(0.1)
+        sweep.send_signal(signal.SIGTERM)
+        out, _ = sweep.communicate(timeout=60)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 128 + signal.SIGTERM
+    assert "still running 1 s after SIGTERM, killed" in out
+    left = subprocess.run(["pgrep", "-f", str(ready)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "the stuck cell outlived the sweep"

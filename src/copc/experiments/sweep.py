@@ -238,6 +238,9 @@ def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, 
     return path
 
 
+STOP_GRACE_SECONDS = 60.0  # how long a stopped sweep waits for a cell to exit on SIGTERM before SIGKILL
+
+
 def _stop_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -288,9 +291,16 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
                     failures.append(cell.cell_id)
                     log(f"[sweep] FAILED {cell.cell_id} (exit {proc.returncode}); see {paths.runs / cell.cell_id}.log")
     finally:
-        for cell, _, proc, start in running:  # interrupted: stop our children, keep their checkpoints
+        for _, _, proc, _ in running:  # interrupted: stop our children, keep their checkpoints
             proc.terminate()
-            proc.wait(timeout=60)
+        for cell, _, proc, start in running:
+            try:
+                proc.wait(timeout=STOP_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:  # stuck where no signal handler runs (a C call holding the GIL)
+                proc.kill()
+                proc.wait()
+                log(f"[sweep] {cell.cell_id}: still running {STOP_GRACE_SECONDS:.0f} s after SIGTERM, killed; "
+                    "it resumes from its last checkpoint")
             _add_wall(paths.run_dir(cell), time.perf_counter() - start)
         if on_main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
