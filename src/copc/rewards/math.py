@@ -88,7 +88,7 @@ def extract_answer(text: str) -> str | None:
     return answer or None
 
 
-_DECIMAL = re.compile(r"(?P<sign>[+-]?)(?P<int>\d+(?:\.(?P<tail>\d*))?|\.(?P<frac>\d+))(?:[eE](?P<exp>[+-]?\d+))?")
+_DECIMAL = re.compile(r"(?P<sign>[+-]?)(?P<mantissa>\d+(?:\.\d*)?|\.\d+)(?:[eE](?P<exp>[+-]?\d+))?")
 _RATIO = re.compile(r"(?P<sign>[+-]?)(?P<num>\d+)/(?P<den>\d+)")
 
 
@@ -129,8 +129,7 @@ def _exact_number(text: str) -> tuple[str, int, int] | None:
             k = max(twos, fives)  # p / (2^a 5^b) = p * 2^(k-a) 5^(k-b) / 10^k
             return _decimal(value.numerator * 2 ** (k - twos) * 5 ** (k - fives), -k)
         if decimal := _DECIMAL.fullmatch(cleaned):
-            whole = decimal["int"].split(".")[0] if decimal["int"] else ""
-            frac = decimal["tail"] or decimal["frac"] or ""
+            whole, _, frac = decimal["mantissa"].partition(".")
             m = int(whole + frac or "0")
             return _decimal(-m if decimal["sign"] == "-" else m, int(decimal["exp"] or 0) - len(frac))
     except ValueError:  # more digits than int() takes
