@@ -70,7 +70,7 @@ RECORD_VERSION = 1
 #: The train-reward curve is averaged into at most this many bins.
 CURVE_POINTS = 60
 #: Config keys that do not change what a run computes (left out of the hash).
-UNHASHED_KEYS = ("run_dir", "resume", "plots", "checkpoint_every", "keep_checkpoints")
+UNHASHED_KEYS = ("run_dir", "resume", "plots", "checkpoint_every", "keep_checkpoints", "stall_timeout_s")
 #: The per-run figures a report can tabulate (record["summary"] keys).
 SUMMARY_METRICS = (
     "eval_last_half", "eval_final", "greedy_last_half", "greedy_final", "eval_after_start", "train_reward_last",

@@ -175,6 +175,10 @@ class RunConfig:
     resume restarts the moments from zero (said on stderr; not bit-identical to an uninterrupted run)."""
     plots: bool = True
     """Draw the PNG plots into run_dir/plots at the end."""
+    stall_timeout_s: float = 3600.0
+    """A training step or an evaluation that lasts longer than this ends the process (exit 124, every thread's
+    stack on stderr; checkpoints kept, continue with resume=true): a grader or env step that hangs cannot hold
+    the run for ever. The async driver's wait for a batch has its own limit (driver.batch_timeout_s). 0 = no limit."""
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(actor_lr=1e-4, critic_lr=1e-3))
@@ -186,6 +190,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("steps and checkpoint_every must be >= 0, keep_checkpoints >= 1")
+        if not 0 <= self.stall_timeout_s < float("inf"):
+            raise ValueError(f"stall_timeout_s must be finite and >= 0 (0 = no limit), got {self.stall_timeout_s!r}")
         if self.driver.partial_rollouts and self.staleness.mode == "fixed_lag":
             raise ValueError("driver.partial_rollouts=true needs staleness.mode=bounded (fixed_lag prescribes one "
                              "version per batch); set staleness.mode=bounded or driver.partial_rollouts=false")

@@ -61,6 +61,7 @@ from copc.run.plots import plot_run
 from copc.runtime.async_local import AsyncSource
 from copc.runtime.loop import Interrupted, LoopResult, RunError, StopSignals, run_loop
 from copc.runtime.staleness import realized_staleness
+from copc.runtime.stall import StallWatchdog
 from copc.runtime.sync import SyncSource
 from copc.tasks import Task, get_task
 from copc.tasks.datasets import DataError
@@ -187,10 +188,15 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     """
     wall = time.perf_counter()
     with claimed_run_dir(cfg) as run_dir:  # one process per run directory, for the whole run
-        return _train(cfg, run_dir, wall, show_progress)
+        watchdog = StallWatchdog(cfg.stall_timeout_s, resume_hint=f"copc train resume=true run_dir={run_dir} "
+                                 "(and the run's other settings)")
+        try:
+            return _train(cfg, run_dir, wall, show_progress, watchdog)
+        finally:
+            watchdog.close()
 
 
-def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool) -> TrainResult:
+def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watchdog: StallWatchdog) -> TrainResult:
     torch.set_num_threads(cfg.driver.trainer_threads)
     seed_everything(cfg.seed)
     resumed = find_checkpoint(cfg, run_dir) if cfg.resume else None
@@ -227,13 +233,14 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool) -> T
     finished = False
     try:
         if summary_before is None:
-            summary_before = _evaluate(cfg, policy, tokenizer, task, tracker, start_step, saved)
+            with watchdog.phase(f"the evaluation at step {start_step}"):
+                summary_before = _evaluate(cfg, policy, tokenizer, task, tracker, start_step, saved)
             if summary_before:
                 tracker.log(start_step, summary_before)
         if isinstance(source, AsyncSource):
             source.start()
         loop = _run_with_progress(cfg, trainer, source, tracker, run_dir, start_step, tokenizer,
-                                  summary_before, policy, task, show_progress, saved, signals)  # type: ignore[arg-type]
+                                  summary_before, policy, task, show_progress, saved, signals, watchdog)  # type: ignore[arg-type]
         finished = True
     except Interrupted as stop:
         if stop.clean and trainer.version > max(saved.step, start_step):
@@ -247,7 +254,8 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool) -> T
         signals.restore()
         if not finished:
             tracker.close()
-    after = _evaluate(cfg, policy, tokenizer, task, tracker, cfg.steps, saved)
+    with watchdog.phase(f"the evaluation at step {cfg.steps}"):
+        after = _evaluate(cfg, policy, tokenizer, task, tracker, cfg.steps, saved)
     if after:
         tracker.log(cfg.steps, after)
     tracker.close()
@@ -293,6 +301,7 @@ def _run_with_progress(
     show_progress: bool,
     saved: _Saved,
     signals: StopSignals,
+    watchdog: StallWatchdog,
 ) -> LoopResult:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -306,7 +315,8 @@ def _run_with_progress(
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
             before = saved.eval_s
-            metrics.update(_evaluate(cfg, policy, tokenizer, task, tracker, step, saved))
+            with watchdog.phase(f"the evaluation after step {step}"):
+                metrics.update(_evaluate(cfg, policy, tokenizer, task, tracker, step, saved))
             metrics[m.TIME_EVAL] = saved.eval_s - before
         if cfg.samples.every and done % cfg.samples.every == 0:
             tracker.log_samples(step, "train", [render_episode(t, tokenizer)
@@ -323,7 +333,8 @@ def _run_with_progress(
 
     with progress:
         return run_loop(trainer, source, start_step=start_step, steps=cfg.steps,
-                        pad_id=int(tokenizer.pad_token_id), on_step=on_step, signals=signals)  # type: ignore[arg-type]
+                        pad_id=int(tokenizer.pad_token_id), on_step=on_step, signals=signals,  # type: ignore[arg-type]
+                        watchdog=watchdog, wait_bounded=isinstance(source, AsyncSource))
 
 
 def _summary(

@@ -5,7 +5,8 @@ Guards (docs/reliability.md): a batch without a single sampled token is refused 
 some empty rows are fine and counted in ``rollout/empty_frac``); a step whose loss, gradient norm or
 new weights are not finite stops the run before those weights are published or checkpointed
 (:class:`NonFiniteError`); Ctrl-C and SIGTERM (:class:`StopSignals`) stop at the next step boundary,
-so whatever is saved afterwards is a consistent state.
+so whatever is saved afterwards is a consistent state; a step that never ends (a grader or env step that
+hangs) ends the process after ``stall_timeout_s`` (:class:`~copc.runtime.stall.StallWatchdog`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from types import FrameType
 from typing import Protocol
@@ -26,6 +27,7 @@ from copc import tracking as m
 from copc.rollout.episode import truncation_stats
 from copc.rollout.generator import GeneratedBatch
 from copc.runtime.staleness import realized_staleness
+from copc.runtime.stall import StallWatchdog
 from copc.trainer.batching import collate
 from copc.trainer.trainer import ActorCriticTrainer
 
@@ -173,44 +175,65 @@ def run_loop(
     pad_id: int,
     on_step: Callable[[int, dict[str, float], GeneratedBatch], None] | None = None,
     signals: StopSignals | None = None,
+    watchdog: StallWatchdog | None = None,
+    wait_bounded: bool = False,
 ) -> LoopResult:
     """Steps ``start_step .. steps-1``: get batch ``step``, train on it, publish version ``step + 1``.
 
     The same loop serves every driver; only ``source`` differs. Time per step is split into generation
     (seconds spent producing the batch, in whichever process), waiting (seconds the trainer blocked on
-    the source), training and publication.
+    the source), training and publication. Each step (``on_step`` included) is one ``watchdog`` phase;
+    ``wait_bounded``: ``source.next_batch`` only waits for other processes under its own limit (the async
+    driver's ``batch_timeout_s``), so the watchdog is paused during it.
     """
-    history = []
+    history: list[dict[str, float]] = []
     signals = signals or StopSignals()
+    watchdog = watchdog or StallWatchdog(0)
     for step in range(start_step, steps):
-        start = time.perf_counter()
-        batch, waited = source.next_batch(step)
-        with signals.step():
-            if trainer.version != step:
-                raise RunError(f"trainer version {trainer.version} != step {step}: checkpoint and run disagree")
-            if not batch.trajectories or all(t.num_action_tokens == 0 for t in batch.trajectories):
-                raise RunError(
-                    f"step {step}: none of the {len(batch.trajectories)} trajectories of batch {step} has a "
-                    "sampled token (every prompt fills rollout.context_limit?); nothing to train on: raise "
-                    "rollout.context_limit or remove the long rows"
-                )
-            train_batch = collate(batch.trajectories, pad_id=pad_id)
-            metrics = rollout_metrics(batch, trainer.version)
-            metrics.update(trainer.step(train_batch))
-            published = time.perf_counter()
-            weights = trainer.policy_weights()
-            check_finite(step, metrics, weights)
-            source.publish(trainer.version, weights)
-            step_s = time.perf_counter() - start
-            metrics.update({
-                m.TIME_GENERATE: batch.generate_s,
-                m.TIME_WAIT: waited,
-                m.TIME_PUBLISH: time.perf_counter() - published,
-                m.TIME_STEP: step_s,
-                m.PERF_TOKENS_PER_S: int(train_batch.attention_mask.sum()) / max(step_s, 1e-9),
-            })
-            metrics.update(source.metrics())
-            history.append(metrics)
-            if on_step is not None:
-                on_step(step, metrics, batch)
+        with watchdog.phase(f"step {step}"):
+            _one_step(trainer, source, step, pad_id, on_step, signals, watchdog, wait_bounded, history)
     return LoopResult(steps=steps, history=history)
+
+
+def _one_step(
+    trainer: ActorCriticTrainer,
+    source: BatchSource,
+    step: int,
+    pad_id: int,
+    on_step: Callable[[int, dict[str, float], GeneratedBatch], None] | None,
+    signals: StopSignals,
+    watchdog: StallWatchdog,
+    wait_bounded: bool,
+    history: list[dict[str, float]],
+) -> None:
+    start = time.perf_counter()
+    with watchdog.paused() if wait_bounded else nullcontext():
+        batch, waited = source.next_batch(step)
+    with signals.step():
+        if trainer.version != step:
+            raise RunError(f"trainer version {trainer.version} != step {step}: checkpoint and run disagree")
+        if not batch.trajectories or all(t.num_action_tokens == 0 for t in batch.trajectories):
+            raise RunError(
+                f"step {step}: none of the {len(batch.trajectories)} trajectories of batch {step} has a "
+                "sampled token (every prompt fills rollout.context_limit?); nothing to train on: raise "
+                "rollout.context_limit or remove the long rows"
+            )
+        train_batch = collate(batch.trajectories, pad_id=pad_id)
+        metrics = rollout_metrics(batch, trainer.version)
+        metrics.update(trainer.step(train_batch))
+        published = time.perf_counter()
+        weights = trainer.policy_weights()
+        check_finite(step, metrics, weights)
+        source.publish(trainer.version, weights)
+        step_s = time.perf_counter() - start
+        metrics.update({
+            m.TIME_GENERATE: batch.generate_s,
+            m.TIME_WAIT: waited,
+            m.TIME_PUBLISH: time.perf_counter() - published,
+            m.TIME_STEP: step_s,
+            m.PERF_TOKENS_PER_S: int(train_batch.attention_mask.sum()) / max(step_s, 1e-9),
+        })
+        metrics.update(source.metrics())
+        history.append(metrics)
+        if on_step is not None:
+            on_step(step, metrics, batch)
