@@ -167,6 +167,12 @@ def test_records_of_one_seed_from_different_warm_starts_are_flagged():
         "seed 1: step-0 accuracy 0.21 / greedy 0.435: b__seed1; step-0 accuracy 0.42 / greedy 0.82: a__seed1"]
     assert report_text(mixed, ["eval_final"]).startswith("warning: records of one seed start from different policies")
     assert "warning" not in report_text(same, ["eval_final"])
+    # records of different tasks start from different warm starts by design and are never paired
+    tasks = [{**rec("a__seed0", 0, 0.385, 0.82), "config": {"task": "arith_tool"}},
+             {**rec("b__seed0", 0, 0.21, 0.435), "config": {"task": "kv_search"}}]
+    assert start_mismatches(tasks) == []
+    assert start_mismatches([*tasks, {**rec("c__seed0", 0, 0.2, 0.4), "config": {"task": "kv_search"}}]) == [
+        "kv_search seed 0: step-0 accuracy 0.2 / greedy 0.4: c__seed0; step-0 accuracy 0.21 / greedy 0.435: b__seed0"]
 
 
 def test_collapse_detector_golden():

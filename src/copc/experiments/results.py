@@ -443,21 +443,24 @@ def paired_differences(
 
 
 def start_mismatches(records: Sequence[Mapping[str, object]]) -> list[str]:
-    """One line per seed whose records start from different policies: their step-0 evaluations (made
-    before any update, so a function of the warm start and the evaluation alone) differ. Such records
-    are not paired, whatever their seed says: the warm start was built anew on another machine (pin it,
-    ``copc.run.warmstart``), or the evaluation changed."""
-    starts: dict[int, dict[tuple[float, float], list[str]]] = {}
+    """One line per task and seed whose records start from different policies: their step-0 evaluations
+    (made before any update, so a function of the warm start and the evaluation alone) differ. Such
+    records are not paired, whatever their seed says: the warm start was built anew on another machine
+    (pin it, ``copc.run.warmstart``), or the evaluation changed. Records of different tasks have
+    different warm starts by design and are never compared."""
+    starts: dict[tuple[str, int], dict[tuple[float, float], list[str]]] = {}
     for record in records:
         evals = cast(list[dict[str, float]], record.get("evals", []))
         first = next((e for e in evals if e.get("step") == 0), None)
         if first is not None:
             key = (round(float(first["accuracy"]), 6), round(float(first["greedy_accuracy"]), 6))
+            task = str(cast(Mapping[str, object], record.get("config", {})).get("task", ""))
             seed = int(cast(int, record["seed"]))
-            starts.setdefault(seed, {}).setdefault(key, []).append(str(record["cell"]))
-    return [f"seed {seed}: " + "; ".join(f"step-0 accuracy {a:g} / greedy {g:g}: {', '.join(sorted(cells))}"
-                                         for (a, g), cells in sorted(by.items()))
-            for seed, by in sorted(starts.items()) if len(by) > 1]
+            starts.setdefault((task, seed), {}).setdefault(key, []).append(str(record["cell"]))
+    return [f"{task + ' ' if task else ''}seed {seed}: "
+            + "; ".join(f"step-0 accuracy {a:g} / greedy {g:g}: {', '.join(sorted(cells))}"
+                        for (a, g), cells in sorted(by.items()))
+            for (task, seed), by in sorted(starts.items()) if len(by) > 1]
 
 
 def report_text(
