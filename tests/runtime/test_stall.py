@@ -130,3 +130,20 @@ def test_stall_timeout_is_checked_and_not_part_of_a_records_hash(tmp_path: Path,
     from copc.config import to_dict
     base = to_dict(default_config())
     assert config_hash({**base, "stall_timeout_s": 5.0}) == config_hash(base)  # type: ignore[dict-item]
+
+
+def test_the_watchdog_pauses_only_for_a_batch_wait_with_its_own_limit() -> None:
+    """The async driver's wait is bounded by driver.batch_timeout_s; with that off (0, passed as None) the
+    watchdog must bound the wait itself, or a worker that hangs would hold the run for ever."""
+    from copc.run.train import batch_wait_bounded
+    from copc.runtime.async_local import AsyncSource
+    from copc.runtime.sync import SyncSource
+
+    def async_source(timeout: float | None) -> AsyncSource:
+        source = AsyncSource.__new__(AsyncSource)  # the attribute alone: no workers are started
+        source.batch_timeout_s = timeout
+        return source
+
+    assert batch_wait_bounded(async_source(3600.0))
+    assert not batch_wait_bounded(async_source(None))
+    assert not batch_wait_bounded(SyncSource.__new__(SyncSource))

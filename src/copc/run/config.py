@@ -178,7 +178,7 @@ class RunConfig:
     stall_timeout_s: float = 3600.0
     """A training step or an evaluation that lasts longer than this ends the process (exit 124, every thread's
     stack on stderr; checkpoints kept, continue with resume=true): a grader or env step that hangs cannot hold
-    the run for ever. The async driver's wait for a batch has its own limit (driver.batch_timeout_s). 0 = no limit."""
+    the run for ever. The async driver's wait for a batch has its own limit (driver.batch_timeout_s; when that is 0 this one bounds the wait). 0 = no limit."""
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(actor_lr=1e-4, critic_lr=1e-3))

@@ -334,7 +334,14 @@ def _run_with_progress(
     with progress:
         return run_loop(trainer, source, start_step=start_step, steps=cfg.steps,
                         pad_id=int(tokenizer.pad_token_id), on_step=on_step, signals=signals,  # type: ignore[arg-type]
-                        watchdog=watchdog, wait_bounded=isinstance(source, AsyncSource))
+                        watchdog=watchdog, wait_bounded=batch_wait_bounded(source))
+
+
+def batch_wait_bounded(source: object) -> bool:
+    """Whether the source's wait for a batch has a limit of its own (the async driver's
+    ``driver.batch_timeout_s``, 0 = none), so the stall watchdog may pause during it; without one the
+    watchdog bounds the wait too."""
+    return isinstance(source, AsyncSource) and source.batch_timeout_s is not None
 
 
 def _summary(

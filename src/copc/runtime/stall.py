@@ -16,7 +16,8 @@ Two stages, because a hang can hold the GIL:
    ``Timeout (h:mm:ss)!`` and the stacks, and exits with status 1.
 
 Waits that have their own bound are not phases: the async driver's wait for a batch is bounded by
-``driver.batch_timeout_s`` (the worker is restarted), so the loop disarms the watchdog while it waits.
+``driver.batch_timeout_s`` (the worker is restarted), so the loop disarms the watchdog while it waits;
+with that limit off (0) the watchdog bounds the wait too.
 Only one watchdog may be armed per process (faulthandler's timer is process-wide).
 """
 
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 __all__ = ["STALL_EXIT_CODE", "StallWatchdog"]
 
@@ -72,16 +73,10 @@ class StallWatchdog:
             self._phases.pop()
             self._arm()
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Disarm for the block (a wait bounded elsewhere); re-arm the current phase afterwards."""
-        self._phases.append("")
-        self._arm()
-        try:
-            yield
-        finally:
-            self._phases.pop()
-            self._arm()
+    def paused(self) -> AbstractContextManager[None]:
+        """Disarm for the block (a wait bounded elsewhere); re-arm the current phase afterwards. An unnamed
+        phase is one with no limit."""
+        return self.phase("")
 
     def close(self) -> None:
         """Disarm and stop the thread (idempotent)."""
