@@ -95,6 +95,7 @@ EVAL_TRUNCATED_FRAC = "eval/truncated_frac"
 EVAL_TRUNCATED_TURN_FRAC = "eval/truncated_turn_frac"
 EVAL_TURN_LIMIT_FRAC = "eval/turn_limit_frac"
 ROLLOUT_TOOL_USE_RATE = "rollout/tool_use_rate"
+ROLLOUT_ENTROPY_MC = "rollout/entropy_mc"
 ROLLOUT_TOOL_CALLS = "rollout/tool_calls"
 ROLLOUT_TOOL_INFRA_ERRORS = "rollout/tool_infra_errors"
 ROLLOUT_RESPONSE_TOKENS = "rollout/response_tokens"
@@ -136,7 +137,8 @@ PROXIMAL_REUSED_ROWS_FRAC = "proximal/reused_rows_frac"
 METRICS: dict[str, str] = {
     LOSS_POLICY: "actor loss (masked clipped surrogate, token-mean over the global minibatch count)",
     LOSS_VALUE: "critic loss 1/2 max((V-G)^2, (clip(V)-G)^2), token-mean",
-    LOSS_ENTROPY: "mean policy entropy over sampled tokens [nats]",
+    LOSS_ENTROPY: "mean policy entropy over sampled tokens [nats] (only with trainer.entropy_coef != 0)",
+    ROLLOUT_ENTROPY_MC: "Monte-Carlo per-token entropy of the behaviour policy: mean -log mu over sampled tokens [nats]",
     LOSS_KL: "KL to the reference policy, token-mean",
     RATIO_MASK_FRAC: "fraction of sampled tokens outside the behaviour-ratio mask band (M_t = 0)",
     RATIO_CLIP_FRAC_LOW: "fraction of tokens whose behaviour ratio w is clipped at 1 - eps_A^- (advantage channel)",

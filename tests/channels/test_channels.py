@@ -228,7 +228,7 @@ def run_step_with_gae(method_name: str, d: dict[str, torch.Tensor], **over: obje
 
 def test_kept_denominator_counts_and_micro_batches_sum_to_full_batch() -> None:
     d = step_batch(b=8, seed=5, stale=1.0)
-    policy = PolicyChannelConfig(objective="copc", denominator="kept")
+    policy = PolicyChannelConfig(objective="copc", mask_low=0.5, mask_high=2.0, denominator="kept")
     n_all = count_loss_tokens(replace(policy, denominator="all"), logp_old=d["logp_old"], logp_behav=d["logp_behav"], action_mask=d["action_mask"])
     assert n_all == d["action_mask"].sum()
     w = torch.exp(d["logp_old"] - d["logp_behav"])

@@ -14,7 +14,7 @@ from reference.batches import step_batch
 
 PRESETS = (
     "ppo", "async_ppo", "async_ppo_recompute", "vtrace", "dapo", "sao", "areal", "areal_critic", "icepop", "brace",
-    "copc",
+    "copc", "copc_proximal", "copc_behaviour", "async_ppo_mask", "async_ppo_advantage",
 )
 
 
@@ -30,9 +30,11 @@ def test_misspelt_name_lists_valid_ones_with_a_hint() -> None:
 
 
 def test_spec_defaults_per_preset() -> None:
-    # spec section 2: dual clip 3 only in the verl-based baselines.
+    # spec section 2: dual clip 3 only in the verl-based baselines, and in the arms built on async PPO
+    # 3a's actor (spec 9.7: R1 and the one-channel arms differ from 3a only in their two channels).
+    on_3a = ("copc_behaviour", "async_ppo_mask", "async_ppo_advantage")
     for name in PRESETS:
-        want = 3.0 if name in ("ppo", "async_ppo", "async_ppo_recompute", "dapo") else None
+        want = 3.0 if name in ("ppo", "async_ppo", "async_ppo_recompute", "dapo", *on_3a) else None
         assert get_method(name).policy.dual_clip_c == want, name
     # section 9.6 / per-method sections: actor minibatches and critic updates per step.
     minibatches = {"vtrace": 1, "brace": 1, "dapo": 16, "areal": 4, "areal_critic": 4, "copc": 4}
@@ -58,7 +60,7 @@ def test_spec_defaults_per_preset() -> None:
 
 
 def test_needs_old_forward_and_critic() -> None:
-    no_old = {"async_ppo", "sao"}
+    no_old = {"async_ppo", "sao", "async_ppo_mask"}
     no_critic = {"dapo", "icepop", "areal"}
     for name in PRESETS:
         m = get_method(name)

@@ -215,7 +215,10 @@ def fake_run(run_dir: Path, steps: int, cfg_overrides: list[str]) -> dict[str, o
     with Tracker(run_dir, tensorboard=False, strict=True) as tracker:
         tracker.log(0, {m.EVAL_ACCURACY: 0.1, m.EVAL_GREEDY_ACCURACY: 0.2})
         for step in range(steps):
-            metrics = {m.REWARD_MEAN: step / 100, m.TIME_STEP: 2.0, m.TIME_GENERATE: 1.5, m.TIME_TRAIN: 0.5}
+            metrics = {m.REWARD_MEAN: step / 100, m.TIME_STEP: 2.0, m.TIME_GENERATE: 1.5, m.TIME_TRAIN: 0.5,
+                       m.RATIO_MEAN_ABS_LOG_W: step / 1000, m.STALENESS_MEAN: 4.0}
+            if step >= 5:  # the actor starts after a warm-up: no mask rate before it
+                metrics[m.POLICY_MASK_FRAC] = 0.25
             if (step + 1) % 25 == 0 and step + 1 < steps:
                 metrics.update({m.EVAL_ACCURACY: 0.1 + step / 1000, m.EVAL_GREEDY_ACCURACY: 0.2})
             tracker.log(step, metrics)
@@ -236,7 +239,7 @@ def test_record_round_trips_and_is_small(tmp_path):
                           levels={"method": "ppo"}, config=config, wall_seconds=300.0)
     path = write_record(tmp_path / "results" / "demo" / "method=ppo__seed0.json", record)
     assert read_record(path) == json.loads(json.dumps(record))
-    assert path.stat().st_size < 12_000
+    assert path.stat().st_size < 24_000
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
     assert record["config_hash"] == config_hash(config) and record["seed"] == 0 and record["steps"] == 100
     assert [e["step"] for e in record["evals"]] == [0, 24, 49, 74, 100]
@@ -246,6 +249,13 @@ def test_record_round_trips_and_is_small(tmp_path):
     assert summary["eval_final"] == pytest.approx(0.2) and summary["greedy_final"] == pytest.approx(0.3)
     assert summary["train_reward_last"] == pytest.approx(sum(range(80, 100)) / 20 / 100)
     assert len(record["train_reward"]) == 50 or len(record["train_reward"]) <= 60
+    # the diagnostic curves, binned like the reward; a metric the run never logged has no curve
+    curves = record["curves"]
+    assert set(curves) == {"drift", "mask_rate", "lag_mean"}
+    assert curves["drift"][0] == [1, pytest.approx(0.0005)] and curves["drift"][-1][0] == 99
+    assert 0.098 <= curves["drift"][-1][1] <= 0.099
+    assert curves["mask_rate"][0][0] == 6 and {v for _, v in curves["mask_rate"]} == {0.25}
+    assert all(v == 4.0 for _, v in curves["lag_mean"]) and len(curves["lag_mean"]) == 60
     assert record["step_seconds"]["median"] == 2.0 and record["wall_seconds"] == 300.0
     assert {"cpu", "cpus", "python", "torch"} <= set(record["machine"])
     assert load_records(path.parent) == [read_record(path)]

@@ -41,14 +41,14 @@ def test_label_uses_production_names():
         "copc(mask_low=0.5, mask_high=2, weight_mode=masked_is) x clipped_td(ratio_low=0.8, ratio_high=1.2, lam_actor=1)"
     )
     bypass = Correction(PolicyChannelConfig(objective="bypass_ppo", clip_low=0.1, clip_high=0.1), Correction().advantage)
-    assert bypass.label().startswith("bypass_ppo(clip_low=0.1, clip_high=0.1) x ")
+    assert bypass.label().startswith("bypass_ppo(clip_low=0.1, clip_high=0.1, mask_low=0, mask_high=inf) x ")
 
 
 # omega_t at cur = old as a function of the exact ratio w = pi/mu and the sign of Â, worked from each
 # objective's formula (spec 2-8) with mask (0.7, 1.3), PPO clip 0.2 both sides and weight cap 1.5:
 #   ppo, pg: 1 (u = 1 inside the clip; pg has no ratio);
-#   bypass_ppo: max(-A r, -A clip(r)) with r = w is flat where the clip binds: w if (A >= 0, w <= 1.2)
-#     or (A < 0, w >= 0.8), else 0;
+#   bypass_ppo: max(-A r, -A clip(r)) with r = w is flat where the clip binds, and r outside the band is
+#     masked (COPC R1): w·1[0.7 <= w <= 1.3] if (A >= 0, w <= 1.2) or (A < 0, w >= 0.8), else 0;
 #   decoupled (mask above the cap): w·1[w <= 1.5]; tis: min(w, 1.5);
 #   icepop, copc (masked IS): w·1[0.7 <= w <= 1.3]; copc binary: 1[0.7 <= w <= 1.3];
 #   dis: w·1[0.7 < w < 1.3] (strict band, no clip).
@@ -59,7 +59,7 @@ def _band(w):
 OMEGA = {
     "ppo": lambda w, pos: torch.ones_like(w),
     "pg": lambda w, pos: torch.ones_like(w),
-    "bypass_ppo": lambda w, pos: w * torch.where(pos, w <= 1.2, w >= 0.8).double(),
+    "bypass_ppo": lambda w, pos: w * torch.where(pos, w <= 1.2, w >= 0.8).double() * _band(w),
     "decoupled": lambda w, pos: w * (w <= 1.5).double(),
     "tis": lambda w, pos: w.clamp(max=1.5),
     "icepop": lambda w, pos: w * _band(w),

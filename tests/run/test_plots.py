@@ -17,7 +17,7 @@ def write_run(run_dir, scale: float, steps=range(5), eval_every: int = 2) -> Non
                 m.REWARD_MEAN: scale * step,
                 m.STALENESS_MEAN: 1.0,
                 m.STALENESS_MAX: 2.0,
-                m.RATIO_MASK_FRAC: 0.1,
+                m.POLICY_MASK_FRAC: 0.1,
                 m.RATIO_CLIP_FRAC_LOW: 0.01,
                 m.RATIO_CLIP_FRAC_HIGH: 0.02,
                 m.CRITIC_EXPLAINED_VAR: 0.5,

@@ -21,14 +21,14 @@ Every replaced config is re-validated (``__post_init__``), so an invalid combina
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from copc.channels.advantage import AdvantageChannelConfig
 from copc.channels.critic import CriticConfig
 from copc.channels.policy import PolicyChannelConfig
 from copc.registry import Registry
 
-__all__ = ["METHODS", "MethodConfig", "get_method", "method_names"]
+__all__ = ["COPC_READING", "METHODS", "MethodConfig", "get_method", "method_names"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ def _ppo_policy(objective: str) -> PolicyChannelConfig:
     """The PPO policy channel of ppo / async_ppo / async_ppo_recompute: clip-higher 0.2 / 0.28, dual clip 3,
     4 minibatches; they differ only in what the ratio is taken against (``objective``)."""
     return PolicyChannelConfig(objective=objective, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=4)
+
 
 
 @METHODS.register("ppo")
@@ -225,19 +226,75 @@ def _brace() -> MethodConfig:
     )
 
 
-@METHODS.register("copc")
-def _copc() -> MethodConfig:
+# COPC, two readings of "token-level ratio masking" (spec 9.3 vs 9.7). Both keep the same advantage channel
+# (two-sided clipped-ratio weighted TD residuals, clip(old/mu, 0.8, 1.2), k_A = inf) and critic.
+_COPC_ADVANTAGE = AdvantageChannelConfig(
+    estimator="clipped_td", ratio_low=0.8, ratio_high=1.2, trace="none", advantage_window=None, whiten=True
+)
+#: R1's band on r = cur/mu (1 - eps_P^-, 1 + eps_P^+): the 9.6 starting point, fixed before any run of R1.
+#: The development runs of issue 32 (docs/results.md, "Pre-registration") decide whether it changes.
+_R1_BAND = (0.5, 2.0)
+
+
+@METHODS.register("copc_proximal")
+def _copc_proximal() -> MethodConfig:
     return MethodConfig(
-        "copc",
+        "copc_proximal",
         PolicyChannelConfig(
             objective="copc", clip_low=0.2, clip_high=0.28, mask_low=0.5, mask_high=2.0,
             weight_mode="masked_is", mask_source="step_start", minibatches=4,
         ),
-        AdvantageChannelConfig(
-            estimator="clipped_td", ratio_low=0.8, ratio_high=1.2, trace="none", advantage_window=None, whiten=True
-        ),
-        CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=1, warmup_steps=5),
-        "COPC [RECONSTRUCTED, spec 9.3]: omega = M w with M = 1[0.5 <= old/mu <= 2] on PPO clip 0.2/0.28; "
-        "advantages and targets from TD residuals weighted by clip(old/mu, 0.8, 1.2), k_A = inf.",
+        _COPC_ADVANTAGE,
+        _CRITIC,
+        "COPC, proximal reading R0 [RECONSTRUCTED, spec 9.3]: omega = M w with M = 1[0.5 <= old/mu <= 2] on PPO "
+        "clip 0.2/0.28 centred on old; advantages and targets from TD residuals weighted by clip(old/mu, 0.8, 1.2).",
     )
 
+
+@METHODS.register("copc_behaviour")
+def _copc_behaviour() -> MethodConfig:
+    low, high = _R1_BAND
+    return MethodConfig(
+        "copc_behaviour",
+        replace(_ppo_policy("bypass_ppo"), mask_low=low, mask_high=high),
+        _COPC_ADVANTAGE,
+        _CRITIC,
+        f"COPC, behaviour-anchored reading R1 [RECONSTRUCTED, spec 9.7]: async PPO 3a's actor (clip 0.2/0.28 and "
+        f"dual clip 3 on r = cur/mu, 4 minibatches) with tokens whose r leaves [{low:g}, {high:g}] masked; advantages "
+        "and targets as copc_proximal. DIS form: method_overrides.policy.objective=dis (strict band, no PPO clip).",
+    )
+
+
+@METHODS.register("async_ppo_mask")
+def _async_ppo_mask() -> MethodConfig:
+    low, high = _R1_BAND
+    return MethodConfig(
+        "async_ppo_mask",
+        replace(_ppo_policy("bypass_ppo"), mask_low=low, mask_high=high),
+        _GAE,
+        _CRITIC,
+        f"COPC R1's policy channel alone (spec 9.7, eps_A = 0): async PPO 3a with tokens whose r = cur/mu leaves "
+        f"[{low:g}, {high:g}] masked; plain GAE on stale data.",
+    )
+
+
+@METHODS.register("async_ppo_advantage")
+def _async_ppo_advantage() -> MethodConfig:
+    return MethodConfig(
+        "async_ppo_advantage",
+        _ppo_policy("bypass_ppo"),
+        _COPC_ADVANTAGE,
+        _CRITIC,
+        "COPC's advantage channel alone (spec 9.7, eps_P = inf): async PPO 3a's actor with advantages and critic "
+        "targets from TD residuals weighted by clip(old/mu, 0.8, 1.2).",
+    )
+
+
+#: The reading the name ``copc`` stands for. R0 (fidelity to spec 9.3) until a pre-registered confirmation
+#: on fresh seeds shows another reading beats async PPO 3a (docs/results.md, docs/algorithms.md).
+COPC_READING = "copc_proximal"
+
+
+@METHODS.register("copc")
+def _copc() -> MethodConfig:
+    return replace(METHODS.get(COPC_READING)(), name="copc")

@@ -24,6 +24,7 @@ from copc.ops import (
     CorrectedInputs,
     LossAgg,
     PolicyLossOutput,
+    behaviour_ppo_loss,
     check_mask,
     copc_policy_loss,
     decoupled_ppo_loss,
@@ -95,9 +96,9 @@ class PolicyChannelConfig:
     """PPO eps_high (clip-higher, DAPO 0.28): the ratio is clipped at 1 + clip_high."""
     dual_clip_c: float | None = None
     """Dual-clip constant c_dual > 1 for negative advantages (verl 3.0); None = off."""
-    mask_low: float = 0.5
-    """Lower edge of the behaviour-ratio band (copc 1 - eps_P^-, icepop alpha, dis 1 - eps_l)."""
-    mask_high: float = 2.0
+    mask_low: float = 0.0
+    """Lower edge of the ratio band (copc 1 - eps_P^-, icepop alpha, dis 1 - eps_l); 0 = no lower edge."""
+    mask_high: float = float("inf")
     """Upper edge of the band (copc 1 + eps_P^+, icepop beta, dis 1 + eps_h); inf = no upper edge."""
     weight_mode: Literal["masked_is", "binary"] = "masked_is"
     """copc: omega = M * w (masked IS) or M (pure mask)."""
@@ -191,10 +192,20 @@ def _ppo(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     return ppo_clip_loss(x.logp, old, x.advantages, x.action_mask, clip=_clip(cfg), agg=_agg(cfg, x))
 
 
-@_objective("bypass_ppo", needs_old=False, doc="PPO clip on r = exp(cur - mu) (async PPO 3a)")
+def _band_is_finite(cfg: PolicyChannelConfig) -> bool:
+    return cfg.mask_low > 0.0 or cfg.mask_high < float("inf")
+
+
+@_objective(
+    "bypass_ppo", needs_old=False, current_mask=_band_is_finite,
+    doc="PPO clip on r = exp(cur - mu), tokens with r outside the band masked (no band: async PPO 3a; band: COPC R1)",
+)
 def _bypass(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     mu = _req(x.logp_behav, "logp_behav", "bypass_ppo")
-    return ppo_clip_loss(x.logp, mu, x.advantages, x.action_mask, clip=_clip(cfg), agg=_agg(cfg, x))
+    return behaviour_ppo_loss(
+        x.logp, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high, clip=_clip(cfg),
+        agg=_agg(cfg, x), denominator=cfg.denominator,
+    )
 
 
 @_objective("decoupled", needs_old=True, doc="AReaL: w = old/mu (masked above weight_cap) times PPO clip on cur/old")

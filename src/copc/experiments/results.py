@@ -2,7 +2,8 @@
 
 A record (``results/<experiment>/<cell-id>.json``, a few KB) keeps what a comparison needs once the run
 directory is gone: the resolved config and its hash, the cell's levels and seed, every held-out
-evaluation, the train-reward curve averaged into at most :data:`CURVE_POINTS` bins, the summary figures,
+evaluation, the train-reward curve and the :data:`DIAGNOSTIC_CURVES` averaged into at most :data:`CURVE_POINTS` bins,
+the summary figures,
 step times, wall seconds and the machine. Records are written atomically (a temporary sibling, then
 ``os.replace``), so a reader never sees half a record, and a cell whose record exists is finished.
 :func:`commit_alone` commits records to git as they land (``copc sweep --commit``).
@@ -41,6 +42,7 @@ from copc import tracking as m
 
 __all__ = [
     "CURVE_POINTS",
+    "DIAGNOSTIC_CURVES",
     "RECORD_VERSION",
     "SUMMARY_METRICS",
     "Interval",
@@ -71,6 +73,28 @@ RECORD_VERSION = 1
 CURVE_POINTS = 60
 #: Config keys that do not change what a run computes (left out of the hash).
 UNHASHED_KEYS = ("run_dir", "resume", "plots", "checkpoint_every", "keep_checkpoints", "stall_timeout_s")
+#: The diagnostic curves every record keeps (record["curves"]: name -> binned [[step, mean], ...]), so a
+#: result can be explained once the run directory is gone: drift from the behaviour policy, what each
+#: channel did (mask rate, advantage-clip rates), ESS, the critic, entropy, tool use and the realised lag.
+DIAGNOSTIC_CURVES: dict[str, str] = {
+    "drift": m.RATIO_MEAN_ABS_LOG_W,
+    "mask_rate": m.POLICY_MASK_FRAC,
+    "adv_clip_low": m.RATIO_CLIP_FRAC_LOW,
+    "adv_clip_high": m.RATIO_CLIP_FRAC_HIGH,
+    "ess_token": m.RATIO_ESS_TOKEN,
+    "ess_seq": m.RATIO_ESS_SEQ,
+    "critic_explained_var": m.CRITIC_EXPLAINED_VAR,
+    "entropy": m.LOSS_ENTROPY,
+    "entropy_mc": m.ROLLOUT_ENTROPY_MC,
+    "tool_use_rate": m.ROLLOUT_TOOL_USE_RATE,
+    "lag_mean": m.STALENESS_MEAN,
+    "lag_max": m.STALENESS_MAX,
+    "ppo_clip_low": m.POLICY_CLIP_FRAC_LOW,
+    "ppo_clip_high": m.POLICY_CLIP_FRAC_HIGH,
+    "approx_kl": m.POLICY_APPROX_KL,
+    "grad_actor_norm": m.GRAD_ACTOR_NORM,
+    "response_tokens": m.ROLLOUT_RESPONSE_TOKENS,
+}
 #: The per-run figures a report can tabulate (record["summary"] keys).
 SUMMARY_METRICS = (
     "eval_last_half", "eval_final", "greedy_last_half", "greedy_final", "eval_after_start", "train_reward_last",
@@ -164,6 +188,11 @@ def build_record(
     rewards = [float(r[m.REWARD_MEAN]) for r in train]
     step_times = [float(r[m.TIME_STEP]) for r in train if m.TIME_STEP in r]
     steps = int(summary["steps"])
+    curves = {}
+    for name, key in DIAGNOSTIC_CURVES.items():
+        points = [(int(r["step"]), float(r[key])) for r in train if key in r]
+        if points:
+            curves[name] = subsample_curve([p[0] for p in points], [p[1] for p in points])
     return {
         "version": RECORD_VERSION,
         "experiment": experiment,
@@ -175,6 +204,7 @@ def build_record(
         "steps": steps,
         "evals": evals,
         "train_reward": subsample_curve(reward_steps, rewards),
+        "curves": curves,
         "summary": _summary_figures(evals, rewards, steps),
         "step_seconds": {
             "median": _median(step_times),

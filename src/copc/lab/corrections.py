@@ -55,7 +55,7 @@ LAB_ADVANTAGE_ESTIMATORS: tuple[str, ...] = tuple(n for n in ADVANTAGE_ESTIMATOR
 
 POLICY_LABEL_FIELDS: Mapping[str, tuple[str, ...]] = {
     "ppo": ("clip_low", "clip_high"),
-    "bypass_ppo": ("clip_low", "clip_high"),
+    "bypass_ppo": ("clip_low", "clip_high", "mask_low", "mask_high"),
     "decoupled": ("weight_cap", "cap_mode"),
     "tis": ("weight_cap",),
     "icepop": ("mask_low", "mask_high", "mask_source"),
@@ -87,7 +87,9 @@ def _fields_label(name: str, config: object, fields: tuple[str, ...]) -> str:
 class Correction:
     """A two-channel correction: the policy weight and the advantage estimator, as the trainer configures them."""
 
-    policy: PolicyChannelConfig = field(default_factory=lambda: PolicyChannelConfig(objective="copc"))
+    policy: PolicyChannelConfig = field(
+        default_factory=lambda: PolicyChannelConfig(objective="copc", mask_low=0.5, mask_high=2.0)
+    )
     """Policy channel (omega): any registered objective."""
     advantage: AdvantageChannelConfig = field(
         default_factory=lambda: AdvantageChannelConfig(estimator="clipped_td", whiten=False)

@@ -13,6 +13,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from copc.ops.advantages import gae
 from copc.ops.scans import (
     PackedTD,
     action_sums,
@@ -100,6 +101,14 @@ def clipped_td(
         raise ValueError(f"advantage_window must be >= 0 or None (infinite), got {advantage_window}")
     if trace not in ("none", "vtrace", "brace"):
         raise ValueError(f"unknown trace {trace!r}; valid: none, vtrace, brace")
+    if trace == "none" and low == high == 1.0:
+        # rho~ = 1 everywhere: D and E are GAE (the window only moves weight-(rho~ - 1) = 0 terms), so the
+        # estimator IS async PPO's; computing it with gae() makes the degenerate check of spec 9.7 exact.
+        critic_gae = gae(rewards, values, action_mask, gamma=gamma, lam=lam_critic, bootstrap_value=bootstrap_value)
+        actor_gae = critic_gae if lam_actor == lam_critic else gae(
+            rewards, values, action_mask, gamma=gamma, lam=lam_actor, bootstrap_value=bootstrap_value
+        )
+        return ClippedTDOutput(actor_gae.advantages, critic_gae.returns)
     delta = td_residuals(rewards, values, action_mask, gamma=gamma, bootstrap_value=bootstrap_value)
     log_w = clean_log_rho(log_rho, action_mask, rewards)
     if trace == "none" and advantage_window is None:  # token layout, no compaction when gamma * lam == 1

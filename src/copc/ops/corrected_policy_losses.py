@@ -35,6 +35,7 @@ __all__ = [
     "MaskSource",
     "WeightMode",
     "band_weight",
+    "behaviour_ppo_loss",
     "copc_policy_loss",
     "decoupled_ppo_loss",
     "dis_loss",
@@ -176,6 +177,39 @@ def copc_policy_loss(
     return weighted_ppo_loss(
         x.logp, x.logp_old, x.advantages, x.action_mask, weight=weight, keep=keep, clip=clip, agg=agg,
         denominator=denominator,
+    )
+
+
+def behaviour_ppo_loss(
+    logp: torch.Tensor,
+    logp_behav: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    mask_low: float = 0.0,
+    mask_high: float = float("inf"),
+    clip: ClipSpec = CLIP_HIGHER,
+    agg: AggSpec = TOKEN_MEAN,
+    denominator: Denominator = "all",
+) -> PolicyLossOutput:
+    """PPO anchored on the behaviour policy, with a band mask on the same ratio (spec 3a, 9.7).
+
+    ``r_t = exp(cur_t - mu_t)``; ``M_t = 1[mask_low <= r_t <= mask_high]`` (detached, recomputed at
+    every call, so it moves with ``cur`` during the update);
+    ``l_t = M_t * max(-A*r, -A*clip(r, 1-eps_low, 1+eps_high))`` (dual clip as in :func:`clipped_surrogate`).
+    The band ``[0, inf]`` keeps every action token and is async PPO 3a (verl bypass mode) bit for bit;
+    a finite band is COPC's behaviour-anchored policy channel R1 [RECONSTRUCTED, spec 9.7]. No
+    ``logp_old``: the trust region and the mask are both centred on mu.
+    """
+    check_loss_inputs(action_mask, logp=logp, logp_behav=logp_behav, advantages=advantages)
+    if not 0.0 <= mask_low < mask_high:
+        raise ValueError(f"mask_low/mask_high need 0 <= low < high (inf allowed), got {mask_low}, {mask_high}")
+    keep = None
+    if mask_low > 0.0 or mask_high < float("inf"):
+        r = _ratio_of_clean(log_ratio(at_least_float32(logp.detach()), at_least_float32(logp_behav.detach()), action_mask))
+        keep = band_mask(r, action_mask, low=mask_low, high=mask_high)
+    return weighted_ppo_loss(
+        logp, logp_behav, advantages, action_mask, keep=keep, clip=clip, agg=agg, denominator=denominator
     )
 
 

@@ -4,7 +4,7 @@ Four figures, each a row of panels over training steps:
 
 - ``reward.png``: ``reward/mean``, and ``eval/accuracy`` (avg@k) with ``eval/greedy_accuracy``;
 - ``staleness.png``: realized staleness ``staleness/mean`` and ``staleness/max``;
-- ``ratios.png``: ``ratio/mask_frac``, ``ratio/clip_frac_low``, ``ratio/clip_frac_high``;
+- ``ratios.png``: ``policy/mask_frac`` (what the actor loss masked), ``ratio/clip_low_frac``, ``ratio/clip_high_frac``;
 - ``critic.png``: ``critic/explained_var``.
 
 Several runs are overlaid, one line each. With ``mean_seeds=True`` runs whose directory names differ
@@ -39,7 +39,7 @@ FIGURES: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
     "ratios.png": (
         "Behaviour-ratio mask and clip rates",
         (
-            ("policy mask rate", (m.RATIO_MASK_FRAC,)),
+            ("policy mask rate (actor loss)", (m.POLICY_MASK_FRAC,)),
             ("advantage clip rate (low / high)", (m.RATIO_CLIP_FRAC_LOW, m.RATIO_CLIP_FRAC_HIGH)),
         ),
     ),

@@ -26,6 +26,8 @@ def step_diagnostics(
       (BRACE eq. 7) with ``E_pi[R] = sum_i W_i R_i / sum_i W_i``, ``W_i = exp(sum_t log w_it)`` (self-
       normalised, computed as a softmax in log space) and ``v1`` the batch mean of V at each row's first
       action token;
+    - ``rollout/entropy_mc``: mean ``-log mu`` over loss tokens, a Monte-Carlo estimate of the behaviour
+      policy's per-token entropy (entropy collapse shows here without a vocabulary-wide pass);
     - realized staleness is computed by the driver, which knows the consuming version.
     """
     mask = loss_mask
@@ -40,6 +42,8 @@ def step_diagnostics(
     out[m.CRITIC_EXPLAINED_VAR] = float(explained_variance(returns, values_old, mask))
     out[m.CRITIC_VALUES_MEAN] = float(masked_mean(values_old, mask))
     out[m.CRITIC_RETURNS_MEAN] = float(masked_mean(returns, mask))
+    # -log mu of the sampled tokens averages to mu's entropy (free, unlike the vocabulary-wide entropy)
+    out[m.ROLLOUT_ENTROPY_MC] = float(masked_mean(-batch.logp_behav, mask))
     if bool(rows.any()):
         seq_log_w = zero_where_not(batch.action_mask, log_w).sum(dim=-1)[rows]
         weights = torch.softmax(seq_log_w.double(), dim=0)
