@@ -246,6 +246,7 @@ def test_record_round_trips_and_is_small(tmp_path):
     summary = record["summary"]
     assert summary["eval_last_half"] == pytest.approx((0.174 + 0.2) / 2)  # steps 74 and 100 are >= 50
     assert summary["eval_after_start"] == pytest.approx((0.124 + 0.149 + 0.174 + 0.2) / 4)
+    assert summary["greedy_after_start"] == pytest.approx((0.2 + 0.2 + 0.2 + 0.3) / 4)
     assert summary["eval_final"] == pytest.approx(0.2) and summary["greedy_final"] == pytest.approx(0.3)
     assert summary["train_reward_last"] == pytest.approx(sum(range(80, 100)) / 20 / 100)
     assert len(record["train_reward"]) == 50 or len(record["train_reward"]) <= 60

@@ -72,3 +72,31 @@ def test_model_critic_loads_a_smaller_backbone_that_reads_the_policys_tokens(tmp
     narrow.save_pretrained(tmp_path / "narrow")
     with pytest.raises(ConfigError, match="must share the policy's tokenizer"):
         build_critic(load_run_config(None, [f"model.critic={tmp_path / 'narrow'}"]), policy, tokenizer)
+
+
+def test_the_sampler_transform_is_one_setting_shown_where_it_is_used() -> None:
+    # issue 35 (4): rollout.temperature=0.7 used to leave trainer.temperature = 1.0 in --print-config and
+    # config.yaml while the trainer used 0.7; trainer.temperature alone was silently ignored.
+    cfg = load_run_config(None, ["rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=5"], strict=False)
+    assert (cfg.trainer.temperature, cfg.trainer.top_p, cfg.trainer.top_k) == (0.7, 0.9, 5)
+    again = load_run_config(None, ["rollout.temperature=0.7", "rollout.temperature=0.8"], strict=False)
+    assert again.trainer.temperature == 0.8  # overrides still compose
+    with pytest.raises(ConfigError, match=r"trainer.temperature=0.7 but rollout.temperature=1.0: .* set rollout.temperature=0.7"):
+        load_run_config(None, ["trainer.temperature=0.7"], strict=False)
+    assert load_run_config(None, ["rollout.temperature=0.7", "trainer.temperature=0.7"], strict=False).trainer.temperature == 0.7
+
+
+def test_paths_are_saved_absolute(tmp_path, monkeypatch) -> None:
+    # issue 35 (3): a run configured with relative paths could not be evaluated or resumed from another
+    # directory; the config holds absolute paths from the start.
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(None, [
+        "task=math_tool", "task_options.data=train.jsonl", "task_options.eval_data=hf:gsm8k",
+        "model.policy=smollm2-hf", "model.critic=../critic", "rollout.chat_template=t.jinja", "run_dir=runs/m",
+    ], strict=False)
+    assert cfg.task_options["data"] == str(tmp_path / "train.jsonl")
+    assert cfg.task_options["eval_data"] == "hf:gsm8k"  # a hub name, not a path
+    assert cfg.model.policy == str(tmp_path / "smollm2-hf") and cfg.model.critic == str(tmp_path / "../critic")
+    assert cfg.rollout.chat_template == str(tmp_path / "t.jinja") and cfg.run_dir == str(tmp_path / "runs/m")
+    plain = load_run_config(None, [], strict=False)
+    assert (plain.model.policy, plain.model.critic, plain.rollout.chat_template) == ("warmstart", "policy", "auto")

@@ -14,7 +14,8 @@ Summary figures of one run (``record["summary"]``):
   (``step >= steps / 2``, the final evaluation included);
 - ``eval_final`` / ``greedy_final``: the final evaluation (sampled avg@k, greedy accuracy);
 - ``greedy_last_half``: as ``eval_last_half`` for greedy accuracy (greedy EM on search);
-- ``eval_after_start``: mean over every evaluation after step 0;
+- ``eval_after_start`` / ``greedy_after_start``: mean over every evaluation after step 0 (the area under
+  the held-out curve, per evaluation interval);
 - ``train_reward_last``: mean train reward over the last 20% of the steps.
 
 Across seeds, :func:`t_interval` gives the mean with its Student-t interval, and :func:`paired_differences`
@@ -97,7 +98,8 @@ DIAGNOSTIC_CURVES: dict[str, str] = {
 }
 #: The per-run figures a report can tabulate (record["summary"] keys).
 SUMMARY_METRICS = (
-    "eval_last_half", "eval_final", "greedy_last_half", "greedy_final", "eval_after_start", "train_reward_last",
+    "eval_last_half", "eval_final", "greedy_last_half", "greedy_final", "eval_after_start", "greedy_after_start",
+    "train_reward_last",
 )
 
 
@@ -154,6 +156,7 @@ def _summary_figures(evals: list[dict[str, float]], rewards: list[float], steps:
         "greedy_last_half": mean_of(last_half, "greedy_accuracy"),
         "greedy_final": final.get("greedy_accuracy") if final else None,
         "eval_after_start": mean_of(after_start, "accuracy"),
+        "greedy_after_start": mean_of(after_start, "greedy_accuracy"),
         "train_reward_last": float(np.mean(tail)) if tail else None,
     }
 

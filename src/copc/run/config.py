@@ -249,9 +249,60 @@ def load_run_config(config_path: str | None, overrides: Sequence[str], *, strict
     with ``strict`` by :func:`validate_names` (task options and every path the task reads included),
     else only the task and method names (to print a config that is not complete yet)."""
     cfg = _load_yaml_run_config(config_path) if config_path else default_config()
-    cfg = apply_run_overrides(cfg, overrides)
+    cfg = absolute_paths(sampling_from_rollout(apply_run_overrides(cfg, overrides)))
     validate_names(cfg, check_options=strict, check_paths=strict)
     return cfg
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().absolute())
+
+
+def absolute_paths(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with every local path absolute (relative ones are taken from the working directory now), so
+    the saved config.yaml works from any directory (``copc eval --checkpoint``, ``resume=true``): the task's
+    ``PATH_OPTIONS`` (not ``hf:`` sources), model folders, a chat template file and the run directory."""
+    from copc.tasks import task_names
+
+    options = dict(cfg.task_options)
+    if cfg.task in task_names():  # an unknown task fails in validate_names with the valid names
+        from copc.tasks import task_config_class
+
+        for key in getattr(task_config_class(cfg.task), "PATH_OPTIONS", ()):
+            value = options.get(key)
+            if isinstance(value, str) and value and not value.startswith("hf:"):
+                options[key] = _absolute(value)
+    model = cfg.model
+    if model.policy not in ("warmstart", "tiny"):
+        model = replace(model, policy=_absolute(model.policy))
+    if model.critic != "policy":
+        model = replace(model, critic=_absolute(model.critic))
+    rollout = cfg.rollout
+    if rollout.chat_template not in ("auto", "none"):
+        rollout = replace(rollout, chat_template=_absolute(rollout.chat_template))
+    run_dir = _absolute(cfg.run_dir) if cfg.run_dir else ""
+    return replace(cfg, task_options=options, model=model, rollout=rollout, run_dir=run_dir)
+
+
+#: The sampler's transform: set under ``rollout.``; ``trainer.`` mirrors it (the trainer's log-probs must
+#: come from the distribution the tokens were drawn from, spec 14).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
+def sampling_from_rollout(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``trainer.temperature/top_p/top_k`` equal to the rollout's: one setting, shown where it is
+    used. A trainer value set apart from the rollout's is refused in one line (it would be ignored)."""
+    default = TrainerConfig()
+    changes = {}
+    for key in SAMPLING_KEYS:
+        used, given = getattr(cfg.rollout, key), getattr(cfg.trainer, key)
+        if given != used and given != getattr(default, key):
+            raise ConfigError(
+                f"trainer.{key}={given} but rollout.{key}={used}: the trainer scores tokens under the sampler's "
+                f"transform, so the setting is rollout.{key} (trainer.{key} follows it); set rollout.{key}={given}"
+            )
+        changes[key] = used
+    return replace(cfg, trainer=replace(cfg.trainer, **changes))
 
 
 def _load_yaml_run_config(path: str) -> RunConfig:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from copc.config import check_positive
 from copc.tasks.base import Split, check_split, register_task, take
@@ -60,6 +60,7 @@ def check_readable_file(option: str, source: str, what: str) -> None:
 class DatasetSplits:
     """Which rows make each split: ``eval_data`` if given, else the first ``eval_size`` rows of ``data``."""
 
+    PATH_OPTIONS: ClassVar[tuple[str, ...]] = ("data", "eval_data")  # saved absolute (copc.run.config)
     data: str = ""
     """Train rows: a .jsonl/.json/.parquet path or hf:NAME[:CONFIG]."""
     eval_data: str = ""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from copc.config import check_positive
 from copc.tasks.base import Split, register_task
@@ -39,6 +39,7 @@ DEFAULT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class SearchQAConfig(DatasetSplits):
+    PATH_OPTIONS: ClassVar[tuple[str, ...]] = ("data", "eval_data", "corpus", "index_dir")
     corpus: str = ""
     """Corpus JSONL with ``id`` and ``contents`` per line (required)."""
     index_dir: str = ""

@@ -52,11 +52,13 @@ class TrainerConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the actor loss)."""
     temperature: float = 1.0
-    """Sampling temperature; log-probs are computed under the same transform as sampling (spec 14)."""
+    """The sampler's temperature, under which log-probs are computed (spec 14); in copc train it follows
+    rollout.temperature (set that one)."""
     top_p: float = 1.0
-    """Sampling top-p (1 = off): log-probs come from the same truncated, renormalised distribution."""
+    """The sampler's top-p (1 = off): log-probs come from the same truncated, renormalised distribution;
+    follows rollout.top_p in copc train."""
     top_k: int = 0
-    """Sampling top-k (0 = off): log-probs come from the same truncated, renormalised distribution."""
+    """The sampler's top-k (0 = off), as top_p; follows rollout.top_k in copc train."""
     truncation: Truncation = "terminal"
     """How truncated episodes end: terminal | bootstrap | mask (spec section 0)."""
     shuffle: bool = True
