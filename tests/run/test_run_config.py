@@ -100,3 +100,22 @@ def test_paths_are_saved_absolute(tmp_path, monkeypatch) -> None:
     assert cfg.rollout.chat_template == str(tmp_path / "t.jinja") and cfg.run_dir == str(tmp_path / "runs/m")
     plain = load_run_config(None, [], strict=False)
     assert (plain.model.policy, plain.model.critic, plain.rollout.chat_template) == ("warmstart", "policy", "auto")
+
+
+def test_data_rows_are_checked_before_anything_heavy(tmp_path, capsys) -> None:
+    # issue 35 (5): a dataset with other column names failed after 51 s (sandbox and model loaded) and left
+    # its run directory behind; its hint said problem_key= without the task_options. prefix.
+    from copc.run.train import train_cli
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1+1?", "solution": "2"}\n' * 4)
+    overrides = ["task=math_tool", f"task_options.data={rows}", "task_options.eval_size=2", "model.policy=tiny"]
+    with pytest.raises(ConfigError, match=r"rows.jsonl, line \d: column 'problem' is missing .*question, solution.* "
+                                          r"set task_options.question_key=<column name>"):
+        load_run_config(None, overrides)
+    run_dir = tmp_path / "run"
+    assert train_cli(["--no-progress", *overrides, f"run_dir={run_dir}"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not run_dir.exists()
+    fixed = load_run_config(None, [*overrides, "task_options.question_key=question", "task_options.answer_key=solution"])
+    assert fixed.task_options["question_key"] == "question"

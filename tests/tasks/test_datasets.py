@@ -30,7 +30,7 @@ def test_math_tool_prompts_from_jsonl_with_held_out_eval():
 def test_math_tool_parquet_with_custom_columns():
     pytest.importorskip("pyarrow")
     task = get_task(
-        "math_tool", data=str(FIXTURES / "math_tool.parquet"), problem_key="question_text", answer_key="solution"
+        "math_tool", data=str(FIXTURES / "math_tool.parquet"), question_key="question_text", answer_key="solution"
     )
     assert [p.answers[0] for p in task.prompts("train")] == ["210", "4096", "6", "7", "\\frac{3}{4}"]
 
@@ -67,7 +67,7 @@ def test_math_tool_equivalent_answers_are_accepted():
 def test_bad_rows_name_the_file_row_and_fix(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n" + json.dumps({"problem": "2+2?"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: column 'answer' is missing.*set answer_key="):
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: column .answer. is missing.*set task_options.answer_key="):
         get_task("math_tool", data=str(bad)).prompts("train")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"problem": "1+1?", "answer": "2"}\n{not json\n')
@@ -75,7 +75,7 @@ def test_bad_rows_name_the_file_row_and_fix(tmp_path):
         get_task("math_tool", data=str(broken)).prompts("train")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         get_task("math_tool", data=str(tmp_path / "missing.jsonl")).prompts("train")
-    with pytest.raises(ValueError, match="question_key="):
+    with pytest.raises(ValueError, match="set task_options.question_key="):
         get_task("search_qa", data=MATH, corpus=CORPUS).prompts("train")
 
 

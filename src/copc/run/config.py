@@ -359,11 +359,26 @@ def validate_names(cfg: RunConfig, *, check_options: bool = True, check_paths: b
             check()
     except (OSError, ValueError) as err:
         raise ConfigError(f"task_options ({cfg.task}): {' '.join(str(err).split())}") from None
+    _check_rows(cfg)
     try:
         check_chat_template_setting(cfg.rollout.chat_template)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _check_policy(cfg)
+
+
+def _check_rows(cfg: RunConfig) -> None:
+    """Every data row of a dataset task reads (columns present, text where text is due) before anything heavy
+    starts (sandbox, model, run directory): a one-line error naming the file, the line and the option."""
+    from copc.tasks import get_task
+
+    check = getattr(get_task(cfg.task, **cfg.task_options), "check_rows", None)
+    if check is None:
+        return
+    try:
+        check()
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"task_options ({cfg.task}): {' '.join(str(err).split())}") from None
 
 
 def _check_policy(cfg: RunConfig) -> None:

@@ -76,6 +76,10 @@ class DatasetSplits:
         if self.eval_size < 0:
             raise ValueError(f"{owner}.eval_size must be >= 0, got {self.eval_size}")
 
+    def local_sources(self) -> bool:
+        """Every split is read from a local file (no ``hf:`` source, which would need the hub)."""
+        return not any(source.startswith("hf:") for source in (self.data, self.eval_data))
+
     def check_paths(self) -> None:
         """Start-up check: every local file the splits will read exists (``hf:`` sources are not checked)."""
         for option, source in (("data", self.data), ("eval_data", self.eval_data)):
@@ -111,8 +115,8 @@ class DatasetSplits:
 
 @dataclass(frozen=True)
 class MathToolConfig(DatasetSplits):
-    problem_key: str = "problem"
-    """Column holding the problem text."""
+    question_key: str = "problem"
+    """Column holding the problem text (the same option name as search_qa's)."""
     answer_key: str = "answer"
     """Column holding the ground-truth answer."""
     template: str = DEFAULT_TEMPLATE
@@ -149,9 +153,15 @@ class MathToolTask:
         return self.config.row_prompts("math_tool", split, n, self._read)
 
     def _read(self, row: SourceRow) -> tuple[str, tuple[str, ...]]:
-        problem = text_column(row, self.config.problem_key, option="problem_key")
-        answer = text_column(row, self.config.answer_key, option="answer_key")
+        problem = text_column(row, self.config.question_key, option="task_options.question_key")
+        answer = text_column(row, self.config.answer_key, option="task_options.answer_key")
         return self.config.template.format(problem=problem), (answer,)
+
+    def check_rows(self) -> None:
+        """Start-up check: every row of both splits reads (local files; ``hf:`` sources are read at the start)."""
+        if self.config.local_sources():
+            self.prompts("train")
+            self.prompts("eval")
 
     def sandbox_config(self) -> SandboxConfig:
         """The sandbox its tool calls run in (checked and recorded at the start of a run)."""

@@ -46,8 +46,8 @@ class SearchQAConfig(DatasetSplits):
     """Where to save / load the BM25 index; empty: build in memory in each process."""
     question_key: str = "question"
     """Column holding the question."""
-    answers_key: str = "golden_answers"
-    """Column holding the gold answers (a list of strings)."""
+    answer_key: str = "golden_answers"
+    """Column holding the gold answers (a list of strings, or one string)."""
     template: str = DEFAULT_TEMPLATE
     """Prompt text; ``{question}`` is replaced by the question."""
     top_k: int = 3
@@ -121,9 +121,15 @@ class SearchQATask:
         return self.config.row_prompts("search_qa", split, n, self._read)
 
     def _read(self, row: SourceRow) -> tuple[str, tuple[str, ...]]:
-        question = text_column(row, self.config.question_key, option="question_key")
-        golds = answers_column(row, self.config.answers_key, option="answers_key")
+        question = text_column(row, self.config.question_key, option="task_options.question_key")
+        golds = answers_column(row, self.config.answer_key, option="task_options.answer_key")
         return self.config.template.format(question=question), golds
+
+    def check_rows(self) -> None:
+        """Start-up check: every row of both splits reads (local files; ``hf:`` sources are read at the start)."""
+        if self.config.local_sources():
+            self.prompts("train")
+            self.prompts("eval")
 
     def make_env(self, prompt: Prompt) -> Env:
         return search_env(prompt, self.tool(), max_tool_calls=self.config.max_tool_calls)
