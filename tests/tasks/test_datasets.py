@@ -75,7 +75,7 @@ def test_bad_rows_name_the_file_row_and_fix(tmp_path):
         get_task("math_tool", data=str(broken)).prompts("train")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         get_task("math_tool", data=str(tmp_path / "missing.jsonl")).prompts("train")
-    with pytest.raises(ValueError, match="set task_options.question_key="):
+    with pytest.raises(ValueError, match=r"set task_options\.question_key="):
         get_task("search_qa", data=MATH, corpus=CORPUS).prompts("train")
 
 
