@@ -1,9 +1,10 @@
-"""The ``copc`` command line: ``copc train | eval | export | convert-gguf | sft | lab | testbed | sweep | plot | bench``.
+"""The ``copc`` command line: ``copc train | eval | export | convert-gguf | make-critic | sft | lab | testbed | sweep | plot | bench``.
 
     copc train [--config FILE.yaml] [key.sub=value ...]   train (no arguments: the embedded default)
     copc eval --checkpoint RUN_DIR|HF_DIR [--task NAME]   avg@k, unbiased pass@k, greedy accuracy
     copc export RUN_DIR OUT [--step N]                    a run's policy as an HF folder (transformers loads it)
     copc convert-gguf DIR FILE.gguf OUT                   a GGUF model as an HF folder (model.policy=OUT)
+    copc make-critic POLICY OUT --layers K                a smaller critic: the policy's first K layers
     copc sft --task NAME                                  build the warm-started tiny policy
     copc lab explain|sweep ...                            exact bias/variance lab on small MDPs
     copc testbed [--seeds 3 --steps 200 --staleness 16]   sync PPO vs uncorrected async PPO, curves
@@ -38,6 +39,7 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
     "eval": ("copc.run.eval", "eval_cli", "evaluate a checkpoint: avg@k, unbiased pass@k, greedy accuracy"),
     "export": ("copc.run.export", "export_cli", "write a run's policy to an HF folder: copc export RUN_DIR OUT [--step N]"),
     "convert-gguf": ("copc.run.export", "convert_cli", "GGUF model -> HF folder: copc convert-gguf DIR FILE.gguf OUT"),
+    "make-critic": ("copc.run.export", "critic_cli", "a K-layer critic cut from the policy: copc make-critic POLICY OUT --layers K"),
     "sft": ("copc.run.warmstart", "sft_cli", "build the warm-started tiny policy for a built-in task"),
     "lab": ("copc.lab.cli", "lab_cli", "exact bias/variance decomposition on small MDPs"),
     "testbed": (
@@ -59,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training with Coupled Off-Policy Correction.",
         epilog="\n".join(f"  {name:<6} {text}" for name, text in _help_lines()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="copc [--version] {train,eval,export,convert-gguf,sft,lab,testbed,sweep,plot,bench} ...",
+        usage="copc [--version] {train,eval,export,convert-gguf,make-critic,sft,lab,testbed,sweep,plot,bench} ...",
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     return parser

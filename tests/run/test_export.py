@@ -81,3 +81,29 @@ def test_convert_gguf_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pyte
     (tmp_path / "full" / "f").write_text("x")
     assert convert_cli([str(tmp_path), "missing.gguf", str(tmp_path / "full")]) == 2
     assert "not an empty folder" in capsys.readouterr().err
+
+
+def test_make_critic_cuts_the_policy_and_trains_as_model_critic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # issue 35 (8): model.critic=DIR was documented with no way to make one.
+    from copc.models import build_tiny_model, build_tiny_tokenizer
+    from copc.run.export import critic_cli
+
+    tokenizer = build_tiny_tokenizer()
+    policy = build_tiny_model(tokenizer, seed=0)
+    total = policy.config.num_hidden_layers
+    assert total >= 2
+    policy.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    assert critic_cli([str(tmp_path / "policy"), str(tmp_path / "critic"), "--layers", "1"]) == 0
+    assert "model.critic=" in capsys.readouterr().out
+    small = AutoModelForCausalLM.from_pretrained(tmp_path / "critic")
+    assert small.config.num_hidden_layers == 1
+    big = policy.state_dict()
+    for name, value in small.state_dict().items():  # every kept tensor is the policy's own
+        assert torch.equal(value, big[name]), name
+    run = tmp_path / "run"
+    assert train_cli(["--no-progress", f"run_dir={run}", *TINY, f"model.policy={tmp_path / 'policy'}",
+                      f"model.critic={tmp_path / 'critic'}"]) == 0
+    assert critic_cli([str(tmp_path / "policy"), str(tmp_path / "c2"), "--layers", str(total)]) == 2
+    assert "layers must be in [1," in capsys.readouterr().err
+    assert critic_cli([str(tmp_path / "policy"), str(tmp_path / "critic"), "--layers", "1"]) == 2  # not empty

@@ -102,6 +102,38 @@ def convert_gguf(folder: str | Path, gguf_file: str, out: str | Path) -> Path:
     return out
 
 
+def save_first_layers(folder: str | Path, layers: int, out: str | Path) -> Path:
+    """Save the causal LM of ``folder`` cut to its first ``layers`` decoder layers (embeddings, those layers,
+    final norm and head unchanged) to ``out`` with its tokenizer: a smaller critic backbone of the same
+    tokenizer for ``model.critic=out`` (the value head reads the last kept layer's normed output).
+
+    Works for models whose config counts layers in ``num_hidden_layers`` and names them ``layers.<i>.``
+    (Llama, Qwen, Mistral, SmolLM, Gemma families); per-layer config lists (``layer_types``) are cut too.
+    """
+    model, tokenizer = load_policy(folder)
+    config = model.config
+    total = int(config.num_hidden_layers)
+    if not 1 <= layers < total:
+        raise ValueError(f"layers must be in [1, {total - 1}] for a model of {total} layers, got {layers}")
+    config.num_hidden_layers = layers
+    for key in ("layer_types",):
+        value = getattr(config, key, None)
+        if isinstance(value, list) and len(value) == total:
+            setattr(config, key, value[:layers])
+    small = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dropped = [f"layers.{i}." for i in range(layers, total)]
+    kept = {k: v for k, v in model.state_dict().items() if not any(d in k for d in dropped)}
+    result = small.load_state_dict(kept, strict=False)
+    tied = set(getattr(small, "_tied_weights_keys", None) or ())
+    if [k for k in result.missing_keys if k not in tied] or result.unexpected_keys:
+        raise RuntimeError(f"cutting {folder} to {layers} layers: weights do not match ({result})")
+    small.generation_config = model.generation_config
+    out = Path(out)
+    small.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip padding: ``cumsum(mask) - 1``, clamped at 0 on (left) pad positions.
 

@@ -2,6 +2,7 @@
 
     copc export RUN_DIR OUT [--step N]      # a run's checkpoint -> an HF folder (weights, tokenizer, template)
     copc convert-gguf DIR FILE.gguf OUT     # a GGUF model -> an HF folder copc train can start from
+    copc make-critic POLICY_DIR OUT --layers K   # the policy's first K layers: a smaller critic (model.critic=OUT)
 
 ``export`` writes an ordinary ``save_pretrained`` folder: ``AutoModelForCausalLM.from_pretrained(OUT)`` and
 ``AutoTokenizer.from_pretrained(OUT)`` load it with no copc installed. The chat template the run trained
@@ -23,7 +24,7 @@ from pathlib import Path
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc.config import ConfigError, load_yaml
-from copc.models.hf import convert_gguf, load_policy
+from copc.models.hf import convert_gguf, load_policy, save_first_layers
 from copc.run.build import policy_path, quiet_transformers
 from copc.run.config import RunConfig
 from copc.trainer.checkpoint import (
@@ -34,7 +35,7 @@ from copc.trainer.checkpoint import (
     step_dir_name,
 )
 
-__all__ = ["convert_cli", "export_cli", "export_run", "load_run_policy"]
+__all__ = ["convert_cli", "critic_cli", "export_cli", "export_run", "load_run_policy"]
 
 #: What ``copc export`` writes beside the weights: where they came from.
 EXPORT_META = "copc_export.json"
@@ -86,8 +87,9 @@ def export_run(run_dir: Path, out: Path, *, step: int | None = None,
 
     Returns ``(out, step)``. ``out`` must be missing or empty (ValueError otherwise, before anything loads).
     """
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out} exists and is not an empty folder; give a new folder (nothing is overwritten)")
+    refusal = _new_folder(out)
+    if refusal is not None:
+        raise ValueError(refusal)
     model, tokenizer, step = load_run_policy(run_dir, step=step, on_skip=on_skip)
     cfg = load_yaml(RunConfig, run_dir / "config.yaml")
     tokenizer.chat_template = _template_of(cfg, tokenizer)
@@ -137,9 +139,9 @@ def convert_cli(argv: Sequence[str]) -> int:
     parser.add_argument("out", help="a new (or empty) folder")
     args = parser.parse_args(list(argv))
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"error: {out} exists and is not an empty folder; give a new folder (nothing is overwritten)",
-              file=sys.stderr)
+    refusal = _new_folder(out)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     if not (Path(args.folder) / args.gguf_file).is_file():
         print(f"error: {Path(args.folder) / args.gguf_file} does not exist; give the folder and the file's name in it",
@@ -152,4 +154,39 @@ def convert_cli(argv: Sequence[str]) -> int:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     print(f"converted {args.gguf_file} to {out} (use model.policy={out})")
+    return 0
+
+
+def _new_folder(out: Path) -> str | None:
+    """None if ``out`` may be written (missing or empty), else the one-line refusal."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        return f"{out} exists and is not an empty folder; give a new folder (nothing is overwritten)"
+    return None
+
+
+def critic_cli(argv: Sequence[str]) -> int:
+    """``copc make-critic POLICY_DIR OUT --layers K``: a K-layer critic backbone cut from the policy."""
+    parser = argparse.ArgumentParser(
+        prog="copc make-critic",
+        description="Save the first K decoder layers of the HF policy in POLICY_DIR (with its embeddings, final "
+        "norm and tokenizer) to OUT, for model.critic=OUT: a critic sharing the policy's tokenizer that costs "
+        "about K/L of the policy's memory and compute (L = the policy's layers).",
+    )
+    parser.add_argument("policy", help="an HF model folder (e.g. the one model.policy names)")
+    parser.add_argument("out", help="a new (or empty) folder")
+    parser.add_argument("--layers", type=int, required=True, help="decoder layers kept (1 .. L-1)")
+    args = parser.parse_args(list(argv))
+    refusal = _new_folder(Path(args.out))
+    if refusal is None and not (Path(args.policy) / "config.json").is_file():
+        refusal = f"{args.policy} is not an HF model folder (no config.json); give the folder model.policy names"
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    quiet_transformers()
+    try:
+        out = save_first_layers(args.policy, args.layers, args.out)
+    except (OSError, RuntimeError, ValueError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"saved the first {args.layers} layers of {args.policy} to {out} (use model.critic={out})")
     return 0
