@@ -249,3 +249,26 @@ def test_template_that_rejects_a_tool_role_gets_tool_output_as_a_user_turn() -> 
     )
     chat = ChatFormat(chat_tokenizer(strict), strict, source="test")
     assert chat.tool_role == "user" and chat.obs_open == "<|im_start|>user\n"
+
+
+def test_a_broken_or_empty_template_file_is_refused_with_the_config(tmp_path, capsys):
+    # issue 34 (6): a Jinja syntax error or an empty file gave a 40-line traceback after the model loaded
+    # (in the async driver, three worker restarts and exit 1); now one line at config time, no run dir.
+    from copc.run.train import train_cli
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(ValueError, match=r"^rollout.chat_template: .*broken.jinja, line 2: Jinja syntax error: "):
+        check_chat_template_setting(str(broken))
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match=r"empty.jinja is empty; write a Jinja chat template"):
+        check_chat_template_setting(str(empty))
+    for template in (broken, empty):
+        run_dir = tmp_path / f"run-{template.stem}"
+        assert train_cli(["--no-progress", "model.policy=tiny", f"rollout.chat_template={template}",
+                          f"run_dir={run_dir}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and template.name in err, err
+        assert not run_dir.exists()
+    check_chat_template_setting("auto")

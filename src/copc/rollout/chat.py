@@ -38,7 +38,8 @@ _USER, _ASSISTANT, _OBS, _ASSISTANT_2 = "copc-probe-user", "copc-probe-assistant
 
 
 def check_chat_template_setting(setting: str) -> None:
-    """One-line error unless ``setting`` is ``auto``, ``none`` or an existing template file."""
+    """One-line error unless ``setting`` is ``auto``, ``none`` or an existing, non-empty template file that
+    parses as Jinja (checked with the rest of the config, before any model loads)."""
     if setting in ("auto", "none"):
         return
     path = Path(setting).expanduser()
@@ -47,6 +48,18 @@ def check_chat_template_setting(setting: str) -> None:
             f"rollout.chat_template: {setting!r} is not 'auto', 'none' or an existing Jinja template file; "
             "give one of those"
         )
+    text = path.read_text()
+    if not text.strip():
+        raise ValueError(f"rollout.chat_template: {setting} is empty; write a Jinja chat template there, or use "
+                         "'auto' (the tokenizer's) or 'none' (raw text)")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # the environment transformers renders chat templates in
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as err:
+        raise ValueError(f"rollout.chat_template: {setting}, line {err.lineno}: Jinja syntax error: {err.message}; "
+                         "fix the template") from None
 
 
 def chat_format(tokenizer: PreTrainedTokenizerBase, setting: str) -> ChatFormat | None:
