@@ -1,7 +1,9 @@
 """Step time of sync PPO, async PPO and async COPC at the same batch on the tiny model (issue 4, part 5).
 
     .venv/bin/python benchmarks/step_time.py [--steps 10] [--rounds 2] [--policy warmstart|tiny] [--no-forward-reuse]
-        [key=value ...]     # copc train overrides, e.g. task=kv_search 'task_options={hard: true}' (E5)
+        [--copc copc|copc_proximal|copc_behaviour] [key=value ...]   # copc train overrides, e.g. task=kv_search
+                                                                     # 'task_options={hard: true}' (E5)
+    .venv/bin/python benchmarks/step_time.py --copc copc_behaviour trainer.actor_minibatches=1   # C5 for R1
 
 Prints, measured in this one run (configurations run in interleaved rounds, so a drifting load on a
 shared machine hits them alike; medians over the steps after the first ``--warmup`` of each run):
@@ -90,7 +92,7 @@ def parallel_capacity(work: int = 3000) -> tuple[float, float, float]:
     return min(2.0, 2 * t1 / t2), t1, t2
 
 
-def trainer_overhead(base: RunConfig, repeats: int, tmp: Path) -> dict[str, float]:
+def trainer_overhead(base: RunConfig, repeats: int, tmp: Path, copc: str = "copc") -> dict[str, float]:
     """Median trainer-step time per method on the SAME recorded batches, methods interleaved (paired).
 
     The end-to-end async step hides the trainer behind generation whenever generation is the slower
@@ -117,7 +119,7 @@ def trainer_overhead(base: RunConfig, repeats: int, tmp: Path) -> dict[str, floa
         cpu["gen_cpu_self"].append(_cpu(resource.RUSAGE_SELF) - self0)
         cpu["gen_cpu_tools"].append(_tool_cpu(task) - tools0)
     trainers = {}
-    for name in ("async_ppo", "async_ppo_recompute", "copc"):
+    for name in ("async_ppo", "async_ppo_recompute", copc):
         policy, _ = load_policy(model_dir)
         torch.manual_seed(0)
         trainers[name] = ActorCriticTrainer(
@@ -130,7 +132,7 @@ def trainer_overhead(base: RunConfig, repeats: int, tmp: Path) -> dict[str, floa
             start = time.perf_counter()
             trainers[name].step(batches[rep % len(batches)])
             times[name].append(time.perf_counter() - start)
-    out = {name: statistics.median(values) for name, values in times.items()}
+    out = {("copc" if name == copc else name): statistics.median(values) for name, values in times.items()}
     out.update({key: statistics.median(values) for key, values in cpu.items()})
     return out
 
@@ -152,6 +154,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every configuration")
     parser.add_argument("--trainer-repeats", type=int, default=12)
     parser.add_argument("--policy", default="warmstart", help="warmstart | tiny | an HF folder")
+    parser.add_argument("--copc", default="copc", help="the COPC preset timed: copc (the name), copc_proximal (R0) "
+                        "or copc_behaviour (R1)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="copc train overrides applied first (e.g. task=kv_search 'task_options={hard: true}')")
     parser.add_argument("--forward-reuse", action=argparse.BooleanOptionalAction, default=True,
@@ -175,7 +179,7 @@ def main() -> None:
         "sync PPO": replace(base, method="ppo", driver=replace(base.driver, kind="sync")),
         "async PPO (3a)": replace(base, method="async_ppo", driver=replace(base.driver, kind="async")),
         "async PPO (3b, recompute)": replace(base, method="async_ppo_recompute", driver=replace(base.driver, kind="async")),
-        "async COPC": replace(base, method="copc", driver=replace(base.driver, kind="async")),
+        "async COPC": replace(base, method=args.copc, driver=replace(base.driver, kind="async")),
     }
     capacity, t1, t2 = parallel_capacity()
     per_step: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
@@ -184,7 +188,7 @@ def main() -> None:
             for name, cfg in configs.items():
                 run_dir = Path(tmp) / f"{name.replace(' ', '_')}-{rnd}"
                 per_step[name] += run_steps(replace(cfg, run_dir=str(run_dir)), args.warmup)
-        overhead = trainer_overhead(base, args.trainer_repeats, Path(tmp))
+        overhead = trainer_overhead(base, args.trainer_repeats, Path(tmp), args.copc)
     results = {name: medians(rows) for name, rows in per_step.items()}
     report(results, overhead, capacity, t1, t2, base, args)
 
@@ -216,7 +220,8 @@ def report(
     results: dict[str, dict[str, float]], overhead: dict[str, float], capacity: float, t1: float, t2: float,
     base: RunConfig, args: argparse.Namespace,
 ) -> None:
-    print(f"\nparallel capacity for two busy processes: c = {capacity:.2f} (one alone {t1:.2f}s, two at once {t2:.2f}s)")
+    print(f"\nCOPC preset timed: {args.copc}; actor minibatches: {base.trainer.actor_minibatches or 'as each preset sets them'}")
+    print(f"parallel capacity for two busy processes: c = {capacity:.2f} (one alone {t1:.2f}s, two at once {t2:.2f}s)")
     print(f"task: {base.task} {base.task_options or ''}; batch: {base.rollout.batch_size} trajectories/step; {args.rounds} interleaved rounds of {args.steps} "
           f"steps per configuration, medians over steps after the first {args.warmup} of each run\n")
     print(f"{'configuration':28s} {'step s':>8s} {'gen s':>8s} {'train s':>8s} {'on CPU':>7s} {'wait s':>8s} {'publish s':>9s} "
