@@ -231,3 +231,18 @@ def test_an_empty_yaml_file_is_an_error_not_the_defaults(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match="is empty"):
             load_yaml(RootCfg, path)
+
+
+def test_a_yaml_file_reads_1e_5_as_a_number_and_refuses_a_duplicated_key(tmp_path):
+    """YAML 1.1 reads ``1e-5`` as a string (the command line reads a number) and keeps the last of two
+    equal keys; a config file must mean what it says."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text("window: 1e-5\nweights:\n  a: -2E+3\n  b: 1.5e-2\n  c: 3\n")
+    cfg = load_yaml(RootCfg, path)
+    assert cfg.window == 1e-5 and cfg.weights == {"a": -2000.0, "b": 0.015, "c": 3.0}
+    path.write_text("seed: 1\nweights:\n  a: 1.0\n  a: 2.0\n")
+    with pytest.raises(ConfigError, match=r"cfg.yaml, line 4: key 'a' is given twice \(first on line 3\)"):
+        load_yaml(RootCfg, path)
+    path.write_text("seed: 1\nverbose: true\nseed: 2\n")
+    with pytest.raises(ConfigError, match=r"line 3: key 'seed' is given twice"):
+        load_yaml(RootCfg, path)

@@ -26,6 +26,7 @@ import difflib
 import enum
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -286,15 +287,51 @@ def _plain(value: object) -> ConfigValue:
     raise TypeError(f"config value {value!r} of type {type(value).__name__} cannot be written to YAML")
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str, line: int, first: int) -> None:
+        super().__init__(f"key '{key}' on line {line} is given twice (first on line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` for config files, with two changes that keep a file from meaning something else
+    than it says: ``1e-5`` is a float (YAML 1.1 wants ``1.0e-5`` and reads ``1e-5`` as a string, while the
+    command line, YAML 1.2 and Python all read a number), and a key given twice in one mapping is an error
+    (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(str(key), line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
-    """Read a YAML file (a mapping of sections) into config ``cls``."""
+    """Read a YAML file (a mapping of sections) into config ``cls`` (:class:`ConfigLoader`: ``1e-5`` is a
+    number, a duplicated key an error naming the key and its line)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=ConfigLoader)  # a SafeLoader subclass: no arbitrary objects
+    except _DuplicateKey as err:
+        raise ConfigError(f"config file {path}, line {err.line}: key '{err.key}' is given twice (first on line "
+                          f"{err.first}); keep one") from None
     except yaml.YAMLError as err:
         first = " ".join(str(err).split())
         raise ConfigError(f"config file {path} is not valid YAML: {first}") from None

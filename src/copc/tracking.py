@@ -300,6 +300,8 @@ class Tracker:
         strict: raise on a metric name not in the namespace (default: warn once per name).
         resume_step: when resuming from the checkpoint of this step, drop records with ``step >=
             resume_step`` first (they belong to steps the resumed run will redo), then append.
+        keep_resume_evaluation: keep the evaluation records of ``resume_step`` itself (the final
+            evaluation of an earlier process that finished there: a run continued past it keeps it).
     """
 
     def __init__(
@@ -309,6 +311,7 @@ class Tracker:
         tensorboard: bool = True,
         strict: bool = False,
         resume_step: int | None = None,
+        keep_resume_evaluation: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -319,7 +322,7 @@ class Tracker:
         if resume_step is not None:
             for path in (self.path, self.samples_path):
                 if path.exists():
-                    _truncate_from(path, resume_step)
+                    _truncate_from(path, resume_step, keep_evaluation=keep_resume_evaluation)
         self._file: IO[str] | None = self.path.open("a")
         self._tb: SummaryWriterLike | None = self._open_tensorboard() if tensorboard else None
 
@@ -408,9 +411,11 @@ class Tracker:
         self.close()
 
 
-def _truncate_from(path: Path, step: int) -> None:
-    """Keep only the JSON lines of ``path`` whose ``step`` is below ``step`` (atomic replace)."""
-    kept = [r for r in read_metrics(path) if int(r.get("step", -1)) < step]
+def _truncate_from(path: Path, step: int, *, keep_evaluation: bool = False) -> None:
+    """Keep only the JSON lines of ``path`` whose ``step`` is below ``step`` and, with ``keep_evaluation``,
+    the evaluation records of ``step`` itself (atomic replace)."""
+    kept = [r for r in read_metrics(path) if int(r.get("step", -1)) < step
+            or (keep_evaluation and int(r.get("step", -1)) == step and _is_evaluation(r))]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("w") as handle:
         for record in kept:
@@ -418,6 +423,14 @@ def _truncate_from(path: Path, step: int) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def _is_evaluation(record: Mapping[str, object]) -> bool:
+    """A record of an evaluation alone: a sample of ``source`` eval, or metrics that are all ``eval/``."""
+    if "source" in record:
+        return record["source"] == "eval"
+    names = [k for k in record if k not in ("step", "time")]
+    return bool(names) and all(k.startswith("eval/") for k in names)
 
 
 def _markdown(episode: Mapping[str, object]) -> str:

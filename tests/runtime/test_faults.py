@@ -9,7 +9,10 @@ regenerates the same batch, a resumed run continues the same timeline. Faults in
 - a journal write that fails (a directory in the way), a damaged journal entry, a full disk (tmpfs);
 - every checkpoint corrupt, the latest corrupt (fallback), a reused run dir, resume without run_dir or
   with another method / batch size, a kill before the first checkpoint (no duplicate metric steps);
-- non-finite options and weights; bad dataset rows; prompts that fill the context (issue 10, defect 1).
+- non-finite options and weights; bad dataset rows; prompts that fill the context (issue 10, defect 1);
+- resume: below the finished step, into a run_dir that does not exist, with only run_dir (the run's own
+  config), past a finished run's final evaluation; copc eval of a damaged latest checkpoint or of a run
+  without one (issue 20).
 
 docs/reliability.md lists each guarantee with the test here that checks it.
 """
@@ -35,6 +38,7 @@ from copc.config import to_dict
 from copc.eval.evaluate import EvalConfig
 from copc.rollout.generator import RolloutConfig
 from copc.run.config import DriverConfig, ModelConfig, RunConfig
+from copc.run.eval import eval_cli
 from copc.run.train import train, train_cli
 from copc.runtime.async_local import AsyncSource, RolloutError
 from copc.runtime.journal import Journal, JournalDamage, JournalError
@@ -382,6 +386,74 @@ def test_resume_before_the_first_checkpoint_logs_each_step_once(tmp_path: Path, 
     assert logged_steps(run) == [0, 1]
     evals = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
     assert evals == [0, 2]
+
+
+def files_of(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def test_resume_continues_the_run_as_configured_and_keeps_its_history(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 20, defects 1 and 6: ``resume=true run_dir=R`` alone continues R with R's own config (here
+    not the default: a tiny model, sync driver, small batches), says from which step; steps below the
+    finished ones are refused with R unchanged; the earlier final evaluation and wall time are kept."""
+    run = tmp_path / "run"
+    assert cli(run) == 0
+    first = json.loads((run / "summary.json").read_text())
+    before = files_of(run)
+    capsys.readouterr()
+    bare = ["--no-progress", f"run_dir={run}", "resume=true"]
+    assert cli(run, "resume=true", "steps=1") == 2  # it used to evaluate step 2's weights as "step 1"
+    line = one_error_line(capsys)
+    assert "already trained 2 steps" in line and "give steps >= 2" in line, line
+    assert files_of(run) == before
+    assert train_cli([*bare, "steps=3", "seed=1"]) == 2  # changes what the run computes
+    assert "seed=0" in one_error_line(capsys) and files_of(run) == before
+    assert train_cli([*bare, "steps=3", "eval.samples=2"]) == 0
+    assert f"resuming {run} from the checkpoint of step 2" in capsys.readouterr().err
+    assert logged_steps(run) == [0, 1, 2]
+    evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
+    assert [e["step"] for e in evals] == [0, 2, 3]  # the first process's final evaluation (step 2) kept
+    kept = next(e for e in evals if e["step"] == 2)
+    assert kept == [json.loads(x) for x in before["metrics.jsonl"].decode().splitlines() if "eval/accuracy" in x][-1]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["wall_seconds_this_process"] > 0
+    assert summary["wall_seconds"] == pytest.approx(first["wall_seconds"] + summary["wall_seconds_this_process"],
+                                                    abs=0.5)
+
+
+def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 20, defect 5: a mistyped run_dir with resume=true used to start a new run there."""
+    assert cli(tmp_path / "typo", "resume=true") == 2
+    line = one_error_line(capsys)
+    assert "no run to resume" in line and "drop resume=true" in line, line
+    assert not (tmp_path / "typo").exists()
+
+
+def test_copc_eval_names_the_step_it_evaluates_and_what_it_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 20, defects 2 and 4: a damaged latest checkpoint was passed over silently; a run dir without
+    a checkpoint was called 'not an HF folder'."""
+    run = tmp_path / "run"
+    assert cli(run) == 0
+    weights = run / "checkpoints" / "step_00000002" / "trainer.policy.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    capsys.readouterr()
+    samples = tmp_path / "samples.jsonl"
+    args = ["--checkpoint", str(run), "--prompts", "2", "--samples", "1", "--no-greedy"]
+    assert eval_cli([*args, "--samples-out", str(samples), "--samples-limit", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "the checkpoint of step 1" in out and "step 2 is damaged" in out, out
+    skipped = [x for x in err.splitlines() if x.startswith("warning: skipped")]
+    assert len(skipped) == 1 and "step_00000002" in skipped[0] and "trainer.policy.safetensors" in skipped[0], err
+    assert [json.loads(x)["step"] for x in samples.read_text().splitlines()] == [1]
+    subprocess.run(["rm", "-rf", str(run / "checkpoints")], check=True)  # as if no checkpoint was written yet
+    assert eval_cli(args) == 2
+    line = one_error_line(capsys)
+    assert "has no checkpoint yet" in line and f"resume=true run_dir={run}" in line, line
 
 
 # ---------------------------------------------------------------------------------- bad values

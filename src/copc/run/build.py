@@ -119,6 +119,9 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
         path = Path("runs") / f"{stamp}-{cfg.method}-{cfg.task}-s{cfg.staleness.staleness}-seed{cfg.seed}"
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run_dir {path} is a file, not a directory")
+    if cfg.resume and not path.exists():  # a mistyped path must not start a new run where none was asked for
+        raise ConfigError(f"resume=true: no run to resume at {path} (no such directory); check the path, or drop "
+                          "resume=true to start a new run there")
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:

@@ -28,7 +28,7 @@ from copc.rollout.samples import append_samples
 from copc.run.build import policy_path, quiet_transformers
 from copc.run.config import RunConfig, apply_run_overrides, default_config, validate_names
 from copc.tasks import get_task
-from copc.trainer.checkpoint import load_latest
+from copc.trainer.checkpoint import list_checkpoints, load_latest
 from copc.types import Trajectory
 
 __all__ = ["eval_cli", "eval_config"]
@@ -57,7 +57,7 @@ def eval_cli(argv: Sequence[str]) -> int:
         cfg = eval_config(path, args.task, args.overrides)
         eval_cfg = EvalConfig(prompts=args.prompts, samples=args.samples, greedy=not args.no_greedy)
         task = get_task(cfg.task, **cfg.task_options)
-        model, tokenizer = _load_model(path)
+        model, tokenizer, step = _load_model(path)
     except (ConfigError, ValueError, OSError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -65,13 +65,13 @@ def eval_cli(argv: Sequence[str]) -> int:
     episodes: list[Trajectory] = []
     metrics = evaluate(model, tokenizer, task, cfg.rollout, eval_cfg, seed=args.seed, episodes=episodes)
     if args.samples_out:
-        written = append_samples(args.samples_out, episodes, tokenizer, step=0, limit=args.samples_limit)
+        written = append_samples(args.samples_out, episodes, tokenizer, step=step or 0, limit=args.samples_limit)
         print(f"{written} rendered episodes appended to {args.samples_out}")
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"copc eval on {cfg.task} ({args.prompts} prompts, k={args.samples})",
-                  caption=f"checkpoint: {args.checkpoint}")
+                  caption=f"checkpoint: {args.checkpoint}" + ("" if step is None else f" (step {step})"))
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in metrics.items():
@@ -81,7 +81,9 @@ def eval_cli(argv: Sequence[str]) -> int:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "config.yaml").exists() and (path / "checkpoints").exists()
+    """A ``copc train`` run directory (its ``config.yaml``; an HF folder has a ``config.json`` instead),
+    with or without a checkpoint yet."""
+    return (path / "config.yaml").is_file() and not (path / "config.json").is_file()
 
 
 def eval_config(path: Path, task: str | None, overrides: Sequence[str]) -> RunConfig:
@@ -99,13 +101,28 @@ def eval_config(path: Path, task: str | None, overrides: Sequence[str]) -> RunCo
     return cfg
 
 
-def _load_model(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The policy of an HF folder, or a run's latest checkpoint on the run's own base model."""
+def _load_model(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, int | None]:
+    """The policy of an HF folder (step None), or a run's newest checkpoint that verifies on the run's
+    own base model, with its step. Which step is evaluated goes to stdout, each checkpoint passed over
+    (damaged: its sizes or sha256 do not match) to stderr with the reason, one line each."""
     if not is_run_dir(path):
-        return load_policy(path)
-    latest = load_latest(path)
+        model, tokenizer = load_policy(path)
+        return model, tokenizer, None
+    if not list_checkpoints(path):
+        every = load_yaml(RunConfig, path / "config.yaml").checkpoint_every
+        first = f"step {every} or the end of the run" if every else "the end of the run"
+        raise ValueError(f"run directory {path} has no checkpoint yet (the first is written at {first}); "
+                         f"wait for it, or continue the run with copc train resume=true run_dir={path}")
+    skipped: list[str] = []
+    latest = load_latest(path, on_skip=skipped.append)
+    for reason in skipped:
+        print(f"warning: skipped {reason}", file=sys.stderr, flush=True)
     if latest is None:
-        raise ValueError(f"{path} has no complete checkpoint to evaluate")
+        raise ValueError(f"every checkpoint under {path / 'checkpoints'} is damaged; nothing to evaluate")
+    step, payload = latest
+    newest = max(list_checkpoints(path))
+    older = f" (an older checkpoint: step {newest} is damaged, above)" if step < newest else ""
+    print(f"evaluating {path}: the checkpoint of step {step}{older}", flush=True)
     model, tokenizer = load_policy(policy_path(load_yaml(RunConfig, path / "config.yaml"), path))
-    model.load_state_dict(latest[1]["trainer"]["policy"])  # type: ignore[index]
-    return model, tokenizer
+    model.load_state_dict(payload["trainer"]["policy"])  # type: ignore[index]
+    return model, tokenizer, step

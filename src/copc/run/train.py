@@ -2,6 +2,7 @@
 
     copc train                                  # the embedded default (below)
     copc train --config my.yaml trainer.actor_lr=3e-5 staleness.staleness=16 driver.kind=sync
+    copc train resume=true run_dir=runs/X steps=120   # continue runs/X as it was configured (its config.yaml)
 
 The embedded default: the tiny warm-started policy on ``arith_tool``, method ``copc``, the ``async``
 driver (one rollout worker process beside the trainer), bounded staleness 8. It evaluates the policy
@@ -37,7 +38,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
-from copc.config import ConfigError, dump_yaml, to_dict
+from copc.config import ConfigError, dump_yaml, parse_override, to_dict
 from copc.eval.evaluate import evaluate
 from copc.models.hf import load_policy
 from copc.rollout.generator import GeneratedBatch
@@ -101,9 +102,10 @@ def checkpoint_payload(
     }
 
 
-#: Settings a resumed run must share with the checkpoint it continues (anything else may change:
-#: steps, checkpointing, eval, plots, worker count, threads).
-RESUME_MUST_MATCH = ("task", "task_options", "method", "seed", "model", "rollout", "trainer", "staleness", "driver.kind")
+#: Settings a resumed run must share with the checkpoint it continues, since they change what the run
+#: computes (anything else may change: steps, checkpointing, eval, plots, worker count, threads).
+RESUME_MUST_MATCH = ("task", "task_options", "method", "method_overrides", "seed", "model", "rollout", "trainer",
+                     "staleness", "driver.kind", "driver.partial_rollouts", "driver.partial_chunk_tokens")
 
 
 def _first_difference(saved: object, current: object, prefix: str) -> tuple[str, object, object] | None:
@@ -129,16 +131,20 @@ def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path
         if found is not None:
             key, old, new = found
             raise ConfigError(
-                f"resume: {where} was made with {key}={json.dumps(old)}, this config has {json.dumps(new)}; "
-                "resume with the same setting or start a new run_dir"
+                f"resume: {where} was made with {key}={json.dumps(old)}, this config has {json.dumps(new)}, which "
+                "would change what the run computes; drop that override (resume=true run_dir=... alone continues "
+                "the run as it was configured) or start a new run_dir"
             )
 
 
 def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, object]] | None:
-    """The checkpoint ``resume=true`` continues from, saying on stderr what it skipped; None = none yet.
+    """The checkpoint ``resume=true`` continues from, saying on stderr what it skipped and which step it
+    resumes from; None = none yet.
 
     Raises :class:`CheckpointError` when checkpoints exist but none is usable (resuming from step 0
-    would silently throw the run away).
+    would silently throw the run away), and :class:`ConfigError` when ``cfg.steps`` is below the
+    checkpoint's step (the run would be relabelled as a shorter one: its evaluation and summary
+    rewritten with weights trained longer than they say).
     """
     skipped: list[str] = []
     found = load_latest(run_dir, on_skip=skipped.append)
@@ -154,18 +160,42 @@ def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, objec
         return None
     step, payload = found
     check_resume_config(cfg, payload.get("config", {}), run_dir / "checkpoints" / f"step_{step:08d}")  # type: ignore[arg-type]
-    if skipped:
-        print(f"note: resuming from the older checkpoint of step {step}", file=sys.stderr, flush=True)
+    if cfg.steps < step:
+        raise ConfigError(f"resume: {run_dir} has already trained {step} steps (its checkpoint of step {step}); "
+                          f"steps={cfg.steps} would go back: give steps >= {step} to continue it, or start a new run_dir")
+    older = " (an older checkpoint: the newer one is damaged, above)" if skipped else ""
+    print(f"resuming {run_dir} from the checkpoint of step {step}{older}, to step {cfg.steps}",
+          file=sys.stderr, flush=True)
     return found
+
+
+def earlier_wall_seconds(run_dir: Path, step: int, payload: Mapping[str, object]) -> float:
+    """Wall seconds the run's earlier processes spent up to the checkpoint of ``step``: all of a process
+    that finished at that step (its ``summary.json``: final evaluation and plots included), else the
+    total the checkpoint recorded when it was written (the time a killed process spent after its last
+    checkpoint is not known; those steps are redone and counted again)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if int(summary["steps"]) == step:
+            return float(summary["wall_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return float(payload.get("wall_seconds", 0.0))  # type: ignore[arg-type]
 
 
 @dataclass
 class _Saved:
-    """The last checkpointed step, and where this process's time outside the training steps went."""
+    """The last checkpointed step, where this process's time outside the training steps went, and the
+    run's wall time: earlier processes' (``wall_before``) plus this one's since ``started``."""
 
+    started: float
     step: int = -1
     eval_s: float = 0.0
     checkpoint_s: float = 0.0
+    wall_before: float = 0.0
+
+    def wall_seconds(self) -> float:
+        return self.wall_before + time.perf_counter() - self.started
 
 
 def _save(cfg: RunConfig, run_dir: Path, done: int, trainer: ActorCriticTrainer, source: SyncSource | AsyncSource,
@@ -173,6 +203,7 @@ def _save(cfg: RunConfig, run_dir: Path, done: int, trainer: ActorCriticTrainer,
     start = time.perf_counter()
     payload = checkpoint_payload(cfg, done, trainer, source)
     payload["eval_before"] = eval_before
+    payload["wall_seconds"] = saved.wall_seconds()
     save_checkpoint(run_dir, done, payload, keep=cfg.keep_checkpoints)
     saved.step = done
     saved.checkpoint_s += time.perf_counter() - start
@@ -188,8 +219,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     """
     wall = time.perf_counter()
     with claimed_run_dir(cfg) as run_dir:  # one process per run directory, for the whole run
-        watchdog = StallWatchdog(cfg.stall_timeout_s, resume_hint=f"copc train resume=true run_dir={run_dir} "
-                                 "(and the run's other settings)")
+        watchdog = StallWatchdog(cfg.stall_timeout_s, resume_hint=f"copc train resume=true run_dir={run_dir}")
         try:
             return _train(cfg, run_dir, wall, show_progress, watchdog)
         finally:
@@ -216,9 +246,10 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
               "(critic warm-up; the actor is frozen); trainer.critic_warmup_steps=0 turns it off",
               file=sys.stderr, flush=True)
     source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir)
-    start_step, summary_before, saved = 0, None, _Saved()
+    start_step, summary_before, saved = 0, None, _Saved(started=wall)
     if resumed is not None:
         saved.step, payload = resumed
+        saved.wall_before = earlier_wall_seconds(run_dir, saved.step, payload)
         if not trainer.load_state_dict(payload["trainer"]):  # type: ignore[arg-type]
             print(f"note: the checkpoint of step {saved.step} has no optimizer state (checkpoint_optimizer=false): "
                   "the AdamW moments restart from zero", file=sys.stderr, flush=True)
@@ -226,8 +257,10 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
         restore_rng_state(payload["rng"])  # type: ignore[arg-type]
         start_step = int(payload["next_step"])  # type: ignore[call-overload]
         summary_before = payload.get("eval_before")
-    # A resumed run drops the records of the steps it redoes (all of them when no checkpoint was made).
-    tracker = Tracker(run_dir, resume_step=start_step if cfg.resume else None)
+    # A resumed run drops the records of the steps it redoes (all of them when no checkpoint was made); the
+    # final evaluation of an earlier process that ended at the checkpoint stays when the run goes past it.
+    tracker = Tracker(run_dir, resume_step=start_step if cfg.resume else None,
+                      keep_resume_evaluation=0 < start_step < cfg.steps)
     signals = StopSignals()
     signals.install()
     finished = False
@@ -259,7 +292,8 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     if after:
         tracker.log(cfg.steps, after)
     tracker.close()
-    summary = _summary(cfg, summary_before, after, loop, time.perf_counter() - wall, run_dir)  # type: ignore[arg-type]
+    summary = _summary(cfg, summary_before, after, loop, saved.wall_seconds(), run_dir)  # type: ignore[arg-type]
+    summary["wall_seconds_this_process"] = time.perf_counter() - wall
     summary["eval_seconds"], summary["checkpoint_seconds"] = saved.eval_s, saved.checkpoint_s  # this process's
     summary["restored_batches"] = source.restored if isinstance(source, AsyncSource) else 0
     summary["worker_restarts"] = source.restarts if isinstance(source, AsyncSource) else 0
@@ -414,7 +448,7 @@ def train_cli(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     quiet_transformers()
     try:
-        cfg = load_run_config(args.config, args.overrides, strict=not args.print_config)
+        cfg = load_run_config(config_file(args.config, args.overrides), args.overrides, strict=not args.print_config)
         if args.print_config:
             from copc.run.describe import format_config
 
@@ -436,6 +470,24 @@ def train_cli(argv: Sequence[str]) -> int:
         return 1
     print_summary(result.summary)
     return 0
+
+
+def config_file(config: str | None, overrides: Sequence[str]) -> str | None:
+    """The YAML file the config starts from: ``--config``, else with ``resume=true`` the run's own
+    ``run_dir/config.yaml`` (a run continues as it was configured, the overrides applied on top), else
+    None (the embedded default)."""
+    if config is not None:
+        return config
+    given: dict[str, object] = {}
+    for text in overrides:
+        try:
+            path, value = parse_override(text)
+        except ConfigError:
+            return None  # load_run_config says what is wrong with it
+        if path in (["resume"], ["run_dir"]):
+            given[path[0]] = value
+    saved = Path(str(given.get("run_dir") or "")) / "config.yaml"
+    return str(saved) if given.get("resume") is True and given.get("run_dir") and saved.is_file() else None
 
 
 def run_dir_of(args: argparse.Namespace) -> str:
