@@ -557,3 +557,46 @@ def test_a_cell_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     assert "still running 1 s after SIGTERM, killed" in out
     left = subprocess.run(["pgrep", "-f", str(ready)], capture_output=True, text=True)
     assert left.stdout.strip() == "", "the stuck cell outlived the sweep"
+
+
+def test_a_sweep_killed_with_sigkill_takes_its_cell_along_and_a_new_sweep_resumes_it(tmp_path):
+    """Issue 34 (14): ``copc sweep`` killed with SIGKILL left its running cell training as an orphan; a
+    restarted sweep said "skipped, pid N is training" and exited 0 with the record missing. The cell now
+    gets SIGTERM when its sweep dies (it stops at a checkpoint) and the next sweep resumes it."""
+    import subprocess
+    import sys
+    import time
+
+    from copc.run.build import run_dir_holder
+
+    spec_file = tmp_path / "long.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "experiment": "long", "seeds": [0], "shared": [*TINY, "steps=100000"],
+        "axes": {"method": {"ppo": ["method=ppo"]}},
+    }))
+    runs = tmp_path / "runs"
+    cell = expand(load_spec(spec_file))[0]
+    code = ("import sys; from copc.experiments.sweep_cli import sweep_cli; "
+            f"sys.exit(sweep_cli([{str(spec_file)!r}, '--jobs', '1', '--nice', '0', '--runs', {str(runs)!r}, "
+            f"'--results', {str(tmp_path / 'results')!r}]))")
+    sweep = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        metrics = runs / cell.cell_id / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and metrics.read_text().count('"step"') >= 2):  # the cell is training
+            assert sweep.poll() is None and time.monotonic() < deadline, "the cell never started training"
+            time.sleep(0.2)
+        sweep.kill()
+        sweep.wait(timeout=30)
+        deadline = time.monotonic() + 90
+        while run_dir_holder(runs / cell.cell_id) is not None:
+            assert time.monotonic() < deadline, "the cell's train process outlived its SIGKILLed sweep"
+            time.sleep(0.2)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+        subprocess.run(["pkill", "-f", f"run_dir={runs / cell.cell_id}"], check=False)
+    assert (runs / cell.cell_id / "checkpoints").is_dir()
+    dry = subprocess.run([sys.executable, "-m", "copc.cli", "sweep", str(spec_file), "--dry-run", "--runs", str(runs),
+                          "--results", str(tmp_path / "results")], capture_output=True, text=True, timeout=120)
+    assert "resume" in dry.stdout and "skipped" not in dry.stdout, dry.stdout

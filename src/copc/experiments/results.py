@@ -216,7 +216,7 @@ def build_record(
             "train_median": _median([float(r[m.TIME_TRAIN]) for r in train if m.TIME_TRAIN in r]),
         },
         "wall_seconds": wall_seconds if wall_seconds is not None else summary.get("wall_seconds"),
-        "wall_seconds_last_process": summary.get("wall_seconds"),
+        "wall_seconds_last_process": summary.get("wall_seconds_this_process", summary.get("wall_seconds")),
         "machine": dict(machine) if machine is not None else machine_info(),
     }
 

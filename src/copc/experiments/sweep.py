@@ -125,8 +125,7 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -
 
     A record or run of the same config with fewer ``steps`` is extended: resumed from its last checkpoint
     (the record is replaced when the longer run ends). The extended run trains exactly as a longer run
-    from that checkpoint would; it lacks the one evaluation the longer run makes at the shorter run's
-    last step (that run's final evaluation is dropped on resume).
+    from that checkpoint would, and keeps the shorter run's final evaluation (a resume keeps the history).
     """
     want, steps = config_hash(config), int(config["steps"])  # type: ignore[call-overload]
     saved = _saved_config(run_dir)
@@ -204,6 +203,24 @@ def train_command(cell: Cell, run_dir: Path, *, resume: bool, nice: int) -> list
             f"seed={cell.seed}", f"run_dir={run_dir}", f"resume={'true' if resume else 'false'}"]
 
 
+def _dies_with(parent: int) -> Callable[[], None]:
+    """``preexec_fn`` of a cell's process: it gets SIGTERM when the sweep ``parent`` dies, even by SIGKILL
+    (Linux ``prctl(PR_SET_PDEATHSIG)``, kept across exec), so a killed sweep leaves no orphan training a
+    cell that a restarted sweep would then skip; SIGTERM makes the cell stop at a checkpoint."""
+
+    def arm() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # not Linux: the sweep's own cleanup (SIGTERM, Ctrl-C) still runs
+            return
+        if os.getppid() != parent:  # the sweep died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def _add_wall(run_dir: Path, seconds: float) -> float:
     """Accumulate the wall seconds of the run's processes in ``run_dir/sweep_wall.json``; the total."""
     path = run_dir / "sweep_wall.json"
@@ -273,7 +290,8 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
                 run_dir.mkdir(parents=True, exist_ok=True)
                 command = train_command(cell, run_dir, resume=resume, nice=nice)
                 with (paths.runs / f"{cell.cell_id}.log").open("ab") as out:
-                    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+                    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                            preexec_fn=_dies_with(os.getpid()))
                 log(f"[sweep] start {cell.cell_id}{' (resume)' if resume else ''} pid {proc.pid}")
                 running.append((cell, config, proc, time.perf_counter()))
             time.sleep(1.0)

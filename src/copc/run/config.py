@@ -163,7 +163,8 @@ class RunConfig:
     run_dir: str = ""
     """Run directory ('' = runs/<time>-<method>-<task>)."""
     resume: bool = False
-    """Continue from the latest checkpoint in run_dir (needs run_dir; no checkpoint yet: start at step 0)."""
+    """Continue the run in run_dir from its latest checkpoint, configured as run_dir/config.yaml says (command-line
+    overrides on top; one that would change what the run computes is refused); no checkpoint yet: step 0."""
     overwrite: bool = False
     """Replace a run already in run_dir (without it, an existing run there is an error)."""
     checkpoint_every: int = 20

@@ -57,6 +57,7 @@ from copc.run.config import (
     RunConfig,
     load_run_config,
     resolve_method,
+    sampling_from_rollout,
 )
 from copc.run.plots import plot_run
 from copc.runtime.async_local import AsyncSource
@@ -229,6 +230,7 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
 def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watchdog: StallWatchdog) -> TrainResult:
     torch.set_num_threads(cfg.driver.trainer_threads)
     seed_everything(cfg.seed)
+    cfg = sampling_from_rollout(cfg)  # a RunConfig built in code, not by load_run_config, too
     resumed = find_checkpoint(cfg, run_dir) if cfg.resume else None
     dump_yaml(cfg, run_dir / "config.yaml")
     method = resolve_method(cfg)
@@ -238,9 +240,7 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     policy, tokenizer = load_policy(model_dir)
     check_prompts_fit(task, tokenizer, cfg.rollout.context_limit)
     critic = build_critic(cfg, policy, tokenizer) if method.needs_critic else None
-    trainer = ActorCriticTrainer(policy, critic, method, replace(cfg.trainer, temperature=cfg.rollout.temperature,
-                                                                 top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                                                 seed=cfg.seed))
+    trainer = ActorCriticTrainer(policy, critic, method, replace(cfg.trainer, seed=cfg.seed))
     if trainer.warmup_steps > 0:  # a frozen actor looks like a stuck run: say so once, at the start
         print(f"note: method {cfg.method!r} trains only the critic for the first {trainer.warmup_steps} steps "
               "(critic warm-up; the actor is frozen); trainer.critic_warmup_steps=0 turns it off",
