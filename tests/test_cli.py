@@ -87,3 +87,17 @@ def test_bench_command(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.find_benchmark("echo") == bench / "echo.py"
     assert cli.main(["bench", "echo", "--repeats", "2"]) == 3  # its exit code is passed through
+
+
+def test_copc_fixes_the_allocator_threshold_for_itself_and_its_children(monkeypatch) -> None:
+    # issue 35 (1): glibc's rising mmap threshold kept GBs of freed logits in the heap
+    import os
+
+    from copc.cli import MMAP_THRESHOLD, lean_allocator
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    lean_allocator()
+    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == str(MMAP_THRESHOLD)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")  # a user's own value is kept
+    lean_allocator()
+    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "4194304"

@@ -20,7 +20,14 @@ from copc.rollout.sampling import truncated_logprobs
 from copc.trainer.batching import TrainBatch, micro_batches
 from copc.trainer.common import trim_length
 
-__all__ = ["Forwards", "RowsFn"]
+__all__ = ["LOGITS_BUDGET", "Forwards", "RowsFn"]
+
+#: Most elements ``b * t * V`` of one forward's vocabulary-sized logits. A micro-batch whose logits would
+#: exceed it is cut into pieces of fewer rows: the float32 logits and their log-softmax temporaries are the
+#: trainer's largest tensors with a real vocabulary (SmolLM2: V = 49152; 16 rows x 600 tokens = 1.9 GB
+#: each), and gradients are accumulated over pieces with the minibatch's global denominators, so the
+#: step computes the same update. 2^26 elements = 256 MB of float32; a tiny model is never cut.
+LOGITS_BUDGET = 1 << 26
 
 #: ``fn(batch, rows)``: a per-token quantity ``[len(rows), t]`` of the rows ``rows`` (``[b] int64``).
 RowsFn = Callable[[TrainBatch, torch.Tensor], torch.Tensor]
@@ -37,12 +44,20 @@ class Forwards:
     top_p: float
     micro_batch_size: int
     by_length: bool = False
+    #: the policy's vocabulary size V (0: no cut by :data:`LOGITS_BUDGET`).
+    vocab_size: int = 0
 
     def pieces(self, batch: TrainBatch, index: torch.Tensor) -> list[torch.Tensor]:
-        """The micro-batches of the rows ``index`` (:func:`~copc.trainer.batching.micro_batches`); every
-        loop over one set of rows cuts it here, so a forward kept by its rows is found again."""
+        """The micro-batches of the rows ``index`` (:func:`~copc.trainer.batching.micro_batches`), each cut
+        further so that its logits stay within :data:`LOGITS_BUDGET`; every loop over one set of rows cuts
+        it here, so a forward kept by its rows is found again."""
         lengths = batch.attention_mask.sum(dim=-1) if self.by_length else None
-        return micro_batches(index, self.micro_batch_size, lengths)
+        out: list[torch.Tensor] = []
+        for rows in micro_batches(index, self.micro_batch_size, lengths):
+            per_row = trim_length(rows, batch.attention_mask) * self.vocab_size
+            fit = max(1, LOGITS_BUDGET // per_row) if per_row else len(rows)
+            out.extend(rows[i: i + fit] for i in range(0, len(rows), fit))
+        return out
 
     def transform(self) -> tuple[float, LogProbTransform | None]:
         """``(temperature, transform)`` for the log-prob helpers: the sampler's own distribution (temperature

@@ -133,7 +133,8 @@ class ActorCriticTrainer:
         self._early: dict[tuple[int, ...], TokenLogProbs] = {}  # actor forwards kept from the step start
         self._early_values: dict[tuple[int, ...], torch.Tensor] = {}  # critic_forward_reuse
         self.fwd = Forwards(config.temperature, config.top_k, config.top_p, config.micro_batch_size,
-                            by_length=config.micro_batch_by_length)
+                            by_length=config.micro_batch_by_length,
+                            vocab_size=int(getattr(getattr(policy, "config", None), "vocab_size", 0) or 0))
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *, optimizers: bool = True) -> dict[str, object]:
