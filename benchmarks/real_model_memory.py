@@ -1,7 +1,7 @@
 """Memory, checkpoint size and step time of a real model's run (issue 17, part 4).
 
     .venv/bin/python benchmarks/real_model_memory.py --model smollm2-hf [--driver sync|async] [--steps 2]
-        [key=value ...]
+        [--src OTHER_CHECKOUT/src] [key=value ...]
 
 Runs the walk-through of docs/own-model.md (``math_tool`` on ``tests/fixtures/math_tool.jsonl``, COPC,
 real-model budgets) as a ``copc train`` subprocess and prints:
@@ -13,7 +13,10 @@ real-model budgets) as a ``copc train`` subprocess and prints:
 - median seconds per training step (``time/step``) and the run's wall time.
 
 Extra ``key=value`` arguments are passed to ``copc train`` after the walk-through's (e.g.
-``model.dtype=bfloat16 checkpoint.optimizer=false``), so the same script measures before and after.
+``model.dtype=bfloat16 checkpoint.optimizer=false``), and ``--src`` runs another checkout's copc (a
+``git worktree`` of an older commit), so the same script measures before and after in one sitting. It
+also prints the memory floor by component (float32 weights, gradients and AdamW moments of the policy
+and the critic, from the parameter count) and what the run used above it.
 Linux only (reads ``/proc``). Figures depend on the machine's load; compare rows of one sitting.
 """
 
@@ -94,6 +97,8 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="HF folder of the policy (docs/own-model.md step 2)")
     parser.add_argument("--driver", choices=("sync", "async"), default="sync")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--src", default=None, help="run copc train from this source tree (PYTHONPATH), e.g. an "
+                        "older commit's checkout, to measure before and after in one sitting")
     parser.add_argument("overrides", nargs="*", help="extra copc train key=value overrides")
     args = parser.parse_args()
     from copc.tracking import read_metrics
@@ -103,6 +108,8 @@ def main() -> None:
         command = [sys.executable, "-m", "copc.cli", "train", *WALKTHROUGH, f"model.policy={args.model}",
                    f"driver.kind={args.driver}", f"steps={args.steps}", f"run_dir={run_dir}", *args.overrides]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if args.src:
+            env["PYTHONPATH"] = str(Path(args.src).resolve())
         start = time.perf_counter()
         code, tree_gib, own_gib = measure(command, env)
         wall = time.perf_counter() - start
@@ -115,6 +122,31 @@ def main() -> None:
               f"trainer peak RSS {own_gib:.2f} GiB, checkpoint {_size(latest) / 2**30:.2f} GiB "
               f"(checkpoints/ {_size(root) / 2**30:.2f} GiB), median step {statistics.median(steps):.1f} s, "
               f"wall {wall:.0f} s")
+        print(_floor(Path(args.model), critic_backbone=True, peak_gib=tree_gib))
+
+
+def _floor(model: Path, *, critic_backbone: bool, peak_gib: float) -> str:
+    """The float32 floor of training: weights, gradients and two AdamW moments of the policy and the critic
+    (4 copies each, from the policy's parameter count; the critic is a copy of the backbone), in GiB."""
+    from safetensors import safe_open
+
+    params = 0
+    for file in model.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                params += _numel(handle.get_slice(key).get_shape())
+    one = params * 4 / 2**30
+    floor = 4 * one * (2 if critic_backbone else 1)
+    return (f"floor by component: policy weights {one:.2f} + gradients {one:.2f} + AdamW moments {2 * one:.2f} GiB; "
+            f"critic the same: {floor:.2f} GiB in all ({params / 1e6:.0f}M parameters in float32); "
+            f"above the floor: {peak_gib - floor:.2f} GiB (the sampler's copy, activations, logits, the allocator)")
+
+
+def _numel(shape: list[int]) -> int:
+    out = 1
+    for size in shape:
+        out *= int(size)
+    return out
 
 
 if __name__ == "__main__":
