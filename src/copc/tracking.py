@@ -18,6 +18,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Protocol
@@ -369,38 +370,51 @@ class Tracker:
             line[name] = histogram_record(tensor)
             if self._tb is not None and tensor.numel() > 0:
                 self._tb.add_histogram(name, tensor.double(), int(step))
-        self._file.write(json.dumps(line, allow_nan=True) + "\n")
-        self._file.flush()
+        with _naming(self.path):
+            self._file.write(json.dumps(line, allow_nan=True) + "\n")
+            self._file.flush()
         if self._tb is not None:
-            for name, value in record.items():
-                if math.isfinite(value):
-                    self._tb.add_scalar(name, value, int(step))
-            self._tb.flush()
+            with _naming(self._tb_file()):
+                for name, value in record.items():
+                    if math.isfinite(value):
+                        self._tb.add_scalar(name, value, int(step))
+                self._tb.flush()
         return record
+
+    def _tb_file(self) -> Path:
+        """The TensorBoard event file being written (its directory where the writer hides it)."""
+        name = getattr(getattr(getattr(self._tb, "file_writer", None), "event_writer", None), "_file_name", None)
+        return Path(name) if isinstance(name, str) else self.run_dir / TENSORBOARD_DIR
 
     def log_samples(self, step: int, source: str, episodes: Sequence[Mapping[str, object]]) -> None:
         """Append rendered episodes (:func:`copc.rollout.samples.render_episode`) of ``step`` to
         ``samples.jsonl``, tagged with ``source`` (``train``, ``eval``), and to TensorBoard's text tab."""
         if not episodes:
             return
-        with self.samples_path.open("a") as out:
+        with _naming(self.samples_path), self.samples_path.open("a") as out:
             for episode in episodes:
                 out.write(json.dumps({"step": int(step), "source": source, **episode}) + "\n")
         if self._tb is not None:
-            self._tb.add_text(f"samples/{source}", "\n\n---\n\n".join(_markdown(e) for e in episodes), int(step))
-            self._tb.flush()
+            with _naming(self._tb_file()):
+                self._tb.add_text(f"samples/{source}", "\n\n---\n\n".join(_markdown(e) for e in episodes),
+                                  int(step))
+                self._tb.flush()
 
     def records(self) -> Iterator[dict[str, float]]:
         """Records written so far (re-read from disk)."""
         return iter(read_metrics(self.path))
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        file, tb, self._file = self._file, self._tb, None
+        try:
+            if file is not None:
+                with _naming(self.path):
+                    file.close()
+        finally:
+            if tb is not None:
+                with _naming(self._tb_file()):
+                    self._tb = None
+                    tb.close()
 
     def __enter__(self) -> Tracker:
         return self
@@ -409,6 +423,18 @@ class Tracker:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Give an ``OSError`` raised while writing ``path`` that file's name: a failed ``write`` (a full disk)
+    carries none, and TensorBoard's writer thread re-raises its error without one."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from None
 
 
 def _truncate_from(path: Path, step: int, *, keep_evaluation: bool = False) -> None:

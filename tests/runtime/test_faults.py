@@ -12,13 +12,16 @@ regenerates the same batch, a resumed run continues the same timeline. Faults in
 - non-finite options and weights; bad dataset rows; prompts that fill the context (issue 10, defect 1);
 - resume: below the finished step, into a run_dir that does not exist, with only run_dir (the run's own
   config), past a finished run's final evaluation; copc eval of a damaged latest checkpoint or of a run
-  without one (issue 20).
+  without one (issue 20);
+- a read-only run_dir or COPC_CACHE, a prompt longer than the model's own context, a full disk named by
+  its file with what was kept (issue 36).
 
 docs/reliability.md lists each guarantee with the test here that checks it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -27,9 +30,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -246,6 +250,38 @@ def test_trainer_killed_leaves_no_process_and_resumes_exactly(reference: Path, t
     assert summary["journal_damaged"] == damaged
     assert summary["restored_batches"] == len(after) - damaged
     assert_matches(reference, run_dir)
+
+
+def test_a_killed_worker_fork_server_ends_the_run_in_one_line_and_keeps_its_checkpoints(tmp_path: Path) -> None:
+    """Issue 34, item 2: the multiprocessing fork server (it starts every rollout worker) killed mid-run.
+    Its workers die with it and cannot be restarted; before, the run ended through a raw ``the receiver
+    thread failed: Traceback ... ConnectionRefusedError``. Now: one line naming what died and the
+    resume command, exit 1, the checkpoints kept."""
+    cfg = config(tmp_path / "run", steps=40)
+    code = "import sys; from copc.run.train import train_cli; sys.exit(train_cli(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--no-progress", *_overrides(cfg)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    run_dir = Path(cfg.run_dir)
+    try:
+        deadline = time.monotonic() + 240
+        servers: list[int] = []
+        while time.monotonic() < deadline and proc.poll() is None and not servers:
+            if list_checkpoints(run_dir):
+                servers = [p for p in _children(proc.pid) if "forkserver" in _cmdline(p)]
+            time.sleep(0.02)
+        assert servers, proc.stderr.read().decode() if proc.stderr else "exited early"
+        os.kill(servers[0], signal.SIGKILL)
+        returncode = proc.wait(timeout=120)
+        stderr = proc.stderr.read().decode() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert returncode == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    assert "fork server" in errors[0] and "resume=true" in errors[0], errors[0]
+    assert list_checkpoints(run_dir), "the checkpoints were lost"
 
 
 # ------------------------------------------------------------------------------------ journal
@@ -568,3 +604,131 @@ def test_a_stop_signal_waits_for_the_end_of_the_step_and_a_second_one_does_not()
         signals._handle(signal.SIGINT, None)
         signals._handle(signal.SIGINT, None)
     assert not twice.value.clean
+
+
+# ------------------------------------------------- issue 36: read-only dirs, model context, full disk
+def _mount_tmpfs(where: Path, options: str) -> Iterator[Path]:
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'not root'})")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.fixture
+def read_only_fs(tmp_path: Path) -> Iterator[Path]:
+    """A read-only filesystem (a tmpfs mounted ``ro``): unlike ``chmod``, it stops root too."""
+    yield from _mount_tmpfs(tmp_path / "ro", "ro,size=1m")
+
+
+def test_a_read_only_run_dir_or_cache_is_one_line(read_only_fs: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a traceback from claimed_run_dir (``OSError: [Errno 30] Read-only file system``)."""
+    assert cli(read_only_fs / "run") == 2
+    line = one_error_line(capsys)
+    assert f"run_dir {read_only_fs / 'run'} is not writable (Read-only file system)" in line
+    assert "writable filesystem" in line
+    monkeypatch.setenv("COPC_CACHE", str(read_only_fs / "cache"))  # the warm start would be built there
+    started = time.monotonic()
+    assert cli(read_only_fs.parent / "run", "model.policy=warmstart") == 2
+    line = one_error_line(capsys)
+    assert f"the warm-start cache {read_only_fs / 'cache'}" in line and "set COPC_CACHE to a writable" in line
+    assert time.monotonic() - started < 60  # refused before the warm start's SFT, not after it
+
+
+def test_a_prompt_longer_than_the_models_context_is_refused(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: rollout.context_limit=8000 on a model of 2048 positions took a 2,200-token prompt and trained on
+    it. Now the limit is capped by max_position_embeddings (said once on stderr) and the prompt refused."""
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"problem": "What is 2+2?", "answer": "4"}) + "\n"
+                    + json.dumps({"problem": "x " * 1100, "answer": "1"}) + "\n")
+    code = train_cli(["--no-progress", f"run_dir={tmp_path / 'run'}", "task=math_tool", f"task_options={{data: {data}}}",
+                      "rollout.context_limit=8000", *[o for o in TINY if not o.startswith("task_options")]])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("note: rollout.context_limit=8000 is above the model's own context "
+                     "(max_position_embeddings=2048); episodes are limited to 2048 tokens") == 1
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and re.search(r"long\.jsonl, line 2: prompt is \d+ tokens, >= the model's own context "
+                                          r"of 2048 tokens \(max_position_embeddings; rollout\.context_limit=8000 "
+                                          r"is capped to it\)", errors[0]), errors
+
+
+def test_the_capped_context_limit_is_what_episodes_get(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of rollout.context_limit=8000 trains and evaluates with 2048-token episodes; its config keeps 8000."""
+    import copc.run.train as train_module
+
+    seen: list[int] = []
+    real = train_module.evaluate
+
+    def spy(*args: object, **kwargs: object) -> dict[str, float]:
+        seen.append(args[3].context_limit)  # type: ignore[attr-defined]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train_module, "evaluate", spy)
+    cfg = config(tmp_path / "run", driver="sync", steps=1, rollout=replace(config(tmp_path).rollout, context_limit=8000))
+    result = train(cfg, show_progress=False)
+    assert seen == [2048, 2048]
+    assert "context_limit: 8000" in (result.run_dir / "config.yaml").read_text()
+
+
+class _FullAfter:
+    """A metrics file whose ``write`` fails as a full disk does (ENOSPC, no file name) from the
+    ``fail_at``-th training record on."""
+
+    def __init__(self, handle: IO[str], fail_at: int) -> None:
+        self.handle, self.fail_at, self.records = handle, fail_at, 0
+
+    def write(self, text: str) -> int:
+        self.records += "loss/value" in text
+        if self.records >= self.fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.handle.write(text)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.handle, name)
+
+
+def test_a_full_disk_names_the_file_and_what_was_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``error: no space left on device at RUN_DIR`` (the directory: a failed write carries no file
+    name), nothing on what was kept."""
+    import copc.tracking
+
+    opened = copc.tracking.Tracker.__init__
+
+    def init(self: copc.tracking.Tracker, *args: object, **kwargs: object) -> None:
+        opened(self, *args, **kwargs)  # type: ignore[arg-type]
+        self._file = _FullAfter(self._file, fail_at=2)  # type: ignore[arg-type,assignment]
+
+    monkeypatch.setattr(copc.tracking.Tracker, "__init__", init)
+    run = tmp_path / "run"
+    assert cli(run, "steps=3") == 1
+    line = one_error_line(capsys)
+    assert line == (f"error: no space left on device at {run / 'metrics.jsonl'}; the checkpoint of step 1 is kept; "
+                    f"free space, then continue with copc train resume=true run_dir={run}")
+    assert list_checkpoints(run) == [1]
+
+
+@pytest.fixture
+def tmpfs_2200k(tmp_path: Path) -> Iterator[Path]:
+    """Room for the tiny model's 1.8 MiB initial weights and a little more."""
+    yield from _mount_tmpfs(tmp_path / "tmpfs", "size=2200k")
+
+
+def test_a_disk_filled_by_the_journal_says_what_was_kept(tmpfs_2200k: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """checkpoint_every=0: the journal keeps every batch of the run until the disk is full; whichever write
+    fails then (a journal entry, metrics, TensorBoard's events) is named, with no checkpoint kept."""
+    run = tmpfs_2200k / "run"
+    assert cli(run, "driver.kind=async", "checkpoint_every=0", "steps=400", "eval.prompts=0") == 1
+    line = one_error_line(capsys)
+    found = re.match(r"error: (rollout journal: )?no space left on device at (\S+); no checkpoint was written yet; "
+                     r"free space, then start again \(copc train resume=true run_dir=(\S+) starts at step 0\); "
+                     r"checkpoint_every=N keeps the rollout journal \(rollouts/\) to N steps of batches$", line)
+    assert found, line
+    assert Path(found.group(2)).parent.is_relative_to(run) and Path(found.group(2)).name != run.name  # a file
+    assert found.group(3) == str(run)
+    assert rollout_workers() == []

@@ -9,9 +9,12 @@ import fcntl
 import os
 import random
 import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +33,8 @@ from copc.tasks import Task
 from copc.tasks.datasets import DataError
 
 __all__ = [
-    "RUN_ENTRIES", "build_source", "check_prompts_fit", "check_sandbox", "claimed_run_dir", "policy_path",
-    "quiet_transformers", "run_dir_holder", "seed_everything",
+    "RUN_ENTRIES", "build_source", "capped_context_limit", "check_prompts_fit", "check_sandbox", "check_writable", "claimed_run_dir",
+    "policy_path", "quiet_transformers", "run_dir_holder", "seed_everything",
 ]
 
 LOCK_NAME = ".lock"
@@ -61,13 +64,17 @@ def check_sandbox(task: Task, run_dir: Path) -> None:
 def policy_path(cfg: RunConfig, scratch: Path) -> Path:
     """The HF folder the policy starts from (warm start built and cached on first use)."""
     if cfg.model.policy == "warmstart":
-        from copc.run.warmstart import build_warmstart, run_warmstart
+        from copc.run.warmstart import build_warmstart, is_complete, run_warmstart, warmstart_dir
 
         try:
             req = run_warmstart(cfg.task, task_options=cfg.task_options, sft_overrides=cfg.model.warmstart_sft,
                                 seed=cfg.model.warmstart_seed)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        target = warmstart_dir(req.task, seed=req.seed, task_config=req.task_config, sft=req.sft)
+        if not is_complete(target):  # it is built there: refuse before minutes of SFT, not after
+            check_writable(target.parent, "the warm-start cache",
+                           "set COPC_CACHE to a writable directory (default ~/.cache/copc)")
         return Path(build_warmstart(req.task, seed=req.seed, task_config=req.task_config, sft=req.sft))
     if cfg.model.policy == "tiny":
         from copc.models import build_tiny_model, build_tiny_tokenizer
@@ -122,8 +129,11 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
     if cfg.resume and not path.exists():  # a mistyped path must not start a new run where none was asked for
         raise ConfigError(f"resume=true: no run to resume at {path} (no such directory); check the path, or drop "
                           "resume=true to start a new run there")
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:  # a read-only filesystem, no permission: one line, not a traceback
+        raise ConfigError(unwritable(path, err, "run_dir", "give a run_dir on a writable filesystem")) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -148,6 +158,23 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
         os.close(fd)  # releases the flock
 
 
+def unwritable(path: Path, err: OSError, what: str, fix: str) -> str:
+    """One line for a directory copc must write into but cannot: which, why (the OS's reason) and ``fix``."""
+    return f"{what} {path} is not writable ({err.strerror or err}): {fix}"
+
+
+def check_writable(path: Path, what: str, fix: str) -> None:
+    """Create ``path`` and a file in it (removed at once); :class:`ConfigError` in one line when either fails,
+    before any time is spent on what would be written there."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".copc-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(unwritable(path, err, what, fix)) from None
+
+
 def run_dir_holder(path: Path) -> int | None:
     """The pid of the process training in ``path`` now (:func:`claimed_run_dir`), or None when none is."""
     try:
@@ -165,11 +192,35 @@ def run_dir_holder(path: Path) -> int | None:
         os.close(fd)
 
 
-def check_prompts_fit(task: Task, tokenizer: PreTrainedTokenizerBase, context_limit: int) -> int:
+def model_context(model: PreTrainedModel) -> int | None:
+    """The longest sequence the model's positions cover (``max_position_embeddings``, GPT-2's ``n_positions``);
+    None when its config names none."""
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(model.config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def capped_context_limit(context_limit: int, model: PreTrainedModel) -> int:
+    """``rollout.context_limit`` capped by the model's own context (:func:`model_context`): past it the model
+    has no positions, so an episode there would be sampled and trained on garbage. Says so once on stderr
+    when the cap applies (callers call it once per run)."""
+    own = model_context(model)
+    if own is None or context_limit <= own:
+        return context_limit
+    print(f"note: rollout.context_limit={context_limit} is above the model's own context (max_position_embeddings="
+          f"{own}); episodes are limited to {own} tokens", file=sys.stderr, flush=True)
+    return own
+
+
+def check_prompts_fit(task: Task, tokenizer: PreTrainedTokenizerBase, context_limit: int,
+                      *, configured: int | None = None) -> int:
     """Refuse (one line, file and line named) training prompts of ``context_limit`` tokens or more.
 
     Such a prompt leaves no room for a single sampled token: every episode of it would be empty. The
-    check runs once at start-up on the train split; returns the number of prompts checked.
+    check runs once at start-up on the train split; returns the number of prompts checked. ``configured``:
+    ``rollout.context_limit`` when the model's own context capped it to ``context_limit``.
     """
     prompts = task.prompts("train")
     too_long = []
@@ -180,10 +231,15 @@ def check_prompts_fit(task: Task, tokenizer: PreTrainedTokenizerBase, context_li
     if too_long:
         prompt, length = too_long[0]
         where = str(prompt.meta.get("where", f"prompt {prompt.id}"))
+        if configured is not None and configured > context_limit:
+            limit = (f"the model's own context of {context_limit} tokens (max_position_embeddings; "
+                     f"rollout.context_limit={configured} is capped to it)")
+            fix = "shorten or remove them, or use a model with a longer context"
+        else:
+            limit, fix = f"rollout.context_limit={context_limit}", "shorten or remove them, or raise rollout.context_limit"
         raise DataError(
-            f"{where}: prompt is {length} tokens, >= rollout.context_limit={context_limit} "
-            f"({len(too_long)} of {len(prompts)} train prompts are too long); shorten or remove them, "
-            "or raise rollout.context_limit"
+            f"{where}: prompt is {length} tokens, >= {limit} "
+            f"({len(too_long)} of {len(prompts)} train prompts are too long); {fix}"
         )
     return len(prompts)
 
@@ -196,11 +252,14 @@ def seed_everything(seed: int) -> None:
 
 def build_source(
     cfg: RunConfig, *, model_dir: Path, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
-    run_dir: Path,
+    run_dir: Path, context_limit: int | None = None,
 ) -> SyncSource | AsyncSource:
-    """The driver's batch source: in-process generation (sync), worker processes (async) or Ray actors (ray)."""
+    """The driver's batch source: in-process generation (sync), worker processes (async) or Ray actors (ray).
+    ``context_limit``: the episodes' limit when it is not ``rollout.context_limit`` (:func:`capped_context_limit`)."""
     weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
     rollout = resolve_rollout(cfg)  # the method's dynamic sampling / overlong shaping where rollout leaves them unset
+    if context_limit is not None:
+        rollout = replace(rollout, context_limit=context_limit)
     if cfg.driver.kind == "sync":
         gen_model, _ = load_policy(model_dir)
         source = SyncSource(RolloutGenerator(gen_model, tokenizer, task, rollout, seed=cfg.seed), cfg.staleness)

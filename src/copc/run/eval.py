@@ -25,7 +25,7 @@ from copc.config import ConfigError, load_yaml
 from copc.eval.evaluate import EvalConfig, evaluate
 from copc.models.hf import load_policy
 from copc.rollout.samples import append_samples
-from copc.run.build import policy_path, quiet_transformers
+from copc.run.build import capped_context_limit, policy_path, quiet_transformers
 from copc.run.config import RunConfig, apply_run_overrides, default_config, validate_names
 from copc.tasks import get_task
 from copc.trainer.checkpoint import list_checkpoints, load_latest
@@ -63,7 +63,8 @@ def eval_cli(argv: Sequence[str]) -> int:
         return 2
     torch.set_num_threads(1)
     episodes: list[Trajectory] = []
-    metrics = evaluate(model, tokenizer, task, cfg.rollout, eval_cfg, seed=args.seed, episodes=episodes)
+    rollout = replace(cfg.rollout, context_limit=capped_context_limit(cfg.rollout.context_limit, model))
+    metrics = evaluate(model, tokenizer, task, rollout, eval_cfg, seed=args.seed, episodes=episodes)
     if args.samples_out:
         written = append_samples(args.samples_out, episodes, tokenizer, step=step or 0, limit=args.samples_limit)
         print(f"{written} rendered episodes appended to {args.samples_out}")

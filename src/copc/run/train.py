@@ -41,11 +41,12 @@ from copc import tracking as m
 from copc.config import ConfigError, dump_yaml, parse_override, to_dict
 from copc.eval.evaluate import evaluate
 from copc.models.hf import load_policy
-from copc.rollout.generator import GeneratedBatch
+from copc.rollout.generator import GeneratedBatch, RolloutConfig
 from copc.rollout.samples import render_episode
 from copc.run.build import (
     build_critic,
     build_source,
+    capped_context_limit,
     check_prompts_fit,
     check_sandbox,
     claimed_run_dir,
@@ -81,7 +82,7 @@ from copc.trainer.common import eval_mode
 from copc.trainer.trainer import ActorCriticTrainer
 from copc.types import Trajectory
 
-__all__ = ["TrainResult", "train", "train_cli"]
+__all__ = ["DiskFullError", "TrainResult", "train", "train_cli"]
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -221,13 +222,46 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
     wall = time.perf_counter()
     with claimed_run_dir(cfg) as run_dir:  # one process per run directory, for the whole run
         watchdog = StallWatchdog(cfg.stall_timeout_s, resume_hint=f"copc train resume=true run_dir={run_dir}")
+        saved = _Saved(started=wall)
         try:
-            return _train(cfg, run_dir, wall, show_progress, watchdog)
+            return _train(cfg, run_dir, wall, show_progress, watchdog, saved)
+        except OSError as err:  # metrics, samples, TensorBoard
+            if err.errno != errno.ENOSPC:
+                raise
+            raise DiskFullError(disk_full_message(f"{NO_SPACE} at {err.filename or run_dir}", cfg, run_dir,
+                                                  saved.step)) from None
+        except RunError as err:  # the rollout journal (its line names the file)
+            if NO_SPACE not in str(err) or isinstance(err, DiskFullError):
+                raise
+            raise DiskFullError(disk_full_message(str(err), cfg, run_dir, saved.step)) from None
         finally:
             watchdog.close()
 
 
-def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watchdog: StallWatchdog) -> TrainResult:
+#: What copc's errors say of a full disk (``copc.runtime.journal.describe_os_error``, checkpoints, the CLI).
+NO_SPACE = "no space left on device"
+
+
+class DiskFullError(RunError):
+    """The disk filled during a run; the message names the file and says what was kept."""
+
+
+def disk_full_message(what: str, cfg: RunConfig, run_dir: Path, step: int) -> str:
+    """One line: ``what`` failed (it names the file), what the run kept (its last checkpoint, or none) and how
+    to continue. ``step`` is the last checkpointed step, -1 for none."""
+    if step >= 0:
+        kept = f"the checkpoint of step {step} is kept"
+        then = f"free space, then continue with copc train resume=true run_dir={run_dir}"
+    else:
+        kept = "no checkpoint was written yet"
+        then = f"free space, then start again (copc train resume=true run_dir={run_dir} starts at step 0)"
+    if cfg.checkpoint_every == 0:  # the journal keeps every batch since the last checkpoint: the whole run
+        then += "; checkpoint_every=N keeps the rollout journal (rollouts/) to N steps of batches"
+    return f"{what}; {kept}; {then}"
+
+
+def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watchdog: StallWatchdog,
+           saved: _Saved) -> TrainResult:
     torch.set_num_threads(cfg.driver.trainer_threads)
     seed_everything(cfg.seed)
     cfg = sampling_from_rollout(cfg)  # a RunConfig built in code, not by load_run_config, too
@@ -238,15 +272,20 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     check_sandbox(task, run_dir)
     model_dir = policy_path(cfg, run_dir)
     policy, tokenizer = load_policy(model_dir)
-    check_prompts_fit(task, tokenizer, cfg.rollout.context_limit)
+    context_limit = capped_context_limit(cfg.rollout.context_limit, policy)
+    check_prompts_fit(task, tokenizer, context_limit, configured=cfg.rollout.context_limit)
+    # The episodes' rollout settings: cfg's, the context limit capped (cfg itself, saved in config.yaml and in
+    # each checkpoint, keeps the value given).
+    rollout = replace(cfg.rollout, context_limit=context_limit)
     critic = build_critic(cfg, policy, tokenizer) if method.needs_critic else None
     trainer = ActorCriticTrainer(policy, critic, method, replace(cfg.trainer, seed=cfg.seed))
     if trainer.warmup_steps > 0:  # a frozen actor looks like a stuck run: say so once, at the start
         print(f"note: method {cfg.method!r} trains only the critic for the first {trainer.warmup_steps} steps "
               "(critic warm-up; the actor is frozen); trainer.critic_warmup_steps=0 turns it off",
               file=sys.stderr, flush=True)
-    source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir)
-    start_step, summary_before, saved = 0, None, _Saved(started=wall)
+    source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir,
+                          context_limit=context_limit)
+    start_step, summary_before = 0, None
     if resumed is not None:
         saved.step, payload = resumed
         saved.wall_before = earlier_wall_seconds(run_dir, saved.step, payload)
@@ -267,12 +306,12 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     try:
         if summary_before is None:
             with watchdog.phase(f"the evaluation at step {start_step}"):
-                summary_before = _evaluate(cfg, policy, tokenizer, task, tracker, start_step, saved)
+                summary_before = _evaluate(cfg, rollout, policy, tokenizer, task, tracker, start_step, saved)
             if summary_before:
                 tracker.log(start_step, summary_before)
         if isinstance(source, AsyncSource):
             source.start()
-        loop = _run_with_progress(cfg, trainer, source, tracker, run_dir, start_step, tokenizer,
+        loop = _run_with_progress(cfg, rollout, trainer, source, tracker, run_dir, start_step, tokenizer,
                                   summary_before, policy, task, show_progress, saved, signals, watchdog)  # type: ignore[arg-type]
         finished = True
     except Interrupted as stop:
@@ -288,7 +327,7 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
         if not finished:
             tracker.close()
     with watchdog.phase(f"the evaluation at step {cfg.steps}"):
-        after = _evaluate(cfg, policy, tokenizer, task, tracker, cfg.steps, saved)
+        after = _evaluate(cfg, rollout, policy, tokenizer, task, tracker, cfg.steps, saved)
     if after:
         tracker.log(cfg.steps, after)
     tracker.close()
@@ -307,15 +346,15 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     return TrainResult(run_dir=run_dir, summary=summary)
 
 
-def _evaluate(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
-              tracker: Tracker, step: int, saved: _Saved) -> dict[str, float]:
+def _evaluate(cfg: RunConfig, rollout: RolloutConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+              task: Task, tracker: Tracker, step: int, saved: _Saved) -> dict[str, float]:
     """Held-out evaluation of ``model`` (the trained policy itself, in eval mode: no copy of it is kept for
     this) on the same prompts and seeds every time; its first sampled episodes go to the samples, its
     wall seconds to ``saved.eval_s``."""
     start = time.perf_counter()
     episodes: list[Trajectory] = []
     with eval_mode(model):
-        out = evaluate(model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed + 777, episodes=episodes)
+        out = evaluate(model, tokenizer, task, rollout, cfg.eval, seed=cfg.seed + 777, episodes=episodes)
     tracker.log_samples(step, "eval", [render_episode(t, tokenizer) for t in episodes[: cfg.samples.per_log]])
     saved.eval_s += time.perf_counter() - start
     return out
@@ -323,6 +362,7 @@ def _evaluate(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedToken
 
 def _run_with_progress(
     cfg: RunConfig,
+    rollout: RolloutConfig,
     trainer: ActorCriticTrainer,
     source: SyncSource | AsyncSource,
     tracker: Tracker,
@@ -350,7 +390,7 @@ def _run_with_progress(
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
             before = saved.eval_s
             with watchdog.phase(f"the evaluation after step {step}"):
-                metrics.update(_evaluate(cfg, policy, tokenizer, task, tracker, step, saved))
+                metrics.update(_evaluate(cfg, rollout, policy, tokenizer, task, tracker, step, saved))
             metrics[m.TIME_EVAL] = saved.eval_s - before
         if cfg.samples.every and done % cfg.samples.every == 0:
             tracker.log_samples(step, "train", [render_episode(t, tokenizer)
