@@ -5,7 +5,7 @@ warm start). The maths of the metrics lives in :mod:`copc.eval.metrics`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -49,18 +49,26 @@ def evaluate(
     *,
     seed: int,
     episodes: list[Trajectory] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """avg@k and unbiased pass@k at the rollout temperature, and greedy accuracy, on eval prompts.
 
     Sampling uses a generator seeded by ``seed`` (the same prompts and seeds before and after
     training, so the difference is the policy's). Metrics under ``eval/``. ``episodes``, when given,
-    receives the sampled (not greedy) trajectories, e.g. to log what the model wrote.
+    receives the sampled (not greedy) trajectories, e.g. to log what the model wrote. ``progress``, when
+    given, is called after each round of turns with (episodes finished, episodes in all), the greedy pass's
+    counted after the sampled pass's.
     """
     if eval_cfg.prompts == 0:
         return {}
     prompts = task.prompts("eval", n=eval_cfg.prompts)
     k = eval_cfg.samples
-    sampled = _play(model, tokenizer, task, prompts, k, rollout, seed=seed, greedy=False)
+    total = len(prompts) * (k + int(eval_cfg.greedy))
+
+    def counter(before: int) -> Callable[[int], None] | None:
+        return None if progress is None else (lambda done: progress(before + done, total))
+
+    sampled = _play(model, tokenizer, task, prompts, k, rollout, seed=seed, greedy=False, on_round=counter(0))
     if episodes is not None:
         episodes.extend(sampled)
     correct = _by_prompt(sampled, len(prompts), k)
@@ -73,7 +81,8 @@ def evaluate(
     out.update({m.EVAL_TRUNCATED_FRAC: cut.episode_frac, m.EVAL_TRUNCATED_TURN_FRAC: cut.turn_frac,
                 m.EVAL_TURN_LIMIT_FRAC: cut.turn_limit_frac})
     if eval_cfg.greedy:
-        greedy = _play(model, tokenizer, task, prompts, 1, rollout, seed=seed, greedy=True)
+        greedy = _play(model, tokenizer, task, prompts, 1, rollout, seed=seed, greedy=True,
+                       on_round=counter(len(sampled)))
         out[m.EVAL_GREEDY_ACCURACY] = greedy_accuracy([bool(_correct(t)) for t in greedy])
     return out
 
@@ -96,6 +105,7 @@ def _play(
     *,
     seed: int,
     greedy: bool,
+    on_round: Callable[[int], None] | None = None,
 ) -> list[Trajectory]:
     engine = Engine(model, tokenizer)
     envs = [task.make_env(p) for p in prompts for _ in range(k)]
@@ -110,4 +120,5 @@ def _play(
         context_limit=rollout.context_limit,
         prompt_ids=[p.id for p in prompts for _ in range(k)],
         chat=chat_format(tokenizer, rollout.chat_template),
+        on_round=on_round,
     )

@@ -73,7 +73,8 @@ RECORD_VERSION = 1
 #: The train-reward curve is averaged into at most this many bins.
 CURVE_POINTS = 60
 #: Config keys that do not change what a run computes (left out of the hash).
-UNHASHED_KEYS = ("run_dir", "resume", "plots", "checkpoint_every", "keep_checkpoints", "stall_timeout_s")
+UNHASHED_KEYS = ("run_dir", "resume", "plots", "checkpoint_every", "keep_checkpoints", "stall_timeout_s",
+                 "no_signal_steps")
 #: The diagnostic curves every record keeps (record["curves"]: name -> binned [[step, mean], ...]), so a
 #: result can be explained once the run directory is gone: drift from the behaviour policy, what each
 #: channel did (mask rate, advantage-clip rates), ESS, the critic, entropy, tool use and the realised lag.

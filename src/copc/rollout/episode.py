@@ -150,6 +150,7 @@ def run_episodes(
     chat: ChatFormat | None = None,
     refresh: Callable[[], bool] | None = None,
     chunk_tokens: int = 0,
+    on_round: Callable[[int], None] | None = None,
 ) -> list[Trajectory]:
     """Run every env to the end, batching all active episodes in each engine call (module docstring).
 
@@ -177,6 +178,8 @@ def run_episodes(
             inside a turn; it may load newer weights into ``engine`` (True when it did), and the running
             episodes continue with them (``Engine.generate``). Each token keeps the version that sampled it.
         chunk_tokens: decode steps between refreshes inside a turn (0: turn boundaries only).
+        on_round: called after each round of turns with the number of episodes finished so far (progress
+            reports; it changes nothing sampled).
 
     Returns:
         One :class:`Trajectory` per env, in order.
@@ -215,6 +218,8 @@ def run_episodes(
             elif result is not None:  # None: the env raised and _call_env already ended the episode
                 _after_turn(engine, chat, ep, gen, result, max_turns=max_turns, max_total_tokens=max_total_tokens,
                             context_limit=context_limit)
+        if on_round is not None:
+            on_round(sum(ep.stop is not None for ep in episodes))
     return [_to_trajectory(ep, group_ids, prompt_ids) for ep in episodes]
 
 

@@ -180,6 +180,9 @@ class RunConfig:
     """A training step or an evaluation that lasts longer than this ends the process (exit 124, every thread's
     stack on stderr; checkpoints kept, continue with resume=true): a grader or env step that hangs cannot hold
     the run for ever. The async driver's wait for a batch has its own limit (driver.batch_timeout_s; when that is 0 this one bounds the wait). 0 = no limit."""
+    no_signal_steps: int = 20
+    """Say once on stderr when every train reward has been 0 for this many consecutive steps (no learning
+    signal: the advantages are all 0); 0 = never. Changes nothing the run computes."""
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(actor_lr=1e-4, critic_lr=1e-3))
@@ -191,6 +194,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("steps and checkpoint_every must be >= 0, keep_checkpoints >= 1")
+        if self.no_signal_steps < 0:
+            raise ValueError(f"no_signal_steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
         if not 0 <= self.stall_timeout_s < float("inf"):
             raise ValueError(f"stall_timeout_s must be finite and >= 0 (0 = no limit), got {self.stall_timeout_s!r}")
         if self.driver.partial_rollouts and self.staleness.mode == "fixed_lag":

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -64,7 +66,10 @@ def eval_cli(argv: Sequence[str]) -> int:
     torch.set_num_threads(1)
     episodes: list[Trajectory] = []
     rollout = replace(cfg.rollout, context_limit=capped_context_limit(cfg.rollout.context_limit, model))
-    metrics = evaluate(model, tokenizer, task, rollout, eval_cfg, seed=args.seed, episodes=episodes)
+    report = EvalProgress()
+    with report:
+        metrics = evaluate(model, tokenizer, task, rollout, eval_cfg, seed=args.seed, episodes=episodes,
+                           progress=report.update)
     if args.samples_out:
         written = append_samples(args.samples_out, episodes, tokenizer, step=step or 0, limit=args.samples_limit)
         print(f"{written} rendered episodes appended to {args.samples_out}")
@@ -79,6 +84,40 @@ def eval_cli(argv: Sequence[str]) -> int:
         table.add_row(key.removeprefix("eval/"), f"{value:.4f}")
     Console().print(table)
     return 0
+
+
+class EvalProgress:
+    """Progress of ``copc eval`` on stderr, so a long evaluation is not minutes of silence: ``eval: D/N
+    episodes done, Ts`` at most every ``every_s`` seconds while it runs (a thread, since one round of turns
+    over every prompt can itself take minutes), and once at the end."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self.done, self.total = 0, 0
+        self.started = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="eval-progress", daemon=True)
+
+    def update(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+
+    def _line(self) -> str:
+        total = f"/{self.total}" if self.total else ""
+        return f"eval: {self.done}{total} episodes done, {time.perf_counter() - self.started:.0f}s"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            print(self._line(), file=sys.stderr, flush=True)
+
+    def __enter__(self) -> EvalProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.total:
+            print(self._line(), file=sys.stderr, flush=True)
 
 
 def is_run_dir(path: Path) -> bool:

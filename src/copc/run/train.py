@@ -379,11 +379,13 @@ def _run_with_progress(
 ) -> LoopResult:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    lines = StepLines(cfg.steps) if show_progress and not sys.stdout.isatty() else None  # nohup, a pipe, a file
     progress = Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(), disable=not show_progress, transient=False,
+        TimeElapsedColumn(), disable=not show_progress or lines is not None, transient=False,
     )
     bar = progress.add_task("train", total=cfg.steps, completed=start_step, status="")
+    no_signal = NoSignal(cfg.no_signal_steps)
 
     def on_step(step: int, metrics: dict[str, float], batch: GeneratedBatch) -> None:
         done = step + 1
@@ -404,11 +406,51 @@ def _run_with_progress(
             f"stale {metrics['staleness/mean']:.1f}"
         )
         progress.update(bar, completed=done, status=status)
+        if lines is not None:
+            lines.step(done, status)
+        no_signal.step(done, metrics)
 
     with progress:
         return run_loop(trainer, source, start_step=start_step, steps=cfg.steps,
                         pad_id=int(tokenizer.pad_token_id), on_step=on_step, signals=signals,  # type: ignore[arg-type]
                         watchdog=watchdog, wait_bounded=batch_wait_bounded(source))
+
+
+class StepLines:
+    """Progress for a stdout that is not a terminal (nohup, a pipe, a log file), where the progress bar only
+    shows at the end: one plain line per step, at most one per ``every_s`` seconds, the last step always."""
+
+    def __init__(self, steps: int, every_s: float = 10.0) -> None:
+        self.steps, self.every_s = steps, every_s
+        self.started = time.perf_counter()
+        self.last = -float("inf")
+
+    def step(self, done: int, status: str) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every_s and done < self.steps:
+            return
+        self.last = now
+        print(f"train {done}/{self.steps}  {status.removeprefix(f'step {done}').strip()}  {now - self.started:.0f}s",
+              flush=True)
+
+
+class NoSignal:
+    """Says once on stderr when every train reward has been 0 for ``after`` consecutive steps (0 = never):
+    all advantages are then 0 and the policy does not learn, which a progress line alone does not show."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.run, self.said = after, 0, False
+
+    def step(self, done: int, metrics: Mapping[str, float]) -> None:
+        zero = metrics.get(m.REWARD_MEAN) == 0.0 and metrics.get(m.REWARD_STD, 0.0) == 0.0
+        self.run = self.run + 1 if zero else 0
+        if self.after and not self.said and self.run >= self.after:
+            self.said = True
+            print(f"warning: no learning signal: every train reward has been 0 for the last {self.run} steps "
+                  f"(to step {done}); check that the task's answers can be reached within the rollout budgets "
+                  "(rollout.max_new_tokens_per_turn, max_total_tokens, context_limit), the grader (copc eval "
+                  "--samples-out shows episodes and rewards), and the starting policy (a warm start, not an "
+                  "untrained model); no_signal_steps=0 turns this off", file=sys.stderr, flush=True)
 
 
 def batch_wait_bounded(source: object) -> bool:
@@ -461,6 +503,8 @@ def print_summary(summary: Mapping[str, object]) -> None:
     table.add_column("after", justify="right")
 
     def fmt(value: object) -> str:
+        if value is None:  # eval.prompts=0: not evaluated
+            return "-"
         return f"{value:.3f}" if isinstance(value, float) else str(value)
 
     table.add_row("eval accuracy (avg@k)", fmt(summary["eval_accuracy_before"]), fmt(summary["eval_accuracy_after"]))
