@@ -415,23 +415,29 @@ def test_presets_are_copcs_own() -> None:
 # --- the command in docs/verl.md ----------------------------------------------------------------------
 
 
+def docs_command() -> list[str]:
+    """The command in docs/verl.md, as argv words ($HOME expanded)."""
+    import shlex
+
+    text = (ROOT / "docs/verl.md").read_text()
+    block = text.split("<!-- verl-command")[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return shlex.split(block.replace("\\\n", " ").replace("$HOME", str(Path.home())))
+
+
 def test_docs_command_composes_with_verls_hydra_config_and_selects_copc(monkeypatch: pytest.MonkeyPatch) -> None:
     """The documented command parses against verl's own config and picks copc everywhere.
 
     verl's full ``validate_config`` is not run: it loads the model's config from the hub (offline here).
     """
-    import shlex
-
     from hydra import compose, initialize_config_dir
     from verl.utils.config import omega_conf_to_dataclass
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    text = (ROOT / "docs/verl.md").read_text()
-    block = text.split("<!-- verl-command")[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    words = shlex.split(block.replace("\\\n", " ").replace("$HOME", str(Path.home())))
-    assert words[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+    words = docs_command()
+    assert words[:5] == ["python3", "-m", "verl.trainer.main_ppo", "--config-name", plugin.CONFIG_NAME]
+    assert not [w for w in words if w.startswith("+")]  # copc_ppo_trainer has every copc option: no Hydra '+'
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=words[3:])
+        cfg = compose(config_name=words[4], overrides=words[5:])
     channels = plugin.check_verl_config(cfg)
     assert channels.policy == get_method("copc").policy
     assert channels.advantage == get_method("copc").advantage
@@ -440,6 +446,38 @@ def test_docs_command_composes_with_verls_hydra_config_and_selects_copc(monkeypa
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.28)
     assert get_trainer_cls(cfg.trainer.v1.trainer_mode) is plugin.CopcTrainerColocateAsync
     assert cfg.actor_rollout_ref.model.path.startswith("Qwen/Qwen3")
+
+
+def test_docs_command_through_verls_own_cli_prints_copcs_config() -> None:
+    """verl's ``main_ppo`` (its Hydra app, copc loaded by ``import verl``) composes the documented command;
+    ``--cfg job`` prints the config and stops before Ray or any model starts."""
+    import yaml
+
+    words = docs_command()
+    out = subprocess.run(
+        [sys.executable, *words[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = OmegaConf.create(yaml.safe_load(out.stdout))  # the whole of stdout is the config (logs go to stderr)
+    assert plugin.check_verl_config(cfg) == plugin.CopcChannels(get_method("copc").policy, get_method("copc").advantage)
+    assert cfg.trainer.v1.trainer_mode == "copc_colocate_async"
+
+
+@pytest.mark.parametrize("estimator", sorted(plugin.ESTIMATORS))
+def test_copc_ppo_trainer_lists_every_copc_option_and_its_nulls_are_the_presets(estimator: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    overrides = [f"algorithm.adv_estimator={estimator}", "critic.enable=True", "algorithm.lam=0.95"]
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
+        ours = compose(config_name=plugin.CONFIG_NAME, overrides=overrides)
+        plain = compose(config_name="ppo_trainer", overrides=overrides)
+    fields = {f.name for f in dataclasses.fields(plugin.AdvantageChannelConfig)} - {"estimator", "gamma", "lam_critic"}
+    assert set(ours.copc.advantage) == fields
+    assert set(ours.copc.policy) == {"mask_low", "mask_high", "weight_mode"}
+    assert OmegaConf.to_container(ours.copc.policy) == {"mask_low": 0.5, "mask_high": 2.0, "weight_mode": "masked_is"}
+    assert plugin.check_verl_config(ours) == plugin.check_verl_config(plain)
+    assert OmegaConf.masked_copy(ours, [k for k in ours if k != "copc"]) == plain  # verl's config, untouched
 
 
 def test_a_composed_struct_config_without_a_copc_section_gets_copcs_defaults() -> None:
@@ -454,10 +492,9 @@ def test_a_composed_struct_config_without_a_copc_section_gets_copcs_defaults() -
     assert channels.policy == get_method("copc").policy
 
 
-def test_trainer_logs_its_channels_at_start_up(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_trainer_logs_its_channels_at_start_up(caplog: pytest.LogCaptureFixture) -> None:
     assert plugin._log.isEnabledFor(20)  # INFO gets through although verl leaves the root logger at WARNING
-    monkeypatch.setattr(plugin.PPOTrainerSync, "__init__", lambda self, config: None)  # no Ray, no workers
-    with caplog.at_level("INFO", logger="copc.integrations.verl"):
-        trainer = get_trainer_cls("copc")(verl_config())
+    with caplog.at_level("INFO", logger="copc.integrations.verl"):  # verl's __init__ starts no Ray, no workers
+        trainer = get_trainer_cls("copc")(verl_config(**{"trainer.v1.trainer_mode": "copc"}))
     assert trainer._copc == plugin.check_verl_config(verl_config())
-    assert "copc trainer: CopcChannels(policy=PolicyChannelConfig(objective='copc'" in caplog.text
+    assert "copc trainer copc (verl's sync trainer): CopcChannels(policy=PolicyChannelConfig(objective='copc'" in caplog.text

@@ -18,6 +18,9 @@ and every Ray worker), and importing it registers, through verl's own registries
   of multi-turn rollouts are False there and are bridged, as verl's GAE does); and the policy weight
   ``omega = M * w`` (``M = 1[mask_low <= w <= mask_high]``, spec 9.3) written as verl's
   ``rollout_is_weights``, which verl hands to the actor loss. Both channels read the same ``log_w``.
+  Each runs as the verl trainer it extends in every mode-dependent decision (verl's mode string is
+  handed to verl's base code; see :class:`CopcAdvantageMixin`). ``copc.channels=policy`` runs the
+  COPC policy channel alone (not COPC): verl's own advantage step (e.g. GRPO, no critic), then omega.
 - the advantage estimators ``copc_clipped_td``, ``copc_vtrace``, ``copc_brace``
   (``algorithm.adv_estimator=...``) choose copc's estimator. verl calls a registered estimator with
   rewards and a mask only (no values, no log-probs), so these entries only say, if a plain verl trainer
@@ -27,8 +30,9 @@ How this deviates from copc's own trainer: the band mask is fixed at the step st
 never sees ``rollout_log_probs``, so ``policy.mask_source='current'`` is refused); masked tokens stay
 in the denominator (``policy.denominator='all'``: verl's global token counts include them); the dual
 clip is verl's ``clip_ratio_c`` (copc's preset has it off). copc options that verl's config has no
-field for live in a top-level ``copc`` section of verl's config (``+copc.policy.mask_high=5``,
-``+copc.advantage.ratio_low=0.9``) and are validated by copc's own config checks at start-up; gamma
+field for live in a top-level ``copc`` section of verl's config (``copc.policy.mask_high=5``,
+``copc.advantage.ratio_low=0.9`` with ``--config-name copc_ppo_trainer``, which lists them all; with
+verl's own config name, ``+copc...``) and are validated by copc's own config checks at start-up; gamma
 and lambda are verl's ``algorithm.gamma`` / ``algorithm.lam``. docs/verl.md has a full command.
 
 verl logs a plugin that fails to import only at debug level, so this module logs every failure at
@@ -39,10 +43,12 @@ diagnostics, policy mask rate), the actor ``actor/copc/policy/...`` (clip and ma
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import inspect
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -68,16 +74,17 @@ def _fail_loud(what: str) -> None:
 
 try:
     import transfer_queue as tq
+    from hydra.core.config_store import ConfigStore
     from tensordict import TensorDict
     from verl.protocol import DataProto
     from verl.trainer.ppo import core_algos
     from verl.trainer.ppo.ray_trainer import apply_kl_penalty
     from verl.trainer.ppo.utils import need_critic
     from verl.trainer.ppo.v1 import (
-        PPOTrainer,
         PPOTrainerColocateAsync,
         PPOTrainerSeparateAsync,
         PPOTrainerSync,
+        get_trainer_cls,
         register_trainer,
     )
     from verl.workers.utils.padding import response_to_nested
@@ -106,7 +113,10 @@ _TRAINER_HINT = "set trainer.v1.trainer_mode=copc (or copc_colocate_async / copc
 MISSING_ROLLOUT = (
     "copc needs the sampler's log-probs (rollout_log_probs): set actor_rollout_ref.rollout.calculate_log_probs=True"
 )
-MISSING_VALUES = "copc's advantage channel needs critic values (values): set critic.enable=True"
+MISSING_VALUES = (
+    "copc's advantage channel (algorithm.adv_estimator=copc_*) needs a critic: set critic.enable=True, "
+    "or run the COPC policy channel alone on verl's own advantages (copc.channels=policy, algorithm.adv_estimator=grpo)"
+)
 MISSING_OLD = (
     "copc needs the recomputed old_log_probs: set algorithm.rollout_correction.bypass_mode=False"
 )
@@ -130,11 +140,17 @@ _ADVANTAGE_ELSEWHERE = {
 }
 
 
+#: ``copc.channels``: ``both`` is COPC (policy channel + copc's advantage channel on a critic);
+#: ``policy`` is the COPC policy channel alone, on the advantages of a verl estimator (grpo, rloo, gae, ...).
+CHANNELS = ("both", "policy")
+
+
 class CopcChannels(NamedTuple):
-    """The two channel configs a copc trainer runs in verl (built once at start-up)."""
+    """The channel configs a copc trainer runs in verl (built once at start-up)."""
 
     policy: PolicyChannelConfig
-    advantage: AdvantageChannelConfig
+    #: None: the COPC policy channel alone (``copc.channels=policy``), verl's estimator gives the advantages.
+    advantage: AdvantageChannelConfig | None
 
 
 class CopcStep(NamedTuple):
@@ -172,35 +188,53 @@ def _plain(section: Any) -> dict[str, Any]:
 
 
 def _overrides(section: dict[str, Any], name: str, allowed: tuple[str, ...] | None, elsewhere: dict[str, str]) -> dict[str, Any]:
+    """The ``copc.<name>`` values that were set (null means the preset's value: ``copc_ppo_trainer`` lists them all)."""
     for key in section:
         if key in elsewhere:
             raise ValueError(f"copc.{name}.{key} is verl's {elsewhere[key]}; set it there instead")
         if allowed is not None and key not in allowed:
             raise ValueError(f"copc.{name}.{key} is not a copc option in verl; valid: {', '.join(allowed)}")
-    return section
+    return {key: value for key, value in section.items() if value is not None}
 
 
 def channels_from_verl_config(config: Any) -> CopcChannels:
     """copc's channel configs from verl's full config; fails at start-up with one line per problem.
 
     Policy channel: copc's ``copc`` preset with ``copc.policy.{mask_low, mask_high, weight_mode}``.
-    Advantage channel: the preset named by ``algorithm.adv_estimator`` (``copc_clipped_td`` -> ``copc``,
-    ``copc_vtrace`` -> ``vtrace``, ``copc_brace`` -> ``brace``) with gamma = ``algorithm.gamma``,
-    lambda (critic and actor) = ``algorithm.lam`` and any ``copc.advantage.<field>``.
+    Advantage channel (``copc.channels=both``, the default): the preset named by
+    ``algorithm.adv_estimator`` (``copc_clipped_td`` -> ``copc``, ``copc_vtrace`` -> ``vtrace``,
+    ``copc_brace`` -> ``brace``) with gamma = ``algorithm.gamma``, lambda (critic and actor) =
+    ``algorithm.lam`` and any ``copc.advantage.<field>``. ``copc.channels=policy``: none (the COPC policy
+    channel alone; ``algorithm.adv_estimator`` must then be one of verl's, e.g. ``grpo``).
     """
     estimator = str(_get(config, "algorithm.adv_estimator", ""))
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"copc's trainer runs copc's advantage channel: set algorithm.adv_estimator to one of "
-            f"{', '.join(ESTIMATORS)} (got {estimator!r})"
-        )
     section = _plain(_get(config, "copc"))
-    unknown = sorted(set(section) - {"policy", "advantage"})
+    unknown = sorted(set(section) - {"policy", "advantage", "channels"})
     if unknown:
-        raise ValueError(f"unknown copc section(s) {unknown} in verl's config; valid: copc.policy, copc.advantage")
+        raise ValueError(
+            f"unknown copc section(s) {unknown} in verl's config; valid: copc.channels, copc.policy, copc.advantage"
+        )
+    which = str(section.get("channels") or "both")
+    if which not in CHANNELS:
+        raise ValueError(f"copc.channels={which!r}: valid are {', '.join(CHANNELS)}")
     policy_over = _overrides(_plain(section.get("policy")), "policy", _POLICY_FIELDS, _POLICY_ELSEWHERE)
     adv_over = _overrides(_plain(section.get("advantage")), "advantage", None, _ADVANTAGE_ELSEWHERE)
     policy = dataclasses.replace(get_method("copc").policy, **policy_over)
+    if which == "policy":
+        if estimator in ESTIMATORS:
+            raise ValueError(
+                f"copc.channels=policy runs the COPC policy channel alone on verl's own advantages: set "
+                f"algorithm.adv_estimator to a verl estimator such as grpo (got {estimator!r}), or copc.channels=both"
+            )
+        if adv_over:
+            raise ValueError(f"copc.advantage.{next(iter(adv_over))} is unused with copc.channels=policy: remove it")
+        return CopcChannels(policy, None)
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"copc's trainer runs copc's advantage channel: set algorithm.adv_estimator to one of "
+            f"{', '.join(ESTIMATORS)} (got {estimator!r}), or copc.channels=policy for the COPC policy channel "
+            f"alone on {estimator or 'a verl estimator'}'s advantages"
+        )
     lam = float(_get(config, "algorithm.lam", 1.0))
     defaults = {"gamma": float(_get(config, "algorithm.gamma", 1.0)), "lam_critic": lam, "lam_actor": lam}
     try:
@@ -213,7 +247,7 @@ def channels_from_verl_config(config: Any) -> CopcChannels:
 def check_verl_config(config: Any) -> CopcChannels:
     """Everything a copc trainer needs from verl's config, checked before any worker starts."""
     channels = channels_from_verl_config(config)
-    if not need_critic(config):
+    if channels.advantage is not None and not need_critic(config):
         raise ValueError(MISSING_VALUES)
     if not _get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
         raise ValueError(MISSING_ROLLOUT)
@@ -226,6 +260,34 @@ def check_verl_config(config: Any) -> CopcChannels:
                 f"copc's policy channel replaces verl's rollout correction: set algorithm.rollout_correction.{key}=null"
             )
     return channels
+
+
+class CopcPolicyWeight(NamedTuple):
+    """The policy channel's per-token weight at the step start; ``[B, T]``, 0 off the mask."""
+
+    log_w: torch.Tensor  # float32, log(old / mu), clamped to +-20
+    rollout_is_weights: torch.Tensor  # float32, omega = M * w (or M)
+    metrics: dict[str, torch.Tensor]  # detached scalars, ``copc/policy/...``
+
+
+def copc_policy_weight(
+    policy: PolicyChannelConfig, *, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
+) -> CopcPolicyWeight:
+    """``omega = M * w`` (``binary``: ``M``), ``w = exp(old - mu)``, ``M = 1[mask_low <= w <= mask_high]``.
+
+    Args:
+        policy: copc's policy channel config (band and weight mode).
+        old_log_probs: ``[B, T]`` float, verl's recomputed proximal log-probs (old_t).
+        rollout_log_probs: ``[B, T]`` float, the sampler's log-probs (mu_t).
+        mask: ``[B, T]`` bool, True on sampled tokens.
+    """
+    log_w = log_ratio(old_log_probs.float(), rollout_log_probs.float(), mask)
+    weight, keep = band_weight(log_w, mask, low=policy.mask_low, high=policy.mask_high, mode=policy.weight_mode)
+    metrics = {
+        "copc/policy/mask_frac": masked_mean((mask & ~keep).float(), mask),
+        "copc/policy/weight_mean": masked_mean(weight, mask),
+    }
+    return CopcPolicyWeight(log_w, weight.detach(), metrics)
 
 
 def copc_advantage_step(
@@ -253,17 +315,17 @@ def copc_advantage_step(
         raise ValueError(MISSING_VALUES)
     if old_log_probs is None:
         raise ValueError(MISSING_OLD)
+    if channels.advantage is None:
+        raise ValueError("copc.channels=policy has no advantage channel: verl's estimator computes the advantages")
     mask = response_mask.bool()
-    log_w = log_ratio(old_log_probs.float(), rollout_log_probs.float(), mask)
-    adv = compute_advantages(
-        channels.advantage, rewards=token_level_rewards.float(), values=values.float(), log_w=log_w, action_mask=mask
+    policy = copc_policy_weight(
+        channels.policy, old_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs, mask=mask
     )
-    p = channels.policy
-    weight, keep = band_weight(log_w, mask, low=p.mask_low, high=p.mask_high, mode=p.weight_mode)
-    metrics = {f"copc/{name}": value for name, value in adv.stats.items()}
-    metrics["copc/policy/mask_frac"] = masked_mean((mask & ~keep).float(), mask)
-    metrics["copc/policy/weight_mean"] = masked_mean(weight, mask)
-    return CopcStep(adv.advantages, adv.returns, weight.detach(), metrics)
+    adv = compute_advantages(
+        channels.advantage, rewards=token_level_rewards.float(), values=values.float(), log_w=policy.log_w, action_mask=mask
+    )
+    metrics = {f"copc/{name}": value for name, value in adv.stats.items()} | policy.metrics
+    return CopcStep(adv.advantages, adv.returns, policy.rollout_is_weights, metrics)
 
 
 def copc_policy_loss(
@@ -320,23 +382,74 @@ def _estimator_stub(name: str) -> Any:
 _STUBS = {name: _estimator_stub(name) for name in ESTIMATORS}
 
 
-class CopcAdvantageMixin:
-    """Replaces a verl v1 trainer's advantage step with copc's; put it before the verl trainer class."""
+#: The verl releases whose private advantage hook copc's trainers override (pyproject's ``verl`` extra).
+SUPPORTED_VERL = ">=0.9.1,<0.10"
+#: ``PPOTrainer._compute_advantage``'s parameters in those releases (verl calls it as ``(batch, metrics=...)``).
+_HOOK_PARAMS = ("self", "batch", "metrics")
 
+
+def _verl_version() -> str:
+    try:
+        return importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source checkout of verl
+        return str(getattr(__import__("verl"), "__version__", "unknown"))
+
+
+def check_verl_hook(verl_trainer: type) -> None:
+    """Fail with one line if verl's ``_compute_advantage`` (the private method copc overrides) moved or changed."""
+    hook = getattr(verl_trainer, "_compute_advantage", None)
+    params = tuple(inspect.signature(hook).parameters) if callable(hook) else None
+    if params != _HOOK_PARAMS:
+        found = "has no _compute_advantage" if params is None else f"defines _compute_advantage{params}"
+        raise RuntimeError(
+            f"copc's verl trainers override {verl_trainer.__name__}._compute_advantage{_HOOK_PARAMS}, but the "
+            f"installed verl {_verl_version()} {found}; copc supports verl{SUPPORTED_VERL}: "
+            f"pip install 'verl{SUPPORTED_VERL}'"
+        )
+
+
+class CopcAdvantageMixin:
+    """Replaces a verl v1 trainer's advantage step with copc's; put it before the verl trainer class.
+
+    verl picks its trainer's behaviour from the string ``trainer.v1.trainer_mode`` (the replay buffer,
+    the dataloader's ``gen_batch_size``, TransferQueue checkpoints, ``parameter_sync_step`` and every
+    ``trainer.v1.<mode>.*`` setting), so a copc trainer, looked up by verl under copc's name, hands
+    verl's base code the mode of the verl trainer it extends (``verl_mode``): it rewrites
+    ``trainer.v1.trainer_mode`` in the config it is given, in place, before verl's ``__init__`` reads
+    it. Everything downstream (verl's trainer, its skip manager, the agent loop started from the same
+    config) then sees exactly what verl's own trainer would see; copc's name stays in ``copc_mode``.
+    """
+
+    #: The verl trainer mode this copc trainer runs as: its ``trainer.v1.<verl_mode>`` settings apply.
+    verl_mode: ClassVar[str]
     config: Any
+    copc_mode: str
     _copc: CopcChannels
 
     def __init__(self, config: Any) -> None:
+        check_verl_hook(get_trainer_cls(self.verl_mode))
         self._copc = check_verl_config(config)  # before any worker or Ray actor starts
-        _log.info("copc trainer: %s", self._copc)
+        v1 = config.trainer.v1
+        self.copc_mode = str(v1.trainer_mode)
+        if self.copc_mode != self.verl_mode and v1.get(self.copc_mode, None) is not None:
+            raise ValueError(
+                f"trainer.v1.{self.copc_mode} is not read: the copc trainer runs as verl's {self.verl_mode} "
+                f"trainer, set those options under trainer.v1.{self.verl_mode} instead"
+            )
+        v1.trainer_mode = self.verl_mode
+        _log.info("copc trainer %s (verl's %s trainer): %s", self.copc_mode, self.verl_mode, self._copc)
         super().__init__(config)  # type: ignore[call-arg]
 
     def _compute_advantage(self, batch: Any, metrics: dict[str, Any]) -> Any:
         """verl's step 7 (``PPOTrainer._compute_advantage``) with copc's two channels.
 
         Reads the step's batch from TransferQueue, applies verl's in-reward KL if configured, and writes
-        back ``advantages``, ``returns`` (critic targets) and ``rollout_is_weights`` (omega).
+        back ``advantages``, ``returns`` (critic targets) and ``rollout_is_weights`` (omega). With
+        ``copc.channels=policy`` verl's own step runs first (its estimator, e.g. GRPO, writes the
+        advantages) and only omega is added.
         """
+        if self._copc.advantage is None:
+            return self._put_policy_weight(super()._compute_advantage(batch, metrics), metrics)  # type: ignore[misc]
         use_kl = bool(self.config.algorithm.use_kl_in_reward)
         fields = ["response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "values"]
         if use_kl:
@@ -375,24 +488,72 @@ class CopcAdvantageMixin:
         )
 
 
+    def _put_policy_weight(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        """The COPC policy channel alone: omega from the batch's old and rollout log-probs, into TransferQueue."""
+        fields = ["response_mask", "rollout_log_probs", "old_log_probs"]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        nested_mask = data["response_mask"]
+        padded = data.to_padded_tensor()
+        old, mu = padded.get("old_log_probs", None), padded.get("rollout_log_probs", None)
+        if mu is None:
+            raise ValueError(MISSING_ROLLOUT)
+        if old is None:
+            raise ValueError(MISSING_OLD)
+        policy = copc_policy_weight(
+            self._copc.policy, old_log_probs=old, rollout_log_probs=mu, mask=padded["response_mask"].bool()
+        )
+        metrics.update({name: float(value) for name, value in policy.metrics.items()})
+        weights = response_to_nested(policy.rollout_is_weights, nested_mask)
+        return tq.kv_batch_put(
+            keys=batch.keys,
+            partition_id=batch.partition_id,
+            fields=TensorDict({"rollout_is_weights": weights}, batch_size=len(batch)),
+        )
+
+
 class CopcTrainerSync(CopcAdvantageMixin, PPOTrainerSync):
     """verl's synchronous v1 trainer with copc's advantage step (``trainer.v1.trainer_mode=copc``)."""
+
+    verl_mode = "sync"
 
 
 class CopcTrainerColocateAsync(CopcAdvantageMixin, PPOTrainerColocateAsync):
     """verl's colocated async trainer (partial rollouts) with copc's advantage step."""
 
+    verl_mode = "colocate_async"
+
 
 class CopcTrainerSeparateAsync(CopcAdvantageMixin, PPOTrainerSeparateAsync):
     """verl's separate-pool async trainer (``parameter_sync_step``) with copc's advantage step."""
 
+    verl_mode = "separate_async"
+
 
 #: ``trainer.v1.trainer_mode`` -> copc trainer class.
-TRAINERS: dict[str, type[PPOTrainer]] = {
+TRAINERS: dict[str, type[CopcAdvantageMixin]] = {
     "copc": CopcTrainerSync,
     "copc_colocate_async": CopcTrainerColocateAsync,
     "copc_separate_async": CopcTrainerSeparateAsync,
 }
+
+
+#: Hydra primary config: verl's ``ppo_trainer`` plus a ``copc`` section listing every copc option, so a
+#: run started with ``--config-name copc_ppo_trainer`` sets ``copc.*`` without Hydra's ``+``.
+CONFIG_NAME = "copc_ppo_trainer"
+
+
+def hydra_config_node() -> dict[str, Any]:
+    """``copc_ppo_trainer``: the copc preset's policy band; advantage fields null (= the estimator's preset)."""
+    policy = get_method("copc").policy
+    advantage = [f.name for f in dataclasses.fields(AdvantageChannelConfig) if f.name not in _ADVANTAGE_ELSEWHERE]
+    return {
+        "defaults": ["ppo_trainer", "_self_"],
+        "copc": {
+            "channels": CHANNELS[0],
+            "policy": {name: getattr(policy, name) for name in _POLICY_FIELDS},
+            "advantage": dict.fromkeys(advantage),
+        },
+    }
 
 
 def _register() -> None:
@@ -405,7 +566,12 @@ def _register() -> None:
     for name, stub in _STUBS.items():
         core_algos.register_adv_est(name)(stub)  # verl rejects a different function under the same name
     for name, cls in TRAINERS.items():
+        verl_cls = get_trainer_cls(cls.verl_mode)
+        if not issubclass(cls, verl_cls):  # verl renamed or re-registered a mode: copc would run the wrong one
+            raise ValueError(f"verl's trainer mode {cls.verl_mode!r} is {verl_cls.__name__}, not a base of {cls.__name__}")
         register_trainer(name)(cls)
+    # Hydra's structured:// source is on every search path, so verl's main_ppo finds it by name.
+    ConfigStore.instance().store(name=CONFIG_NAME, node=hydra_config_node())
 
 
 try:
