@@ -29,6 +29,7 @@ from verl.trainer.ppo.v1 import get_trainer_cls  # noqa: E402
 from verl.workers.config import FSDPActorConfig  # noqa: E402
 
 import copc.integrations.verl as plugin  # noqa: E402
+from copc.channels import AdvantageChannelConfig  # noqa: E402
 from copc.channels.methods import get_method  # noqa: E402
 from copc.ops import (  # noqa: E402
     AggSpec,
@@ -472,7 +473,7 @@ def test_copc_ppo_trainer_lists_every_copc_option_and_its_nulls_are_the_presets(
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
         ours = compose(config_name=plugin.CONFIG_NAME, overrides=overrides)
         plain = compose(config_name="ppo_trainer", overrides=overrides)
-    fields = {f.name for f in dataclasses.fields(plugin.AdvantageChannelConfig)} - {"estimator", "gamma", "lam_critic"}
+    fields = {f.name for f in dataclasses.fields(AdvantageChannelConfig)} - {"estimator", "gamma", "lam_critic"}
     assert set(ours.copc.advantage) == fields
     assert set(ours.copc.policy) == {"mask_low", "mask_high", "weight_mode"}
     assert OmegaConf.to_container(ours.copc.policy) == {"mask_low": 0.5, "mask_high": 2.0, "weight_mode": "masked_is"}
