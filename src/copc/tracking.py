@@ -16,9 +16,11 @@ import json
 import math
 import os
 import time
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Protocol
@@ -303,6 +305,9 @@ class Tracker:
             resume_step`` first (they belong to steps the resumed run will redo), then append.
         keep_resume_evaluation: keep the evaluation records of ``resume_step`` itself (the final
             evaluation of an earlier process that finished there: a run continued past it keeps it).
+        wandb: mirror scalars to Weights & Biases as well (``pip install 'copc[wandb]'``; offline with
+            ``WANDB_MODE=offline``): :class:`WandbMirror`'s settings, or None (off). metrics.jsonl stays the
+            record; the mirror is one-way.
     """
 
     def __init__(
@@ -313,6 +318,7 @@ class Tracker:
         strict: bool = False,
         resume_step: int | None = None,
         keep_resume_evaluation: bool = False,
+        wandb: WandbMirror | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -326,6 +332,7 @@ class Tracker:
                     _truncate_from(path, resume_step, keep_evaluation=keep_resume_evaluation)
         self._file: IO[str] | None = self.path.open("a")
         self._tb: SummaryWriterLike | None = self._open_tensorboard() if tensorboard else None
+        self._wandb = wandb.open(self.run_dir) if wandb is not None else None
 
     def _open_tensorboard(self) -> SummaryWriterLike | None:
         try:
@@ -379,6 +386,8 @@ class Tracker:
                     if math.isfinite(value):
                         self._tb.add_scalar(name, value, int(step))
                 self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if math.isfinite(v)}, step=int(step))
         return record
 
     def _tb_file(self) -> Path:
@@ -406,6 +415,9 @@ class Tracker:
 
     def close(self) -> None:
         file, tb, self._file = self._file, self._tb, None
+        run, self._wandb = self._wandb, None
+        if run is not None:
+            run.finish()
         try:
             if file is not None:
                 with _naming(self.path):
@@ -423,6 +435,39 @@ class Tracker:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class WandbMirror:
+    """Where a run's scalars are mirrored in Weights & Biases (the ``wandb`` package, imported lazily)."""
+
+    project: str = "copc"
+    """W&B project."""
+    name: str = ""
+    """Run name ('' = the run directory's name)."""
+    config: Mapping[str, object] | None = None
+    """The run's resolved config, shown beside the curves."""
+
+    def open(self, run_dir: Path) -> WandbRun:
+        """Start (or, for a resumed copc run, continue) the W&B run of ``run_dir``: its id is kept in
+        ``run_dir/wandb_id`` and its files under ``run_dir/wandb``."""
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError("wandb=true needs the wandb package: pip install 'copc[wandb]' (offline: "
+                              "WANDB_MODE=offline)") from None
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+        return wandb.init(project=self.project, name=self.name or run_dir.name, id=run_id, resume="allow",
+                          dir=str(run_dir), config=dict(self.config or {}))
+
+
+class WandbRun(Protocol):
+    """What :class:`Tracker` uses of a ``wandb`` run."""
+
+    def log(self, data: dict[str, float], step: int) -> None: ...
+    def finish(self) -> None: ...
 
 
 @contextmanager

@@ -74,7 +74,7 @@ RECORD_VERSION = 1
 CURVE_POINTS = 60
 #: Config keys that do not change what a run computes (left out of the hash).
 UNHASHED_KEYS = ("run_dir", "resume", "plots", "checkpoint_every", "keep_checkpoints", "stall_timeout_s",
-                 "no_signal_steps")
+                 "no_signal_steps", "wandb", "wandb_project")
 #: The diagnostic curves every record keeps (record["curves"]: name -> binned [[step, mean], ...]), so a
 #: result can be explained once the run directory is gone: drift from the behaviour policy, what each
 #: channel did (mask rate, advantage-clip rates), ESS, the critic, entropy, tool use and the realised lag.
@@ -105,9 +105,20 @@ SUMMARY_METRICS = (
 
 
 # ------------------------------------------------------------------------------------------ records
+#: Nested keys (``section.field``) left out of the hash for the same reason: they act only on a fault
+#: (a stopped rollout worker), never on what a healthy run computes. Fields added after records were
+#: made go here, so those records keep their hash (their configs lack the keys).
+UNHASHED_NESTED_KEYS = ("driver.silent_worker_warn_s", "driver.silent_worker_restart_s")
+
+
 def config_hash(config: Mapping[str, object]) -> str:
-    """16 hex digits of the SHA-256 of the config (as a plain dict) without :data:`UNHASHED_KEYS`."""
+    """16 hex digits of the SHA-256 of the config (as a plain dict) without :data:`UNHASHED_KEYS` and
+    :data:`UNHASHED_NESTED_KEYS`."""
     kept = {k: v for k, v in config.items() if k not in UNHASHED_KEYS}
+    for dotted in UNHASHED_NESTED_KEYS:
+        section, field = dotted.split(".", 1)
+        if isinstance(kept.get(section), Mapping) and field in kept[section]:  # type: ignore[operator]
+            kept[section] = {k: v for k, v in kept[section].items() if k != field}  # type: ignore[attr-defined]
     text = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

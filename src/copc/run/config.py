@@ -94,6 +94,10 @@ class DriverConfig:
     """Rollout worker failures survived (restart, batch requested again); one more ends the run."""
     batch_timeout_s: float = 3600.0
     """A worker holding one batch longer than this is restarted (counts as a failure); 0 = no limit."""
+    silent_worker_warn_s: float = 30.0
+    """async driver: warn (once, naming it) when a worker holding a batch has used no CPU this long; 0 = never."""
+    silent_worker_restart_s: float = 120.0
+    """async driver: restart such a silent worker after this long (a failure, like a death); 0 = never."""
     address: str | None = None
     """ray driver: None = start a local Ray with this machine's CPUs; 'auto' or 'host:port' = join that cluster."""
     ray_cpus_per_worker: float = 1.0
@@ -114,6 +118,15 @@ class DriverConfig:
             raise ValueError(f"driver.worker_nice must be in [0, 19] (0 = the trainer's priority), got {self.worker_nice}")
         if self.max_worker_restarts < 0 or not 0 <= self.batch_timeout_s < float("inf"):
             raise ValueError("driver.max_worker_restarts must be >= 0 and driver.batch_timeout_s finite and >= 0")
+        for key, value in (("silent_worker_warn_s", self.silent_worker_warn_s),
+                           ("silent_worker_restart_s", self.silent_worker_restart_s)):
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"driver.{key} must be finite and >= 0 seconds (0 = off), got {value!r}")
+        if 0 < self.silent_worker_restart_s <= self.silent_worker_warn_s:
+            raise ValueError(
+                f"driver.silent_worker_restart_s={self.silent_worker_restart_s:g} must be above "
+                f"driver.silent_worker_warn_s={self.silent_worker_warn_s:g} (the warning comes first), or 0 (never restart)"
+            )
         for key, value in (("ray_cpus_per_worker", self.ray_cpus_per_worker),
                            ("ray_gpus_per_worker", self.ray_gpus_per_worker)):
             if not 0 <= value < float("inf"):
@@ -183,6 +196,11 @@ class RunConfig:
     no_signal_steps: int = 20
     """Say once on stderr when every train reward has been 0 for this many consecutive steps (no learning
     signal: the advantages are all 0); 0 = never. Changes nothing the run computes."""
+    wandb: bool = False
+    """Mirror the metrics to Weights & Biases too (pip install 'copc[wandb]'; WANDB_MODE=offline works without a
+    network); metrics.jsonl and TensorBoard are written either way. Changes nothing the run computes."""
+    wandb_project: str = "copc"
+    """W&B project of the mirrored run (its name is the run directory's)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(actor_lr=1e-4, critic_lr=1e-3))
@@ -339,6 +357,12 @@ def validate_names(cfg: RunConfig, *, check_options: bool = True, check_paths: b
 
     if cfg.task not in task_names():
         raise ConfigError(f"task: unknown task {cfg.task!r}; valid tasks: {', '.join(task_names())}")
+    if cfg.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("wandb=true needs the wandb package: pip install 'copc[wandb]' (WANDB_MODE=offline "
+                              "logs without a network), or drop wandb=true")
     try:
         method = resolve_method(cfg)
     except (KeyError, ValueError) as err:

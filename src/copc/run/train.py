@@ -69,7 +69,7 @@ from copc.runtime.sync import SyncSource
 from copc.tasks import Task, get_task
 from copc.tasks.datasets import DataError
 from copc.tools.sandbox import SandboxUnavailable
-from copc.tracking import Tracker
+from copc.tracking import Tracker, WandbMirror
 from copc.trainer.checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -298,8 +298,9 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
         summary_before = payload.get("eval_before")
     # A resumed run drops the records of the steps it redoes (all of them when no checkpoint was made); the
     # final evaluation of an earlier process that ended at the checkpoint stays when the run goes past it.
+    mirror = WandbMirror(project=cfg.wandb_project, config=to_dict(cfg)) if cfg.wandb else None
     tracker = Tracker(run_dir, resume_step=start_step if cfg.resume else None,
-                      keep_resume_evaluation=0 < start_step < cfg.steps)
+                      keep_resume_evaluation=0 < start_step < cfg.steps, wandb=mirror)
     signals = StopSignals()
     signals.install()
     finished = False
