@@ -152,3 +152,19 @@ def test_trainer_writes_verls_grpo_advantages_and_copcs_policy_weight(monkeypatc
     kept = (expected > 0).float()
     assert metrics["copc/policy/mask_frac"] == pytest.approx(1 - float(kept[mask].mean()), abs=1e-6)
     assert not any(name.startswith("copc/adv/") for name in metrics)  # no advantage channel ran
+
+
+def test_docs_policy_channel_command_composes_to_the_policy_channel_alone() -> None:
+    """docs/verl.md's command for the policy channel alone ('...' stands for model and data options)."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[2] / "docs/verl.md").read_text()
+    section = text.split("## The COPC policy channel alone", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    words = [w for w in shlex.split(block.replace("\\\n", " "), comments=True) if w != "..."]
+    assert words[:5] == ["python3", "-m", "verl.trainer.main_ppo", "--config-name", plugin.CONFIG_NAME]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = compose(config_name=words[4], overrides=words[5:])
+    channels = plugin.check_verl_config(cfg)
+    assert channels.advantage is None and channels.policy == get_method("copc").policy
+    assert get_trainer_cls(cfg.trainer.v1.trainer_mode) is plugin.CopcTrainerColocateAsync
