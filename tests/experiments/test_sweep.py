@@ -455,6 +455,28 @@ def test_a_record_made_before_a_config_field_existed_still_counts(tmp_path):
     assert cell_state(cfg, tmp_path / "run", tmp_path / "rec.json")[0] == "conflict"
 
 
+def test_fields_that_act_only_on_faults_leave_the_config_hash_unchanged(tmp_path):
+    """Issue 34, item 3: driver.silent_worker_warn_s and silent_worker_restart_s (they act only on a
+    stopped worker) are not hashed: a record made before they existed (its config lacks them) has
+    today's hash, whatever values today's config gives them; a hashed field still changes it."""
+    from copc.experiments.results import UNHASHED_NESTED_KEYS
+
+    cfg = to_dict(load_run_config(None, ["method=copc", "seed=2"]))
+    old = json.loads(json.dumps(cfg))
+    for dotted in UNHASHED_NESTED_KEYS:
+        section, field = dotted.split(".")
+        del old[section][field]  # as written by code before the fields existed
+    assert config_hash(old) == config_hash(cfg)
+    other = to_dict(load_run_config(None, ["method=copc", "seed=2", "driver.silent_worker_warn_s=5",
+                                           "driver.silent_worker_restart_s=0"]))
+    assert config_hash(other) == config_hash(cfg)
+    assert config_hash(to_dict(load_run_config(None, ["method=copc", "seed=2", "driver.batch_timeout_s=5"]))) \
+        != config_hash(cfg)
+    write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(old), "config": old, "steps": cfg["steps"]})
+    assert read_record(tmp_path / "rec.json")["config_hash"] == config_hash(other)
+    assert cell_state(other, tmp_path / "run", tmp_path / "rec.json")[0] == "recorded"
+
+
 def test_only_takes_several_substrings(tmp_path, capsys):
     spec_file = tmp_path / "grid.yaml"
     spec_file.write_text(yaml.safe_dump({

@@ -252,36 +252,82 @@ def test_trainer_killed_leaves_no_process_and_resumes_exactly(reference: Path, t
     assert_matches(reference, run_dir)
 
 
-def test_a_killed_worker_fork_server_ends_the_run_in_one_line_and_keeps_its_checkpoints(tmp_path: Path) -> None:
+def _tiny_source(tmp_path: Path, **kwargs: object) -> AsyncSource:
+    """An async source over the tiny model (one worker, fixed_lag, s=1), not started."""
+    from copc.models import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    rollout = RolloutConfig(prompts_per_batch=2, group_size=2, max_turns=1, max_new_tokens_per_turn=4,
+                            max_total_tokens=8, context_limit=96)
+    spec = WorkerSpec(model_path=str(tmp_path / "tiny"), task="arith_tool",
+                      task_options={"train_size": 50, "eval_size": 4},
+                      rollout=rollout, seed=0)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return AsyncSource(spec, StalenessConfig(mode="fixed_lag", staleness=1), weights,
+                       journal_dir=tmp_path / "run" / "rollouts", **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_worker_that_cannot_be_restarted_ends_the_run_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 34, item 2: the multiprocessing fork server (it starts every rollout worker) killed mid-run.
-    Its workers die with it and cannot be restarted; before, the run ended through a raw ``the receiver
-    thread failed: Traceback ... ConnectionRefusedError``. Now: one line naming what died and the
-    resume command, exit 1, the checkpoints kept."""
-    cfg = config(tmp_path / "run", steps=40)
-    code = "import sys; from copc.run.train import train_cli; sys.exit(train_cli(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--no-progress", *_overrides(cfg)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    run_dir = Path(cfg.run_dir)
+    Its workers die with it and the restart's connection to it is refused; before, the run ended through
+    a raw ``the receiver thread failed: Traceback ... ConnectionRefusedError``. Now one line names what
+    died and the resume command (``copc train`` prints it as its ``error:`` line, exit 1; nothing is
+    removed, so the checkpoints stay). A worker is killed and the fork server's refusal injected."""
+    import multiprocessing.context
+
+    source = _tiny_source(tmp_path)
+    source.start()
     try:
-        deadline = time.monotonic() + 240
-        servers: list[int] = []
-        while time.monotonic() < deadline and proc.poll() is None and not servers:
-            if list_checkpoints(run_dir):
-                servers = [p for p in _children(proc.pid) if "forkserver" in _cmdline(p)]
-            time.sleep(0.02)
-        assert servers, proc.stderr.read().decode() if proc.stderr else "exited early"
-        os.kill(servers[0], signal.SIGKILL)
-        returncode = proc.wait(timeout=120)
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        source.next_batch(0)
+        pid = source.workers.pid(0)  # type: ignore[attr-defined]
+
+        def refused(self: object) -> None:
+            raise ConnectionRefusedError(111, "Connection refused")
+
+        monkeypatch.setattr(multiprocessing.context.ForkServerProcess, "start", refused)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RolloutError) as err:
+            for step in range(1, 50):
+                source.next_batch(step)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert returncode == 1, stderr
-    assert "Traceback" not in stderr, stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, stderr
-    assert "fork server" in errors[0] and "resume=true" in errors[0], errors[0]
-    assert list_checkpoints(run_dir), "the checkpoints were lost"
+        monkeypatch.undo()
+        source.close()
+    message = str(err.value)
+    assert "Traceback" not in message and len(message.splitlines()) == 1, message
+    assert "worker fork server" in message and "ConnectionRefusedError" in message, message
+    assert f"resume=true run_dir={tmp_path / 'run'}" in message, message
+
+
+def test_a_silent_worker_is_warned_about_then_restarted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 34, item 3: a worker stopped (SIGSTOP) stalled the run for as long as it was stopped, without
+    a word (up to driver.batch_timeout_s, 3600 s). Now a warning after silent_warn_s (what, how long),
+    a restart after silent_restart_s, counted in runtime/worker_restarts."""
+    source = _tiny_source(tmp_path, silent_warn_s=1.0, silent_restart_s=3.0)
+    source.start()
+    try:
+        pid = source.workers.pid(0)  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGSTOP)  # holding batch 0 (assigned at start)
+        started = time.monotonic()
+        batch, _ = source.next_batch(0)
+        waited = time.monotonic() - started
+    finally:
+        source.close()
+    err = capsys.readouterr().err
+    assert re.search(rf"warning: rollout worker 0 \(pid {pid}\) has been stopped \(SIGSTOP\?\) for \d+ s "
+                     r"while generating batch 0", err), err
+    assert "silent while generating batch 0" in err and "driver.silent_worker_restart_s=3" in err, err
+    assert source.metrics()["runtime/worker_restarts"] == 1
+    assert batch.index == 0 and waited >= 3.0
+    assert DriverConfig().silent_worker_warn_s > 0 and DriverConfig().silent_worker_restart_s > 0  # on by default
+    with pytest.raises(ValueError, match=r"silent_worker_restart_s=30 must be above driver.silent_worker_warn_s=60"):
+        DriverConfig(silent_worker_warn_s=60, silent_worker_restart_s=30)
+    with pytest.raises(ValueError, match=r"driver.silent_worker_warn_s must be finite"):
+        DriverConfig(silent_worker_warn_s=-1)
 
 
 # ------------------------------------------------------------------------------------ journal

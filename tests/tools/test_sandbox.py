@@ -49,13 +49,9 @@ def _bounded(result: SandboxResult) -> None:
     assert result.duration_s < TIMEOUT_S + SLACK_S, f"took {result.duration_s:.2f}s: {result}"
 
 
-def _code_fault_or_overloaded(result: SandboxResult) -> None:
-    """The code's fault; or, on a machine so loaded that the code got less than its CPU budget before
-    the wall cap, the machine's, and the error says so."""
-    if result.fault == "infra":
-        assert result.timed_out and "machine overloaded" in (result.error or ""), result
-    else:
-        assert result.fault == "code", result
+def _code_fault(result: SandboxResult) -> None:
+    """The code's fault, however loaded the machine: a limit it met is its own outcome."""
+    assert result.fault == "code", result
 
 
 def _still_works(sandbox: PythonSandbox) -> None:
@@ -367,9 +363,9 @@ def test_infinite_loop(sandbox: PythonSandbox) -> None:
     result = sandbox.run("while True:\n    pass\n")
     _bounded(result)
     assert result.exit_code is None and result.error is not None
-    # The CPU budget (2 s) ends it: the code's fault. On a machine so loaded that it got under 2 s of
-    # CPU in 3 s of wall clock, the wall cap ends it and says so: the machine's fault.
-    _code_fault_or_overloaded(result)
+    # The CPU budget (2 s) ends it; on a machine so loaded that it got under 2 s of CPU in 3 s of wall
+    # clock, the wall cap does. Either way the code's fault: it met a limit of its own.
+    _code_fault(result)
     assert "cpu time limit" in result.error or result.timed_out, result
     _still_works(sandbox)
 
@@ -490,7 +486,7 @@ def test_recursion_bomb(sandbox: PythonSandbox) -> None:
     result = sandbox.run(code)
     _bounded(result)
     assert result.error is not None and result.exit_code != 0, result
-    _code_fault_or_overloaded(result)
+    _code_fault(result)
     _still_works(sandbox)
 
 
@@ -509,29 +505,42 @@ def _ended(status: dict[str, object], stderr: bytes = b"") -> Ended:
     return Ended(Capture(bytearray()), Capture(bytearray(stderr)), status)
 
 
-def test_wall_cap_is_the_machines_fault_when_the_code_waited_for_a_cpu() -> None:
+def test_whose_fault_is_the_stage_the_run_reached_not_the_machines_load() -> None:
+    """Before the code started, a timeout is the sandbox's; after, the wall cap is the program's,
+    however long its processes waited for a CPU (a fork bomb's forks wait for each other)."""
     config = SandboxConfig(timeout_s=2.0)
-    starved = classify(_ended({"timeout": True, "cpu_s": 0.3, "wait_s": 1.2}), config, 0)
-    assert starved[3] == "infra" and "machine overloaded" in (starved[2] or "")
-    slept = classify(_ended({"timeout": True, "cpu_s": 0.01, "wait_s": 0.01}), config, 0)
+    started = {"code_started": True}
+    starved = classify(_ended(started | {"timeout": True, "cpu_s": 0.3, "wait_s": 1.2}), config, 0)
+    assert starved[3] == "code" and starved[2] == "timeout after 2.0s"
+    slept = classify(_ended(started | {"timeout": True, "cpu_s": 0.01, "wait_s": 0.01}), config, 0)
     assert slept[3] == "code" and slept[2] == "timeout after 2.0s"
-    spun = classify(_ended({"timeout": True, "cpu_s": 2.0, "wait_s": 1.5}), config, 0)
-    assert spun[3] == "code", "the code used its whole CPU budget: its own fault"
+    bomb = classify(_ended(started | {"timeout": True, "cpu_s": 0.0, "wait_s": 3.0}), config, 0, {"pids_max": 40})
+    assert bomb[3] == "code" and bomb[2] == f"timeout after 2.0s (process limit {config.max_procs} reached)"
+    never_ran = classify(_ended({"timeout": True, "cpu_s": 0.0, "wait_s": 1.9}), config, 0)
+    assert never_ran[3] == "infra" and "did not start the code" in (never_ran[2] or "")
 
 
 def test_how_a_run_ended_decides_the_fault() -> None:
     config = SandboxConfig()
+    ran = {"code_started": True}
+    died = Ended(Capture(bytearray()), Capture(bytearray()), ran, status_closed=True)
     cases = [
-        ({"exit": 1}, b"ValueError: x\n", 0, "code"),
-        ({"signal": 9, "cpu_s": 0.2}, b"", 1, "code"),  # killed by the cgroup OOM killer
-        ({"signal": 24, "cpu_s": 5.0}, b"", 0, "code"),  # SIGXCPU: its CPU budget
-        ({"setup_error": "OSError: [Errno 11] fork"}, b"", 0, "infra"),
-        ({}, b"", 0, "infra"),  # no report from the run by the backstop
-        ({"exit": 126}, b"sandbox setup failed in the code process: PermissionError: setuid\n", 0, "infra"),
-        ({"exit": 0}, b"", 0, "none"),
+        (_ended(ran | {"exit": 1}, b"ValueError: x\n"), 0, {}, "code"),
+        (_ended(ran | {"signal": 9, "cpu_s": 0.2}), 1, {}, "code"),  # killed by the cgroup OOM killer
+        (_ended(ran | {"signal": 24, "cpu_s": 5.0}), 0, {}, "code"),  # SIGXCPU: its CPU budget
+        (_ended({"setup_error": "OSError: [Errno 11] fork"}), 0, {}, "infra"),
+        (_ended({}), 0, {}, "infra"),  # no word from the run by the backstop, the code never started
+        (_ended(ran), 0, {}, "code"),  # its init alive but silent at the backstop: the code was still running
+        (died, 0, {"memory_max": 3}, "code"),  # its init died at the memory cap the code filled
+        (died, 0, {}, "infra"),  # its init died without a report and no limit was met (the server died)
+        (_ended(ran | {"setup_error": "OSError: pidfd_open"}), 0, {}, "infra"),
+        (_ended({"exit": 126}, b"sandbox setup failed in the code process: PermissionError: setuid\n"), 0, {}, "infra"),
+        # The code printing the sandbox's own words is still the code: it had started.
+        (_ended(ran | {"exit": 126}, b"sandbox setup failed in the code process: x\n"), 0, {}, "code"),
+        (_ended(ran | {"exit": 0}), 0, {}, "none"),
     ]
-    for status, stderr, oom, fault in cases:
-        assert classify(_ended(status, stderr), config, oom)[3] == fault, (status, stderr)
+    for ended, oom, hits, fault in cases:
+        assert classify(ended, config, oom, hits)[3] == fault, (ended.status, hits)
 
 
 def test_machine_failure_is_reported_as_infra(monkeypatch: pytest.MonkeyPatch, sandbox: PythonSandbox) -> None:
@@ -639,3 +648,52 @@ def test_the_fork_server_outlives_the_thread_that_started_it() -> None:
         assert _live_fork_servers() - before == started  # the same server served the next run
     finally:
         sandbox.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Hostile programs on a loaded machine (issue 34, item 1).
+
+HOSTILE = {
+    "fork_bomb": "import os\nwhile True:\n    os.fork()\n",
+    "fork_bomb_that_waits": FORK_BOMB,  # was 'machine overloaded': its own forks waited for a CPU
+    "memory_bomb": "x = []\nwhile True:\n    x.append(bytearray(50 * 2**20))\n",
+    "huge_print": "import sys\nsys.stdout.write('x' * (200 * 2**20))\n",
+    "file_flood": "import os\ni = 0\nwhile True:\n    open(f'f{i}', 'w').write('x' * 4096)\n    i += 1\n",
+    "infinite_loop": "while True:\n    pass\n",  # cpu_s > timeout_s: the wall cap ends it, under load
+}
+
+
+def test_hostile_programs_beside_a_cpu_hog_are_the_programs_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A limit the program hits is its own outcome, however loaded the machine: never an infrastructure
+    failure, so ``rollout.infra_failures=drop`` (which drops a group when an episode's
+    ``tool_infra_errors`` > 0) cannot let a fork bomb escape its reward. Before the fix a fork bomb and
+    a busy loop beside two busy-loop processes were 'machine overloaded' (fault infra): the wall cap
+    was blamed on the machine whenever the run's processes had waited for a CPU, their own included."""
+    import subprocess
+    import sys
+
+    from copc.tasks import tooling
+    from copc.tasks.envs import PYTHON_TAGS, ToolEnv
+
+    small = dataclasses.replace(CONFIG, timeout_s=1.5, cpu_s=3)  # the wall cap, not the CPU budget, ends a loop
+    monkeypatch.setattr(tooling, "sandbox_config", lambda timeout_s: small)
+    tool = tooling.SandboxTool(timeout_s=small.timeout_s, max_output_chars=300)
+
+    class Never:
+        def grade(self, answer_text: str) -> float:
+            return 0.0
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    outcomes = {}
+    try:
+        for name, code in HOSTILE.items():
+            env = ToolEnv("q", syntax=PYTHON_TAGS, tool=tool, grader=Never(), max_tool_calls=2)
+            step = env.step(f"<python>{code}</python>")
+            outcomes[name] = (step.info["tool_errors"], step.info["tool_infra_errors"], step.observation)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    infra = {name: obs for name, (_, infra_errors, obs) in outcomes.items() if infra_errors}
+    assert not infra, f"limits hit by the program were scored as the machine's: {infra}"
+    assert all(errors == 1 for errors, _, _ in outcomes.values()), outcomes

@@ -276,7 +276,9 @@ def build_source(
                                              gpus_per_worker=cfg.driver.ray_gpus_per_worker))
     return AsyncSource(spec, cfg.staleness, weights, num_workers=cfg.driver.num_workers,
                        journal_dir=run_dir / "rollouts", max_restarts=cfg.driver.max_worker_restarts,
-                       batch_timeout_s=cfg.driver.batch_timeout_s or None, transport=transport)
+                       batch_timeout_s=cfg.driver.batch_timeout_s or None,
+                       silent_warn_s=cfg.driver.silent_worker_warn_s or None,
+                       silent_restart_s=cfg.driver.silent_worker_restart_s or None, transport=transport)
 
 
 def quiet_transformers() -> None:

@@ -24,6 +24,11 @@ means. Processes, pipes and shared-memory weights are the transport of :mod:`cop
   under ``fixed_lag``, the newest under ``bounded``). Restarts are counted
   (``runtime/worker_restarts``); the ``max_restarts + 1``-th failure ends the run with the worker's
   own error (its traceback, or how it exited).
+- **Silent workers**: a worker that holds a batch and uses no CPU (stopped by SIGSTOP, blocked) for
+  ``silent_warn_s`` gets one warning naming it, its batch and how long; after ``silent_restart_s`` it is
+  restarted like a dead one (local workers only: the check reads ``/proc``).
+- **A worker that cannot be started** (the fork server that starts workers is gone) ends the run with
+  one line naming what died and the resume command; nothing a restart could fix.
 - **Nothing waits forever**: :meth:`AsyncSource.next_batch` raises when the receiver thread has
   failed or stopped, and when batch ``n`` is neither stored, nor being generated, nor queued.
 
@@ -55,7 +60,14 @@ from copc.runtime.buffer import TrajectoryBuffer
 from copc.runtime.journal import Journal, JournalDamage, JournalError
 from copc.runtime.loop import RunError
 from copc.runtime.staleness import StalenessConfig, source_version
-from copc.runtime.workers import TransportFactory, WorkerSpec, decode_batch, local_transport
+from copc.runtime.workers import (
+    ReportsActivity,
+    TransportFactory,
+    WorkerSpec,
+    WorkerStartError,
+    decode_batch,
+    local_transport,
+)
 from copc.trainer.weight_files import Weights
 from copc.types import Prompt
 
@@ -90,6 +102,8 @@ class AsyncSource:
         journal_dir: where finished batches are journaled (None = no journal, nothing survives a kill).
         max_restarts: worker failures survived (restart + re-request); one more ends the run.
         batch_timeout_s: a worker holding one batch longer than this is killed and restarted (None = no limit).
+        silent_warn_s: a worker holding a batch that has used no CPU for this long gets a warning (None = never).
+        silent_restart_s: ... for this long is killed and restarted, a failure like a death (None = never).
         transport: builds the weight store and the workers (local processes by default; Ray actors:
             :func:`copc.runtime.ray_workers.ray_transport`). The policy here is the same for every transport.
     """
@@ -104,6 +118,8 @@ class AsyncSource:
         journal_dir: str | os.PathLike[str] | None = None,
         max_restarts: int = 3,
         batch_timeout_s: float | None = None,
+        silent_warn_s: float | None = None,
+        silent_restart_s: float | None = None,
         transport: TransportFactory = local_transport,
     ) -> None:
         from copc.tasks import get_task
@@ -123,6 +139,10 @@ class AsyncSource:
                                             num_workers)
         self.journal = Journal(journal_dir) if journal_dir is not None else None
         self.max_restarts, self.batch_timeout_s = max_restarts, batch_timeout_s
+        self.silent_warn_s, self.silent_restart_s = silent_warn_s, silent_restart_s
+        # slot -> (assigned since, CPU seconds last seen, when they last grew, warned): see _check_silence
+        self._heard: dict[int, tuple[float, float, float, bool]] = {}
+        self._next_silence_check = 0.0
         self.version = 0
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.next_request = 0  # first batch index not requested yet
@@ -151,7 +171,7 @@ class AsyncSource:
         if self.journal is not None and not self._resumed:
             self.journal.clear()
         for slot in range(len(self.workers)):
-            self.workers.start(slot)
+            self._start_worker(slot)
         self._started = True
         self._receiver.start()
         self._admit()
@@ -265,13 +285,59 @@ class AsyncSource:
             print(f"warning: rollout worker {slot} failed ({last}); restarting it "
                   f"({self.restarts} of {self.max_restarts} restarts), {what} requested again",
                   file=sys.stderr, flush=True)
-            self.workers.start(slot)
-            self._worker_version[slot] = 0
-            if lost is not None:
+            if lost is not None:  # queued first: the batch is never "neither assigned nor queued"
                 self._queue.appendleft((lost[0], lost[1]))
+            self._start_worker(slot)
+            self._worker_version[slot] = 0
             self._dispatch()
 
+    def _start_worker(self, slot: int) -> None:
+        """(Re)start ``slot``; a worker that cannot be started ends the run in one line (no restart helps)."""
+        self._heard.pop(slot, None)
+        try:
+            self.workers.start(slot)
+        except WorkerStartError as err:
+            where = f" run_dir={self.journal.directory.parent}" if self.journal is not None else ""
+            raise RolloutError(
+                f"{err}. The run cannot go on; its checkpoints are kept: copc train resume=true{where} "
+                "continues it from the last one"
+            ) from None
+
+    def _check_silence(self) -> None:
+        """Warn about, then restart, a worker that holds a batch and has used no CPU (module docstring)."""
+        if (self.silent_warn_s is None and self.silent_restart_s is None) or not isinstance(self.workers, ReportsActivity):
+            return
+        now = time.monotonic()
+        if now < self._next_silence_check:
+            return
+        self._next_silence_check = now + 0.25
+        for slot, (index, _, since) in list(self._assigned.items()):
+            seen = self.workers.activity(slot)
+            if seen is None:
+                continue  # no live process: the death is reported as such
+            cpu, stopped = seen
+            heard = self._heard.get(slot)
+            if heard is None or heard[0] != since or cpu > heard[1]:
+                if heard is not None and heard[0] == since and heard[3]:
+                    print(f"rollout worker {slot} is running again after {now - heard[2]:.0f} s of silence",
+                          file=sys.stderr, flush=True)
+                self._heard[slot] = (since, cpu, now, False)
+                continue
+            silent = now - heard[2]
+            state = "has been stopped (SIGSTOP?)" if stopped else "has used no CPU"
+            if self.silent_restart_s is not None and silent > self.silent_restart_s:
+                self._on_failure(slot, f"silent while generating batch {index}: it {state} for {silent:.0f} s "
+                                       f"(driver.silent_worker_restart_s={self.silent_restart_s:g})")
+            elif self.silent_warn_s is not None and silent > self.silent_warn_s and not heard[3]:
+                then = (f"; it is restarted after {self.silent_restart_s:g} s (driver.silent_worker_restart_s)"
+                        if self.silent_restart_s is not None else "")
+                print(f"warning: rollout worker {slot} (pid {self.workers.pid(slot)}) "
+                      f"{state} for {silent:.0f} s while generating batch {index}; the run waits for it{then}",
+                      file=sys.stderr, flush=True)
+                self._heard[slot] = (*heard[:3], True)
+
     def _check_timeouts(self) -> None:
+        self._check_silence()
         if self.batch_timeout_s is None:
             return
         now = time.monotonic()

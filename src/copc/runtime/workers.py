@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.multiprocessing as mp
@@ -50,8 +50,8 @@ from copc.rollout.generator import GeneratedBatch, RolloutConfig, RolloutGenerat
 from copc.runtime.buffer import prompt_from_dict, prompt_to_dict, trajectory_from_dict, trajectory_to_dict
 
 __all__ = [
-    "Transport", "TransportFactory", "WeightRing", "WeightStore", "WorkerEvent", "WorkerPool", "WorkerSpec",
-    "build_generator", "decode_batch", "encode_batch", "local_transport", "newest_weights",
+    "ReportsActivity", "Transport", "TransportFactory", "WeightRing", "WeightStore", "WorkerEvent", "WorkerPool",
+    "WorkerSpec", "WorkerStartError", "build_generator", "decode_batch", "encode_batch", "local_transport", "newest_weights",
 ]
 
 #: Modules the fork server imports once; every worker forks from it with them loaded (torch, transformers
@@ -296,6 +296,10 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, conn: Connection, trainer_a
 
 
 # ------------------------------------------------------------------------------ the trainer's side
+class WorkerStartError(RuntimeError):
+    """A rollout worker could not be started (its fork server is gone): no restart can help."""
+
+
 @dataclass(frozen=True)
 class WorkerEvent:
     """Something a worker did: sent a batch (``payload``) or died (``error``: its traceback or exit)."""
@@ -332,6 +336,8 @@ class WorkerPool:
         self._alive_r, self._alive_w = self._ctx.Pipe(duplex=False)
         self.procs: list[multiprocessing.process.BaseProcess | None] = [None] * num_workers
         self.conns: list[Connection | None] = [None] * num_workers
+        self.started_at: list[float] = [0.0] * num_workers
+        """``time.monotonic()`` at each slot's last (re)start."""
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -340,13 +346,27 @@ class WorkerPool:
         """Start (or restart) the worker of ``slot``."""
         self._drop(slot)
         mine, theirs = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=_worker_main, args=(self.spec, self.ring, theirs, self._alive_r, os.getpid()), daemon=True,
-            name=f"copc-rollout-{slot}",
-        )
-        proc.start()
+        for attempt in (1, 2):
+            proc = self._ctx.Process(
+                target=_worker_main, args=(self.spec, self.ring, theirs, self._alive_r, os.getpid()), daemon=True,
+                name=f"copc-rollout-{slot}",
+            )
+            try:
+                proc.start()
+                break
+            except (OSError, EOFError) as exc:  # the fork server that starts workers is gone
+                if attempt == 2:
+                    mine.close()
+                    theirs.close()
+                    raise WorkerStartError(
+                        f"rollout worker {slot} cannot be started: the worker fork server (the process that "
+                        f"starts every rollout worker) is gone ({type(exc).__name__}: {exc})"
+                    ) from None
+                # multiprocessing starts a new fork server once the dead one is reaped: one more try
+                time.sleep(0.5)
         theirs.close()  # the worker holds the only other end: its writes fail at once if we die
         self.procs[slot], self.conns[slot] = proc, mine
+        self.started_at[slot] = time.monotonic()
 
     def send(self, slot: int, index: int, version: int | None) -> bool:
         """Ask ``slot`` for batch ``index`` sampled by ``version`` (None = newest); False if it is dead."""
@@ -404,6 +424,30 @@ class WorkerPool:
         proc = self.procs[slot]
         return proc.pid if proc is not None else None
 
+    def activity(self, slot: int) -> tuple[float, bool] | None:
+        """(CPU seconds the worker of ``slot`` and its process tree have used, whether the worker is
+        stopped, e.g. by SIGSTOP), read from ``/proc``; None when it has no live process or /proc cannot
+        tell. The tree counts: a worker waiting on its tool sandbox (its fork server, a child) is busy."""
+        pid = self.pid(slot)
+        if pid is None:
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        total, stopped, todo = 0.0, False, [pid]
+        while todo:
+            current = todo.pop()
+            try:
+                with open(f"/proc/{current}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+                total += sum(int(v) for v in fields[11:15]) / tick  # utime stime cutime cstime
+                stopped = stopped or (current == pid and fields[0] in ("T", "t"))
+                for task in os.listdir(f"/proc/{current}/task"):
+                    with open(f"/proc/{current}/task/{task}/children") as handle:
+                        todo += [int(c) for c in handle.read().split()]
+            except (OSError, IndexError, ValueError):
+                if current == pid:
+                    return None
+        return total, stopped
+
     def started(self, slot: int) -> bool:
         """Whether ``slot`` has a worker (it may have died since: :meth:`wait` reports that)."""
         return self.procs[slot] is not None
@@ -438,6 +482,15 @@ class WeightStore(Protocol):
     """Where the trainer publishes versioned weights for the workers (:class:`WeightRing` here)."""
 
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None: ...
+
+
+@runtime_checkable
+class ReportsActivity(Protocol):
+    """A transport that can tell whether a worker is making progress (:class:`WorkerPool`; not Ray's)."""
+
+    def activity(self, slot: int) -> tuple[float, bool] | None: ...
+
+    def pid(self, slot: int) -> int | None: ...
 
 
 class Transport(Protocol):

@@ -134,6 +134,28 @@ class CgroupPool:
                 return int(value)
         return 0
 
+    def limit_events(self, run: str) -> dict[str, int]:
+        """How often the group hit its limits (cumulative counters): ``oom_kill`` (processes the kernel
+        killed at the memory cap), ``memory_max`` (allocations that met the memory cap: v2
+        ``memory.events max``, v1 ``memory.failcnt``), ``pids_max`` (forks refused by ``pids.max``)."""
+        v2 = self.version == "v2"
+        memory = self.dirs["unified" if v2 else "memory"]
+        pids = self.dirs["unified" if v2 else "pids"]
+        events = {"oom_kill": self.oom_kills(run), "memory_max": 0, "pids_max": 0}
+        sources = [(os.path.join(pids, run, "pids.events"), "max", "pids_max")]
+        if v2:
+            sources.append((os.path.join(memory, run, "memory.events"), "max", "memory_max"))
+        for path, key, name in sources:
+            with contextlib.suppress(OSError, ValueError):
+                for line in _read(path).splitlines():
+                    field, _, value = line.partition(" ")
+                    if field == key:
+                        events[name] = int(value)
+        if not v2:
+            with contextlib.suppress(OSError, ValueError):
+                events["memory_max"] = int(_read(os.path.join(memory, run, "memory.failcnt")))
+        return events
+
     def kill(self, run: str) -> None:
         """SIGKILL every process of the run (host pids), whatever the fork server does."""
         base = self.dirs["unified" if self.version == "v2" else "pids"]

@@ -11,11 +11,12 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-#: Whose fault a failed run was. ``"none"``: the code exited 0 with untruncated output. ``"code"``: the
-#: code failed (exception, exit code, signal, its CPU budget, its memory, disk or file limits, output
-#: cap, or a wall-clock timeout while it slept or blocked). ``"infra"``: the sandbox or the machine
-#: failed (could not start, no free slot, the fork server died, or the wall cap was hit while the code
-#: still had CPU budget left and was waiting for a CPU).
+#: Whose fault a failed run was, decided by the stage the run reached, not by the machine's load.
+#: ``"none"``: the code exited 0 with untruncated output. ``"code"``: the code started and failed or met
+#: a limit (exception, exit code, signal, its CPU budget, memory, processes, disk or file limits, output
+#: cap, the wall-clock cap however long it waited for a CPU). ``"infra"``: the sandbox failed before the
+#: code started (could not start, no free slot, the fork server died, setup too slow for the wall cap),
+#: or its own part failed after the code had ended without meeting a limit.
 Fault = Literal["none", "code", "infra"]
 
 #: Every protection the sandbox knows, by name, with what it means. All are required unless named in
@@ -55,7 +56,7 @@ class SandboxConfig:
     """Limits for one run of model-written code, and which protections may be missing."""
 
     timeout_s: float = 5.0
-    """Wall-clock cap of one run in seconds; ``run()`` returns by ``timeout_s + 1``."""
+    """Wall-clock cap of one run in seconds; ``run()`` returns by ``timeout_s + 1`` after its slot came free."""
     cpu_s: int | None = None
     """CPU budget of the code in whole seconds (RLIMIT_CPU per process); None = ceil(timeout_s)."""
     memory_mb: int = 512

@@ -84,7 +84,8 @@ def write_all(fd: int, data: bytes) -> None:
 
 
 def report(fd: int, status: dict[str, object]) -> None:
-    write_all(fd, json.dumps(status).encode())
+    """One JSON line on the status pipe (the host merges the lines it reads)."""
+    write_all(fd, json.dumps(status).encode() + b"\n")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,7 +155,12 @@ def run_code(source: bytes) -> int:
     return status
 
 
-def code_process(req: dict, code_fd: int, out_fd: int, err_fd: int, seccomp_bpf: bytes) -> None:
+def code_process(req: dict, code_fd: int, out_fd: int, err_fd: int, status_fd: int, seccomp_bpf: bytes) -> None:
+    """Set up C, then say so on the status pipe (``code_started``) and close it, then run the code.
+
+    The line tells the host which stage the run reached: whatever happens after it (a limit, a signal,
+    the wall cap) is the code's outcome; a failure before it is the sandbox's.
+    """
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
     devnull = os.open("/dev/null", os.O_RDONLY)
@@ -163,7 +169,8 @@ def code_process(req: dict, code_fd: int, out_fd: int, err_fd: int, seccomp_bpf:
     while chunk := os.read(code_fd, 1 << 20):
         chunks.append(chunk)
     source = b"".join(chunks)
-    os.closerange(3, 1 << 16)
+    os.closerange(3, status_fd)
+    os.closerange(status_fd + 1, 1 << 16)
     for name, soft, hard in req["rlimits"]:
         resource.setrlimit(getattr(resource, name), (soft, hard))
     drop_privileges(req["uid"], seccomp_bpf)
@@ -172,6 +179,8 @@ def code_process(req: dict, code_fd: int, out_fd: int, err_fd: int, seccomp_bpf:
     os.environ.update(req["env"])
     with open("main.py", "wb") as handle:  # for tracebacks that show the line
         handle.write(source)
+    report(status_fd, {"code_started": True})
+    os.close(status_fd)  # before the code runs: it cannot write a status of its own
     os._exit(run_code(source))
 
 
@@ -200,14 +209,17 @@ def tree_usage() -> tuple[float, float]:
 
 def init_process(req: dict, fds: list[int], seccomp_bpf: bytes) -> None:
     code_fd, out_fd, err_fd, status_fd = fds
+    # As the namespace's pid 1, only signals it handles reach it from inside: Python's SIGINT handler
+    # would let code running under the same uid (no uid to drop to) end this init, an "infra" failure.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # R gone (killed) -> this namespace dies
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
         try:
-            os.close(status_fd)
-            code_process(req, code_fd, out_fd, err_fd, seccomp_bpf)
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the code's, as in any python
+            code_process(req, code_fd, out_fd, err_fd, status_fd, seccomp_bpf)
         except BaseException as exc:
             write_all(2, f"sandbox setup failed in the code process: {type(exc).__name__}: {exc}\n".encode())
         os._exit(126)

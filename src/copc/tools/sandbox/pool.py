@@ -189,11 +189,15 @@ class Capture:
 
 @dataclass(frozen=True)
 class Ended:
-    """How a run ended, as its pipes and its status told it (``status`` empty: no answer by the deadline)."""
+    """How a run ended, as its pipes and its status told it: ``status`` merges the JSON lines the run
+    wrote (``code_started`` once the code was about to run, then I's report of how it ended; empty: no
+    word by the deadline)."""
 
     stdout: Capture
     stderr: Capture
     status: dict[str, object]
+    status_closed: bool = False
+    """The status pipe reached end of file: the run's init (its only writer once the code runs) is gone."""
 
 
 def pump(stdout_fd: int, stderr_fd: int, status_fd: int, deadline: float, cap: int) -> Ended:
@@ -224,8 +228,11 @@ def pump(stdout_fd: int, stderr_fd: int, status_fd: int, deadline: float, cap: i
                     status_bytes.extend(chunk[:4096])
                 else:
                     captures[key.fd].add(chunk, cap)
+    status: dict[str, object] = {}
     try:
-        status = json.loads(status_bytes.decode()) if status_bytes else {}
+        for line in status_bytes.decode().splitlines():
+            if line.strip():
+                status.update(json.loads(line))
     except ValueError:
-        status = {"setup_error": f"unreadable status {bytes(status_bytes)[:80]!r}"}
-    return Ended(captures[stdout_fd], captures[stderr_fd], status)
+        status["setup_error"] = f"unreadable status {bytes(status_bytes)[:80]!r}"
+    return Ended(captures[stdout_fd], captures[stderr_fd], status, status_closed_at is not None)

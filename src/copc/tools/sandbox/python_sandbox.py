@@ -25,7 +25,8 @@ class PythonSandbox:
         self._runner = Runner(self.config)
 
     def run(self, code: str) -> SandboxResult:
-        """Run ``code`` as a script; never raises for anything the code does; returns by ``timeout_s + 1``."""
+        """Run ``code`` as a script; never raises for anything the code does; returns by ``timeout_s + 1``
+        after a slot came free (the wait for one is at most ``timeout_s``)."""
         return self._runner.run(code)
 
     def active_protections(self) -> dict[str, bool]:

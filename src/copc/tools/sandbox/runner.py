@@ -7,7 +7,7 @@ Per sandbox (lazily, and again if it dies): machine-wide uid leases (one per con
 per uid slot, and the fork server under ``bwrap``. Per run: a slot (bounded wait: its uid and its
 cgroup, empty since the slot's previous run's namespace emptied), a memfd with
 the code and three pipes, handed to the server; the caller's thread reads the pipes until the run's
-status arrives or ``timeout_s + 0.5`` s pass, then returns. Everything else (the kill of a run that
+status arrives or ``timeout_s + 0.5`` s pass after the launch, then returns. Everything else (the kill of a run that
 overran, waiting for its namespace to empty, releasing its slot) happens on the
 listener thread or in the kernel, off the caller's path. ``docs/sandbox.md`` has the threat model.
 """
@@ -21,7 +21,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
@@ -34,8 +34,6 @@ from copc.tools.sandbox.pool import Ended, ForkServer, Slots, pump
 
 #: Seconds the caller waits past ``timeout_s`` for the run's own report before giving up on it.
 BACKSTOP_S = 0.5
-#: A wall-cap timeout is the machine's fault when the code spent at least this fraction of it waiting for a CPU.
-OVERLOAD_WAIT_FRACTION = 0.25
 SERVER_START_TIMEOUT_S = 60.0
 ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8", "HOME": "/tmp"}
 
@@ -103,7 +101,9 @@ class Runner:
         self._parts: _Parts | None = None
 
     def run(self, code: str) -> SandboxResult:
-        """Run ``code`` as a script; never raises for anything the code does; returns by ``timeout_s + 1``."""
+        """Run ``code`` as a script; never raises for anything the code does. Waits at most ``timeout_s``
+        for a free slot, then returns within ``timeout_s + 0.5`` s of the launch (plus reading the pipes):
+        the wait for a slot never shortens the code's own wall time."""
         start = time.monotonic()
         for attempt in (1, 2):  # a second time only when the fork server was found dead
             try:
@@ -114,16 +114,17 @@ class Runner:
             if not got:
                 return _infra(f"machine overloaded: no free sandbox slot within {self.config.timeout_s}s", start)
             run_id = next(_RUN_IDS)
-            oom_before = parts.cgroups.oom_kills(_group(uid)) if parts.cgroups else 0
+            before = parts.cgroups.limit_events(_group(uid)) if parts.cgroups else {}
             try:
-                ended = self._launch(parts, run_id, uid, code, start)
+                ended = self._launch(parts, run_id, uid, code)
             except OSError as exc:  # the machine, not the code: out of pids, fds, memory ...
                 parts.finish(run_id, uid, None)
                 if attempt == 1 and not parts.server.alive:
                     continue
                 return _infra(f"sandbox setup failed: {type(exc).__name__}: {exc}", start)
-            oom_kills = parts.cgroups.oom_kills(_group(uid)) - oom_before if parts.cgroups else 0
-            return describe(ended, self.config, oom_kills, time.monotonic() - start)
+            after = parts.cgroups.limit_events(_group(uid)) if parts.cgroups else {}
+            hits = {name: after[name] - before.get(name, 0) for name in after}
+            return describe(ended, self.config, hits.get("oom_kill", 0), time.monotonic() - start, limit_hits=hits)
         raise AssertionError("unreachable")
 
     def uids(self) -> list[int]:
@@ -156,8 +157,9 @@ class Runner:
                 self._parts = _Parts(self.config)
             return self._parts
 
-    def _launch(self, parts: _Parts, run_id: int, uid: int | None, code: str, start: float) -> Ended:
+    def _launch(self, parts: _Parts, run_id: int, uid: int | None, code: str) -> Ended:
         cfg = self.config
+        start = time.monotonic()
         request: dict[str, object] = {
             "uid": uid,
             "cgroup": _group(uid),
@@ -289,33 +291,51 @@ def _signal_name(sig: int) -> str:
     return signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
 
 
-def classify(ended: Ended, config: SandboxConfig, oom_kills: int) -> tuple[int | None, bool, str | None, Fault]:
-    """(exit_code, timed_out, error, fault) from how the run ended; the error is one short line."""
+def classify(ended: Ended, config: SandboxConfig, oom_kills: int,
+             limit_hits: Mapping[str, int] | None = None) -> tuple[int | None, bool, str | None, Fault]:
+    """(exit_code, timed_out, error, fault) from how the run ended; the error is one short line.
+
+    Whose fault is decided by the stage the run reached, never by how loaded the machine was: before
+    the code's process said ``code_started`` (its last step before running the code) every failure is
+    the sandbox's (``infra``); after it, every limit the program met (its CPU budget, the wall cap,
+    memory, processes, files, output) is its own outcome (``code``). The one exception after the start
+    is the sandbox's own part failing while the program had met no limit: the run's init raised, or died
+    without a report (its status pipe closed: the code cannot kill it, it is the namespace's pid 1 under
+    another uid; the fork server's death kills it).
+    ``limit_hits``: the run's cgroup counters during the run (:meth:`CgroupPool.limit_events`).
+    """
+    hits = dict(limit_hits or {})
     status, stderr = ended.status, ended.stderr.kept.decode("utf-8", errors="replace")
     cpu = float(status.get("cpu_s", 0.0))  # type: ignore[arg-type]
-    if not status:
-        return None, True, (f"sandbox did not end the run within {config.timeout_s + BACKSTOP_S:.1f}s "
-                            "(machine overloaded?)"), "infra"
-    if "setup_error" in status:
-        return None, False, f"sandbox setup failed: {status['setup_error']}", "infra"
+    memory_hit = bool(oom_kills or hits.get("memory_max", 0))
+    if not status.get("code_started"):  # the sandbox never got to the code: nothing of it is the code's
+        if "setup_error" in status:
+            return None, False, f"sandbox setup failed: {status['setup_error']}", "infra"
+        if "sandbox setup failed in the code process" in stderr:
+            return None, False, stderr.strip().splitlines()[-1][:300], "infra"
+        return None, bool(status.get("timeout")) or not status, (
+            f"sandbox did not start the code within {config.timeout_s}s (machine overloaded?)"), "infra"
+    procs = f" (process limit {config.max_procs} reached)" if hits.get("pids_max", 0) else ""
+    if oom_kills and (status.get("signal") == signal.SIGKILL or "exit" not in status):
+        return None, False, f"memory limit ({config.memory_mb} MB for the whole run)", "code"
+    if "setup_error" in status or not ("timeout" in status or "signal" in status or "exit" in status):
+        if memory_hit:
+            return None, False, f"memory limit ({config.memory_mb} MB for the whole run)", "code"
+        if "setup_error" in status or ended.status_closed:  # the sandbox's init failed or died
+            detail = status.get("setup_error") or "the run's init died without a report"
+            return None, False, f"sandbox failed after the code started: {detail}", "infra"
+        # The init lives but had not reported by the backstop: the code was still running at the wall cap.
+        return None, True, f"timeout after {config.timeout_s}s{procs}", "code"
     if status.get("timeout"):
-        wait = float(status.get("wait_s", 0.0))  # type: ignore[arg-type]
-        if cpu < config.cpu_limit_s and wait >= OVERLOAD_WAIT_FRACTION * config.timeout_s:
-            return None, True, (f"timeout after {config.timeout_s}s: machine overloaded (the code ran {cpu:.2f}s "
-                                f"and waited {wait:.2f}s for a CPU)"), "infra"
-        return None, True, f"timeout after {config.timeout_s}s", "code"
+        return None, True, f"timeout after {config.timeout_s}s{procs}", "code"
     if "signal" in status:
         sig = int(status["signal"])  # type: ignore[call-overload]
-        if oom_kills and sig == signal.SIGKILL:
-            return None, False, f"memory limit ({config.memory_mb} MB for the whole run)", "code"
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= config.cpu_limit_s):
             return None, False, f"killed by signal {sig} ({_signal_name(sig)}) (cpu time limit {config.cpu_limit_s}s)", "code"
         if sig == signal.SIGXFSZ:
             return None, False, f"file size limit ({config.max_file_bytes} bytes)", "code"
-        return None, False, f"killed by signal {sig} ({_signal_name(sig)})", "code"
+        return None, False, f"killed by signal {sig} ({_signal_name(sig)}){procs}", "code"
     code = int(status["exit"])  # type: ignore[call-overload]
-    if code == 126 and "sandbox setup failed in the code process" in stderr:
-        return None, False, stderr.strip().splitlines()[-1][:300], "infra"
     if "MemoryError" in stderr:
         return code, False, f"memory limit ({config.memory_mb} MB)", "code"
     if "[Errno 27] File too large" in stderr:  # Python ignores SIGXFSZ, so the write fails with EFBIG
@@ -331,8 +351,9 @@ def classify(ended: Ended, config: SandboxConfig, oom_kills: int) -> tuple[int |
     return code, False, None, "none"
 
 
-def describe(ended: Ended, config: SandboxConfig, oom_kills: int, duration_s: float) -> SandboxResult:
-    exit_code, timed_out, error, fault = classify(ended, config, oom_kills)
+def describe(ended: Ended, config: SandboxConfig, oom_kills: int, duration_s: float,
+             limit_hits: Mapping[str, int] | None = None) -> SandboxResult:
+    exit_code, timed_out, error, fault = classify(ended, config, oom_kills, limit_hits)
     return SandboxResult(
         stdout=ended.stdout.text(),
         stderr=ended.stderr.text(),
