@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU check of copc's verl plugin: a few verl v1 colocated-async steps on one GPU, first with verl's own
-# PPO + GAE (plugin not loaded), then with copc's loss and trainer; prints the mean step time of each.
+# PPO + GAE (plugin not loaded), then with copc's loss and trainer (`--config-name copc_ppo_trainer`, as in
+# docs/verl.md), on the same data and model; prints each run's mean step time, its actor and critic
+# losses, and the copc metrics the copc run logged. Sized for under 10 minutes on one GPU (each run is cut
+# at RUN_TIMEOUT); not yet run on a GPU.
 #
 # Nothing is downloaded: a small random-weight Qwen3-architecture model is built from a config, its
 # tokenizer is a byte-level BPE trained on the synthetic prompts, and the data are GSM8K-style
@@ -14,6 +17,11 @@
 set -euo pipefail
 STEPS=${1:-6}
 PY=${PY:-python3}
+# Fail fast, in one line, where there is no GPU (verl 0.9.1 has no CPU platform).
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    echo "verl_copc.sh: no CUDA GPU visible to $PY (torch.cuda.is_available() is False); this check needs one GPU" >&2
+    exit 2
+fi
 WORK=${WORK:-$(mktemp -d -t verl_copc.XXXX)}
 RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 echo "work dir: $WORK"
@@ -98,23 +106,24 @@ COMMON=(
     trainer.total_training_steps="$STEPS"
 )
 
-run() {  # name, plugin policy (auto|none), extra overrides...
-    local name=$1 plugins=$2
-    shift 2
+run() {  # name, plugin policy (auto|none), config name, extra overrides...
+    local name=$1 plugins=$2 config=$3
+    shift 3
     echo "== $name"
-    VERL_USE_EXTERNAL_PLUGINS=$plugins timeout "$RUN_TIMEOUT" "$PY" -m verl.trainer.main_ppo "${COMMON[@]}" \
+    VERL_USE_EXTERNAL_PLUGINS=$plugins timeout "$RUN_TIMEOUT" "$PY" -m verl.trainer.main_ppo \
+        --config-name "$config" "${COMMON[@]}" \
         trainer.experiment_name="$name" trainer.default_local_dir="$WORK/ckpt_$name" "$@" \
         >"$WORK/$name.log" 2>&1 || { echo "$name failed (rc $?); last lines:"; tail -n 40 "$WORK/$name.log"; return 1; }
 }
 
 status=0
-run ppo none trainer.v1.trainer_mode=colocate_async algorithm.adv_estimator=gae \
+run ppo none ppo_trainer trainer.v1.trainer_mode=colocate_async algorithm.adv_estimator=gae \
     actor_rollout_ref.actor.policy_loss.loss_mode=vanilla || status=1
-run copc auto trainer.v1.trainer_mode=copc_colocate_async algorithm.adv_estimator=copc_clipped_td \
+run copc auto copc_ppo_trainer trainer.v1.trainer_mode=copc_colocate_async algorithm.adv_estimator=copc_clipped_td \
     actor_rollout_ref.actor.policy_loss.loss_mode=copc || status=1
 
 "$PY" - "$WORK" <<'EOF'
-"""Mean step time (verl's timing_s/step, first step dropped) and proof that copc's metrics were logged."""
+"""Mean step time (verl's timing_s/step, first step dropped), losses, and the copc metrics that were logged."""
 import re
 import sys
 from pathlib import Path
@@ -128,7 +137,11 @@ for name in ("ppo", "copc"):
     timed = steps[1:] if len(steps) > 1 else steps
     mean = sum(timed) / len(timed) if timed else float("nan")
     print(f"{name}: {len(steps)} steps, mean step time {mean:.2f} s (first step dropped); copc metrics: {len(copc_keys)}")
+    for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean"):
+        values = re.findall(re.escape(key) + r":([0-9.eE+-]+)", text)
+        print(f"    {key} per step: {', '.join(f'{float(v):.4g}' for v in values) or 'not logged'}")
     if name == "copc":
-        print("   ", ", ".join(copc_keys[:8]), "..." if len(copc_keys) > 8 else "")
+        last = {k: re.findall(re.escape(k) + r":([0-9.eE+-]+)", text)[-1:] for k in copc_keys}
+        print("    copc metrics, last step:", ", ".join(f"{k}={float(v[0]):.4g}" for k, v in last.items() if v))
 EOF
 exit $status
