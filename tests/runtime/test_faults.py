@@ -700,6 +700,9 @@ def test_a_prompt_longer_than_the_models_context_is_refused(tmp_path: Path,
     assert len(errors) == 1 and re.search(r"long\.jsonl, line 2: prompt is \d+ tokens, >= the model's own context "
                                           r"of 2048 tokens \(max_position_embeddings; rollout\.context_limit=8000 "
                                           r"is capped to it\)", errors[0]), errors
+    # issue 34 (7): an input error found while the run is built leaves no run directory behind, so the
+    # corrected command is not refused with "already holds a run"
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_capped_context_limit_is_what_episodes_get(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

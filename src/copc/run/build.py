@@ -31,6 +31,8 @@ from copc.runtime.sync import SyncSource
 from copc.runtime.workers import TransportFactory, WorkerSpec, local_transport
 from copc.tasks import Task
 from copc.tasks.datasets import DataError
+from copc.tools.sandbox import SandboxUnavailable
+from copc.trainer.checkpoint import list_checkpoints
 
 __all__ = [
     "RUN_ENTRIES", "build_source", "capped_context_limit", "check_prompts_fit", "check_sandbox", "check_writable", "claimed_run_dir",
@@ -129,6 +131,7 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
     if cfg.resume and not path.exists():  # a mistyped path must not start a new run where none was asked for
         raise ConfigError(f"resume=true: no run to resume at {path} (no such directory); check the path, or drop "
                           "resume=true to start a new run there")
+    created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -153,9 +156,30 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
             for name in existing:
                 target = path / name
                 shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
-        yield path
+        fresh = not existing and not cfg.resume
+        try:
+            yield path
+        except (ConfigError, DataError, SandboxUnavailable):
+            # An input error found while the run was being built (a prompt too long for the model, a bad
+            # row, no sandbox): a fresh run leaves nothing behind, so the corrected command runs as typed.
+            if fresh and not list_checkpoints(path):
+                _remove_new_run(path, remove_dir=created)
+            raise
     finally:
         os.close(fd)  # releases the flock
+
+
+def _remove_new_run(path: Path, *, remove_dir: bool) -> None:
+    """Remove what a fresh run wrote into ``path`` (:data:`RUN_ENTRIES`), and ``path`` itself when this run
+    created it and nothing else is in it."""
+    for name in RUN_ENTRIES:
+        target = path / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        elif target.exists() or target.is_symlink():
+            target.unlink(missing_ok=True)
+    if remove_dir and {p.name for p in path.iterdir()} <= {LOCK_NAME}:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def unwritable(path: Path, err: OSError, what: str, fix: str) -> str:
