@@ -10,7 +10,7 @@ import pytest
 import copc
 from copc import cli
 from copc import tracking as m
-from copc.tracking import Tracker
+from copc.run.tracker import Tracker
 
 
 def test_version_and_help(capsys):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from copc import tracking
-from copc.tracking import METRICS, Tracker, histogram_record, is_known, read_metrics
+from copc.run.tracker import Tracker, histogram_record
+from copc.tracking import METRICS, is_known, read_metrics
 
 
 def test_namespace_is_defined_once_and_documented():

@@ -17,7 +17,7 @@ from copc.experiments.interaction import (
     two_way,
     two_way_text,
 )
-from copc.experiments.results import f_survival, student_t_quantile
+from copc.experiments.stats import f_survival, student_t_quantile
 
 
 def test_f_survival_matches_closed_forms():

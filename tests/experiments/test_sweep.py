@@ -25,17 +25,16 @@ from copc.experiments.results import (
     read_record,
     report_text,
     start_mismatches,
-    student_t_quantile,
     subsample_curve,
-    t_interval,
     write_record,
 )
+from copc.experiments.stats import student_t_quantile, t_interval
 from copc.experiments.step_times import estimate_seconds, evaluations, timing_key
 from copc.experiments.sweep import cell_state, resolve
 from copc.experiments.sweep_cli import sweep_cli
 from copc.experiments.sweep_spec import SpecError, expand, load_spec, parse_spec
 from copc.run.config import load_run_config
-from copc.tracking import Tracker
+from copc.run.tracker import Tracker
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 

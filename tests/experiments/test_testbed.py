@@ -10,7 +10,7 @@ import pytest
 from copc import tracking as m
 from copc.experiments.testbed import analyse, arms_for, plateau_step, run_dir_for, train_command
 from copc.experiments.testbed import testbed_cli as cli
-from copc.tracking import Tracker
+from copc.run.tracker import Tracker
 
 
 def test_plateau_step_golden():

@@ -7,7 +7,8 @@ import pytest
 
 from copc import tracking as m
 from copc.run.plots import FIGURES, curves_for, plot_run, plot_runs, seed_group, series, smooth
-from copc.tracking import Tracker, read_metrics
+from copc.run.tracker import Tracker
+from copc.tracking import read_metrics
 
 
 def write_run(run_dir, scale: float, steps=range(5), eval_every: int = 2) -> None:

@@ -333,7 +333,7 @@ def test_a_silent_worker_is_warned_about_then_restarted(tmp_path: Path, capsys: 
 # ------------------------------------------------------------------------------------ journal
 def test_damaged_journal_entries_are_detected_and_named(tmp_path: Path) -> None:
     from copc.rollout.generator import GeneratedBatch
-    from copc.runtime.workers import encode_batch
+    from copc.runtime.buffer import encode_batch
 
     journal = Journal(tmp_path)
     payload = encode_batch(GeneratedBatch(index=3, version=1, trajectories=[], generate_s=0.5))
@@ -744,15 +744,15 @@ def test_a_full_disk_names_the_file_and_what_was_kept(tmp_path: Path, monkeypatc
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Before: ``error: no space left on device at RUN_DIR`` (the directory: a failed write carries no file
     name), nothing on what was kept."""
-    import copc.tracking
+    import copc.run.tracker
 
-    opened = copc.tracking.Tracker.__init__
+    opened = copc.run.tracker.Tracker.__init__
 
-    def init(self: copc.tracking.Tracker, *args: object, **kwargs: object) -> None:
+    def init(self: copc.run.tracker.Tracker, *args: object, **kwargs: object) -> None:
         opened(self, *args, **kwargs)  # type: ignore[arg-type]
         self._file = _FullAfter(self._file, fail_at=2)  # type: ignore[arg-type,assignment]
 
-    monkeypatch.setattr(copc.tracking.Tracker, "__init__", init)
+    monkeypatch.setattr(copc.run.tracker.Tracker, "__init__", init)
     run = tmp_path / "run"
     assert cli(run, "steps=3") == 1
     line = one_error_line(capsys)

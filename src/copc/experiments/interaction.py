@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from copc.experiments.results import Interval, by_group, f_survival, student_t_quantile
+from copc.experiments.results import by_group
+from copc.experiments.stats import Interval, f_survival, student_t_quantile
 from copc.experiments.sweep_spec import SweepSpec
 
 if TYPE_CHECKING:

@@ -61,6 +61,10 @@ from copc.run.config import (
     sampling_from_rollout,
 )
 from copc.run.plots import plot_run
+from copc.run.progress import NoSignal, StepLines
+from copc.run.resume import earlier_wall_seconds, find_checkpoint
+from copc.run.tracker import Tracker
+from copc.run.wandb_mirror import WandbMirror
 from copc.runtime.async_local import AsyncSource
 from copc.runtime.loop import Interrupted, LoopResult, RunError, StopSignals, run_loop
 from copc.runtime.staleness import realized_staleness
@@ -69,12 +73,9 @@ from copc.runtime.sync import SyncSource
 from copc.tasks import Task, get_task
 from copc.tasks.datasets import DataError
 from copc.tools.sandbox import SandboxUnavailable
-from copc.tracking import Tracker, WandbMirror
 from copc.trainer.checkpoint import (
     CheckpointError,
     capture_rng_state,
-    list_checkpoints,
-    load_latest,
     restore_rng_state,
     save_checkpoint,
 )
@@ -102,87 +103,6 @@ def checkpoint_payload(
         "config": to_dict(cfg),
         "next_step": step,
     }
-
-
-#: Settings a resumed run must share with the checkpoint it continues, since they change what the run
-#: computes (anything else may change: steps, checkpointing, eval, plots, worker count, threads).
-RESUME_MUST_MATCH = ("task", "task_options", "method", "method_overrides", "seed", "model", "rollout", "trainer",
-                     "staleness", "driver.kind", "driver.partial_rollouts", "driver.partial_chunk_tokens")
-
-
-def _first_difference(saved: object, current: object, prefix: str) -> tuple[str, object, object] | None:
-    if isinstance(saved, dict) and isinstance(current, dict):
-        for key in sorted(set(saved) | set(current)):
-            found = _first_difference(saved.get(key), current.get(key), f"{prefix}.{key}")
-            if found is not None:
-                return found
-        return None
-    return None if saved == current else (prefix, saved, current)
-
-
-def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path) -> None:
-    """Refuse (one line) to resume with another method, batch size, task ... than the checkpoint's."""
-    current = to_dict(cfg)
-    for dotted in RESUME_MUST_MATCH:
-        a: object = saved
-        b: object = current
-        for part in dotted.split("."):
-            a = a.get(part) if isinstance(a, dict) else None
-            b = b.get(part) if isinstance(b, dict) else None
-        found = _first_difference(a, b, dotted)
-        if found is not None:
-            key, old, new = found
-            raise ConfigError(
-                f"resume: {where} was made with {key}={json.dumps(old)}, this config has {json.dumps(new)}, which "
-                "would change what the run computes; drop that override (resume=true run_dir=... alone continues "
-                "the run as it was configured) or start a new run_dir"
-            )
-
-
-def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, object]] | None:
-    """The checkpoint ``resume=true`` continues from, saying on stderr what it skipped and which step it
-    resumes from; None = none yet.
-
-    Raises :class:`CheckpointError` when checkpoints exist but none is usable (resuming from step 0
-    would silently throw the run away), and :class:`ConfigError` when ``cfg.steps`` is below the
-    checkpoint's step (the run would be relabelled as a shorter one: its evaluation and summary
-    rewritten with weights trained longer than they say).
-    """
-    skipped: list[str] = []
-    found = load_latest(run_dir, on_skip=skipped.append)
-    for reason in skipped:
-        print(f"warning: {reason}; falling back to an older checkpoint", file=sys.stderr, flush=True)
-    if found is None and list_checkpoints(run_dir):
-        raise CheckpointError(
-            f"every checkpoint under {run_dir / 'checkpoints'} is damaged ({'; '.join(skipped)}); nothing to "
-            "resume from: restore a backup, or start over with overwrite=true"
-        )
-    if found is None:
-        print(f"note: {run_dir} has no checkpoint yet; starting from step 0", file=sys.stderr, flush=True)
-        return None
-    step, payload = found
-    check_resume_config(cfg, payload.get("config", {}), run_dir / "checkpoints" / f"step_{step:08d}")  # type: ignore[arg-type]
-    if cfg.steps < step:
-        raise ConfigError(f"resume: {run_dir} has already trained {step} steps (its checkpoint of step {step}); "
-                          f"steps={cfg.steps} would go back: give steps >= {step} to continue it, or start a new run_dir")
-    older = " (an older checkpoint: the newer one is damaged, above)" if skipped else ""
-    print(f"resuming {run_dir} from the checkpoint of step {step}{older}, to step {cfg.steps}",
-          file=sys.stderr, flush=True)
-    return found
-
-
-def earlier_wall_seconds(run_dir: Path, step: int, payload: Mapping[str, object]) -> float:
-    """Wall seconds the run's earlier processes spent up to the checkpoint of ``step``: all of a process
-    that finished at that step (its ``summary.json``: final evaluation and plots included), else the
-    total the checkpoint recorded when it was written (the time a killed process spent after its last
-    checkpoint is not known; those steps are redone and counted again)."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        if int(summary["steps"]) == step:
-            return float(summary["wall_seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return float(payload.get("wall_seconds", 0.0))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -298,9 +218,9 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
         summary_before = payload.get("eval_before")
     # A resumed run drops the records of the steps it redoes (all of them when no checkpoint was made); the
     # final evaluation of an earlier process that ended at the checkpoint stays when the run goes past it.
-    mirror = WandbMirror(project=cfg.wandb_project, config=to_dict(cfg)) if cfg.wandb else None
+    mirror = WandbMirror(project=cfg.wandb_project, config=to_dict(cfg)).open(run_dir) if cfg.wandb else None
     tracker = Tracker(run_dir, resume_step=start_step if cfg.resume else None,
-                      keep_resume_evaluation=0 < start_step < cfg.steps, wandb=mirror)
+                      keep_resume_evaluation=0 < start_step < cfg.steps, mirror=mirror)
     signals = StopSignals()
     signals.install()
     finished = False
@@ -415,43 +335,6 @@ def _run_with_progress(
         return run_loop(trainer, source, start_step=start_step, steps=cfg.steps,
                         pad_id=int(tokenizer.pad_token_id), on_step=on_step, signals=signals,  # type: ignore[arg-type]
                         watchdog=watchdog, wait_bounded=batch_wait_bounded(source))
-
-
-class StepLines:
-    """Progress for a stdout that is not a terminal (nohup, a pipe, a log file), where the progress bar only
-    shows at the end: one plain line per step, at most one per ``every_s`` seconds, the last step always."""
-
-    def __init__(self, steps: int, every_s: float = 10.0) -> None:
-        self.steps, self.every_s = steps, every_s
-        self.started = time.perf_counter()
-        self.last = -float("inf")
-
-    def step(self, done: int, status: str) -> None:
-        now = time.perf_counter()
-        if now - self.last < self.every_s and done < self.steps:
-            return
-        self.last = now
-        print(f"train {done}/{self.steps}  {status.removeprefix(f'step {done}').strip()}  {now - self.started:.0f}s",
-              flush=True)
-
-
-class NoSignal:
-    """Says once on stderr when every train reward has been 0 for ``after`` consecutive steps (0 = never):
-    all advantages are then 0 and the policy does not learn, which a progress line alone does not show."""
-
-    def __init__(self, after: int) -> None:
-        self.after, self.run, self.said = after, 0, False
-
-    def step(self, done: int, metrics: Mapping[str, float]) -> None:
-        zero = metrics.get(m.REWARD_MEAN) == 0.0 and metrics.get(m.REWARD_STD, 0.0) == 0.0
-        self.run = self.run + 1 if zero else 0
-        if self.after and not self.said and self.run >= self.after:
-            self.said = True
-            print(f"warning: no learning signal: every train reward has been 0 for the last {self.run} steps "
-                  f"(to step {done}); check that the task's answers can be reached within the rollout budgets "
-                  "(rollout.max_new_tokens_per_turn, max_total_tokens, context_limit), the grader (copc eval "
-                  "--samples-out shows episodes and rewards), and the starting policy (a warm start, not an "
-                  "untrained model); no_signal_steps=0 turns this off", file=sys.stderr, flush=True)
 
 
 def batch_wait_bounded(source: object) -> bool:

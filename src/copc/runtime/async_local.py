@@ -56,7 +56,7 @@ import torch
 
 from copc import tracking as m
 from copc.rollout.generator import GeneratedBatch, batch_prompts, sampler_weights
-from copc.runtime.buffer import TrajectoryBuffer
+from copc.runtime.buffer import TrajectoryBuffer, decode_batch
 from copc.runtime.journal import Journal, JournalDamage, JournalError
 from copc.runtime.loop import RunError
 from copc.runtime.staleness import StalenessConfig, source_version
@@ -65,7 +65,6 @@ from copc.runtime.workers import (
     TransportFactory,
     WorkerSpec,
     WorkerStartError,
-    decode_batch,
     local_transport,
 )
 from copc.trainer.weight_files import Weights

@@ -36,6 +36,7 @@ Thread-safe: every method takes one lock; :meth:`wait_batch` sleeps on a conditi
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from copc import tracking as m
+from copc.rollout.generator import GeneratedBatch
 from copc.runtime.staleness import (
     StalenessConfig,
     admits_request,
@@ -436,3 +438,34 @@ def _num(value: object) -> float | int:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     raise ValueError(f"buffer state: expected a number, got {value!r}")
+
+
+# -------------------------------------------------------------- a generated batch as bytes (pipes, journal)
+def encode_batch(batch: GeneratedBatch) -> bytes:
+    """A generated batch as bytes (``torch.save`` of plain data; loadable with ``weights_only``)."""
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "index": batch.index,
+            "version": batch.version,
+            "generate_s": batch.generate_s,
+            "info": dict(batch.info),
+            "trajectories": [trajectory_to_dict(t) for t in batch.trajectories],
+            "rejected": [prompt_to_dict(p) for p in batch.rejected],
+        },
+        buf,
+    )
+    return buf.getvalue()
+
+
+def decode_batch(payload: bytes) -> GeneratedBatch:
+    """Inverse of :func:`encode_batch`."""
+    data = torch.load(io.BytesIO(payload), weights_only=True)
+    return GeneratedBatch(
+        index=int(data["index"]),
+        version=int(data["version"]),
+        trajectories=[trajectory_from_dict(d) for d in data["trajectories"]],
+        generate_s=float(data["generate_s"]),
+        info={str(k): float(v) for k, v in dict(data.get("info", {})).items()},
+        rejected=[prompt_from_dict(p) for p in data.get("rejected", [])],
+    )

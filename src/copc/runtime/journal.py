@@ -1,7 +1,7 @@
 """The rollout journal: finished batches on disk until a checkpoint covers them.
 
 One file per batch, ``rollouts/batch_XXXXXXXX.pt``: a magic line, the sha256 of the payload, then the
-payload (:func:`~copc.runtime.workers.encode_batch` bytes). It is written to a temp file, ``fsync``-ed
+payload (:func:`~copc.runtime.buffer.encode_batch` bytes). It is written to a temp file, ``fsync``-ed
 and renamed (``os.replace``), so a kill never leaves a half-written entry under the final name; a file
 damaged anyway (a disk error, a hand edit, an older format) fails its hash or its decoding and is
 reported by :meth:`Journal.read` as :class:`JournalDamage` naming the file, so the driver generates
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from copc.rollout.generator import GeneratedBatch
-from copc.runtime.workers import decode_batch
+from copc.runtime.buffer import decode_batch
 
 __all__ = ["Journal", "JournalDamage", "JournalError", "describe_os_error"]
 

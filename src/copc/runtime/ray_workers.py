@@ -10,7 +10,7 @@ Ray driver is built (``pip install 'copc[ray]'``).
   ``driver.ray_cpus_per_worker`` / ``driver.ray_gpus_per_worker`` (as many torch threads as whole CPUs;
   a GPU actor generates on ``cuda``). A
   request is one actor call ``generate(batch index, version, weights ref)``; it returns the batch encoded
-  (:func:`~copc.runtime.workers.encode_batch`), the same bytes the local workers send and the journal keeps.
+  (:func:`~copc.runtime.buffer.encode_batch`), the same bytes the local workers send and the journal keeps.
 - **Weights** (:class:`RayWeights`): each published version is put into the object store once
   (``ray.put`` of ``{"version", "weights"}``); the newest ``slots`` versions are kept, as the local ring
   does. An actor fetches a version only when it is not the one it already samples with, so each actor
@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from copc.runtime.workers import TransportFactory, WorkerEvent, WorkerSpec, build_generator, encode_batch
+from copc.runtime.buffer import encode_batch
+from copc.runtime.workers import TransportFactory, WorkerEvent, WorkerSpec, build_generator
 
 __all__ = ["RayOptions", "RayWeights", "RayWorkerPool", "RolloutWorker", "connect", "ray_transport"]
 

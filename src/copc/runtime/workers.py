@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
-import io
 import multiprocessing.context
 import os
 import signal
@@ -46,12 +45,12 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.multiprocessing as mp
 
-from copc.rollout.generator import GeneratedBatch, RolloutConfig, RolloutGenerator
-from copc.runtime.buffer import prompt_from_dict, prompt_to_dict, trajectory_from_dict, trajectory_to_dict
+from copc.rollout.generator import RolloutConfig, RolloutGenerator
+from copc.runtime.buffer import encode_batch
 
 __all__ = [
     "ReportsActivity", "Transport", "TransportFactory", "WeightRing", "WeightStore", "WorkerEvent", "WorkerPool",
-    "WorkerSpec", "WorkerStartError", "build_generator", "decode_batch", "encode_batch", "local_transport", "newest_weights",
+    "WorkerSpec", "WorkerStartError", "build_generator", "local_transport", "newest_weights",
 ]
 
 #: Modules the fork server imports once; every worker forks from it with them loaded (torch, transformers
@@ -169,36 +168,6 @@ class WeightRing:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"weights of version {wanted} stayed mid-write for {timeout_s:.0f} s")
             time.sleep(0.001)
-
-
-def encode_batch(batch: GeneratedBatch) -> bytes:
-    """A generated batch as bytes (``torch.save`` of plain data; loadable with ``weights_only``)."""
-    buf = io.BytesIO()
-    torch.save(
-        {
-            "index": batch.index,
-            "version": batch.version,
-            "generate_s": batch.generate_s,
-            "info": dict(batch.info),
-            "trajectories": [trajectory_to_dict(t) for t in batch.trajectories],
-            "rejected": [prompt_to_dict(p) for p in batch.rejected],
-        },
-        buf,
-    )
-    return buf.getvalue()
-
-
-def decode_batch(payload: bytes) -> GeneratedBatch:
-    """Inverse of :func:`encode_batch`."""
-    data = torch.load(io.BytesIO(payload), weights_only=True)
-    return GeneratedBatch(
-        index=int(data["index"]),
-        version=int(data["version"]),
-        trajectories=[trajectory_from_dict(d) for d in data["trajectories"]],
-        generate_s=float(data["generate_s"]),
-        info={str(k): float(v) for k, v in dict(data.get("info", {})).items()},
-        rejected=[prompt_from_dict(p) for p in data.get("rejected", [])],
-    )
 
 
 # ------------------------------------------------------------------------------ the worker process

@@ -1,0 +1,100 @@
+"""``resume=true``: which checkpoint a run continues from, and the settings it must share with it.
+
+A resumed run continues as it was configured (``run_dir/config.yaml`` is the base of the config); the
+settings of :data:`RESUME_MUST_MATCH` change what a run computes and are refused in one line when an
+override differs; the wall time of the earlier processes is carried on (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from copc.config import ConfigError, to_dict
+from copc.run.config import RunConfig
+from copc.trainer.checkpoint import CheckpointError, list_checkpoints, load_latest
+
+__all__ = ["RESUME_MUST_MATCH", "check_resume_config", "earlier_wall_seconds", "find_checkpoint"]
+
+
+#: Settings a resumed run must share with the checkpoint it continues, since they change what the run
+#: computes (anything else may change: steps, checkpointing, eval, plots, worker count, threads).
+RESUME_MUST_MATCH = ("task", "task_options", "method", "method_overrides", "seed", "model", "rollout", "trainer",
+                     "staleness", "driver.kind", "driver.partial_rollouts", "driver.partial_chunk_tokens")
+
+
+def _first_difference(saved: object, current: object, prefix: str) -> tuple[str, object, object] | None:
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current)):
+            found = _first_difference(saved.get(key), current.get(key), f"{prefix}.{key}")
+            if found is not None:
+                return found
+        return None
+    return None if saved == current else (prefix, saved, current)
+
+
+def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path) -> None:
+    """Refuse (one line) to resume with another method, batch size, task ... than the checkpoint's."""
+    current = to_dict(cfg)
+    for dotted in RESUME_MUST_MATCH:
+        a: object = saved
+        b: object = current
+        for part in dotted.split("."):
+            a = a.get(part) if isinstance(a, dict) else None
+            b = b.get(part) if isinstance(b, dict) else None
+        found = _first_difference(a, b, dotted)
+        if found is not None:
+            key, old, new = found
+            raise ConfigError(
+                f"resume: {where} was made with {key}={json.dumps(old)}, this config has {json.dumps(new)}, which "
+                "would change what the run computes; drop that override (resume=true run_dir=... alone continues "
+                "the run as it was configured) or start a new run_dir"
+            )
+
+
+def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, object]] | None:
+    """The checkpoint ``resume=true`` continues from, saying on stderr what it skipped and which step it
+    resumes from; None = none yet.
+
+    Raises :class:`CheckpointError` when checkpoints exist but none is usable (resuming from step 0
+    would silently throw the run away), and :class:`ConfigError` when ``cfg.steps`` is below the
+    checkpoint's step (the run would be relabelled as a shorter one: its evaluation and summary
+    rewritten with weights trained longer than they say).
+    """
+    skipped: list[str] = []
+    found = load_latest(run_dir, on_skip=skipped.append)
+    for reason in skipped:
+        print(f"warning: {reason}; falling back to an older checkpoint", file=sys.stderr, flush=True)
+    if found is None and list_checkpoints(run_dir):
+        raise CheckpointError(
+            f"every checkpoint under {run_dir / 'checkpoints'} is damaged ({'; '.join(skipped)}); nothing to "
+            "resume from: restore a backup, or start over with overwrite=true"
+        )
+    if found is None:
+        print(f"note: {run_dir} has no checkpoint yet; starting from step 0", file=sys.stderr, flush=True)
+        return None
+    step, payload = found
+    check_resume_config(cfg, payload.get("config", {}), run_dir / "checkpoints" / f"step_{step:08d}")  # type: ignore[arg-type]
+    if cfg.steps < step:
+        raise ConfigError(f"resume: {run_dir} has already trained {step} steps (its checkpoint of step {step}); "
+                          f"steps={cfg.steps} would go back: give steps >= {step} to continue it, or start a new run_dir")
+    older = " (an older checkpoint: the newer one is damaged, above)" if skipped else ""
+    print(f"resuming {run_dir} from the checkpoint of step {step}{older}, to step {cfg.steps}",
+          file=sys.stderr, flush=True)
+    return found
+
+
+def earlier_wall_seconds(run_dir: Path, step: int, payload: Mapping[str, object]) -> float:
+    """Wall seconds the run's earlier processes spent up to the checkpoint of ``step``: all of a process
+    that finished at that step (its ``summary.json``: final evaluation and plots included), else the
+    total the checkpoint recorded when it was written (the time a killed process spent after its last
+    checkpoint is not known; those steps are redone and counted again)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if int(summary["steps"]) == step:
+            return float(summary["wall_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return float(payload.get("wall_seconds", 0.0))  # type: ignore[arg-type]
