@@ -505,11 +505,9 @@ def test_experiment_runs_the_grid_again_under_another_name(tmp_path, capsys):
     assert f"records in {results / 'grid_b'}" in out and "fresh" in out and "recorded" not in out
 
 
-def test_a_sweep_stopped_with_sigterm_stops_its_cell_and_counts_its_wall_time(tmp_path):
-    """A queue stopped with ``kill`` (SIGTERM) ends like Ctrl-C: the running cell is stopped with its
-    checkpoints kept, and the seconds it ran are added to the cell's wall time (by default SIGTERM ended
-    the sweep with neither, and a resumed cell's record under-counted its machine time)."""
-    import signal
+def _sweep_training_one_cell(tmp_path: Path):
+    """A ``copc sweep`` subprocess over one long tiny cell, returned once the cell has logged two steps:
+    ``(sweep process, spec file, runs folder, the cell's run dir)``."""
     import subprocess
     import sys
     import time
@@ -525,21 +523,34 @@ def test_a_sweep_stopped_with_sigterm_stops_its_cell_and_counts_its_wall_time(tm
             f"sys.exit(sweep_cli([{str(spec_file)!r}, '--jobs', '1', '--nice', '0', '--runs', {str(runs)!r}, "
             f"'--results', {str(tmp_path / 'results')!r}]))")
     sweep = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    metrics = runs / cell.cell_id / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count('"step"') >= 2):  # the cell is training
+        if sweep.poll() is not None or time.monotonic() > deadline:
+            sweep.kill()
+            raise AssertionError("the cell never started training")
+        time.sleep(0.2)
+    return sweep, spec_file, runs, runs / cell.cell_id
+
+
+def test_a_sweep_stopped_with_sigterm_stops_its_cell_and_counts_its_wall_time(tmp_path):
+    """A queue stopped with ``kill`` (SIGTERM) ends like Ctrl-C: the running cell is stopped with its
+    checkpoints kept, and the seconds it ran are added to the cell's wall time (by default SIGTERM ended
+    the sweep with neither, and a resumed cell's record under-counted its machine time)."""
+    import signal
+    import subprocess
+
+    sweep, _, _, run_dir = _sweep_training_one_cell(tmp_path)
     try:
-        metrics = runs / cell.cell_id / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.is_file() and metrics.read_text().count('"step"') >= 2):  # the cell is training
-            assert sweep.poll() is None and time.monotonic() < deadline, "the cell never started training"
-            time.sleep(0.2)
         sweep.send_signal(signal.SIGTERM)
         sweep.wait(timeout=90)
     finally:
         if sweep.poll() is None:
             sweep.kill()
     assert sweep.returncode == 128 + signal.SIGTERM
-    wall = json.loads((runs / cell.cell_id / "sweep_wall.json").read_text())["wall_seconds"]
+    wall = json.loads((run_dir / "sweep_wall.json").read_text())["wall_seconds"]
     assert wall > 0
-    holder = subprocess.run(["pgrep", "-f", f"run_dir={runs / cell.cell_id}"], capture_output=True, text=True)
+    holder = subprocess.run(["pgrep", "-f", f"run_dir={run_dir}"], capture_output=True, text=True)
     assert holder.stdout.strip() == "", "the cell's train process outlived the sweep"
 
 
@@ -590,34 +601,19 @@ def test_a_sweep_killed_with_sigkill_takes_its_cell_along_and_a_new_sweep_resume
 
     from copc.run.build import run_dir_holder
 
-    spec_file = tmp_path / "long.yaml"
-    spec_file.write_text(yaml.safe_dump({
-        "experiment": "long", "seeds": [0], "shared": [*TINY, "steps=100000"],
-        "axes": {"method": {"ppo": ["method=ppo"]}},
-    }))
-    runs = tmp_path / "runs"
-    cell = expand(load_spec(spec_file))[0]
-    code = ("import sys; from copc.experiments.sweep_cli import sweep_cli; "
-            f"sys.exit(sweep_cli([{str(spec_file)!r}, '--jobs', '1', '--nice', '0', '--runs', {str(runs)!r}, "
-            f"'--results', {str(tmp_path / 'results')!r}]))")
-    sweep = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    sweep, spec_file, runs, run_dir = _sweep_training_one_cell(tmp_path)
     try:
-        metrics = runs / cell.cell_id / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.is_file() and metrics.read_text().count('"step"') >= 2):  # the cell is training
-            assert sweep.poll() is None and time.monotonic() < deadline, "the cell never started training"
-            time.sleep(0.2)
         sweep.kill()
         sweep.wait(timeout=30)
         deadline = time.monotonic() + 90
-        while run_dir_holder(runs / cell.cell_id) is not None:
+        while run_dir_holder(run_dir) is not None:
             assert time.monotonic() < deadline, "the cell's train process outlived its SIGKILLed sweep"
             time.sleep(0.2)
     finally:
         if sweep.poll() is None:
             sweep.kill()
-        subprocess.run(["pkill", "-f", f"run_dir={runs / cell.cell_id}"], check=False)
-    assert (runs / cell.cell_id / "checkpoints").is_dir()
+        subprocess.run(["pkill", "-f", f"run_dir={run_dir}"], check=False)
+    assert (run_dir / "checkpoints").is_dir()
     dry = subprocess.run([sys.executable, "-m", "copc.cli", "sweep", str(spec_file), "--dry-run", "--runs", str(runs),
                           "--results", str(tmp_path / "results")], capture_output=True, text=True, timeout=120)
     assert "resume" in dry.stdout and "skipped" not in dry.stdout, dry.stdout

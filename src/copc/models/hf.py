@@ -90,16 +90,22 @@ def convert_gguf(folder: str | Path, gguf_file: str, out: str | Path) -> Path:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    result = plain.load_state_dict(model.state_dict(), strict=False)
-    tied = set(getattr(plain, "_tied_weights_keys", None) or ())
+    return _save_rebuilt(config, model.state_dict(), model, tokenizer, out, what=f"converting {gguf_file}")
+
+
+def _save_rebuilt(config: object, weights: dict[str, torch.Tensor], model: PreTrainedModel,
+                  tokenizer: PreTrainedTokenizerBase, out: str | Path, *, what: str) -> Path:
+    """Build a float32 causal LM from ``config``, load ``weights`` (every key but tied ones must match) and
+    save it with ``model``'s generation config and ``tokenizer`` to ``out``."""
+    rebuilt = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = rebuilt.load_state_dict(weights, strict=False)
+    tied = set(getattr(rebuilt, "_tied_weights_keys", None) or ())
     if [k for k in result.missing_keys if k not in tied] or result.unexpected_keys:
-        raise RuntimeError(f"converting {gguf_file}: weights do not match its config ({result})")
-    plain.generation_config = model.generation_config
-    out = Path(out)
-    plain.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+        raise RuntimeError(f"{what}: weights do not match the config ({result})")
+    rebuilt.generation_config = model.generation_config
+    rebuilt.save_pretrained(Path(out))
+    tokenizer.save_pretrained(Path(out))
+    return Path(out)
 
 
 def save_first_layers(folder: str | Path, layers: int, out: str | Path) -> Path:
@@ -120,18 +126,9 @@ def save_first_layers(folder: str | Path, layers: int, out: str | Path) -> Path:
         value = getattr(config, key, None)
         if isinstance(value, list) and len(value) == total:
             setattr(config, key, value[:layers])
-    small = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     dropped = [f"layers.{i}." for i in range(layers, total)]
     kept = {k: v for k, v in model.state_dict().items() if not any(d in k for d in dropped)}
-    result = small.load_state_dict(kept, strict=False)
-    tied = set(getattr(small, "_tied_weights_keys", None) or ())
-    if [k for k in result.missing_keys if k not in tied] or result.unexpected_keys:
-        raise RuntimeError(f"cutting {folder} to {layers} layers: weights do not match ({result})")
-    small.generation_config = model.generation_config
-    out = Path(out)
-    small.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return _save_rebuilt(config, kept, model, tokenizer, out, what=f"cutting {folder} to {layers} layers")
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
