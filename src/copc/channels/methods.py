@@ -234,6 +234,8 @@ _COPC_ADVANTAGE = AdvantageChannelConfig(
 #: R1's band on r = cur/mu (1 - eps_P^-, 1 + eps_P^+): the 9.6 starting point, fixed before any run of R1.
 #: The development runs of issue 32 (docs/results.md, "Pre-registration") decide whether it changes.
 _R1_BAND = (0.5, 2.0)
+#: R1's policy channel: async PPO 3a's actor with the band on r = cur/mu (copc_behaviour, async_ppo_mask).
+_R1_POLICY = replace(_ppo_policy("bypass_ppo"), mask_low=_R1_BAND[0], mask_high=_R1_BAND[1])
 
 
 @METHODS.register("copc_proximal")
@@ -256,7 +258,7 @@ def _copc_behaviour() -> MethodConfig:
     low, high = _R1_BAND
     return MethodConfig(
         "copc_behaviour",
-        replace(_ppo_policy("bypass_ppo"), mask_low=low, mask_high=high),
+        _R1_POLICY,
         _COPC_ADVANTAGE,
         _CRITIC,
         f"COPC, behaviour-anchored reading R1 [RECONSTRUCTED, spec 9.7]: async PPO 3a's actor (clip 0.2/0.28 and "
@@ -270,7 +272,7 @@ def _async_ppo_mask() -> MethodConfig:
     low, high = _R1_BAND
     return MethodConfig(
         "async_ppo_mask",
-        replace(_ppo_policy("bypass_ppo"), mask_low=low, mask_high=high),
+        _R1_POLICY,
         _GAE,
         _CRITIC,
         f"COPC R1's policy channel alone (spec 9.7, eps_A = 0): async PPO 3a with tokens whose r = cur/mu leaves "
