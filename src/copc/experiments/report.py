@@ -2,6 +2,7 @@
 
 - the table of every report metric (copc.experiments.results.report_text): seed means with their t
   intervals, and each group's paired difference from the baseline;
+- with ``--contrasts FILE``: the pre-registered contrasts with their verdicts (copc.experiments.contrasts);
 - with ``--collapse``: E4's collapse count per group (copc.experiments.results.collapse_text);
 - for a sweep with a ``heatmap:`` section (a joint sweep, E2): per panel and metric, the two-knob
   analysis (copc.experiments.interaction) with the lab's exact prediction beside it;
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from copc.experiments.contrasts import ContrastSet, check_terms, contrasts_text
 from copc.experiments.results import collapse_text, load_records, report_text
 from copc.experiments.sweep_spec import SweepSpec
 
@@ -21,13 +23,18 @@ __all__ = ["print_report"]
 
 
 def print_report(spec: SweepSpec, cells: int, folder: Path, *, baseline: Mapping[str, str] | None,
-                 collapse: tuple[str, float, int] | None, plot_dir: Path | None) -> None:
+                 collapse: tuple[str, float, int] | None, plot_dir: Path | None,
+                 contrasts: ContrastSet | None = None) -> None:
     """Print the report of the records in ``folder`` (``cells``: how many the sweep has) and draw its figures."""
+    if contrasts is not None:
+        check_terms(contrasts, spec.axes)
     records = load_records(folder)
     print(f"experiment {spec.experiment}: {len(records)} of {cells} cells recorded")
     print(report_text(records, spec.report, baseline or None))
     if not records:
         return
+    if contrasts is not None:
+        print("\n" + contrasts_text(contrasts, records))
     if collapse is not None:
         metric, margin, patience = collapse
         print("\n" + collapse_text(records, metric, margin=margin, patience=patience))

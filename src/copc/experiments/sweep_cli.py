@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from copc.experiments import sweep
+from copc.experiments.contrasts import load_contrasts
 from copc.experiments.report import print_report
 from copc.experiments.results import load_records, report_text
 from copc.experiments.step_times import load_step_times, timing_key
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "evaluations in a row more than 0.1 below the run's best so far)")
     parser.add_argument("--plot", default=None, metavar="DIR",
                         help="with --report: also draw <experiment>_curves.png and <experiment>_summary.png into DIR")
+    parser.add_argument("--contrasts", default=None, metavar="FILE",
+                        help="with --report: the pre-registered contrasts in FILE, each with its paired interval "
+                             "and verdict (copc.experiments.contrasts says the format)")
     parser.add_argument("--baseline", default=None, metavar="AXIS=LEVEL[,AXIS=LEVEL]",
                         help="the cells --report pairs the others with (default: the file's baseline)")
     parser.add_argument("--jobs", type=int, default=0, help="cells at a time (default: the measured capacity)")
@@ -98,8 +102,9 @@ def sweep_cli(argv: Sequence[str]) -> int:
     paths = Paths(Path(args.results), Path(args.runs) if args.runs else Path("runs") / "sweep" / spec.experiment)
     if args.report:
         try:
+            contrasts = load_contrasts(args.contrasts) if args.contrasts else None
             print_report(spec, len(cells), paths.results / spec.experiment, baseline=_baseline(args.baseline, spec),
-                         collapse=collapse, plot_dir=Path(args.plot) if args.plot else None)
+                         collapse=collapse, plot_dir=Path(args.plot) if args.plot else None, contrasts=contrasts)
         except ValueError as err:  # e.g. the heatmap's lab JSON missing (its path is relative to the working dir)
             print(f"copc sweep: error: {err}", file=sys.stderr)
             return 2

@@ -1,0 +1,269 @@
+"""Pre-registered contrasts of a sweep's records, each with its verdict (``copc sweep FILE --report
+--contrasts CONTRASTS.yaml``).
+
+A contrast is a claim about a per-seed combination of group means, written as an expression over the
+sweep's levels and compared with 0::
+
+    copc_behaviour - async_ppo > 0
+    (copc_behaviour - async_ppo_mask) - (async_ppo_advantage - async_ppo) != 0
+    copc_behaviour - max(async_ppo_mask, async_ppo_advantage) > 0
+    'method=copc_proximal,lr=1e-4,mb=4' - 'method=copc_proximal,lr=2.5e-5,mb=1' > 0
+
+A bare name is a level of any axis; a quoted ``axis=level[,axis=level]`` selector names levels where a
+bare name is not enough (a level that is not an identifier, or one shared by several groups). Each term
+must be a level of the sweep (checked against its file) and select at most one recorded group; a claim
+whose groups are not all recorded yet gets no verdict. The expression may add, subtract, multiply by a number and take
+``max``/``min`` of terms; it is evaluated seed by seed on the seeds every term has (the seeds are
+paired: one warm start and one prompt stream per seed), and the mean of those values gets the Student-t
+interval over seeds (copc.experiments.stats.t_interval).
+
+The verdict follows docs/results.md's rule. For ``> 0`` (``< 0`` alike): **held** when the interval lies
+above 0, **not held** when it lies below, otherwise **not resolved at this scale**. For ``!= 0``: held
+when the interval excludes 0, otherwise not resolved (a point null cannot be excluded). A group of
+contrasts under ``all:`` (an intersection-union test, as C1's "beats every baseline") is held when every
+member is held, not held when any member is not held, otherwise not resolved. With fewer seeds than the
+file's ``seeds:`` (the pre-registered count) no verdict is given, only the numbers so far.
+
+The file::
+
+    metric: eval_after_start        # the summary figure the claims are about
+    seeds: 8                        # verdicts only once this many paired seeds are in
+    contrasts:
+      - name: C2 the channels interact
+        claim: (copc_behaviour - async_ppo_mask) - (async_ppo_advantage - async_ppo) != 0
+      - name: C1 R1 beats every baseline
+        all: [copc_behaviour - async_ppo > 0, copc_behaviour - areal > 0]
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from copc.experiments.results import by_group, group_text
+from copc.experiments.stats import Interval, t_interval
+from copc.experiments.sweep_spec import SpecError
+
+__all__ = ["Claim", "ContrastSet", "Verdict", "check_terms", "contrasts_text", "evaluate", "load_contrasts", "parse_claim"]
+
+HELD, NOT_HELD, NOT_RESOLVED, NO_VERDICT = "held", "not held", "not resolved at this scale", "no verdict yet"
+_OPS = {ast.Gt: ">", ast.Lt: "<", ast.NotEq: "!="}
+_Key = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """``expression OP 0`` with the expression's tree kept for evaluation."""
+
+    text: str
+    expression: ast.expr
+    op: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    text: str
+    interval: Interval | None
+    seeds: tuple[int, ...]
+    verdict: str
+
+
+@dataclass(frozen=True)
+class ContrastSet:
+    metric: str
+    seeds: int
+    entries: tuple[tuple[str, tuple[Claim, ...], bool], ...]  # (name, claims, is an `all:` group)
+
+
+def _check_tree(node: ast.AST, text: str) -> None:
+    bad = f"contrast {text!r}: "
+    if isinstance(node, ast.BinOp):
+        if not isinstance(node.op, ast.Add | ast.Sub | ast.Mult):
+            raise SpecError(bad + "only +, - and * by a number are allowed")
+        if isinstance(node.op, ast.Mult) and not any(_is_number(n) for n in (node.left, node.right)):
+            raise SpecError(bad + "a product needs a number on one side (e.g. 0.5 * (a + b))")
+        _check_tree(node.left, text)
+        _check_tree(node.right, text)
+    elif isinstance(node, ast.UnaryOp):
+        if not isinstance(node.op, ast.USub | ast.UAdd):
+            raise SpecError(bad + "only a leading - or + is allowed")
+        _check_tree(node.operand, text)
+    elif isinstance(node, ast.Call):
+        if not (isinstance(node.func, ast.Name) and node.func.id in ("max", "min")) or len(node.args) < 2 or node.keywords:
+            raise SpecError(bad + "the only functions are max(a, b, ...) and min(a, b, ...)")
+        for arg in node.args:
+            _check_tree(arg, text)
+    elif isinstance(node, ast.Name) or _is_number(node):
+        return
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        if not all(len(p.split("=")) == 2 and all(p.split("=")) for p in node.value.split(",")):
+            raise SpecError(bad + f"selector {node.value!r}: expected 'axis=level[,axis=level]'")
+    else:
+        raise SpecError(bad + "expected levels (names or 'axis=level' strings), numbers, + - *, max and min")
+
+
+def _is_number(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool)
+
+
+def parse_claim(text: str) -> Claim:
+    """``EXPRESSION > 0``, ``< 0`` or ``!= 0``; SpecError naming the problem otherwise."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        raise SpecError(f"contrast {text!r}: not an expression; write e.g. 'copc_behaviour - async_ppo > 0'") from None
+    if not (isinstance(tree, ast.Compare) and len(tree.ops) == 1 and type(tree.ops[0]) in _OPS
+            and _is_number(tree.comparators[0]) and tree.comparators[0].value == 0):  # type: ignore[attr-defined]
+        raise SpecError(f"contrast {text!r}: a claim compares an expression with 0 by >, < or != "
+                        "(e.g. 'copc_behaviour - async_ppo > 0')")
+    _check_tree(tree.left, text)
+    return Claim(text.strip(), tree.left, _OPS[type(tree.ops[0])])
+
+
+def _select(term: str, groups: Sequence[_Key], where: str) -> _Key | None:
+    """The one recorded group ``term`` names, None when none is recorded yet; SpecError when several."""
+    if "=" in term:
+        wanted = [tuple(p.split("=", 1)) for p in term.split(",")]
+        hits = [k for k in groups if all(pair in k for pair in wanted)]
+    else:
+        hits = [k for k in groups if any(level == term for _, level in k)]
+    if len(hits) > 1:
+        raise SpecError(f"{where}: term {term!r} selects {len(hits)} groups ({'; '.join(group_text(k) for k in hits)}); "
+                        "name one with 'axis=level[,axis=level]'")
+    return hits[0] if hits else None
+
+
+def check_terms(contrasts: ContrastSet, axes: Mapping[str, Mapping[str, object]]) -> None:
+    """SpecError for a term that names no level of the sweep's ``axes`` (a typo, not a cell still to run)."""
+    for name, claims, _ in contrasts.entries:
+        for claim in claims:
+            for term in _terms(claim.expression):
+                pairs = [tuple(p.split("=", 1)) for p in term.split(",")] if "=" in term else None
+                known = (all(a in axes and lv in axes[a] for a, lv in pairs) if pairs is not None
+                         else any(term in levels for levels in axes.values()))
+                if not known:
+                    listed = "; ".join(f"{a}: {', '.join(map(str, levels))}" for a, levels in axes.items())
+                    raise SpecError(f"contrast {claim.text!r} ({name}): {term!r} is no level of this sweep ({listed})")
+
+
+def _evaluate(node: ast.AST, values: Callable[[str], np.ndarray]) -> np.ndarray:
+    if isinstance(node, ast.BinOp):
+        left, right = _evaluate(node.left, values), _evaluate(node.right, values)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        return left - right if isinstance(node.op, ast.Sub) else left * right
+    if isinstance(node, ast.UnaryOp):
+        inner = _evaluate(node.operand, values)
+        return -inner if isinstance(node.op, ast.USub) else inner
+    if isinstance(node, ast.Call):
+        stack = np.stack([_evaluate(a, values) for a in node.args])
+        return stack.max(axis=0) if node.func.id == "max" else stack.min(axis=0)  # type: ignore[attr-defined]
+    if isinstance(node, ast.Name):
+        return values(node.id)
+    assert isinstance(node, ast.Constant)
+    return values(node.value) if isinstance(node.value, str) else np.asarray(float(node.value))
+
+
+def _terms(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Constant):
+        return [node.value] if isinstance(node.value, str) else []
+    if isinstance(node, ast.Call):
+        return [t for arg in node.args for t in _terms(arg)]
+    return [t for child in ast.iter_child_nodes(node) for t in _terms(child)]
+
+
+def _verdict(interval: Interval | None, op: str) -> str:
+    if interval is None or interval.low is None or interval.high is None:
+        return NOT_RESOLVED
+    if op == "!=":
+        return HELD if interval.excludes_zero() else NOT_RESOLVED
+    above, below = interval.low > 0, interval.high < 0
+    if op == ">":
+        return HELD if above else NOT_HELD if below else NOT_RESOLVED
+    return HELD if below else NOT_HELD if above else NOT_RESOLVED
+
+
+def evaluate(claim: Claim, records: Sequence[Mapping[str, object]], metric: str, *, seeds_needed: int = 0,
+             confidence: float = 0.95) -> Verdict:
+    """The claim's per-seed values over the seeds all its terms share, their t interval and the verdict."""
+    groups = by_group(records, metric)
+    keys = {term: _select(term, list(groups), f"contrast {claim.text!r}") for term in _terms(claim.expression)}
+    missing = any(k is None for k in keys.values())
+    shared = [] if missing or not keys else sorted(set.intersection(*(set(groups[k]) for k in keys.values())))
+    if not shared:
+        return Verdict(claim.text, None, (), NO_VERDICT)
+    per_seed = _evaluate(claim.expression, lambda t: np.array([groups[keys[t]][s] for s in shared]))  # type: ignore[index]
+    interval = t_interval(np.broadcast_to(per_seed, (len(shared),)), confidence)
+    verdict = NO_VERDICT if len(shared) < seeds_needed else _verdict(interval, claim.op)
+    return Verdict(claim.text, interval, tuple(shared), verdict)
+
+
+def _combine(verdicts: Sequence[str]) -> str:
+    if NO_VERDICT in verdicts:
+        return NO_VERDICT
+    if all(v == HELD for v in verdicts):
+        return HELD
+    return NOT_HELD if NOT_HELD in verdicts else NOT_RESOLVED
+
+
+def load_contrasts(path: str | Path) -> ContrastSet:
+    """Read a contrasts file (module docstring); SpecError naming the file and the entry."""
+    import yaml
+
+    where = str(path)
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise SpecError(f"{where}: cannot read the contrasts file ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        raise SpecError(f"{where}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("metric"), str) or not isinstance(data.get("contrasts"), list):
+        raise SpecError(f"{where}: expected a mapping with 'metric: NAME' and a 'contrasts:' list")
+    unknown = set(data) - {"metric", "seeds", "contrasts"}
+    if unknown:
+        raise SpecError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; the keys are metric, seeds, contrasts")
+    seeds = data.get("seeds", 0)
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 0:
+        raise SpecError(f"{where}: 'seeds' must be a whole number >= 0 (the pre-registered seed count)")
+    entries = []
+    for i, entry in enumerate(data["contrasts"]):
+        ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and (
+            isinstance(entry.get("claim"), str) != isinstance(entry.get("all"), list))
+        if not ok or set(entry) - {"name", "claim", "all"}:
+            raise SpecError(f"{where}: contrasts[{i}]: expected 'name:' with either 'claim: TEXT' or 'all: [TEXT, ...]'")
+        texts = [entry["claim"]] if "claim" in entry else entry["all"]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise SpecError(f"{where}: contrasts[{i}] ({entry['name']}): 'all' needs one or more claims as text")
+        entries.append((entry["name"], tuple(parse_claim(t) for t in texts), "all" in entry))
+    return ContrastSet(data["metric"], seeds, tuple(entries))
+
+
+def _seed_text(seeds: Sequence[int]) -> str:
+    if not seeds:
+        return ""
+    if list(seeds) == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 2:
+        return f"seeds {seeds[0]}-{seeds[-1]}"
+    return "seeds " + ",".join(map(str, seeds))
+
+
+def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object]], confidence: float = 0.95) -> str:
+    """One block per contrast: each claim's paired mean [t interval] (n, seeds) and the verdict."""
+    pct = f"{100 * confidence:g}%"
+    lines = [f"pre-registered contrasts on {contrasts.metric} (per-seed paired values, mean [{pct} t interval]; "
+             f"verdicts need {contrasts.seeds or 2} seeds)"]
+    for name, claims, is_all in contrasts.entries:
+        results = [evaluate(c, records, contrasts.metric, seeds_needed=contrasts.seeds, confidence=confidence)
+                   for c in claims]
+        overall = _combine([r.verdict for r in results]) if is_all else results[0].verdict
+        lines.append(f"\n{name}: {overall}")
+        for r in results:
+            numbers = r.interval.text() if r.interval is not None else "no seed has every term"
+            seeds = _seed_text(r.seeds)
+            lines.append(f"  {r.text}:  {numbers}  {seeds}" + (f"  -> {r.verdict}" if is_all else ""))
+    return "\n".join(lines)

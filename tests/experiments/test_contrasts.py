@@ -1,0 +1,181 @@
+"""Pre-registered contrasts (copc.experiments.contrasts): hand-worked intervals, the verdict rule, the
+per-seed evaluation against a plain loop, and one-line errors for bad claims and files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from copc.experiments.contrasts import (
+    HELD,
+    NO_VERDICT,
+    NOT_HELD,
+    NOT_RESOLVED,
+    contrasts_text,
+    evaluate,
+    load_contrasts,
+    parse_claim,
+)
+from copc.experiments.sweep_cli import sweep_cli
+from copc.experiments.sweep_spec import SpecError
+
+
+def records_of(table: dict[str, dict[int, float]], metric: str = "m", axis: str = "arm") -> list[dict]:
+    return [{"levels": {axis: arm}, "seed": seed, "summary": {metric: value}}
+            for arm, by_seed in table.items() for seed, value in by_seed.items()]
+
+
+# the 2 x 2 of issue 32 on three seeds, values chosen so every contrast is worked by hand below
+GRID = {
+    "base": {0: 0.30, 1: 0.40, 2: 0.50},
+    "mask": {0: 0.32, 1: 0.41, 2: 0.49},
+    "adv": {0: 0.29, 1: 0.44, 2: 0.52},
+    "both": {0: 0.35, 1: 0.47, 2: 0.56},
+}
+T_975_2 = 4.302652729911275  # Student t, 2 degrees of freedom, 97.5%
+
+
+def test_interaction_contrast_golden():
+    # I = (both - mask) - (adv - base): seed 0 0.03 - (-0.01) = 0.04, seed 1 0.06 - 0.04 = 0.02,
+    # seed 2 0.07 - 0.02 = 0.05; mean 0.03667, sd sqrt(0.000467 / 2) = 0.01528, half-width
+    # 4.3027 x 0.01528 / sqrt(3) = 0.03795: [-0.0013, 0.0746], which just fails to exclude 0.
+    values = [0.04, 0.02, 0.05]
+    mean = sum(values) / 3
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 2)
+    half = T_975_2 * sd / math.sqrt(3)
+    got = evaluate(parse_claim("(both - mask) - (adv - base) != 0"), records_of(GRID), "m")
+    assert got.seeds == (0, 1, 2) and got.interval.n == 3
+    assert got.interval.mean == pytest.approx(mean, abs=1e-12)
+    assert (got.interval.low, got.interval.high) == (pytest.approx(mean - half), pytest.approx(mean + half))
+    assert got.interval.low == pytest.approx(-0.0013, abs=1e-4) and got.interval.high == pytest.approx(0.0746, abs=1e-4)
+    assert got.verdict == NOT_RESOLVED
+
+
+def test_max_and_scaled_terms_match_a_plain_loop():
+    claim = parse_claim("both - max(mask, adv) + 0.5 * -(base - 'arm=mask') > 0")
+    got = evaluate(claim, records_of(GRID), "m")
+    expected = [GRID["both"][s] - max(GRID["mask"][s], GRID["adv"][s]) + 0.5 * -(GRID["base"][s] - GRID["mask"][s])
+                for s in (0, 1, 2)]
+    assert got.interval.mean == pytest.approx(sum(expected) / 3, abs=1e-12)
+
+
+def test_only_seeds_every_term_has_are_paired():
+    grid = {**GRID, "both": {0: 0.35, 2: 0.56, 7: 0.9}}
+    got = evaluate(parse_claim("both - base > 0"), records_of(grid), "m")
+    assert got.seeds == (0, 2) and got.interval.mean == pytest.approx((0.05 + 0.06) / 2)
+
+
+@pytest.mark.parametrize("values, op, verdict", [
+    ([0.02, 0.03, 0.025], ">", HELD),
+    ([0.02, 0.03, 0.025], "<", NOT_HELD),
+    ([-0.02, -0.03, -0.025], ">", NOT_HELD),
+    ([-0.02, -0.03, -0.025], "<", HELD),
+    ([-0.02, 0.03, 0.0], ">", NOT_RESOLVED),
+    ([-0.02, 0.03, 0.0], "<", NOT_RESOLVED),
+    ([-0.02, -0.03, -0.025], "!=", HELD),
+    ([-0.02, 0.03, 0.0], "!=", NOT_RESOLVED),
+])
+def test_verdict_rule(values, op, verdict):
+    grid = {"a": {s: v for s, v in enumerate(values)}, "b": {s: 0.0 for s in range(len(values))}}
+    assert evaluate(parse_claim(f"a - b {op} 0"), records_of(grid), "m").verdict == verdict
+
+
+def test_no_verdict_before_the_preregistered_seeds_are_in():
+    held = evaluate(parse_claim("both - base > 0"), records_of(GRID), "m", seeds_needed=3)
+    assert held.verdict == HELD
+    early = evaluate(parse_claim("both - base > 0"), records_of(GRID), "m", seeds_needed=8)
+    assert early.verdict == NO_VERDICT and early.interval.n == 3
+    one = evaluate(parse_claim("both - base > 0"), records_of({"both": {0: 1.0}, "base": {0: 0.0}}), "m")
+    assert one.verdict == NOT_RESOLVED and one.interval.low is None
+
+
+def test_all_group_is_an_intersection_union(tmp_path):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(yaml.safe_dump({"metric": "m", "seeds": 3, "contrasts": [
+        {"name": "beats all", "all": ["both - base > 0", "both - mask > 0"]},
+        {"name": "beats adv and mask", "all": ["both - adv > 0", "mask - base > 0"]},
+        {"name": "one", "claim": "adv - base < 0"},
+    ]}))
+    text = contrasts_text(load_contrasts(spec), records_of(GRID))
+    assert "beats all: held" in text
+    # mask - base = (0.02, 0.01, -0.01): not resolved, so the group is not resolved
+    assert f"beats adv and mask: {NOT_RESOLVED}" in text
+    assert f"one: {NOT_RESOLVED}" in text
+
+
+def test_terms_must_select_one_group():
+    records = [{"levels": {"method": m, "lr": lr}, "seed": 0, "summary": {"m": 1.0}}
+               for m in ("r0", "b3") for lr in ("1e-4", "2.5e-5")]
+    with pytest.raises(SpecError, match=r"term 'r0' selects 2 groups .*'axis=level"):
+        evaluate(parse_claim("r0 - b3 > 0"), records, "m")
+    not_yet = evaluate(parse_claim("nope - 'method=b3,lr=1e-4' > 0"), records, "m")  # a group not recorded yet: no verdict
+    assert not_yet.verdict == NO_VERDICT and not_yet.interval is None
+    got = evaluate(parse_claim("'method=r0,lr=1e-4' - 'method=b3,lr=1e-4' > 0"), records, "m")
+    assert got.interval.mean == 0.0
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("a - b", "compares an expression with 0"),
+    ("a - b > 1", "compares an expression with 0"),
+    ("0 < a - b", "compares an expression with 0"),
+    ("a ** 2 > 0", "only \\+, - and \\*"),
+    ("a * b > 0", "needs a number"),
+    ("abs(a) > 0", "max\\(a, b, ...\\)"),
+    ("max(a) > 0", "max\\(a, b, ...\\)"),
+    ("a - 'arm' > 0", "expected 'axis=level"),
+    ("a - b.c > 0", "expected levels"),
+    ("a - (b > 0", "not an expression"),
+])
+def test_bad_claims_get_one_line(text, problem):
+    with pytest.raises(SpecError, match=problem) as err:
+        parse_claim(text)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("[1, 2]", "expected a mapping"),
+    ("metric: m\ncontrasts: []\nextra: 1", "unknown key"),
+    ("metric: m\nseeds: -1\ncontrasts: []", "'seeds' must be"),
+    ("metric: m\ncontrasts: [{name: x}]", "either 'claim: TEXT' or 'all"),
+    ("metric: m\ncontrasts: [{name: x, claim: 'a > 0', all: ['a > 0']}]", "either 'claim"),
+    ("metric: m\ncontrasts: [{name: x, all: []}]", "one or more claims"),
+    ("metric: m\ncontrasts: [{name: x, claim: 'a >'}]", "not an expression"),
+    ("metric: [", "not valid YAML"),
+])
+def test_bad_files_get_one_line(tmp_path, content, problem):
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    with pytest.raises(SpecError, match=problem):
+        load_contrasts(path)
+    with pytest.raises(SpecError, match="cannot read"):
+        load_contrasts(tmp_path / "missing.yaml")
+
+
+def test_sweep_report_prints_the_contrasts(tmp_path, capsys):
+    """`copc sweep FILE --report --contrasts C` reads the records and prints each verdict; a term naming no
+    group is one error line and exit 2."""
+    spec = tmp_path / "grid.yaml"
+    spec.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0, 1, 2], "shared": ["steps=2"],
+                                    "axes": {"arm": {a: [f"method={a}"] for a in [*GRID, "later"]}}, "report": ["eval_final"]}))
+    folder = tmp_path / "results" / "grid"
+    folder.mkdir(parents=True)
+    for record in records_of(GRID, metric="eval_final"):
+        name = f"arm={record['levels']['arm']}__seed{record['seed']}.json"
+        (folder / name).write_text(json.dumps({**record, "experiment": "grid", "version": 1}))
+    contrasts = tmp_path / "c.yaml"
+    contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3, "contrasts": [
+        {"name": "C2 interaction", "claim": "(both - mask) - (adv - base) != 0"},
+        {"name": "later", "claim": "both - later > 0"}]}))
+    args = [str(spec), "--results", str(tmp_path / "results"), "--report"]
+    capsys.readouterr()
+    assert sweep_cli([*args, "--contrasts", str(contrasts)]) == 0
+    out = capsys.readouterr().out
+    assert f"C2 interaction: {NOT_RESOLVED}" in out and "0.037 [-0.001, 0.075] (n=3)  seeds 0-2" in out
+    assert f"later: {NO_VERDICT}" in out and "no seed has every term" in out  # an arm still to run
+    contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "contrasts": [{"name": "x", "claim": "gone - base > 0"}]}))
+    assert sweep_cli([*args, "--contrasts", str(contrasts)]) == 2
+    err = capsys.readouterr().err
+    assert "'gone' is no level of this sweep (arm: adv, base, both, later, mask)" in err and err.count("\n") == 1
