@@ -164,7 +164,7 @@ def _evaluate(node: ast.AST, values: Callable[[str], np.ndarray]) -> np.ndarray:
         return stack.max(axis=0) if node.func.id == "max" else stack.min(axis=0)  # type: ignore[attr-defined]
     if isinstance(node, ast.Name):
         return values(node.id)
-    assert isinstance(node, ast.Constant)
+    assert isinstance(node, ast.Constant) and isinstance(node.value, str | int | float)
     return values(node.value) if isinstance(node.value, str) else np.asarray(float(node.value))
 
 
@@ -193,12 +193,13 @@ def evaluate(claim: Claim, records: Sequence[Mapping[str, object]], metric: str,
              confidence: float = 0.95) -> Verdict:
     """The claim's per-seed values over the seeds all its terms share, their t interval and the verdict."""
     groups = by_group(records, metric)
-    keys = {term: _select(term, list(groups), f"contrast {claim.text!r}") for term in _terms(claim.expression)}
-    missing = any(k is None for k in keys.values())
-    shared = [] if missing or not keys else sorted(set.intersection(*(set(groups[k]) for k in keys.values())))
+    selected = {term: _select(term, list(groups), f"contrast {claim.text!r}") for term in _terms(claim.expression)}
+    keys = {term: key for term, key in selected.items() if key is not None}
+    complete = bool(keys) and len(keys) == len(selected)
+    shared = sorted(set.intersection(*(set(groups[k]) for k in keys.values()))) if complete else []
     if not shared:
         return Verdict(claim.text, None, (), NO_VERDICT)
-    per_seed = _evaluate(claim.expression, lambda t: np.array([groups[keys[t]][s] for s in shared]))  # type: ignore[index]
+    per_seed = _evaluate(claim.expression, lambda t: np.array([groups[keys[t]][s] for s in shared]))
     interval = t_interval(np.broadcast_to(per_seed, (len(shared),)), confidence)
     verdict = NO_VERDICT if len(shared) < seeds_needed else _verdict(interval, claim.op)
     return Verdict(claim.text, interval, tuple(shared), verdict)
