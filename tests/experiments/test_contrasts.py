@@ -23,7 +23,7 @@ from copc.experiments.sweep_cli import sweep_cli
 from copc.experiments.sweep_spec import SpecError
 
 
-def records_of(table: dict[str, dict[int, float]], metric: str = "m", axis: str = "arm") -> list[dict]:
+def records_of(table: dict[str, dict[int, float]], metric: str = "eval_final", axis: str = "arm") -> list[dict]:
     return [{"levels": {axis: arm}, "seed": seed, "summary": {metric: value}}
             for arm, by_seed in table.items() for seed, value in by_seed.items()]
 
@@ -46,7 +46,7 @@ def test_interaction_contrast_golden():
     mean = sum(values) / 3
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 2)
     half = T_975_2 * sd / math.sqrt(3)
-    got = evaluate(parse_claim("(both - mask) - (adv - base) != 0"), records_of(GRID), "m")
+    got = evaluate(parse_claim("(both - mask) - (adv - base) != 0"), records_of(GRID), "eval_final")
     assert got.seeds == (0, 1, 2) and got.interval.n == 3
     assert got.interval.mean == pytest.approx(mean, abs=1e-12)
     assert (got.interval.low, got.interval.high) == (pytest.approx(mean - half), pytest.approx(mean + half))
@@ -56,7 +56,7 @@ def test_interaction_contrast_golden():
 
 def test_max_and_scaled_terms_match_a_plain_loop():
     claim = parse_claim("both - max(mask, adv) + 0.5 * -(base - 'arm=mask') > 0")
-    got = evaluate(claim, records_of(GRID), "m")
+    got = evaluate(claim, records_of(GRID), "eval_final")
     expected = [GRID["both"][s] - max(GRID["mask"][s], GRID["adv"][s]) + 0.5 * -(GRID["base"][s] - GRID["mask"][s])
                 for s in (0, 1, 2)]
     assert got.interval.mean == pytest.approx(sum(expected) / 3, abs=1e-12)
@@ -64,7 +64,7 @@ def test_max_and_scaled_terms_match_a_plain_loop():
 
 def test_only_seeds_every_term_has_are_paired():
     grid = {**GRID, "both": {0: 0.35, 2: 0.56, 7: 0.9}}
-    got = evaluate(parse_claim("both - base > 0"), records_of(grid), "m")
+    got = evaluate(parse_claim("both - base > 0"), records_of(grid), "eval_final")
     assert got.seeds == (0, 2) and got.interval.mean == pytest.approx((0.05 + 0.06) / 2)
 
 
@@ -80,21 +80,21 @@ def test_only_seeds_every_term_has_are_paired():
 ])
 def test_verdict_rule(values, op, verdict):
     grid = {"a": {s: v for s, v in enumerate(values)}, "b": {s: 0.0 for s in range(len(values))}}
-    assert evaluate(parse_claim(f"a - b {op} 0"), records_of(grid), "m").verdict == verdict
+    assert evaluate(parse_claim(f"a - b {op} 0"), records_of(grid), "eval_final").verdict == verdict
 
 
 def test_no_verdict_before_the_preregistered_seeds_are_in():
-    held = evaluate(parse_claim("both - base > 0"), records_of(GRID), "m", seeds_needed=3)
+    held = evaluate(parse_claim("both - base > 0"), records_of(GRID), "eval_final", seeds_needed=3)
     assert held.verdict == HELD
-    early = evaluate(parse_claim("both - base > 0"), records_of(GRID), "m", seeds_needed=8)
+    early = evaluate(parse_claim("both - base > 0"), records_of(GRID), "eval_final", seeds_needed=8)
     assert early.verdict == NO_VERDICT and early.interval.n == 3
-    one = evaluate(parse_claim("both - base > 0"), records_of({"both": {0: 1.0}, "base": {0: 0.0}}), "m")
+    one = evaluate(parse_claim("both - base > 0"), records_of({"both": {0: 1.0}, "base": {0: 0.0}}), "eval_final")
     assert one.verdict == NOT_RESOLVED and one.interval.low is None
 
 
 def test_all_group_is_an_intersection_union(tmp_path):
     spec = tmp_path / "c.yaml"
-    spec.write_text(yaml.safe_dump({"metric": "m", "seeds": 3, "contrasts": [
+    spec.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3, "contrasts": [
         {"name": "beats all", "all": ["both - base > 0", "both - mask > 0"]},
         {"name": "beats adv and mask", "all": ["both - adv > 0", "mask - base > 0"]},
         {"name": "one", "claim": "adv - base < 0"},
@@ -107,13 +107,13 @@ def test_all_group_is_an_intersection_union(tmp_path):
 
 
 def test_terms_must_select_one_group():
-    records = [{"levels": {"method": m, "lr": lr}, "seed": 0, "summary": {"m": 1.0}}
+    records = [{"levels": {"method": m, "lr": lr}, "seed": 0, "summary": {"eval_final": 1.0}}
                for m in ("r0", "b3") for lr in ("1e-4", "2.5e-5")]
     with pytest.raises(SpecError, match=r"term 'r0' selects 2 groups .*'axis=level"):
-        evaluate(parse_claim("r0 - b3 > 0"), records, "m")
-    not_yet = evaluate(parse_claim("nope - 'method=b3,lr=1e-4' > 0"), records, "m")  # a group not recorded yet: no verdict
+        evaluate(parse_claim("r0 - b3 > 0"), records, "eval_final")
+    not_yet = evaluate(parse_claim("nope - 'method=b3,lr=1e-4' > 0"), records, "eval_final")  # a group not recorded yet: no verdict
     assert not_yet.verdict == NO_VERDICT and not_yet.interval is None
-    got = evaluate(parse_claim("'method=r0,lr=1e-4' - 'method=b3,lr=1e-4' > 0"), records, "m")
+    got = evaluate(parse_claim("'method=r0,lr=1e-4' - 'method=b3,lr=1e-4' > 0"), records, "eval_final")
     assert got.interval.mean == 0.0
 
 
@@ -137,12 +137,12 @@ def test_bad_claims_get_one_line(text, problem):
 
 @pytest.mark.parametrize("content, problem", [
     ("[1, 2]", "expected a mapping"),
-    ("metric: m\ncontrasts: []\nextra: 1", "unknown key"),
-    ("metric: m\nseeds: -1\ncontrasts: []", "'seeds' must be"),
-    ("metric: m\ncontrasts: [{name: x}]", "either 'claim: TEXT' or 'all"),
-    ("metric: m\ncontrasts: [{name: x, claim: 'a > 0', all: ['a > 0']}]", "either 'claim"),
-    ("metric: m\ncontrasts: [{name: x, all: []}]", "one or more claims"),
-    ("metric: m\ncontrasts: [{name: x, claim: 'a >'}]", "not an expression"),
+    ("metric: eval_final\ncontrasts: []\nextra: 1", "unknown key"),
+    ("metric: eval_final\nseeds: -1\ncontrasts: []", "'seeds' must be"),
+    ("metric: eval_final\ncontrasts: [{name: x}]", "either 'claim: TEXT' or 'all"),
+    ("metric: eval_final\ncontrasts: [{name: x, claim: 'a > 0', all: ['a > 0']}]", "either 'claim"),
+    ("metric: eval_final\ncontrasts: [{name: x, all: []}]", "one or more claims"),
+    ("metric: eval_final\ncontrasts: [{name: x, claim: 'a >'}]", "not an expression"),
     ("metric: [", "not valid YAML"),
 ])
 def test_bad_files_get_one_line(tmp_path, content, problem):
@@ -179,3 +179,48 @@ def test_sweep_report_prints_the_contrasts(tmp_path, capsys):
     assert sweep_cli([*args, "--contrasts", str(contrasts)]) == 2
     err = capsys.readouterr().err
     assert "'gone' is no level of this sweep (arm: adv, base, both, later, mask)" in err and err.count("\n") == 1
+
+
+def test_curve_means_are_report_metrics(tmp_path, capsys):
+    """``mean:<curve>`` is the run mean of a record's diagnostic curve (the gain x delay table's drift), in
+    --report --metrics, in a sweep file's report list and in a contrasts file; an unknown name is one line."""
+    from copc.experiments.results import by_group
+
+    record = {"levels": {"arm": "a"}, "seed": 0, "summary": {},
+              "curves": {"drift": [[2, 0.1], [4, 0.3], [6, float("nan")], [8, 0.5]], "mask_rate": []}}
+    assert by_group([record], "mean:drift") == {(("arm", "a"),): {0: pytest.approx(0.3)}}
+    assert by_group([record], "mean:mask_rate") == {}  # an empty curve is no value, not 0
+    assert by_group([{**record, "curves": None}], "mean:drift") == {}  # a record from before curves
+    spec = tmp_path / "grid.yaml"
+    spec.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0], "shared": ["steps=2"],
+                                    "axes": {"arm": {"a": ["method=ppo"]}}, "report": ["mean:drift"]}))
+    (tmp_path / "results" / "grid").mkdir(parents=True)
+    (tmp_path / "results" / "grid" / "arm=a__seed0.json").write_text(json.dumps({**record, "experiment": "grid"}))
+    args = [str(spec), "--results", str(tmp_path / "results"), "--report"]
+    capsys.readouterr()
+    assert sweep_cli(args) == 0 and "mean:drift:\n  arm=a  0.300 (n=1)" in capsys.readouterr().out
+    assert sweep_cli([*args, "--metrics", "eval_final,mean:drift"]) == 0
+    with pytest.raises(SpecError, match=r"'mean:drfit' is no report metric.*mean:<curve> with <curve> one of drift"):
+        sweep_cli([*args, "--metrics", "mean:drfit"])
+    bad = tmp_path / "c.yaml"
+    bad.write_text("metric: mean:nope\ncontrasts: []")
+    with pytest.raises(SpecError, match="metric 'mean:nope' unknown"):
+        load_contrasts(bad)
+
+
+@pytest.mark.parametrize("contrasts, sweeps", [
+    ("confirm_maths.yaml", ["confirm_maths_s64.yaml", "confirm_maths_s16.yaml"]),
+    ("confirm_search.yaml", ["confirm_search_s64.yaml"]),
+])
+def test_committed_contrasts_name_levels_of_their_sweeps(contrasts, sweeps):
+    from pathlib import Path
+
+    from copc.experiments.contrasts import check_terms
+    from copc.experiments.sweep_spec import load_spec
+
+    experiments = Path(__file__).resolve().parents[2] / "experiments"
+    loaded = load_contrasts(experiments / "contrasts" / contrasts)
+    for sweep in sweeps:
+        spec = load_spec(experiments / sweep)
+        check_terms(loaded, spec.axes)
+        assert loaded.seeds == len(spec.seeds)  # verdicts wait for every pre-registered seed

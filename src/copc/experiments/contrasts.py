@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from copc.experiments.results import by_group, group_text
+from copc.experiments.results import by_group, group_text, known_metric, metric_names
 from copc.experiments.stats import Interval, t_interval
 from copc.experiments.sweep_spec import SpecError
 
@@ -226,6 +226,8 @@ def load_contrasts(path: str | Path) -> ContrastSet:
         raise SpecError(f"{where}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("metric"), str) or not isinstance(data.get("contrasts"), list):
         raise SpecError(f"{where}: expected a mapping with 'metric: NAME' and a 'contrasts:' list")
+    if not known_metric(data["metric"]):
+        raise SpecError(f"{where}: metric {data['metric']!r} unknown; valid: {metric_names()}")
     unknown = set(data) - {"metric", "seeds", "contrasts"}
     if unknown:
         raise SpecError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; the keys are metric, seeds, contrasts")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -53,8 +54,10 @@ __all__ = [
     "config_hash",
     "group_key",
     "group_text",
+    "known_metric",
     "load_records",
     "machine_info",
+    "metric_names",
     "paired_differences",
     "read_record",
     "report_text",
@@ -339,7 +342,22 @@ def group_text(key: tuple[tuple[str, str], ...]) -> str:
     return " ".join(f"{axis}={level}" for axis, level in key) or "(one cell)"
 
 
+def known_metric(metric: str) -> bool:
+    """A summary figure (:data:`SUMMARY_METRICS`) or ``mean:<curve>`` of a :data:`DIAGNOSTIC_CURVES` name."""
+    return metric in SUMMARY_METRICS or (metric.startswith("mean:") and metric[5:] in DIAGNOSTIC_CURVES)
+
+
+def metric_names() -> str:
+    """The valid report metrics, for error messages."""
+    return f"{', '.join(SUMMARY_METRICS)}, or mean:<curve> with <curve> one of {', '.join(DIAGNOSTIC_CURVES)}"
+
+
 def _metric(record: Mapping[str, object], metric: str) -> float | None:
+    if metric.startswith("mean:"):  # the run's mean of one diagnostic curve (its bins differ by at most one step)
+        curves = record.get("curves")
+        points = curves.get(metric[5:]) if isinstance(curves, dict) else None
+        values = [float(v) for _, v in points or () if v is not None and math.isfinite(float(v))]
+        return float(np.mean(values)) if values else None
     summary = record.get("summary")
     value = summary.get(metric) if isinstance(summary, dict) else None
     return float(value) if value is not None else None

@@ -13,7 +13,7 @@ from pathlib import Path
 from copc.experiments import sweep
 from copc.experiments.contrasts import load_contrasts
 from copc.experiments.report import print_report
-from copc.experiments.results import load_records, report_text
+from copc.experiments.results import known_metric, load_records, metric_names, report_text
 from copc.experiments.step_times import load_step_times, timing_key
 from copc.experiments.sweep import (
     Paths,
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "evaluations in a row more than 0.1 below the run's best so far)")
     parser.add_argument("--plot", default=None, metavar="DIR",
                         help="with --report: also draw <experiment>_curves.png and <experiment>_summary.png into DIR")
+    parser.add_argument("--metrics", default=None, metavar="NAME[,NAME]",
+                        help="with --report: tabulate these instead of the file's report list (a summary figure, "
+                             "or mean:<curve> for a diagnostic curve's run mean, e.g. mean:drift)")
     parser.add_argument("--contrasts", default=None, metavar="FILE",
                         help="with --report: the pre-registered contrasts in FILE, each with its paired interval "
                              "and verdict (copc.experiments.contrasts says the format)")
@@ -90,6 +93,13 @@ def sweep_cli(argv: Sequence[str]) -> int:
     collapse = _collapse_rule(args.collapse) if args.collapse else None
     spec = load_spec(args.file)
     spec = replace(spec, experiment=args.experiment or spec.experiment)
+    if args.metrics:
+        metrics = tuple(x for x in args.metrics.split(",") if x)
+        unknown = [x for x in metrics if not known_metric(x)]
+        if unknown or not metrics:
+            raise SpecError(f"--metrics {args.metrics!r}: {repr(unknown[0]) if unknown else 'nothing'} is no report metric; "
+                            f"valid: {metric_names()}")
+        spec = replace(spec, report=metrics)
     cells = expand(spec)
     if args.steps:
         cells = [replace(c, overrides=(*c.overrides, f"steps={args.steps}")) for c in cells]

@@ -17,7 +17,7 @@ from itertools import product
 from pathlib import Path
 
 from copc.config import ConfigError
-from copc.experiments.results import SUMMARY_METRICS
+from copc.experiments.results import known_metric, metric_names
 
 __all__ = ["Cell", "Heatmap", "SpecError", "SweepSpec", "expand", "load_spec", "parse_spec"]
 
@@ -143,11 +143,11 @@ def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepS
             raise SpecError(f"{source}: baseline {axis}={level} is not a level of the axes")
     report_value = data.get("report") or ["eval_last_half", "eval_final", "greedy_last_half"]
     if not isinstance(report_value, list):
-        raise SpecError(f"{source}: report must be a list of metric names; valid: {', '.join(SUMMARY_METRICS)}")
+        raise SpecError(f"{source}: report must be a list of metric names; valid: {metric_names()}")
     report = tuple(str(r) for r in report_value)
-    bad = [r for r in report if r not in SUMMARY_METRICS]
+    bad = [r for r in report if not known_metric(r)]
     if bad:
-        raise SpecError(f"{source}: report metric {bad[0]!r} unknown; valid: {', '.join(SUMMARY_METRICS)}")
+        raise SpecError(f"{source}: report metric {bad[0]!r} unknown; valid: {metric_names()}")
     heatmap = _parse_heatmap(data["heatmap"], axes, f"{source}: heatmap") if data.get("heatmap") else None
     return SweepSpec(experiment=experiment, description=str(data.get("description", "")), seeds=seeds,
                      shared=_overrides(data.get("shared", []), f"{source}: shared"), axes=axes,
