@@ -186,3 +186,20 @@ def test_missing_advantage_hook_fails_with_one_line(monkeypatch: pytest.MonkeyPa
 def test_the_installed_verl_passes_the_hook_check() -> None:
     for name in plugin.TRAINERS:
         plugin.check_verl_hook(get_trainer_cls(get_trainer_cls(name).verl_mode))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("version", ["0.10.0", "0.9.0", "1.2", "not-a-version"])
+def test_a_verl_outside_the_supported_range_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               version: str) -> None:
+    """The version check comes first, before the hook check and before any worker starts."""
+    monkeypatch.setattr(plugin, "_verl_version", lambda: version)
+    with pytest.raises(RuntimeError) as err:
+        get_trainer_cls("copc")(verl_cfg("copc", tmp_path))
+    assert str(err.value) == (f"copc's verl trainers support verl>=0.9.1,<0.10, but verl {version} is installed: "
+                              "pip install 'verl>=0.9.1,<0.10' (or copc[verl])")
+
+
+def test_the_installed_verl_is_in_the_supported_range() -> None:
+    plugin.check_verl_version()
+    plugin.check_verl_version("0.9.1")
+    plugin.check_verl_version("0.9.7.post1")

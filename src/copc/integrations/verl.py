@@ -113,6 +113,7 @@ __all__ = [
     "channels_from_verl_config",
     "check_verl_config",
     "check_verl_hook",
+    "check_verl_version",
     "copc_advantage_step",
     "copc_policy_loss",
     "copc_policy_weight",
@@ -266,6 +267,22 @@ def _verl_version() -> str:
         return str(getattr(__import__("verl"), "__version__", "unknown"))
 
 
+def check_verl_version(version: str | None = None) -> None:
+    """Fail with one line if the installed verl (or ``version``) is outside :data:`SUPPORTED_VERL`: copc's
+    trainers extend verl's v1 trainers and override a private method, which verl may change in any release."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    found = version or _verl_version()
+    try:
+        supported = Version(found) in SpecifierSet(SUPPORTED_VERL)
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        raise RuntimeError(f"copc's verl trainers support verl{SUPPORTED_VERL}, but verl {found} is installed: "
+                           f"pip install 'verl{SUPPORTED_VERL}' (or copc[verl])")
+
+
 def check_verl_hook(verl_trainer: type) -> None:
     """Fail with one line if verl's ``_compute_advantage`` (the private method copc overrides) moved or changed."""
     hook = getattr(verl_trainer, "_compute_advantage", None)
@@ -298,6 +315,7 @@ class CopcAdvantageMixin:
     _copc: CopcChannels
 
     def __init__(self, config: Any) -> None:
+        check_verl_version()
         check_verl_hook(get_trainer_cls(self.verl_mode))
         self._copc = check_verl_config(config)  # before any worker or Ray actor starts
         v1 = config.trainer.v1
