@@ -1,4 +1,4 @@
-"""What ``copc train`` and ``copc eval`` say while they run (issue 36, item 4): a plain line per step when
+"""What ``copc train`` and ``copc eval`` say while they run (issue 35, item 6): a plain line per step when
 stdout is not a terminal, a dash for an evaluation not made, one warning when no reward has been non-zero
 for ``no_signal_steps`` steps, and ``copc eval``'s progress on stderr."""
 

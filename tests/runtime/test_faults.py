@@ -12,9 +12,9 @@ regenerates the same batch, a resumed run continues the same timeline. Faults in
 - non-finite options and weights; bad dataset rows; prompts that fill the context (issue 10, defect 1);
 - resume: below the finished step, into a run_dir that does not exist, with only run_dir (the run's own
   config), past a finished run's final evaluation; copc eval of a damaged latest checkpoint or of a run
-  without one (issue 20);
+  without one (issue 34, cases 1, 2, 8, 9; issue 35, item 2);
 - a read-only run_dir or COPC_CACHE, a prompt longer than the model's own context, a full disk named by
-  its file with what was kept (issue 36).
+  its file with what was kept (issue 34, cases 4, 10, 12).
 
 docs/reliability.md lists each guarantee with the test here that checks it.
 """
@@ -478,7 +478,7 @@ def files_of(run_dir: Path) -> dict[str, bytes]:
 def test_resume_continues_the_run_as_configured_and_keeps_its_history(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 20, defects 1 and 6: ``resume=true run_dir=R`` alone continues R with R's own config (here
+    """Issue 35 item 2 and issue 34 case 1: ``resume=true run_dir=R`` alone continues R with R's own config (here
     not the default: a tiny model, sync driver, small batches), says from which step; steps below the
     finished ones are refused with R unchanged; the earlier final evaluation and wall time are kept."""
     run = tmp_path / "run"
@@ -507,7 +507,7 @@ def test_resume_continues_the_run_as_configured_and_keeps_its_history(
 
 
 def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 20, defect 5: a mistyped run_dir with resume=true used to start a new run there."""
+    """Issue 34, case 9: a mistyped run_dir with resume=true used to start a new run there."""
     assert cli(tmp_path / "typo", "resume=true") == 2
     line = one_error_line(capsys)
     assert "no run to resume" in line and "drop resume=true" in line, line
@@ -517,7 +517,7 @@ def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path: Path, caps
 def test_copc_eval_names_the_step_it_evaluates_and_what_it_skipped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 20, defects 2 and 4: a damaged latest checkpoint was passed over silently; a run dir without
+    """Issue 34, cases 2 and 8: a damaged latest checkpoint was passed over silently; a run dir without
     a checkpoint was called 'not an HF folder'."""
     run = tmp_path / "run"
     assert cli(run) == 0
@@ -652,7 +652,7 @@ def test_a_stop_signal_waits_for_the_end_of_the_step_and_a_second_one_does_not()
     assert not twice.value.clean
 
 
-# ------------------------------------------------- issue 36: read-only dirs, model context, full disk
+# ------------------------------------------- issue 34, cases 4, 10, 12: read-only dirs, model context, full disk
 def _mount_tmpfs(where: Path, options: str) -> Iterator[Path]:
     where.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
