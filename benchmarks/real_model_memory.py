@@ -6,6 +6,9 @@
 Runs the walk-through of docs/own-model.md (``math_tool`` on ``tests/fixtures/math_tool.jsonl``, COPC,
 real-model budgets) as a ``copc train`` subprocess and prints:
 
+- the trainer's peak RSS in each phase of a step (batch, prepare, critic, actor, publish, and
+  ``other``: start-up, model loading, evaluations and checkpoints), from the run's ``memory/peak_*``
+  metrics (copc.trainer.memory), which say where the memory goes;
 - peak memory of the whole process tree (trainer, rollout workers, the sandbox's fork server), as the
   sum of PSS (proportional set size: a shared page, e.g. the weight ring, is counted once in total, not
   once per process that maps it) and the trainer's own peak RSS, sampled every second from ``/proc``;
@@ -115,14 +118,31 @@ def main() -> None:
         wall = time.perf_counter() - start
         if code != 0:
             raise SystemExit(f"copc train failed with exit code {code}")
-        steps = [float(r["time/step"]) for r in read_metrics(run_dir / "metrics.jsonl") if "time/step" in r]
+        records = read_metrics(run_dir / "metrics.jsonl")
+        steps = [float(r["time/step"]) for r in records if "time/step" in r]
+        phases = _phase_peaks(records)
+        own_gib = max([own_gib, *phases.values()])  # the exit's ru_maxrss covers only the time after the last step
         root = run_dir / "checkpoints"
         latest = root / (root / "latest").read_text().strip()
         print(f"{args.driver} {' '.join(args.overrides) or '(defaults)'}: peak PSS of the tree {tree_gib:.2f} GiB, "
               f"trainer peak RSS {own_gib:.2f} GiB, checkpoint {_size(latest) / 2**30:.2f} GiB "
               f"(checkpoints/ {_size(root) / 2**30:.2f} GiB), median step {statistics.median(steps):.1f} s, "
               f"wall {wall:.0f} s")
+        if phases:
+            print("trainer peak RSS by phase of a step (max over steps; copc.trainer.memory): "
+                  + ", ".join(f"{name} {gib:.2f}" for name, gib in phases.items())
+                  + " GiB (other: start-up, model loading, evaluations, checkpoints between steps)")
         print(_floor(Path(args.model), critic_backbone=True, peak_gib=tree_gib))
+
+
+def _phase_peaks(records: list[dict[str, float]]) -> dict[str, float]:
+    """``{phase: max over steps of memory/peak_<phase>}`` in the order of a step."""
+    order = ("batch", "prepare", "critic", "actor", "publish", "other")
+    found = {k[len("memory/peak_"):]: 0.0 for r in records for k in r if k.startswith("memory/peak_")}
+    for record in records:
+        for name in found:
+            found[name] = max(found[name], float(record.get(f"memory/peak_{name}", 0.0)))
+    return dict(sorted(found.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
 
 
 def _floor(model: Path, *, critic_backbone: bool, peak_gib: float) -> str:

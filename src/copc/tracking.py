@@ -125,6 +125,7 @@ PROXIMAL_SNAPSHOT_BYTES = "proximal/snapshot_bytes"
 PROXIMAL_SNAPSHOT_VERSIONS = "proximal/snapshot_versions"
 PROXIMAL_VERSION_FORWARDS = "proximal/version_forwards"
 PROXIMAL_REUSED_ROWS_FRAC = "proximal/reused_rows_frac"
+MEMORY_PEAK = "memory/peak"
 
 #: Every metric name with its one-line meaning (units in brackets). Tokens are sampled (policy) tokens.
 METRICS: dict[str, str] = {
@@ -233,6 +234,8 @@ METRICS: dict[str, str] = {
     PROXIMAL_SNAPSHOT_VERSIONS: "trainer.proximal=snapshot: policy versions the snapshot store holds after the step",
     PROXIMAL_VERSION_FORWARDS: "trainer.proximal=snapshot: distinct behaviour versions of the batch (one old forward each)",
     PROXIMAL_REUSED_ROWS_FRAC: "fraction of rows whose old log-probs came from their first actor forward (trainer.old_forward_reuse)",
+    MEMORY_PEAK: "peak resident memory of the training process over the step, start-up and evaluations since the "
+                 "last step included (the largest memory/peak_<phase>; Linux) [GiB]",
 }
 
 #: Families named at run time: ``prefix + suffix``, e.g. ``buffer/dropped_timeout``, ``eval/accuracy/arith``.
@@ -240,6 +243,8 @@ PREFIXES: dict[str, str] = {
     "buffer/dropped_": "trajectories dropped for the named reason (cumulative)",
     "eval/": "per-benchmark and per-k eval metrics: eval/<metric>/<task>, eval/pass@<k>, eval/avg@<k>",
     "time/": "other named timings [s]",
+    "memory/peak_": "peak resident memory of the training process in the named phase of the step (batch, prepare, "
+                    "critic, actor, publish; other: start-up, evaluation, checkpoints since the last step) [GiB]",
     "rollout/": "task-specific rollout counters (means over the batch)",
     "train/lr_": "learning rate of the named optimizer (train/lr_actor, train/lr_critic)",
 }

@@ -25,7 +25,7 @@ from copc.trainer.checkpoint import load_latest
 from copc.trainer.config import TrainerConfig
 
 #: Metrics that measure time (and so differ between runs) or depend on who generated the batch.
-VOLATILE = ("time/", "perf/", "buffer/", "runtime/")
+VOLATILE = ("time/", "perf/", "memory/", "buffer/", "runtime/")
 
 
 def small_config(run_dir: Path, *, driver: str, mode: str = "fixed_lag", s: int = 0, steps: int = 3,

@@ -54,7 +54,7 @@ from copc.trainer.config import TrainerConfig
 pytestmark = pytest.mark.timeout(400)  # generous: a 2-core machine shared with other jobs
 
 #: Metrics that measure time or who generated the batch (they differ between equal runs).
-VOLATILE = ("time/", "perf/", "buffer/", "runtime/")
+VOLATILE = ("time/", "perf/", "memory/", "buffer/", "runtime/")
 
 
 def config(run_dir: Path, *, driver: str = "async", steps: int = 6, **extra: object) -> RunConfig:

@@ -38,7 +38,7 @@ from copc.trainer.config import TrainerConfig
 pytestmark = pytest.mark.timeout(300)
 
 #: Metrics that measure time or who generated the batch (they differ between equal runs).
-VOLATILE = ("time/", "perf/", "buffer/", "runtime/")
+VOLATILE = ("time/", "perf/", "memory/", "buffer/", "runtime/")
 
 
 @pytest.fixture(scope="module", autouse=True)

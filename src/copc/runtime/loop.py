@@ -29,6 +29,7 @@ from copc.rollout.generator import GeneratedBatch
 from copc.runtime.staleness import realized_staleness
 from copc.runtime.stall import StallWatchdog
 from copc.trainer.batching import collate
+from copc.trainer.memory import PEAKS
 from copc.trainer.trainer import ActorCriticTrainer
 
 __all__ = [
@@ -207,7 +208,7 @@ def _one_step(
     history: list[dict[str, float]],
 ) -> None:
     start = time.perf_counter()
-    with watchdog.paused() if wait_bounded else nullcontext():
+    with watchdog.paused() if wait_bounded else nullcontext(), PEAKS.phase("batch"):
         batch, waited = source.next_batch(step)
     with signals.step():
         if trainer.version != step:
@@ -222,9 +223,10 @@ def _one_step(
         metrics = rollout_metrics(batch, trainer.version)
         metrics.update(trainer.step(train_batch))
         published = time.perf_counter()
-        weights = trainer.policy_weights()
-        check_finite(step, metrics, weights)
-        source.publish(trainer.version, weights)
+        with PEAKS.phase("publish"):
+            weights = trainer.policy_weights()
+            check_finite(step, metrics, weights)
+            source.publish(trainer.version, weights)
         step_s = time.perf_counter() - start
         metrics.update({
             m.TIME_GENERATE: batch.generate_s,
@@ -234,6 +236,7 @@ def _one_step(
             m.PERF_TOKENS_PER_S: int(train_batch.attention_mask.sum()) / max(step_s, 1e-9),
         })
         metrics.update(source.metrics())
+        metrics.update(PEAKS.take())
         history.append(metrics)
         if on_step is not None:
             on_step(step, metrics, batch)

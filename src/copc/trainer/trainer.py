@@ -53,6 +53,7 @@ from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer
 from copc.trainer.config import TrainerConfig
 from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
 from copc.trainer.forwards import Forwards
+from copc.trainer.memory import PEAKS
 from copc.trainer.proximal import (
     Proximal,
     check_proximal_source,
@@ -412,15 +413,18 @@ class ActorCriticTrainer:
         start, cpu_start = time.perf_counter(), time.thread_time()
         self.policy.train()
         try:
-            st = self.prepare(batch)
+            with PEAKS.phase("prepare"):
+                st = self.prepare(batch)
             metrics = step_diagnostics(batch, loss_mask=st.loss_mask, returns=st.returns, values_old=st.values_old,
                                        log_w=st.log_w)
             metrics.update({k: float(v) for k, v in st.adv_stats.items()})
             if self.critic is not None:
                 self.critic.train()
-                metrics.update(self._critic_updates(batch, st))
+                with PEAKS.phase("critic"):
+                    metrics.update(self._critic_updates(batch, st))
             if self.steps_done >= self.warmup_steps:
-                metrics.update(self._actor_updates(batch, st))
+                with PEAKS.phase("actor"):
+                    metrics.update(self._actor_updates(batch, st))
         finally:
             self._early.clear()  # never hold a graph past its step
             self._early_values.clear()
