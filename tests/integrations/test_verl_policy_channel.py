@@ -154,17 +154,42 @@ def test_trainer_writes_verls_grpo_advantages_and_copcs_policy_weight(monkeypatc
     assert not any(name.startswith("copc/adv/") for name in metrics)  # no advantage channel ran
 
 
-def test_docs_policy_channel_command_composes_to_the_policy_channel_alone() -> None:
-    """docs/verl.md's command for the policy channel alone ('...' stands for model and data options)."""
+def policy_channel_command() -> list[str]:
+    """docs/verl.md's command for the policy channel alone, as argv words ('...' stands for model and data)."""
     import shlex
 
     text = (Path(__file__).resolve().parents[2] / "docs/verl.md").read_text()
     section = text.split("## The COPC policy channel alone", 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
-    words = [w for w in shlex.split(block.replace("\\\n", " "), comments=True) if w != "..."]
+    return [w for w in shlex.split(block.replace("\\\n", " "), comments=True) if w != "..."]
+
+
+def test_docs_policy_channel_command_composes_to_the_policy_channel_alone() -> None:
+    """The documented command composes with verl's Hydra config to the policy channel alone, run by copc's trainer."""
+    words = policy_channel_command()
     assert words[:5] == ["python3", "-m", "verl.trainer.main_ppo", "--config-name", plugin.CONFIG_NAME]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         cfg = compose(config_name=words[4], overrides=words[5:])
     channels = plugin.check_verl_config(cfg)
     assert channels.advantage is None and channels.policy == get_method("copc").policy
     assert get_trainer_cls(cfg.trainer.v1.trainer_mode) is plugin.CopcTrainerColocateAsync
+
+
+def test_docs_policy_channel_command_through_verls_own_cli() -> None:
+    """verl's ``main_ppo`` (its Hydra app, copc loaded by ``import verl``) takes the documented command as
+    typed; ``--cfg job`` prints the composed config and stops before Ray or any model starts."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    words = policy_channel_command()
+    out = subprocess.run([sys.executable, *words[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300,
+                         check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = OmegaConf.create(yaml.safe_load(out.stdout))
+    channels = plugin.check_verl_config(cfg)
+    assert channels.advantage is None and channels.policy == get_method("copc").policy
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.copc.channels == "policy"
