@@ -221,10 +221,15 @@ def test_caller_killed_mid_run_leaves_nothing_behind() -> None:
     )
     assert caller.stdout is not None
     seen = json.loads(caller.stdout.readline())
+    # On a loaded machine (a training run beside the tests) the jail and its forks can take seconds to
+    # appear: wait for all four (the run, two forks' worth) rather than a fixed half second.
+    deadline = time.monotonic() + 30.0
+    while len(_alive(seen["uids"])) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _alive(seen["uids"]), "the long run should be alive before the caller is killed"
     caller.send_signal(signal.SIGKILL)
     caller.wait(timeout=10)
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 10.0
     while _alive(seen["uids"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _alive(seen["uids"]) == [], "processes of a dead caller's runs survived it"
