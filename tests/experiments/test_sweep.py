@@ -467,7 +467,8 @@ def test_fields_that_act_only_on_faults_leave_the_config_hash_unchanged(tmp_path
         del old[section][field]  # as written by code before the fields existed
     assert config_hash(old) == config_hash(cfg)
     other = to_dict(load_run_config(None, ["method=copc", "seed=2", "driver.silent_worker_warn_s=5",
-                                           "driver.silent_worker_restart_s=0"]))
+                                           "driver.silent_worker_restart_s=0",
+                                           "trainer.gradient_checkpointing=always"]))
     assert config_hash(other) == config_hash(cfg)
     assert config_hash(to_dict(load_run_config(None, ["method=copc", "seed=2", "driver.batch_timeout_s=5"]))) \
         != config_hash(cfg)

@@ -104,9 +104,11 @@ SUMMARY_METRICS = (
 
 # ------------------------------------------------------------------------------------------ records
 #: Nested keys (``section.field``) left out of the hash for the same reason: they act only on a fault
-#: (a stopped rollout worker), never on what a healthy run computes. Fields added after records were
-#: made go here, so those records keep their hash (their configs lack the keys).
-UNHASHED_NESTED_KEYS = ("driver.silent_worker_warn_s", "driver.silent_worker_restart_s")
+#: (a stopped rollout worker) or on how, not what, a run computes (activation recomputation: the same
+#: gradients), never on its results. Fields added after records were made go here, so those records keep
+#: their hash (their configs lack the keys).
+UNHASHED_NESTED_KEYS = ("driver.silent_worker_warn_s", "driver.silent_worker_restart_s",
+                        "trainer.gradient_checkpointing")
 
 
 def config_hash(config: Mapping[str, object]) -> str:

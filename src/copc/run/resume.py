@@ -16,7 +16,7 @@ from copc.config import ConfigError, to_dict
 from copc.run.config import RunConfig
 from copc.trainer.checkpoint import CheckpointError, list_checkpoints, load_latest
 
-__all__ = ["RESUME_MUST_MATCH", "check_resume_config", "earlier_wall_seconds", "find_checkpoint"]
+__all__ = ["RESUME_MAY_CHANGE", "RESUME_MUST_MATCH", "check_resume_config", "earlier_wall_seconds", "find_checkpoint"]
 
 
 #: Settings a resumed run must share with the checkpoint it continues, since they change what the run
@@ -25,9 +25,15 @@ RESUME_MUST_MATCH = ("task", "task_options", "method", "method_overrides", "seed
                      "staleness", "driver.kind", "driver.partial_rollouts", "driver.partial_chunk_tokens")
 
 
+#: Settings inside RESUME_MUST_MATCH's sections that change how, not what, a run computes: they may change.
+RESUME_MAY_CHANGE = ("trainer.gradient_checkpointing",)
+
+
 def _first_difference(saved: object, current: object, prefix: str) -> tuple[str, object, object] | None:
     if isinstance(saved, dict) and isinstance(current, dict):
         for key in sorted(set(saved) | set(current)):
+            if f"{prefix}.{key}" in RESUME_MAY_CHANGE:
+                continue
             found = _first_difference(saved.get(key), current.get(key), f"{prefix}.{key}")
             if found is not None:
                 return found

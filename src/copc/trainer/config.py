@@ -73,6 +73,12 @@ class TrainerConfig:
     """snapshot: bound of the stored versions (memory and checkpoints) [bytes]; needs (staleness + 1) x one."""
     old_forward_reuse: bool = False
     """recompute: take old of the first actor minibatch's rows from their own first forward (issue 12)."""
+    gradient_checkpointing: Literal["auto", "always", "never"] = "auto"
+    """Recompute each layer's activations in the backward pass instead of keeping them (the policy's and the
+    critic's updates): the same gradients, less memory, about one more forward of time. always | never |
+    auto: on for a model of at least 50M parameters (real models, where activations dominate the update's memory), off
+    below (copc.trainer.memory). It changes nothing a run computes, so it may change on resume and is left
+    out of sweep records' config hash."""
     critic_forward_reuse: bool = False
     """Take V_old of the first critic minibatch's rows from their own first critic forward (train mode, with
     grad, kept for that minibatch's update): one critic forward fewer per step; the kept activations live

@@ -1,4 +1,14 @@
-"""Peak resident memory of the training process, phase by phase (metrics ``memory/peak_<phase>``).
+"""Memory of the training process: where it goes (phase peaks) and activation recomputation.
+
+**Gradient checkpointing** (``trainer.gradient_checkpointing``): a Hugging Face model keeps, for its
+backward pass, every layer's activations of the rows in a forward; for a real model they outweigh the
+logits (SmolLM2-135M, 2 rows of 1000 tokens: about 2.5 GiB with SDPA attention). With checkpointing each
+layer's are recomputed in the backward pass from its input (``torch.utils.checkpoint``, non-reentrant):
+the gradients are the same, computed again in the same order, at about one more forward of time.
+``auto`` turns it on for models of at least :data:`CHECKPOINTING_MIN_PARAMS` parameters (the critic
+follows its own size) and leaves small models, whose activations are small, as they are.
+
+**Phase peaks** (metrics ``memory/peak_<phase>``).
 
 The kernel keeps one high-water mark of a process's resident set (``VmHWM`` in ``/proc/self/status``)
 and lets the process reset it to the current RSS (``5`` written to ``/proc/self/clear_refs``). Reading
@@ -24,10 +34,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
 
 from copc import tracking as m
 
-__all__ = ["PEAKS", "PhasePeaks"]
+__all__ = ["CHECKPOINTING_MIN_PARAMS", "PEAKS", "PhasePeaks", "is_checkpointing", "use_gradient_checkpointing"]
+
+#: ``trainer.gradient_checkpointing=auto`` turns it on for models of at least this many parameters.
+CHECKPOINTING_MIN_PARAMS = 50_000_000
 
 _GIB = 2.0**20  # VmHWM is in KiB
 
@@ -100,3 +116,28 @@ class PhasePeaks:
 
 #: The process's tracker: the high-water mark is one per process, so there is one tracker per process.
 PEAKS = PhasePeaks()
+
+
+def use_gradient_checkpointing(model: nn.Module | None, setting: str) -> bool:
+    """Turn on activation recomputation in ``model`` (a Hugging Face model, or copc's critic with its
+    ``backbone``) when ``setting`` says so (always; auto and a model of at least CHECKPOINTING_MIN_PARAMS
+    parameters); True when it is on. A model without Hugging Face's switch is left alone (False)."""
+    if model is None or setting == "never":
+        return False
+    target: Any = getattr(model, "backbone", model)
+    if not getattr(target, "supports_gradient_checkpointing", False):
+        return False
+    if setting == "auto" and sum(p.numel() for p in model.parameters()) < CHECKPOINTING_MIN_PARAMS:
+        return False
+    if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return True
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether ``model`` (or copc's critic's backbone) recomputes its activations in training."""
+    target: Any = getattr(model, "backbone", model)
+    flag = getattr(type(target), "is_activation_checkpointing", None)
+    return bool(target.is_activation_checkpointing if flag is not None else getattr(target, "is_gradient_checkpointing", False))

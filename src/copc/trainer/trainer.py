@@ -53,7 +53,7 @@ from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer
 from copc.trainer.config import TrainerConfig
 from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
 from copc.trainer.forwards import Forwards
-from copc.trainer.memory import PEAKS
+from copc.trainer.memory import PEAKS, use_gradient_checkpointing
 from copc.trainer.proximal import (
     Proximal,
     check_proximal_source,
@@ -124,6 +124,8 @@ class ActorCriticTrainer:
         check_proximal_source(method, config.proximal)
         self.policy, self.critic, self.reference = policy, critic if method.needs_critic else None, reference
         self.method, self.config = method, config
+        self.checkpointing = (use_gradient_checkpointing(policy, config.gradient_checkpointing),
+                              use_gradient_checkpointing(self.critic, config.gradient_checkpointing))
         opt = partial(make_optimizer, kind=config.optimizer, weight_decay=config.weight_decay, eps=config.adam_eps)
         self.actor_optimizer = opt(policy, lr=config.actor_lr)
         self.critic_optimizer = opt(self.critic, lr=config.critic_lr) if self.critic is not None else None
