@@ -46,7 +46,7 @@ import numpy as np
 
 from copc.experiments.results import by_group, group_text, known_metric, metric_names
 from copc.experiments.stats import Interval, t_interval
-from copc.experiments.sweep_spec import SpecError
+from copc.experiments.sweep_spec import SpecError, read_yaml_file
 
 __all__ = ["Claim", "ContrastSet", "Verdict", "check_terms", "contrasts_text", "evaluate", "load_contrasts", "parse_claim"]
 
@@ -215,15 +215,8 @@ def _combine(verdicts: Sequence[str]) -> str:
 
 def load_contrasts(path: str | Path) -> ContrastSet:
     """Read a contrasts file (module docstring); SpecError naming the file and the entry."""
-    import yaml
-
     where = str(path)
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise SpecError(f"{where}: cannot read the contrasts file ({err.strerror})") from None
-    except yaml.YAMLError as err:
-        raise SpecError(f"{where}: not valid YAML ({str(err).splitlines()[0]})") from None
+    data = read_yaml_file(path, "contrasts file")
     if not isinstance(data, dict) or not isinstance(data.get("metric"), str) or not isinstance(data.get("contrasts"), list):
         raise SpecError(f"{where}: expected a mapping with 'metric: NAME' and a 'contrasts:' list")
     if not known_metric(data["metric"]):

@@ -19,7 +19,7 @@ from pathlib import Path
 from copc.config import ConfigError
 from copc.experiments.results import known_metric, metric_names
 
-__all__ = ["Cell", "Heatmap", "SpecError", "SweepSpec", "expand", "load_spec", "parse_spec"]
+__all__ = ["Cell", "Heatmap", "SpecError", "SweepSpec", "expand", "load_spec", "parse_spec", "read_yaml_file"]
 
 #: Characters allowed in axis and level names (they become file names).
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -183,15 +183,20 @@ def _parse_heatmap(value: object, axes: Mapping[str, Mapping[str, object]], wher
     return Heatmap(names["rows"], names["cols"], names.get("panels"), str(lab["json"]), maps["rows"], maps["cols"], batch)
 
 
-def load_spec(path: str | os.PathLike[str]) -> SweepSpec:
+def read_yaml_file(path: str | os.PathLike[str], what: str) -> object:
+    """The YAML document in ``path``; SpecError naming the file when it cannot be read or parsed."""
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        return yaml.safe_load(Path(path).read_text())
     except OSError as err:
-        raise SpecError(f"cannot read sweep file {path}: {err.strerror}") from None
+        raise SpecError(f"cannot read {what} {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+
+
+def load_spec(path: str | os.PathLike[str]) -> SweepSpec:
+    data = read_yaml_file(path, "sweep file")
     if not isinstance(data, Mapping):
         raise SpecError(f"{path}: expected a mapping with experiment, axes, ...")
     return parse_spec(data, str(path))
