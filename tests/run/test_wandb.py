@@ -4,6 +4,7 @@ run directory holds the offline run with the same scalars as metrics.jsonl (issu
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -29,20 +30,37 @@ def test_an_offline_wandb_run_mirrors_the_metrics(tmp_path: Path, monkeypatch: p
     run_id = (run_dir / "wandb_id").read_text().strip()
     [offline] = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     [log] = list(offline.glob("*.wandb"))
-    # read the offline run's history back with wandb's own protobuf schema: every step's reward is there
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = {r["step"]: r["reward/mean"] for r in rows if "reward/mean" in r}
+    # W&B's writer (wandb-core) is its own process and may still be flushing when the run returns (seen
+    # once beside two training runs): read the file until every step is there, for at most 60 s.
+    deadline = time.monotonic() + 60.0
+    while True:
+        logged = _history(log)
+        if set(rewards) <= set(logged) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert rewards and set(rewards) <= set(logged), f"steps {sorted(rewards)}, W&B history has {sorted(logged)}"
+    assert all(logged[step]["reward/mean"] == value for step, value in rewards.items())
+    assert wandb.__version__
+
+
+def _history(log: Path) -> dict[int, dict[str, object]]:
+    """The history rows of an offline ``.wandb`` file, by step, read with wandb's own protobuf schema."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
     logged: dict[int, dict[str, object]] = {}
     for data in _records(log.read_bytes()):
         record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
+        try:
+            record.ParseFromString(data)
+        except DecodeError:  # the last record of a file still being written
+            continue
         if record.WhichOneof("record_type") == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             logged[int(items["_step"])] = items
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rewards = {r["step"]: r["reward/mean"] for r in rows if "reward/mean" in r}
-    assert rewards and all(logged[step]["reward/mean"] == value for step, value in rewards.items())
-    assert wandb.__version__
+    return logged
 
 
 def _records(raw: bytes) -> list[bytes]:
