@@ -109,11 +109,11 @@ def test_auto_turns_checkpointing_on_for_models_of_50m_parameters_and_more(monke
 
     model = build_tiny_model(build_tiny_tokenizer())
     critic = ValueModel.from_policy(model)
-    assert not memory.use_gradient_checkpointing(model, "auto") and not memory.is_checkpointing(model)
-    assert not memory.use_gradient_checkpointing(model, "never") and not memory.is_checkpointing(model)
+    assert not memory.use_gradient_checkpointing(model, "auto") and not is_checkpointing(model)
+    assert not memory.use_gradient_checkpointing(model, "never") and not is_checkpointing(model)
     monkeypatch.setattr(memory, "CHECKPOINTING_MIN_PARAMS", 1)  # the tiny model counts as large
-    assert memory.use_gradient_checkpointing(model, "auto") and memory.is_checkpointing(model)
-    assert memory.use_gradient_checkpointing(critic, "auto") and memory.is_checkpointing(critic)
+    assert memory.use_gradient_checkpointing(model, "auto") and is_checkpointing(model)
+    assert memory.use_gradient_checkpointing(critic, "auto") and is_checkpointing(critic)
     assert not memory.use_gradient_checkpointing(torch_linear(), "always")  # no HF switch: left alone
     assert not memory.use_gradient_checkpointing(None, "always")
 
@@ -156,3 +156,10 @@ def test_checkpointing_may_change_on_resume_and_a_run_from_before_it_existed_res
     check_resume_config(load_run_config(None, ["method=copc", "trainer.gradient_checkpointing=always"]), saved, tmp_path)
     with pytest.raises(ConfigError, match=r"trainer\.actor_lr"):  # a setting that changes the run still may not
         check_resume_config(load_run_config(None, ["method=copc", "trainer.actor_lr=3e-4"]), saved, tmp_path)
+
+
+def is_checkpointing(model) -> bool:
+    """Whether ``model`` (or copc's critic's backbone) recomputes its activations in training (the flag's
+    name changed in transformers 5.x)."""
+    target = getattr(model, "backbone", model)
+    return bool(getattr(target, "is_activation_checkpointing", None) or getattr(target, "is_gradient_checkpointing", False))

@@ -40,7 +40,7 @@ from torch import nn
 
 from copc import tracking as m
 
-__all__ = ["CHECKPOINTING_MIN_PARAMS", "PEAKS", "PhasePeaks", "is_checkpointing", "use_gradient_checkpointing"]
+__all__ = ["CHECKPOINTING_MIN_PARAMS", "PEAKS", "PhasePeaks", "use_gradient_checkpointing"]
 
 #: ``trainer.gradient_checkpointing=auto`` turns it on for models of at least this many parameters.
 CHECKPOINTING_MIN_PARAMS = 50_000_000
@@ -135,9 +135,3 @@ def use_gradient_checkpointing(model: nn.Module | None, setting: str) -> bool:
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return True
 
-
-def is_checkpointing(model: nn.Module) -> bool:
-    """Whether ``model`` (or copc's critic's backbone) recomputes its activations in training."""
-    target: Any = getattr(model, "backbone", model)
-    flag = getattr(type(target), "is_activation_checkpointing", None)
-    return bool(target.is_activation_checkpointing if flag is not None else getattr(target, "is_gradient_checkpointing", False))
