@@ -3,7 +3,6 @@ per-seed evaluation against a plain loop, and one-line errors for bad claims and
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -20,7 +19,8 @@ from copc.experiments.contrasts import (
     parse_claim,
 )
 from copc.experiments.sweep_cli import sweep_cli
-from copc.experiments.sweep_spec import SpecError
+from copc.experiments.sweep_spec import SpecError, load_spec
+from reference.sweep_records import write_cell_record
 
 
 def records_of(table: dict[str, dict[int, float]], metric: str = "eval_final", axis: str = "arm") -> list[dict]:
@@ -35,6 +35,8 @@ GRID = {
     "adv": {0: 0.29, 1: 0.44, 2: 0.52},
     "both": {0: 0.35, 1: 0.47, 2: 0.56},
 }
+ARM_METHODS = {"base": "async_ppo", "mask": "async_ppo_mask", "adv": "async_ppo_advantage", "both": "copc_behaviour",
+               "later": "vtrace"}  # the sweep file's arms as runnable cells
 T_975_2 = 4.302652729911275  # Student t, 2 degrees of freedom, 97.5%
 
 
@@ -159,12 +161,10 @@ def test_sweep_report_prints_the_contrasts(tmp_path, capsys):
     group is one error line and exit 2."""
     spec = tmp_path / "grid.yaml"
     spec.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0, 1, 2], "shared": ["steps=2"],
-                                    "axes": {"arm": {a: [f"method={a}"] for a in [*GRID, "later"]}}, "report": ["eval_final"]}))
-    folder = tmp_path / "results" / "grid"
-    folder.mkdir(parents=True)
+                                    "axes": {"arm": {a: [f"method={m}"] for a, m in ARM_METHODS.items()}}, "report": ["eval_final"]}))
     for record in records_of(GRID, metric="eval_final"):
-        name = f"arm={record['levels']['arm']}__seed{record['seed']}.json"
-        (folder / name).write_text(json.dumps({**record, "experiment": "grid", "version": 1}))
+        write_cell_record(load_spec(spec), tmp_path / "results", f"arm={record['levels']['arm']}__seed{record['seed']}",
+                          summary=record["summary"])
     contrasts = tmp_path / "c.yaml"
     contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3, "contrasts": [
         {"name": "C2 interaction", "claim": "(both - mask) - (adv - base) != 0"},
@@ -194,8 +194,7 @@ def test_curve_means_are_report_metrics(tmp_path, capsys):
     spec = tmp_path / "grid.yaml"
     spec.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0], "shared": ["steps=2"],
                                     "axes": {"arm": {"a": ["method=ppo"]}}, "report": ["mean:drift"]}))
-    (tmp_path / "results" / "grid").mkdir(parents=True)
-    (tmp_path / "results" / "grid" / "arm=a__seed0.json").write_text(json.dumps({**record, "experiment": "grid"}))
+    write_cell_record(load_spec(spec), tmp_path / "results", "arm=a__seed0", summary={}, curves=record["curves"])
     args = [str(spec), "--results", str(tmp_path / "results"), "--report"]
     capsys.readouterr()
     assert sweep_cli(args) == 0 and "mean:drift:\n  arm=a  0.300 (n=1)" in capsys.readouterr().out

@@ -193,7 +193,8 @@ def joint_spec(tmp_path, lab: dict | None = None):
     from copc.experiments.sweep_spec import parse_spec
 
     data = {"experiment": "joint", "seeds": [0, 1, 2], "shared": ["steps=4"],
-            "axes": {"mask": {"none": ["a=1"], "band": ["a=2"]}, "clip": {"w1": ["b=1"], "clip": ["b=2"]},
+            "axes": {"mask": {"none": ["trainer.actor_lr=1e-4"], "band": ["trainer.actor_lr=2e-4"]},
+                     "clip": {"w1": ["trainer.critic_lr=1e-3"], "clip": ["trainer.critic_lr=2e-3"]},
                      "s": {"key": "staleness.staleness", "values": [8, 16]}},
             "report": ["eval_last_half"], "heatmap": {"rows": "mask", "cols": "clip", "panels": "s"}}
     if lab is not None:
@@ -224,9 +225,12 @@ def test_bad_heatmap_section_fails_in_one_line_naming_it(heatmap, needle):
 
 
 def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_path, capsys):
+    from copc.config import to_dict
     from copc.experiments.interaction import heatmap_panels
     from copc.experiments.report import print_report
-    from copc.experiments.results import load_records, write_record
+    from copc.experiments.results import config_hash, load_records, write_record
+    from copc.experiments.sweep import Paths, resolve
+    from copc.experiments.sweep_spec import expand
 
     config = {"families": ["sparse"], "seeds": [0], "staleness": [8.0, 16.0], "mask_bands": [1.25, "inf"],
               "adv_clips": [0.0, 1.0], "batch_size": 64}
@@ -238,15 +242,21 @@ def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_pa
     spec = joint_spec(tmp_path, {"json": str(tmp_path / "lab.json"), "rows": {"band": 1.25, "none": math.inf},
                                  "cols": {"clip": 1.0, "w1": 0.0}})
     means = {("none", "w1"): 0.2, ("none", "clip"): 0.5, ("band", "w1"): 0.5, ("band", "clip"): 0.2}
-    folder = tmp_path / "results"
+    cells, paths = expand(spec), Paths(tmp_path / "results", tmp_path / "runs")
+    folder = paths.results / spec.experiment
+    by_id = {c.cell_id: c for c in cells}
+
+    def record(mask: str, clip: str, s: int, seed: int, value: float) -> None:
+        cell = by_id[f"mask={mask}__clip={clip}__s={s}__seed{seed}"]
+        digest = config_hash(to_dict(resolve(cell, paths.run_dir(cell))))
+        write_record(paths.record(spec.experiment, cell), {"levels": dict(cell.levels), "seed": seed,
+                                                           "config_hash": digest, "summary": {"eval_last_half": value}})
+
     for seed, jitter in enumerate((0.01, -0.01, 0.0)):
         for (mask, clip), mean in means.items():
-            write_record(folder / f"{mask}_{clip}_{seed}.json",
-                         {"levels": {"mask": mask, "clip": clip, "s": "16"}, "seed": seed,
-                          "summary": {"eval_last_half": mean + jitter * (1 if clip == "w1" else -1)}})
-    write_record(folder / "lone.json", {"levels": {"mask": "none", "clip": "w1", "s": "8"}, "seed": 0,
-                                        "summary": {"eval_last_half": 0.1}})
-    print_report(spec, 24, folder, baseline=None, collapse=None, plot_dir=tmp_path / "fig")
+            record(mask, clip, 16, seed, mean + jitter * (1 if clip == "w1" else -1))
+    record("none", "w1", 8, 0, 0.1)
+    print_report(spec, cells, paths, baseline=None, collapse=None, plot_dir=tmp_path / "fig")
     out = capsys.readouterr().out
     assert "s=8: eval_last_half: 1 of 4 cells recorded" in out
     assert "s=16: eval_last_half, seed mean over seeds 0, 1, 2" in out
@@ -263,16 +273,18 @@ def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_pa
 def test_a_missing_lab_json_fails_the_report_in_one_line(tmp_path, capsys):
     import yaml
 
-    from copc.experiments.results import write_record
     from copc.experiments.sweep_cli import sweep_cli
+    from copc.experiments.sweep_spec import load_spec
+    from reference.sweep_records import write_cell_record
 
-    spec = {"experiment": "joint", "seeds": [0], "axes": {"mask": {"none": ["a=1"]}, "clip": {"w1": ["b=1"]},
+    spec = {"experiment": "joint", "seeds": [0], "axes": {"mask": {"none": ["trainer.actor_lr=1e-4"]},
+                                                        "clip": {"w1": ["trainer.critic_lr=1e-3"]},
                                                         "s": {"key": "staleness.staleness", "values": [8]}},
             "heatmap": {"rows": "mask", "cols": "clip", "panels": "s",
                         "lab": {"json": str(tmp_path / "absent.json"), "rows": {"none": 2}, "cols": {"w1": 0}}}}
     (tmp_path / "joint.yaml").write_text(yaml.safe_dump(spec))
-    write_record(tmp_path / "results" / "joint" / "c.json", {"levels": {"mask": "none", "clip": "w1", "s": "8"},
-                                                             "seed": 0, "summary": {"eval_last_half": 0.5}})
+    write_cell_record(load_spec(tmp_path / "joint.yaml"), tmp_path / "results", "clip=w1__mask=none__s=8__seed0",
+                      summary={"eval_last_half": 0.5})
     code = sweep_cli([str(tmp_path / "joint.yaml"), "--report", "--results", str(tmp_path / "results")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1

@@ -89,6 +89,11 @@ def test_no_grids_crosses_every_axis():
         ({"baseline": {"method": "sao"}}, "baseline method=sao"),
         ({"report": ["accuracy"]}, "report metric"),
         ({"seed": 1}, "unknown key(s) seed"),
+        ({"accepted_records": {"method=dapo__seed0": {"config_hash": "0123456789abcdef", "why": "w"}}},
+         "'method=dapo__seed0' is no cell of this file"),
+        ({"accepted_records": {"method=ppo_sync__seed0": {"config_hash": "0123"}}}, "expected {cell id: {config_hash:"),
+        ({"accepted_records": {"method=ppo_sync__seed0": {"config_hash": "0123", "why": "w"}}}, "16 hex digits"),
+        ({"accepted_records": {"method=ppo_sync__seed0": {"config_hash": "0123456789abcdef", "why": " "}}}, "and why a reason"),
     ],
 )
 def test_bad_sweep_file_fails_in_one_line_naming_it(change, needle):
@@ -286,6 +291,76 @@ def test_cell_states(tmp_path):
     assert cell_state({**cfg, "steps": 20}, tmp_path / "run", record_path) == ("resume", "from step 10")
     shutil.rmtree(tmp_path / "run" / "checkpoints")  # ... but not without one
     assert cell_state({**cfg, "steps": 20}, tmp_path / "run", record_path)[0] == "conflict"
+
+
+def test_report_uses_only_records_the_cells_made_and_names_every_other(tmp_path, capsys):
+    """Nothing --report prints comes from a record the file's cells did not make: a record of another
+    config, or of no cell of the file, is left out and named in one line each; ``accepted_records`` (a
+    hash and a reason) takes an earlier spelling of a cell's config back, and --dry-run says why."""
+    data = {"experiment": "grid", "seeds": [0, 1], "shared": TINY, "report": ["eval_last_half"],
+            "axes": {"method": {"ppo": ["method=ppo"], "copc": ["method=copc"]}}}
+    spec_file = tmp_path / "grid.yaml"
+    spec_file.write_text(yaml.safe_dump(data))
+    results, runs = tmp_path / "results", tmp_path / "runs"
+    by_id = {c.cell_id: c for c in expand(load_spec(spec_file))}
+
+    def record(cell_id: str, value: float, *extra: str) -> str:
+        cell = by_id[cell_id]
+        cfg = to_dict(load_run_config(None, [*cell.overrides, *extra, f"seed={cell.seed}", f"run_dir={runs / cell_id}"]))
+        digest = config_hash(cfg)
+        write_record(results / "grid" / f"{cell_id}.json", {"version": 1, "levels": dict(cell.levels), "seed": cell.seed,
+                                                            "config_hash": digest, "summary": {"eval_last_half": value}})
+        return digest
+
+    for cell_id, value in [("method=ppo__seed0", 0.40), ("method=ppo__seed1", 0.42), ("method=copc__seed0", 0.30)]:
+        record(cell_id, value)
+    other = record("method=copc__seed1", 0.99, "trainer.actor_lr=3e-4")  # made by another config
+    write_record(results / "grid" / "method=vtrace__seed0.json", {"levels": {"method": "vtrace"}, "seed": 0,
+                                                                  "summary": {"eval_last_half": 0.77}})
+    args = [str(spec_file), "--results", str(results), "--runs", str(runs)]
+    capsys.readouterr()
+    assert sweep_cli([*args, "--report"]) == 0
+    out = capsys.readouterr().out
+    assert "experiment grid: 3 of 4 cells recorded" in out
+    assert f"left out: method=copc__seed1: {results / 'grid' / 'method=copc__seed1.json'} was made by config {other}" in out
+    assert "left out: 1 record(s) of no cell of the file: method=vtrace__seed0.json" in out
+    table = out.split("records; mean")[1]
+    assert "0.99" not in table and "0.77" not in table and "vtrace" not in table
+    assert "method=copc  0.300" in out and "(n=1)" in out
+    assert sweep_cli([*args, "--report", "--only", "seed0"]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 cells recorded" in out and "left out: 3 record(s) of no cell selected: " in out
+
+    data["accepted_records"] = {"method=copc__seed1": {"config_hash": other, "why": "the same computation, say why"}}
+    spec_file.write_text(yaml.safe_dump(data))
+    assert sweep_cli([*args, "--report"]) == 0
+    out = capsys.readouterr().out
+    assert "4 of 4 cells recorded" in out and "left out: method=copc" not in out and "0.645" in out
+    assert sweep_cli([*args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "method=copc__seed1" in x)
+    assert "recorded" in line and f"accepted: made by config {other} (the same computation, say why)" in line
+
+
+def test_every_committed_record_is_the_record_of_a_cell_of_its_file():
+    """The records under results/ are what docs/results.md reports: each must be a cell's own (made by
+    the config its experiment file gives now, or accepted with a reason), and none may be no cell's."""
+    from copc.experiments.sweep import Paths, report_records
+
+    results = EXPERIMENTS.parent / "results"
+    folders = {p.name for p in results.iterdir() if p.is_dir() and p.name != "warmstarts"}
+    again = {"e1_e4_kv_search_warmstart_b": "e1_e4_kv_search"}  # run with --experiment (docs/reproduce.md)
+    checked = set()
+    for path in sorted(EXPERIMENTS.glob("*.yaml")):
+        spec = load_spec(path)
+        for name in [spec.experiment, *(k for k, v in again.items() if v == spec.experiment)]:
+            if name not in folders:
+                continue
+            named = replace(spec, experiment=name)
+            _, left_out = report_records(named, expand(named), Paths(results, Path("runs") / "sweep" / name))
+            assert not left_out, f"{path.name} ({name}): {left_out}"
+            checked.add(name)
+    assert checked == folders, f"results folders of no experiment file: {sorted(folders - checked)}"
 
 
 def test_estimates_count_steps_and_evaluations():

@@ -1,4 +1,5 @@
-"""What ``copc sweep FILE --report`` prints and, with ``--plot DIR``, draws, from the records alone.
+"""What ``copc sweep FILE --report`` prints and, with ``--plot DIR``, draws, from the records alone
+(those the file's cells made now, or accepts; any other record file is named as left out).
 
 - the table of every report metric (copc.experiments.results.report_text): seed means with their t
   intervals, and each group's paired difference from the baseline;
@@ -12,24 +13,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from copc.experiments.contrasts import ContrastSet, check_terms, contrasts_text
-from copc.experiments.results import collapse_text, load_records, report_text
-from copc.experiments.sweep_spec import SweepSpec
+from copc.experiments.results import collapse_text, report_text
+from copc.experiments.sweep import Paths, report_records
+from copc.experiments.sweep_spec import Cell, SweepSpec
 
 __all__ = ["print_report"]
 
 
-def print_report(spec: SweepSpec, cells: int, folder: Path, *, baseline: Mapping[str, str] | None,
+def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseline: Mapping[str, str] | None,
                  collapse: tuple[str, float, int] | None, plot_dir: Path | None,
                  contrasts: ContrastSet | None = None) -> None:
-    """Print the report of the records in ``folder`` (``cells``: how many the sweep has) and draw its figures."""
+    """Print the report of the cells' records (copc.experiments.sweep.report_records: only those the
+    cells' configs made, the others named as left out) and draw its figures."""
     if contrasts is not None:
         check_terms(contrasts, spec.axes)
-    records = load_records(folder)
-    print(f"experiment {spec.experiment}: {len(records)} of {cells} cells recorded")
+    records, left_out = report_records(spec, cells, paths)
+    print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
+    for line in left_out:
+        print(line)
     print(report_text(records, spec.report, baseline or None))
     if not records:
         return
@@ -47,7 +52,7 @@ def print_report(spec: SweepSpec, cells: int, folder: Path, *, baseline: Mapping
     from copc.experiments.figures import plot_curves, plot_heatmaps, plot_summary
 
     title = f"{spec.experiment}: seed mean (band: min-max over seeds)"
-    paths = [plot_curves(records, ["accuracy", "greedy_accuracy"], plot_dir / f"{spec.experiment}_curves.png", title=title),
+    drawn = [plot_curves(records, ["accuracy", "greedy_accuracy"], plot_dir / f"{spec.experiment}_curves.png", title=title),
              plot_summary(records, list(spec.report), plot_dir / f"{spec.experiment}_summary.png",
                           title=f"{spec.experiment}: seed mean, 95% t interval over seeds")]
     if spec.heatmap is not None:
@@ -55,8 +60,8 @@ def print_report(spec: SweepSpec, cells: int, folder: Path, *, baseline: Mapping
 
         panels = heatmap_panels(records, spec, spec.report[0])
         if any(p.result is not None for p in panels):
-            paths.append(plot_heatmaps(panels, spec.heatmap.rows, spec.heatmap.cols, spec.heatmap.panels,
+            drawn.append(plot_heatmaps(panels, spec.heatmap.rows, spec.heatmap.cols, spec.heatmap.panels,
                                        plot_dir / f"{spec.experiment}_heatmaps.png",
                                        title=f"{spec.experiment}: seed means of the loop beside the lab's prediction"))
-    for path in paths:
+    for path in drawn:
         print(f"wrote {path}")

@@ -19,6 +19,8 @@ The YAML file (``experiments/*.yaml`` are the committed ones)::
       - {method: [ppo_sync]}             # axes a grid leaves out are not applied
       - {method: [async_ppo], s: all}
     baseline: {method: ppo_sync}         # what --report pairs the other cells with
+    accepted_records:                    # optional: a record made by an earlier spelling of a cell's config
+      method=ppo_sync__seed0: {config_hash: 0123456789abcdef, why: "the same computation: ..."}
     report: [eval_last_half, eval_final] # the record figures --report tabulates (optional)
     heatmap:                             # optional, a joint sweep (copc.experiments.interaction)
       rows: method                       # two axes crossed in every panel, one panel per level of
@@ -31,8 +33,10 @@ A cell is one grid point and one seed, its id ``axis=level__axis=level__seedN``;
 ``results/<experiment>/<cell-id>.json`` (``--commit``: and committed to git alone). Next time a cell with a
 record is skipped, a finished run without a record gets its record, one with a checkpoint is resumed
 (``resume=true``; a larger ``steps`` extends it), one without starts again. A run directory or record
-made by a different config is never reused: the sweep stops and names it. ``--experiment`` runs the grid
-again under another name (e.g. from another warm start, pinned in ``<results>/warmstarts``).
+made by a different config is never reused: the sweep stops and names it, and ``--report`` leaves it
+out and names it (unless ``accepted_records`` accepts that record, with a reason ``--dry-run`` prints).
+``--experiment`` runs the grid again under another name (e.g. from another warm start, pinned in
+``<results>/warmstarts``).
 
 Cells run ``--jobs`` at a time; by default as many as a short CPU probe finds the machine has free
 cores for (each added process must add at least :data:`PROBE_MIN_GAIN` of a core's throughput).
@@ -75,12 +79,12 @@ from copc.experiments.step_times import (
     timing_from_record,
     timing_key,
 )
-from copc.experiments.sweep_spec import Cell, SpecError, SweepSpec
+from copc.experiments.sweep_spec import Cell, SpecError, SweepSpec, expand
 from copc.run.build import run_dir_holder
 from copc.run.config import RunConfig, load_run_config
 from copc.trainer.checkpoint import list_checkpoints
 
-__all__ = ["cell_state", "estimate_seconds", "resolve", "run_cells"]
+__all__ = ["cell_state", "estimate_seconds", "report_records", "resolve", "run_cells"]
 
 #: An added parallel process must raise the probe's total throughput by this fraction of one process.
 PROBE_MIN_GAIN = 0.6
@@ -119,9 +123,13 @@ def _recorded_config(record: Mapping[str, object]) -> dict[str, object] | None:
         return None
 
 
-def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -> tuple[str, str]:
+def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path,
+               accepted: tuple[str, str] | None = None) -> tuple[str, str]:
     """``(state, detail)``: ``recorded``, ``finished`` (run done, record missing), ``resume`` (from a
     checkpoint), ``fresh``, or ``conflict`` (record or run directory of a different config).
+
+    ``accepted``: ``(config hash, why)`` from the sweep file's ``accepted_records``: a record made by that
+    hash is the cell's (``recorded``, the detail says so and why), and no other differing one is.
 
     A record or run of the same config with fewer ``steps`` is extended: resumed from its last checkpoint
     (the record is replaced when the longer run ends). The extended run trains exactly as a longer run
@@ -138,6 +146,8 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -
         recorded = _recorded_config(record)
         if record.get("config_hash") == want or (recorded is not None and config_hash(recorded) == want):
             return "recorded", ""
+        if accepted is not None and record.get("config_hash") == accepted[0]:
+            return "recorded", f"accepted: made by config {accepted[0]} ({accepted[1]})"
         shorter = recorded is not None and _same_except_steps(recorded, config)
         if not (shorter and int(record["steps"]) < steps and saved is not None and checkpoints):  # type: ignore[call-overload]
             return "conflict", (f"{record_path} was made by config {record.get('config_hash')}, the file now gives "
@@ -156,6 +166,35 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path) -
     if checkpoints:
         return "conflict", f"{run_dir} holds a run of another config; move it away to re-run the cell"
     return "fresh", "restart (no checkpoint)"
+
+
+def report_records(spec: SweepSpec, cells: Sequence[Cell], paths: Paths) -> tuple[list[dict[str, object]], list[str]]:
+    """``(records, left out)``: the records of ``cells`` that are the cells' own (state ``recorded``:
+    made by the config the file gives now, or accepted by its ``accepted_records``), and one line for
+    every record file of the experiment that is not: made by another config, shorter than the file's
+    ``steps`` (being extended), unreadable, or no cell's (e.g. an arm since removed, or outside ``--only``)."""
+    folder = paths.results / spec.experiment
+    records: list[dict[str, object]] = []
+    left_out: list[str] = []
+    mine = set()
+    for cell in cells:
+        path = paths.record(spec.experiment, cell)
+        mine.add(path.name)
+        if not path.is_file():
+            continue
+        run_dir = paths.run_dir(cell)
+        state, detail = cell_state(to_dict(resolve(cell, run_dir)), run_dir, path, spec.accepted.get(cell.cell_id))
+        if state != "recorded":
+            reason = detail if state == "conflict" else f"the record is shorter than the file's steps ({state} {detail})"
+            left_out.append(f"left out: {cell.cell_id}: {reason}")
+            continue
+        records.append(read_record(path))
+    if folder.is_dir():
+        others = sorted(p.name for p in folder.glob("*.json") if not p.name.startswith(".") and p.name not in mine)
+        if others:
+            shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+            left_out.append(f"left out: {len(others)} record(s) of no cell {'selected' if len(cells) < len(expand(spec)) else 'of the file'}: {shown}")
+    return records, left_out
 
 
 # ---------------------------------------------------------------------------------------- step times
@@ -335,7 +374,7 @@ def _launch_state(spec: SweepSpec, cell: Cell, paths: Paths, *, commit: bool, lo
         log(f"[sweep] {cell.cell_id}: skipped, pid {holder} is training in {run_dir}")
         return None
     config: dict[str, object] = dict(to_dict(resolve(cell, run_dir)))
-    state, detail = cell_state(config, run_dir, paths.record(spec.experiment, cell))
+    state, detail = cell_state(config, run_dir, paths.record(spec.experiment, cell), spec.accepted.get(cell.cell_id))
     if state == "conflict":
         raise SpecError(f"cell {cell.cell_id}: {detail}")
     if state == "recorded":
@@ -417,7 +456,8 @@ def plan_text(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, jobs: int) -
     for cell in cells:
         run_dir = paths.run_dir(cell)
         cfg = resolve(cell, run_dir)
-        state, detail = cell_state(to_dict(cfg), run_dir, paths.record(spec.experiment, cell))
+        state, detail = cell_state(to_dict(cfg), run_dir, paths.record(spec.experiment, cell),
+                                   spec.accepted.get(cell.cell_id))
         counts[state] = counts.get(state, 0) + 1
         start = max(list_checkpoints(run_dir), default=0) if state == "resume" else 0
         seconds, note = (0.0, "") if state in ("recorded", "finished") else estimate_seconds(cfg, table, start)

@@ -13,7 +13,7 @@ from pathlib import Path
 from copc.experiments import sweep
 from copc.experiments.contrasts import load_contrasts
 from copc.experiments.report import print_report
-from copc.experiments.results import known_metric, load_records, metric_names, report_text
+from copc.experiments.results import known_metric, metric_names, report_text
 from copc.experiments.step_times import load_step_times, timing_key
 from copc.experiments.sweep import (
     Paths,
@@ -21,6 +21,7 @@ from copc.experiments.sweep import (
     plan_text,
     prepare_warmstarts,
     probe_step_time,
+    report_records,
     resolve,
     run_cells,
 )
@@ -113,7 +114,7 @@ def sweep_cli(argv: Sequence[str]) -> int:
     if args.report:
         try:
             contrasts = load_contrasts(args.contrasts) if args.contrasts else None
-            print_report(spec, len(cells), paths.results / spec.experiment, baseline=_baseline(args.baseline, spec),
+            print_report(spec, cells, paths, baseline=_baseline(args.baseline, spec),
                          collapse=collapse, plot_dir=Path(args.plot) if args.plot else None, contrasts=contrasts)
         except ValueError as err:  # e.g. the heatmap's lab JSON missing (its path is relative to the working dir)
             print(f"copc sweep: error: {err}", file=sys.stderr)
@@ -143,5 +144,6 @@ def sweep_cli(argv: Sequence[str]) -> int:
     if failures:
         print(f"copc sweep: error: cells failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)
         return 1
-    print(report_text(load_records(paths.results / spec.experiment), spec.report, spec.baseline or None))
+    records, left_out = report_records(spec, cells, paths)
+    print("\n".join([*left_out, report_text(records, spec.report, spec.baseline or None)]))
     return 0

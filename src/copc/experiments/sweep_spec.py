@@ -12,7 +12,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from itertools import product
 from pathlib import Path
 
@@ -52,6 +52,9 @@ class SweepSpec:
     baseline: dict[str, str]
     report: tuple[str, ...]
     heatmap: Heatmap | None = None
+    #: cell id -> (config hash, why): a record made by an earlier spelling of the cell's config that
+    #: computes the same thing, accepted as the cell's (``accepted_records:``; the reason is printed).
+    accepted: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,8 @@ def _parse_axis(name: str, value: object, where: str) -> dict[str, tuple[str, ..
 
 def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepSpec:
     """A :class:`SweepSpec` from the YAML mapping (module docstring); :class:`SpecError` on bad input."""
-    known = {"experiment", "description", "seeds", "shared", "axes", "grids", "baseline", "report", "heatmap"}
+    known = {"experiment", "description", "seeds", "shared", "axes", "grids", "baseline", "report", "heatmap",
+             "accepted_records"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise SpecError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
@@ -149,9 +153,36 @@ def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepS
     if bad:
         raise SpecError(f"{source}: report metric {bad[0]!r} unknown; valid: {metric_names()}")
     heatmap = _parse_heatmap(data["heatmap"], axes, f"{source}: heatmap") if data.get("heatmap") else None
-    return SweepSpec(experiment=experiment, description=str(data.get("description", "")), seeds=seeds,
+    spec = SweepSpec(experiment=experiment, description=str(data.get("description", "")), seeds=seeds,
                      shared=_overrides(data.get("shared", []), f"{source}: shared"), axes=axes,
                      grids=tuple(grids), baseline=baseline, report=report, heatmap=heatmap)
+    if data.get("accepted_records"):
+        spec = replace(spec, accepted=_parse_accepted(data["accepted_records"], spec, f"{source}: accepted_records"))
+    return spec
+
+
+_HASH = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _parse_accepted(value: object, spec: SweepSpec, where: str) -> dict[str, tuple[str, str]]:
+    """``accepted_records: {CELL_ID: {config_hash: H, why: TEXT}}``: each names a cell of the file, the
+    16-hex-digit hash its record was made by, and why that record computes what the cell does now."""
+    form = "{cell id: {config_hash: <16 hex digits>, why: <why that record computes what the cell does now>}}"
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where}: expected {form}")
+    cells = {c.cell_id for c in expand(spec)}
+    accepted = {}
+    for cell_id, entry in value.items():
+        if str(cell_id) not in cells:
+            raise SpecError(f"{where}: {cell_id!r} is no cell of this file (cell ids: axis=level__...__seedN)")
+        if not isinstance(entry, Mapping) or set(entry) != {"config_hash", "why"}:
+            raise SpecError(f"{where}.{cell_id}: expected {form}")
+        digest, why = str(entry["config_hash"]), " ".join(str(entry["why"]).split())
+        if not _HASH.match(digest) or not why:
+            raise SpecError(f"{where}.{cell_id}: config_hash must be the record's 16 hex digits and why a reason; "
+                            f"got {digest!r}, {why!r}")
+        accepted[str(cell_id)] = (digest, why)
+    return accepted
 
 
 def _parse_heatmap(value: object, axes: Mapping[str, Mapping[str, object]], where: str) -> Heatmap:
