@@ -106,6 +106,11 @@ def test_all_group_is_an_intersection_union(tmp_path):
     # mask - base = (0.02, 0.01, -0.01): not resolved, so the group is not resolved
     assert f"beats adv and mask: {NOT_RESOLVED}" in text
     assert f"one: {NOT_RESOLVED}" in text
+    md = contrasts_text(load_contrasts(spec), records_of(GRID), markdown=True).splitlines()
+    rows = [line for line in md if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 5 and rows[0].startswith("| beats all: **held** | `both - base > 0` | ")
+    assert rows[1].startswith("|  | `both - mask > 0` | ") and rows[1].endswith(" | 3 | seeds 0-2 | held |")
+    assert rows[3].startswith("|  | `mask - base > 0` | 0.007 [") and rows[3].endswith(f" | {NOT_RESOLVED} |")
 
 
 def test_terms_must_select_one_group():

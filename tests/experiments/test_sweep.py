@@ -155,6 +155,12 @@ def test_paired_differences_pair_seeds_with_the_baseline_of_the_same_other_level
     assert seeds8 == [0] and interval8.mean == pytest.approx(0.05) and interval8.low is None
     text = report_text(records, ["eval_last_half"], {"method": "ppo_sync"})
     assert "method=copc s=16" in text and "0.120 [" in text and " *" in text
+    # --markdown: the same figures, one table; copc s=16 is 0.40, 0.52, 0.64 (sd 0.12, half width 0.298)
+    md = report_text(records, ["eval_last_half"], {"method": "ppo_sync"}, markdown=True).splitlines()
+    assert "| eval_last_half | mean [95% t interval] | n | minus method=ppo_sync [95% t interval] | n |" in md
+    assert "| method=ppo_sync | 0.400 [0.152, 0.648] | 3 | | |" in md
+    assert "| method=copc s=16 | 0.520 [0.222, 0.818] | 3 | **0.120 [0.070, 0.170]** | 3 |" in md
+    assert "| method=copc s=8 | 0.625 [-2.869, 4.119] | 2 | 0.050 | 1 |" in md  # one shared seed: no interval, not bold
 
 
 def test_records_of_one_seed_from_different_warm_starts_are_flagged():

@@ -248,15 +248,27 @@ def _seed_text(seeds: Sequence[int]) -> str:
     return "seeds " + ",".join(map(str, seeds))
 
 
-def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object]], confidence: float = 0.95) -> str:
-    """One block per contrast: each claim's paired mean [t interval] (n, seeds) and the verdict."""
+def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object]], confidence: float = 0.95, *,
+                   markdown: bool = False) -> str:
+    """One block per contrast: each claim's paired mean [t interval] (n, seeds) and the verdict;
+    ``markdown``: one Markdown table, a row per claim, the contrast's verdict on its first row."""
     pct = f"{100 * confidence:g}%"
     lines = [f"pre-registered contrasts on {contrasts.metric} (per-seed paired values, mean [{pct} t interval]; "
              f"verdicts need {contrasts.seeds or 2} seeds)"]
+    if markdown:
+        lines += ["", f"| contrast: verdict | claim | paired mean [{pct} t interval] | n | seeds | claim's verdict |",
+                  "| --- | --- | --- | --- | --- | --- |"]
     for name, claims, is_all in contrasts.entries:
         results = [evaluate(c, records, contrasts.metric, seeds_needed=contrasts.seeds, confidence=confidence)
                    for c in claims]
         overall = _combine([r.verdict for r in results]) if is_all else results[0].verdict
+        if markdown:
+            for i, r in enumerate(results):
+                numbers = "no seed has every term" if r.interval is None else r.interval.text().rsplit(" (n=", 1)[0]
+                head = f"{name}: **{overall}**" if i == 0 else ""
+                lines.append(f"| {head} | `{r.text}` | {numbers} | {r.interval.n if r.interval else 0} | "
+                             f"{_seed_text(r.seeds)} | {r.verdict} |")
+            continue
         lines.append(f"\n{name}: {overall}")
         for r in results:
             numbers = r.interval.text() if r.interval is not None else "no seed has every term"

@@ -26,7 +26,7 @@ __all__ = ["print_report"]
 
 def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseline: Mapping[str, str] | None,
                  collapse: tuple[str, float, int] | None, plot_dir: Path | None,
-                 contrasts: ContrastSet | None = None) -> None:
+                 contrasts: ContrastSet | None = None, markdown: bool = False) -> None:
     """Print the report of the cells' records (copc.experiments.sweep.report_records: only those the
     cells' configs made, the others named as left out) and draw its figures."""
     if contrasts is not None:
@@ -35,11 +35,11 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
     print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
     for line in left_out:
         print(line)
-    print(report_text(records, spec.report, baseline or None))
+    print(report_text(records, spec.report, baseline or None, markdown=markdown))
     if not records:
         return
     if contrasts is not None:
-        print("\n" + contrasts_text(contrasts, records))
+        print("\n" + contrasts_text(contrasts, records, markdown=markdown))
     if collapse is not None:
         metric, margin, patience = collapse
         print("\n" + collapse_text(records, metric, margin=margin, patience=patience))

@@ -429,9 +429,12 @@ def report_text(
     metrics: Sequence[str] = ("eval_last_half", "eval_final", "greedy_last_half"),
     baseline: Mapping[str, str] | None = None,
     confidence: float = 0.95,
+    *,
+    markdown: bool = False,
 ) -> str:
     """The table of one experiment: per group and metric, mean [95% t interval] over seeds, and the
-    paired difference from ``baseline`` with its interval (marked ``*`` where it excludes 0)."""
+    paired difference from ``baseline`` with its interval (marked ``*`` where it excludes 0);
+    ``markdown``: the same figures as one Markdown table per metric (for docs/results.md)."""
     if not records:
         return "no finished records"
     pct = f"{100 * confidence:g}%"
@@ -442,8 +445,11 @@ def report_text(
         groups = by_group(records, metric)
         if not groups:
             continue
-        lines.append(f"\n{metric}:")
         diffs = paired_differences(records, metric, baseline, confidence) if baseline else {}
+        if markdown:
+            lines.extend(_markdown_table(metric, groups, diffs, baseline, confidence))
+            continue
+        lines.append(f"\n{metric}:")
         width = max(len(group_text(k)) for k in groups)
         for key, values in groups.items():
             row = f"  {group_text(key):<{width}}  {t_interval(values.values(), confidence).text()}"
@@ -453,6 +459,35 @@ def report_text(
                 row += f"   minus {group_text(tuple(baseline.items())) if baseline else ''}: "
                 row += f"{interval.text()}{mark}"
             lines.append(row)
-    if baseline:
+    if baseline and not markdown:
         lines.append(f"\n* the {pct} interval of the paired difference excludes 0")
     return "\n".join(lines)
+
+
+def _markdown_table(metric: str, groups: Mapping[tuple[tuple[str, str], ...], Mapping[int, float]],
+                    diffs: Mapping[tuple[tuple[str, str], ...], tuple[Interval, list[int]]],
+                    baseline: Mapping[str, str] | None, confidence: float) -> list[str]:
+    """One metric of :func:`report_text` as a Markdown table (bold where the paired interval excludes 0)."""
+    pct = f"{100 * confidence:g}%"
+    base = group_text(tuple(baseline.items())) if baseline else ""
+    head = f"| {metric} | mean [{pct} t interval] | n |" + (f" minus {base} [{pct} t interval] | n |" if baseline else "")
+    rule = "| --- | --- | --- |" + (" --- | --- |" if baseline else "")
+    lines = ["", head, rule]
+    for key, values in groups.items():
+        interval = t_interval(values.values(), confidence)
+        row = f"| {group_text(key)} | {_bounds(interval)} | {interval.n} |"
+        if baseline:
+            diff = diffs.get(key)
+            if diff is None:
+                row += " | |"
+            else:
+                text = _bounds(diff[0])
+                row += f" {f'**{text}**' if diff[0].excludes_zero() else text} | {diff[0].n} |"
+        lines.append(row)
+    return lines
+
+
+def _bounds(interval: Interval, digits: int = 3) -> str:
+    if interval.low is None or interval.high is None:
+        return f"{interval.mean:.{digits}f}"
+    return f"{interval.mean:.{digits}f} [{interval.low:.{digits}f}, {interval.high:.{digits}f}]"

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--contrasts", default=None, metavar="FILE",
                         help="with --report: the pre-registered contrasts in FILE, each with its paired interval "
                              "and verdict (copc.experiments.contrasts says the format)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --report: the tables and contrasts as Markdown tables (what docs/results.md quotes)")
     parser.add_argument("--baseline", default=None, metavar="AXIS=LEVEL[,AXIS=LEVEL]",
                         help="the cells --report pairs the others with (default: the file's baseline)")
     parser.add_argument("--jobs", type=int, default=0, help="cells at a time (default: the measured capacity)")
@@ -115,7 +117,8 @@ def sweep_cli(argv: Sequence[str]) -> int:
         try:
             contrasts = load_contrasts(args.contrasts) if args.contrasts else None
             print_report(spec, cells, paths, baseline=_baseline(args.baseline, spec),
-                         collapse=collapse, plot_dir=Path(args.plot) if args.plot else None, contrasts=contrasts)
+                         collapse=collapse, plot_dir=Path(args.plot) if args.plot else None, contrasts=contrasts,
+                         markdown=args.markdown)
         except ValueError as err:  # e.g. the heatmap's lab JSON missing (its path is relative to the working dir)
             print(f"copc sweep: error: {err}", file=sys.stderr)
             return 2
