@@ -165,7 +165,7 @@ def test_paired_differences_pair_seeds_with_the_baseline_of_the_same_other_level
 
 def test_records_of_one_seed_from_different_warm_starts_are_flagged():
     """Step-0 evaluations are made before any update: two records of one seed that differ there started
-    from different policies (a warm start rebuilt on another CPU), so the report warns they are not paired."""
+    from different policies (a warm start rebuilt on another CPU), so the report warns and leaves them out of every pair."""
     def rec(cell: str, seed: int, acc: float, greedy: float) -> dict[str, object]:
         return {"cell": cell, "seed": seed, "levels": {"method": cell.split("__")[0]}, "summary": {"eval_final": acc},
                 "evals": [{"step": 0, "accuracy": acc, "greedy_accuracy": greedy}, {"step": 9, "accuracy": 0.5,
@@ -177,6 +177,13 @@ def test_records_of_one_seed_from_different_warm_starts_are_flagged():
         "seed 1: step-0 accuracy 0.21 / greedy 0.435: b__seed1; step-0 accuracy 0.42 / greedy 0.82: a__seed1"]
     assert report_text(mixed, ["eval_final"]).startswith("warning: records of one seed start from different policies")
     assert "warning" not in report_text(same, ["eval_final"])
+    # ... and they are not paired: seed 1 is left out of b - a, in the table and in a contrast
+    _, seeds = paired_differences(mixed, "eval_final", {"method": "a"})[(("method", "b"),)]
+    assert seeds == [0]
+    from copc.experiments.contrasts import evaluate, parse_claim
+
+    verdict = evaluate(parse_claim("b - a > 0"), mixed, "eval_final")
+    assert verdict.seeds == (0,) and verdict.unpaired == (1,) and verdict.interval.n == 1
     # records of different tasks start from different warm starts by design and are never paired
     tasks = [{**rec("a__seed0", 0, 0.385, 0.82), "config": {"task": "arith_tool"}},
              {**rec("b__seed0", 0, 0.21, 0.435), "config": {"task": "kv_search"}}]

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from copc.experiments.results import by_group, group_text, known_metric, metric_names
+from copc.experiments.results import by_group, group_text, known_metric, metric_names, same_start, start_keys
 from copc.experiments.stats import Interval, t_interval
 from copc.experiments.sweep_spec import SpecError, read_yaml_file
 
@@ -70,6 +70,7 @@ class Verdict:
     interval: Interval | None
     seeds: tuple[int, ...]
     verdict: str
+    unpaired: tuple[int, ...] = ()  # seeds every term has, left out: their records start from different policies
 
 
 @dataclass(frozen=True)
@@ -196,13 +197,16 @@ def evaluate(claim: Claim, records: Sequence[Mapping[str, object]], metric: str,
     selected = {term: _select(term, list(groups), f"contrast {claim.text!r}") for term in _terms(claim.expression)}
     keys = {term: key for term, key in selected.items() if key is not None}
     complete = bool(keys) and len(keys) == len(selected)
-    shared = sorted(set.intersection(*(set(groups[k]) for k in keys.values()))) if complete else []
+    common = sorted(set.intersection(*(set(groups[k]) for k in keys.values()))) if complete else []
+    starts = start_keys(records)
+    shared = [s for s in common if same_start(starts, list(keys.values()), s)]
+    unpaired = tuple(s for s in common if s not in shared)
     if not shared:
-        return Verdict(claim.text, None, (), NO_VERDICT)
+        return Verdict(claim.text, None, (), NO_VERDICT, unpaired)
     per_seed = _evaluate(claim.expression, lambda t: np.array([groups[keys[t]][s] for s in shared]))
     interval = t_interval(np.broadcast_to(per_seed, (len(shared),)), confidence)
     verdict = NO_VERDICT if len(shared) < seeds_needed else _verdict(interval, claim.op)
-    return Verdict(claim.text, interval, tuple(shared), verdict)
+    return Verdict(claim.text, interval, tuple(shared), verdict, unpaired)
 
 
 def _combine(verdicts: Sequence[str]) -> str:
@@ -240,6 +244,10 @@ def load_contrasts(path: str | Path) -> ContrastSet:
     return ContrastSet(data["metric"], seeds, tuple(entries))
 
 
+def _unpaired_text(r: Verdict) -> str:
+    return f" (left out, not paired: different step-0 evaluations: {_seed_text(r.unpaired)})" if r.unpaired else ""
+
+
 def _seed_text(seeds: Sequence[int]) -> str:
     if not seeds:
         return ""
@@ -267,11 +275,11 @@ def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object
                 numbers = "no seed has every term" if r.interval is None else r.interval.text().rsplit(" (n=", 1)[0]
                 head = f"{name}: **{overall}**" if i == 0 else ""
                 lines.append(f"| {head} | `{r.text}` | {numbers} | {r.interval.n if r.interval else 0} | "
-                             f"{_seed_text(r.seeds)} | {r.verdict} |")
+                             f"{_seed_text(r.seeds)}{_unpaired_text(r)} | {r.verdict} |")
             continue
         lines.append(f"\n{name}: {overall}")
         for r in results:
             numbers = r.interval.text() if r.interval is not None else "no seed has every term"
             seeds = _seed_text(r.seeds)
-            lines.append(f"  {r.text}:  {numbers}  {seeds}" + (f"  -> {r.verdict}" if is_all else ""))
+            lines.append(f"  {r.text}:  {numbers}  {seeds}{_unpaired_text(r)}" + (f"  -> {r.verdict}" if is_all else ""))
     return "\n".join(lines)

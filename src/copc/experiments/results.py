@@ -383,9 +383,11 @@ def paired_differences(
     ``baseline`` names levels (``{"method": "ppo_sync"}``); a group is compared with the baseline group
     whose levels agree with it on every axis the baseline does not name (so ``method=copc s=16`` is paired
     with ``method=ppo_sync`` alone when the baseline group has no ``s`` axis). Returns the interval and the
-    seeds used, for each group with at least one shared seed.
+    seeds used, for each group with at least one shared seed. A seed whose two records start from
+    different policies (:func:`start_mismatches`) is not shared: it is left out of the pair.
     """
     groups = by_group(records, metric)
+    starts = start_keys(records)
     base_groups = [k for k in groups if all(dict(k).get(a) == lv for a, lv in baseline.items())]
     out: dict[tuple[tuple[str, str], ...], tuple[Interval, list[int]]] = {}
     for key, values in groups.items():
@@ -397,10 +399,32 @@ def paired_differences(
         if not match:
             continue
         base = groups[match[0]]
-        seeds = sorted(set(values) & set(base))
+        seeds = [s for s in sorted(set(values) & set(base)) if same_start(starts, [key, match[0]], s)]
         if seeds:
             out[key] = (t_interval([values[s] - base[s] for s in seeds], confidence), seeds)
     return out
+
+
+def start_key(record: Mapping[str, object]) -> tuple[float, float] | None:
+    """The record's step-0 (accuracy, greedy accuracy), rounded: the policy it started from, as far as
+    the evaluation sees it; None for a record without a step-0 evaluation."""
+    evals = cast(list[dict[str, float]], record.get("evals", []) or [])
+    first = next((e for e in evals if e.get("step") == 0), None)
+    if first is None:
+        return None
+    return round(float(first.get("accuracy", math.nan)), 6), round(float(first.get("greedy_accuracy", math.nan)), 6)
+
+
+def start_keys(records: Sequence[Mapping[str, object]]) -> dict[tuple[tuple[tuple[str, str], ...], int], tuple[float, float] | None]:
+    """``{(group, seed): start_key}`` of the records."""
+    return {(group_key(r), int(cast(int, r["seed"]))): start_key(r) for r in records}
+
+
+def same_start(starts: Mapping[tuple[tuple[tuple[str, str], ...], int], tuple[float, float] | None],
+               groups: Sequence[tuple[tuple[str, str], ...]], seed: int) -> bool:
+    """Whether the records of ``groups`` at ``seed`` may be paired: no two known step-0 evaluations differ."""
+    known = {starts.get((g, seed)) for g in groups} - {None}
+    return len(known) <= 1
 
 
 def start_mismatches(records: Sequence[Mapping[str, object]]) -> list[str]:
@@ -411,10 +435,8 @@ def start_mismatches(records: Sequence[Mapping[str, object]]) -> list[str]:
     different warm starts by design and are never compared."""
     starts: dict[tuple[str, int], dict[tuple[float, float], list[str]]] = {}
     for record in records:
-        evals = cast(list[dict[str, float]], record.get("evals", []))
-        first = next((e for e in evals if e.get("step") == 0), None)
-        if first is not None:
-            key = (round(float(first["accuracy"]), 6), round(float(first["greedy_accuracy"]), 6))
+        key = start_key(record)
+        if key is not None:
             task = str(cast(Mapping[str, object], record.get("config", {})).get("task", ""))
             seed = int(cast(int, record["seed"]))
             starts.setdefault((task, seed), {}).setdefault(key, []).append(str(record["cell"]))
@@ -438,8 +460,8 @@ def report_text(
     if not records:
         return "no finished records"
     pct = f"{100 * confidence:g}%"
-    lines = [f"warning: records of one seed start from different policies, so they are not paired: {line}"
-             for line in start_mismatches(records)]
+    lines = [f"warning: records of one seed start from different policies, so they are not paired (each such "
+             f"pair is left out of the paired differences and contrasts): {line}" for line in start_mismatches(records)]
     lines.append(f"{len(records)} records; mean [{pct} t interval over seeds] (n = seeds)")
     for metric in metrics:
         groups = by_group(records, metric)
