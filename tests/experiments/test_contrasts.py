@@ -135,6 +135,8 @@ def test_terms_must_select_one_group():
     ("a - 'arm' > 0", "expected 'axis=level"),
     ("a - b.c > 0", "expected levels"),
     ("a - (b > 0", "not an expression"),
+    ("w1 - 0.8-1.2 < 0", "a number is added or subtracted"),  # the level 0.8-1.2 read as arithmetic
+    ("a - 16 > 0", "quoted 'axis=level' selector"),
 ])
 def test_bad_claims_get_one_line(text, problem):
     with pytest.raises(SpecError, match=problem) as err:
@@ -212,6 +214,30 @@ def test_curve_means_are_report_metrics(tmp_path, capsys):
         load_contrasts(bad)
 
 
+def test_a_term_is_resolved_against_the_grid_not_the_records_so_far(tmp_path, capsys):
+    """With axes method x lr, `copc - ppo` names two groups each: it must fail before any record makes
+    it look unique (one lr of each recorded so far would otherwise be compared with the other)."""
+    spec = tmp_path / "grid.yaml"
+    spec.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0, 1, 2], "shared": ["steps=2"],
+                                    "axes": {"method": {"copc": ["method=copc"], "ppo": ["method=ppo"]},
+                                             "lr": {"key": "trainer.actor_lr", "values": ["1e-4", "3e-5"]}},
+                                    "report": ["eval_final"]}))
+    for seed in range(3):  # only copc at 1e-4 and ppo at 3e-5 are recorded so far
+        write_cell_record(load_spec(spec), tmp_path / "results", f"lr=1e-4__method=copc__seed{seed}", summary={"eval_final": 0.5})
+        write_cell_record(load_spec(spec), tmp_path / "results", f"lr=3e-5__method=ppo__seed{seed}", summary={"eval_final": 0.1 * seed})
+    contrasts = tmp_path / "c.yaml"
+    contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "contrasts": [{"name": "x", "claim": "copc - ppo > 0"}]}))
+    args = [str(spec), "--results", str(tmp_path / "results"), "--report", "--contrasts", str(contrasts)]
+    capsys.readouterr()
+    assert sweep_cli(args) == 2
+    err = capsys.readouterr().err
+    assert "term 'copc' selects 2 groups (lr=1e-4 method=copc; lr=3e-5 method=copc)" in err and err.count("\n") == 1
+    contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "contrasts": [
+        {"name": "x", "claim": "'method=copc,lr=1e-4' - 'method=ppo,lr=1e-4' > 0"}]}))
+    assert sweep_cli(args) == 0  # a grid point not recorded yet: no verdict, no error
+    assert "no seed has every term" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("contrasts, sweeps", [
     ("confirm_maths.yaml", ["confirm_maths_s64.yaml", "confirm_maths_s16.yaml"]),
     ("confirm_search.yaml", ["confirm_search_s64.yaml"]),
@@ -220,11 +246,11 @@ def test_committed_contrasts_name_levels_of_their_sweeps(contrasts, sweeps):
     from pathlib import Path
 
     from copc.experiments.contrasts import check_terms
-    from copc.experiments.sweep_spec import load_spec
+    from copc.experiments.sweep_spec import expand, load_spec
 
     experiments = Path(__file__).resolve().parents[2] / "experiments"
     loaded = load_contrasts(experiments / "contrasts" / contrasts)
     for sweep in sweeps:
         spec = load_spec(experiments / sweep)
-        check_terms(loaded, spec.axes)
+        check_terms(loaded, spec.axes, [c.levels for c in expand(spec)])
         assert loaded.seeds == len(spec.seeds)  # verdicts wait for every pre-registered seed

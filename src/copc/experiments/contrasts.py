@@ -11,8 +11,8 @@ sweep's levels and compared with 0::
 
 A bare name is a level of any axis; a quoted ``axis=level[,axis=level]`` selector names levels where a
 bare name is not enough (a level that is not an identifier, or one shared by several groups). Each term
-must be a level of the sweep (checked against its file) and select at most one recorded group; a claim
-whose groups are not all recorded yet gets no verdict. The expression may add, subtract, multiply by a number and take
+must select exactly one grid point of the sweep (checked against its file, not against the records so
+far); a claim whose groups are not all recorded yet gets no verdict. Numbers only multiply. The expression may add, subtract, multiply by a number and take
 ``max``/``min`` of terms; it is evaluated seed by seed on the seeds every term has (the seeds are
 paired: one warm start and one prompt stream per seed), and the mean of those values gets the Student-t
 interval over seeds (copc.experiments.stats.t_interval).
@@ -87,6 +87,9 @@ def _check_tree(node: ast.AST, text: str) -> None:
             raise SpecError(bad + "only +, - and * by a number are allowed")
         if isinstance(node.op, ast.Mult) and not any(_is_number(n) for n in (node.left, node.right)):
             raise SpecError(bad + "a product needs a number on one side (e.g. 0.5 * (a + b))")
+        if isinstance(node.op, ast.Add | ast.Sub) and any(_is_number(n) for n in (node.left, node.right)):
+            raise SpecError(bad + "a number is added or subtracted; numbers only multiply (0.5 * (a + b)), and a "
+                            "level that is not a name (0.8-1.2, 16) is written as a quoted 'axis=level' selector")
         _check_tree(node.left, text)
         _check_tree(node.right, text)
     elif isinstance(node, ast.UnaryOp):
@@ -138,17 +141,24 @@ def _select(term: str, groups: Sequence[_Key], where: str) -> _Key | None:
     return hits[0] if hits else None
 
 
-def check_terms(contrasts: ContrastSet, axes: Mapping[str, Mapping[str, object]]) -> None:
-    """SpecError for a term that names no level of the sweep's ``axes`` (a typo, not a cell still to run)."""
+def check_terms(contrasts: ContrastSet, axes: Mapping[str, Mapping[str, object]], groups: Sequence[_Key]) -> None:
+    """SpecError for a term that names no level of the sweep's ``axes`` (a typo, not a cell still to run),
+    or that does not select exactly one of the sweep's ``groups`` (every grid point's levels): a term is
+    resolved against the whole grid, so its meaning cannot change as cells are recorded."""
+    groups = list(dict.fromkeys(groups))  # one per grid point (the cells repeat them per seed)
     for name, claims, _ in contrasts.entries:
         for claim in claims:
             for term in _terms(claim.expression):
                 pairs = [tuple(p.split("=", 1)) for p in term.split(",")] if "=" in term else None
                 known = (all(a in axes and lv in axes[a] for a, lv in pairs) if pairs is not None
                          else any(term in levels for levels in axes.values()))
+                where = f"contrast {claim.text!r} ({name})"
                 if not known:
                     listed = "; ".join(f"{a}: {', '.join(map(str, levels))}" for a, levels in axes.items())
-                    raise SpecError(f"contrast {claim.text!r} ({name}): {term!r} is no level of this sweep ({listed})")
+                    raise SpecError(f"{where}: {term!r} is no level of this sweep ({listed})")
+                if _select(term, groups, where) is None:
+                    raise SpecError(f"{where}: term {term!r} selects no grid point of this sweep (its levels are "
+                                    "never crossed); name one with 'axis=level[,axis=level]'")
 
 
 def _evaluate(node: ast.AST, values: Callable[[str], np.ndarray]) -> np.ndarray:

@@ -19,7 +19,7 @@ from pathlib import Path
 from copc.experiments.contrasts import ContrastSet, check_terms, contrasts_text
 from copc.experiments.results import collapse_text, report_text
 from copc.experiments.sweep import Paths, report_records
-from copc.experiments.sweep_spec import Cell, SweepSpec
+from copc.experiments.sweep_spec import Cell, SweepSpec, expand
 
 __all__ = ["print_report"]
 
@@ -30,7 +30,7 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
     """Print the report of the cells' records (copc.experiments.sweep.report_records: only those the
     cells' configs made, the others named as left out) and draw its figures."""
     if contrasts is not None:
-        check_terms(contrasts, spec.axes)
+        check_terms(contrasts, spec.axes, [c.levels for c in expand(spec)])
     records, left_out = report_records(spec, cells, paths)
     print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
     for line in left_out:
