@@ -71,8 +71,8 @@ def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_d
         "generate_s": sum(float(r["time/generate"]) for r in rows),
         "tool_cpu_s": tool_cpu,
         "train_s": sum(float(r["time/train"]) for r in rows),
-        "eval_s": float(summary["eval_seconds"]),  # type: ignore[arg-type]
-        "checkpoint_s": float(summary["checkpoint_seconds"]),  # type: ignore[arg-type]
+        "eval_s": float(summary["eval_seconds_this_process"]),  # type: ignore[arg-type]  (a fresh run: one process)
+        "checkpoint_s": float(summary["checkpoint_seconds_this_process"]),  # type: ignore[arg-type]
         "eval_before": float(summary["eval_accuracy_before"]),  # type: ignore[arg-type]
         "eval_after": float(summary["eval_accuracy_after"]),  # type: ignore[arg-type]
         "reward_last10": sum(rewards) / len(rewards),

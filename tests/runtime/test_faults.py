@@ -35,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import pytest
 import torch
 
@@ -494,7 +495,11 @@ def test_resume_continues_the_run_as_configured_and_keeps_its_history(
     assert train_cli([*bare, "steps=3", "seed=1"]) == 2  # changes what the run computes
     assert "seed=0" in one_error_line(capsys) and files_of(run) == before
     assert train_cli([*bare, "steps=3", "eval.samples=2"]) == 0
-    assert f"resuming {run} from the checkpoint of step 2" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "note: 'before' was evaluated with the run's earlier settings" in " ".join(out.split())
+    assert f"resuming {run} from the checkpoint of step 2" in err
+    # evaluations may change on resume, but the summary says that 'before' was made with the earlier ones
+    assert "note: the evaluation settings differ from the run's (eval.samples 1 -> 2)" in err
     assert logged_steps(run) == [0, 1, 2]
     evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
     assert [e["step"] for e in evals] == [0, 2, 3]  # the first process's final evaluation (step 2) kept
@@ -502,8 +507,18 @@ def test_resume_continues_the_run_as_configured_and_keeps_its_history(
     assert kept == [json.loads(x) for x in before["metrics.jsonl"].decode().splitlines() if "eval/accuracy" in x][-1]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["wall_seconds_this_process"] > 0
+    assert summary["eval_changed_on_resume"] == {"step": 2, "change": "eval.samples 1 -> 2"}
     assert summary["wall_seconds"] == pytest.approx(first["wall_seconds"] + summary["wall_seconds_this_process"],
                                                     abs=0.5)
+    # the run's figures are the whole run's (its metrics.jsonl), not the steps this process trained
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in x]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert summary["step_seconds_median"] == pytest.approx(float(np.median([r["time/step"] for r in rows])))
+    assert summary["train_reward_last"] == pytest.approx(rows[-1]["reward/mean"])
+    assert train_cli([*bare, "steps=3"]) == 0  # resumed at its end: nothing trained now, the figures stay
+    again = json.loads((run / "summary.json").read_text())
+    for key in ("step_seconds_median", "train_reward_last", "realized_staleness_mean"):
+        assert again[key] == summary[key], key
 
 
 def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

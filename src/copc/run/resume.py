@@ -16,7 +16,8 @@ from copc.config import ConfigError, to_dict
 from copc.run.config import RunConfig
 from copc.trainer.checkpoint import CheckpointError, list_checkpoints, load_latest
 
-__all__ = ["RESUME_MAY_CHANGE", "RESUME_MUST_MATCH", "check_resume_config", "earlier_wall_seconds", "find_checkpoint"]
+__all__ = ["RESUME_MAY_CHANGE", "RESUME_MUST_MATCH", "check_resume_config", "earlier_wall_seconds", "eval_change",
+           "find_checkpoint"]
 
 
 #: Settings a resumed run must share with the checkpoint it continues, since they change what the run
@@ -58,6 +59,18 @@ def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path
                 "would change what the run computes; drop that override (resume=true run_dir=... alone continues "
                 "the run as it was configured) or start a new run_dir"
             )
+
+
+def eval_change(cfg: RunConfig, saved: Mapping[str, object]) -> str | None:
+    """How the resumed run's ``eval`` settings differ from the checkpoint's (``eval.samples 1 -> 2``),
+    None when they do not: evaluations may change on resume, but the run's earlier evaluations (the
+    summary's "before") were made with the old ones, and the summary must say so."""
+    old, new = saved.get("eval"), to_dict(cfg).get("eval")
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return None
+    changed = [f"eval.{k} {json.dumps(old.get(k))} -> {json.dumps(new.get(k))}"
+               for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return ", ".join(changed) or None
 
 
 def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, object]] | None:

@@ -62,7 +62,7 @@ from copc.run.config import (
 )
 from copc.run.plots import plot_run
 from copc.run.progress import NoSignal, StepLines
-from copc.run.resume import earlier_wall_seconds, find_checkpoint
+from copc.run.resume import earlier_wall_seconds, eval_change, find_checkpoint
 from copc.run.tracker import Tracker
 from copc.run.wandb_mirror import WandbMirror
 from copc.runtime.async_local import AsyncSource
@@ -206,6 +206,7 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir,
                           context_limit=context_limit)
     start_step, summary_before = 0, None
+    eval_note: dict[str, object] | None = None
     if resumed is not None:
         saved.step, payload = resumed
         saved.wall_before = earlier_wall_seconds(run_dir, saved.step, payload)
@@ -216,6 +217,12 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
         restore_rng_state(payload["rng"])  # type: ignore[arg-type]
         start_step = int(payload["next_step"])  # type: ignore[call-overload]
         summary_before = payload.get("eval_before")
+        changed = eval_change(cfg, payload.get("config", {}))  # type: ignore[arg-type]
+        if changed:
+            eval_note = {"step": saved.step, "change": changed}
+            print(f"note: the evaluation settings differ from the run's ({changed}): the evaluations up to step "
+                  f"{saved.step}, the summary's 'before' among them, were made with the earlier ones",
+                  file=sys.stderr, flush=True)
     # A resumed run drops the records of the steps it redoes (all of them when no checkpoint was made); the
     # final evaluation of an earlier process that ended at the checkpoint stays when the run goes past it.
     mirror = WandbMirror(project=cfg.wandb_project, config=to_dict(cfg)).open(run_dir) if cfg.wandb else None
@@ -254,7 +261,9 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     tracker.close()
     summary = _summary(cfg, summary_before, after, loop, saved.wall_seconds(), run_dir)  # type: ignore[arg-type]
     summary["wall_seconds_this_process"] = time.perf_counter() - wall
-    summary["eval_seconds"], summary["checkpoint_seconds"] = saved.eval_s, saved.checkpoint_s  # this process's
+    if eval_note is not None:
+        summary["eval_changed_on_resume"] = eval_note
+    summary["eval_seconds_this_process"], summary["checkpoint_seconds_this_process"] = saved.eval_s, saved.checkpoint_s
     summary["restored_batches"] = source.restored if isinstance(source, AsyncSource) else 0
     summary["worker_restarts"] = source.restarts if isinstance(source, AsyncSource) else 0
     summary["journal_damaged"] = len(source.damaged) if isinstance(source, AsyncSource) else 0
@@ -347,8 +356,12 @@ def batch_wait_bounded(source: object) -> bool:
 def _summary(
     cfg: RunConfig, before: dict[str, float], after: dict[str, float], loop: LoopResult, wall: float, run_dir: Path
 ) -> dict[str, object]:
-    history = loop.history
+    # The run's training rows from its metrics.jsonl, not this process's loop: after a resume the file holds
+    # every step of the run once (the tracker drops the redone ones), the loop only those trained now.
+    history = [row for row in m.read_metrics(run_dir) if m.REWARD_MEAN in row and "step" in row] \
+        if (run_dir / "metrics.jsonl").is_file() else list(loop.history)
     tail = history[-max(1, len(history) // 5):] if history else []
+    times = [h[m.TIME_STEP] for h in history if m.TIME_STEP in h]
 
     def mean(key: str) -> float | None:
         values = [h[key] for h in tail if key in h]
@@ -371,7 +384,7 @@ def _summary(
         "seed": cfg.seed,
         "train_reward_last": mean(m.REWARD_MEAN),
         "realized_staleness_mean": mean(m.STALENESS_MEAN),
-        "step_seconds_median": float(np.median([h[m.TIME_STEP] for h in history])) if history else None,
+        "step_seconds_median": float(np.median(times)) if times else None,
         "run_dir": str(run_dir),
     }
 
@@ -400,6 +413,10 @@ def print_summary(summary: Mapping[str, object]) -> None:
     table.add_row("wall time (s)", "", f"{float(summary['wall_seconds']):.0f}")  # type: ignore[arg-type]
     console = Console()
     console.print(table)
+    changed = summary.get("eval_changed_on_resume")
+    if isinstance(changed, dict):
+        console.print(f"note: 'before' was evaluated with the run's earlier settings; they changed when it resumed "
+                      f"from step {changed['step']} ({changed['change']})", markup=False)
     console.print(f"run directory: [bold]{summary['run_dir']}[/bold]")
 
 
