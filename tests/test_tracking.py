@@ -125,6 +125,31 @@ def test_tensorboard_mirror_and_histogram(tmp_path):
     assert line[tracking.STALENESS_HIST] == {"counts": [1, 2, 1]}  # values 0, 1, 1, 2
 
 
+def test_tensorboard_hides_the_steps_a_resume_redoes(tmp_path):
+    """As metrics.jsonl drops the rows of redone steps, TensorBoard must not show them beside the new
+    ones (purge_step); the kept evaluation at a finished run's end stays in both."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars(tag: str) -> list[tuple[int, float]]:
+        events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+        events.Reload()
+        return sorted((e.step, e.value) for e in events.Scalars(tag))
+
+    with Tracker(tmp_path, strict=True) as tracker:  # killed after step 9; its checkpoint was step 5
+        for step in range(10):
+            tracker.log(step, {tracking.REWARD_MEAN: 0.1})
+    with Tracker(tmp_path, strict=True, resume_step=5) as tracker:
+        for step in range(5, 10):
+            tracker.log(step, {tracking.REWARD_MEAN: 0.9})
+        tracker.log(10, {tracking.EVAL_ACCURACY: 0.5})  # the run's end
+    assert scalars(tracking.REWARD_MEAN) == [(s, pytest.approx(0.1)) for s in range(5)] + [
+        (s, pytest.approx(0.9)) for s in range(5, 10)]
+    with Tracker(tmp_path, strict=True, resume_step=10, keep_resume_evaluation=True) as tracker:  # extended
+        tracker.log(10, {tracking.REWARD_MEAN: 0.7})
+    assert scalars(tracking.EVAL_ACCURACY) == [(10, 0.5)]
+    assert [r["step"] for r in read_metrics(tmp_path)].count(10) == 2  # the kept evaluation and the new step
+
+
 def test_histogram_record_forms():
     assert histogram_record(torch.tensor([3, 0, 3])) == {"counts": [1, 0, 0, 2]}
     assert histogram_record(torch.tensor([2.0, 1.0])) == {"counts": [0, 1, 1]}

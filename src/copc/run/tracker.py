@@ -66,16 +66,19 @@ class Tracker:
                 if path.exists():
                     _truncate_from(path, resume_step, keep_evaluation=keep_resume_evaluation)
         self._file: IO[str] | None = self.path.open("a")
-        self._tb: SummaryWriterLike | None = self._open_tensorboard() if tensorboard else None
+        # TensorBoard hides what the steps redone after a resume logged before (the kept evaluation of a
+        # finished run's end, at resume_step, stays), as metrics.jsonl drops them above.
+        purge = None if resume_step is None else resume_step + (1 if keep_resume_evaluation else 0)
+        self._tb: SummaryWriterLike | None = self._open_tensorboard(purge) if tensorboard else None
         self._mirror = mirror
 
-    def _open_tensorboard(self) -> SummaryWriterLike | None:
+    def _open_tensorboard(self, purge_step: int | None) -> SummaryWriterLike | None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:  # tensorboard is a core dependency, but keep JSONL working without it
             warnings.warn(f"TensorBoard mirror off ({err}); metrics.jsonl is still written", stacklevel=3)
             return None
-        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))  # type: ignore[no-any-return]
+        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge_step)  # type: ignore[no-any-return]
 
     def _check(self, name: str) -> None:
         if is_known(name):
