@@ -271,6 +271,32 @@ def _tiny_source(tmp_path: Path, **kwargs: object) -> AsyncSource:
                        journal_dir=tmp_path / "run" / "rollouts", **kwargs)  # type: ignore[arg-type]
 
 
+def test_batches_held_by_a_checkpointed_buffer_keep_their_generation_time(tmp_path: Path) -> None:
+    """A batch generated before the checkpoint and consumed after the resume was logged with
+    time/generate 0.0 and without its generator counters (found by a review, 2026-12-03)."""
+    source = _tiny_source(tmp_path)
+    source.start()
+    try:
+        deadline = time.monotonic() + 120
+        while source.next_put < 2:  # batches 0 and 1 (s = 1) generated and buffered, none consumed
+            assert time.monotonic() < deadline, "the worker never delivered two batches"
+            time.sleep(0.05)
+        state = source.state_dict()
+        held = dict(source.generate_s)
+    finally:
+        source.close()
+    assert sorted(held) == [0, 1] and all(v > 0 for v in held.values())
+    resumed = _tiny_source(tmp_path)
+    resumed.load_state_dict(state)
+    resumed.start()
+    try:
+        for step in (0, 1):
+            batch, _ = resumed.next_batch(step)
+            assert batch.generate_s == held[step], step
+    finally:
+        resumed.close()
+
+
 def test_a_worker_that_cannot_be_restarted_ends_the_run_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

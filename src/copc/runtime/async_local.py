@@ -410,6 +410,9 @@ class AsyncSource:
                 "next_put": self.next_put,
                 "buffer": self.buffer.state_dict(),
                 "restarts": self.restarts,
+                # the generation time and counters of the batches the buffer holds, logged when consumed
+                "generate_s": dict(self.generate_s),
+                "batch_info": {index: dict(info) for index, info in self.batch_info.items()},
             }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -423,6 +426,8 @@ class AsyncSource:
         self.snapshots = snapshots
         self.version = int(state["version"])  # type: ignore[call-overload]
         self.restarts = int(state.get("restarts", 0))  # type: ignore[call-overload]
+        self.generate_s.update(state.get("generate_s", {}))  # type: ignore[call-overload]
+        self.batch_info.update(state.get("batch_info", {}))  # type: ignore[call-overload]
         self.buffer.load_state_dict(state["buffer"])  # type: ignore[arg-type]
         self.buffer.take_requeued()  # regenerated below by batch index (same prompts, same seeds)
         self.next_put = int(state["next_put"])  # type: ignore[call-overload]
