@@ -244,6 +244,43 @@ def fake_run(run_dir: Path, steps: int, cfg_overrides: list[str]) -> dict[str, o
     return to_dict(cfg)  # type: ignore[return-value]
 
 
+def _run_process(run_dir: Path, start: int, steps: int, every: int) -> None:
+    """One training process as copc train logs it: the evaluation after k updates at step k - 1, the
+    last one alone at ``steps``; accuracy = updates / 1000, so each evaluation says which policy it saw."""
+    def acc(updates: int) -> dict[str, float]:
+        return {m.EVAL_ACCURACY: updates / 1000, m.EVAL_GREEDY_ACCURACY: updates / 1000}
+
+    with Tracker(run_dir, tensorboard=False, strict=True, resume_step=start if start else None,
+                 keep_resume_evaluation=0 < start < steps) as tracker:
+        if start == 0:
+            tracker.log(0, acc(0))
+        for step in range(start, steps):
+            metrics = {m.REWARD_MEAN: 0.5, m.TIME_STEP: 1.0}
+            if (step + 1) % every == 0 and step + 1 < steps:
+                metrics.update(acc(step + 1))
+            tracker.log(step, metrics)
+        tracker.log(steps, acc(steps))
+    (run_dir / "summary.json").write_text(json.dumps({"steps": steps, "wall_seconds": 1.0}))
+
+
+@pytest.mark.parametrize("every, first, steps", [(50, 300, 600), (40, 300, 400)])
+def test_a_run_extended_from_a_shorter_one_gets_the_record_of_a_direct_run(tmp_path, every, first, steps):
+    """`copc sweep` extends a cell whose file asks for more steps (resume, larger steps). The shorter
+    run's last evaluation (after `first` updates, alone at step `first`) is kept in metrics.jsonl; in the
+    record it is the evaluation a direct run logs at `first - 1` when `every` divides `first`, and set
+    apart otherwise (a direct run has none there), so the figures match a direct run's."""
+    config = {"seed": 0, "eval": {"every": every}}
+    _run_process(tmp_path / "direct", 0, steps, every)
+    _run_process(tmp_path / "extended", 0, first, every)
+    _run_process(tmp_path / "extended", first, steps, every)
+    direct, extended = (build_record(tmp_path / d, experiment="x", cell_id=d, levels={}, config=config, machine={})
+                        for d in ("direct", "extended"))
+    assert extended["evals"] == direct["evals"] and extended["summary"] == direct["summary"]
+    assert extended["extended_from"] == [first] and "extended_from" not in direct
+    kept = [{"step": first, "accuracy": first / 1000, "greedy_accuracy": first / 1000}]
+    assert extended["evals_off_schedule"] == ([] if first % every == 0 else kept)
+
+
 def test_subsample_curve_golden():
     assert subsample_curve([0, 1, 2, 3, 4], [0.0, 1.0, 2.0, 3.0, 4.0], points=2) == [[2, 1.0], [4, 3.5]]
     assert subsample_curve([0, 1], [5.0, 6.0], points=60) == [[0, 5.0], [1, 6.0]]

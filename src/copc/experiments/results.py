@@ -173,6 +173,33 @@ def _summary_figures(evals: list[dict[str, float]], rewards: list[float], steps:
     }
 
 
+def _as_a_direct_run(evals: list[dict[str, float]], steps: int, every: int
+                    ) -> tuple[list[dict[str, float]], list[dict[str, float]], list[int]]:
+    """The evaluations a run trained to ``steps`` in one go would have: ``(evals, kept off schedule,
+    the steps it was extended from)``.
+
+    A run's evaluation after ``k`` updates is logged at step ``k - 1`` (merged into that step's row),
+    its last one at ``steps``. A run extended from a shorter one (a larger ``steps``, resumed) keeps that
+    run's last evaluation, alone at its old end ``N``: it is the evaluation a direct run logs at ``N - 1``
+    when ``N`` is on the schedule (``eval.every`` divides it), and relabelled so; otherwise a direct run
+    has none there, and it is set apart (kept in the record, out of its figures).
+    """
+    out, off, ends = [], [], []
+    for point in evals:
+        point = dict(point)
+        alone = point.pop("alone", 0.0)
+        step = int(point["step"])
+        if alone and 0 < step < steps:  # an earlier process's end, kept by the extension
+            ends.append(step)
+            if every and step % every == 0:
+                point["step"] = step - 1
+            else:
+                off.append(point)
+                continue
+        out.append(point)
+    return out, off, ends
+
+
 def build_record(
     run_dir: Path,
     *,
@@ -197,7 +224,11 @@ def build_record(
         if m.EVAL_ACCURACY in row:
             point: dict[str, float] = {"step": int(row["step"])}
             point.update({short: float(row[key]) for key, short in eval_keys.items() if key in row})
+            if m.REWARD_MEAN not in row:
+                point["alone"] = 1.0  # an evaluation row of its own (step 0, the end, or a kept end)
             evals.append(point)
+    every = int(cast(Mapping[str, object], config.get("eval", {})).get("every", 0) or 0)  # type: ignore[call-overload]
+    evals, kept_off, extended_from = _as_a_direct_run(evals, int(summary["steps"]), every)
     train = [r for r in rows if m.REWARD_MEAN in r]
     reward_steps = [int(r["step"]) for r in train]
     rewards = [float(r[m.REWARD_MEAN]) for r in train]
@@ -218,6 +249,7 @@ def build_record(
         "config": dict(config),
         "steps": steps,
         "evals": evals,
+        **({"extended_from": extended_from, "evals_off_schedule": kept_off} if extended_from else {}),
         "train_reward": subsample_curve(reward_steps, rewards),
         "curves": curves,
         "summary": _summary_figures(evals, rewards, steps),

@@ -133,7 +133,9 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path,
 
     A record or run of the same config with fewer ``steps`` is extended: resumed from its last checkpoint
     (the record is replaced when the longer run ends). The extended run trains exactly as a longer run
-    from that checkpoint would, and keeps the shorter run's final evaluation (a resume keeps the history).
+    from that checkpoint would, and keeps the shorter run's final evaluation (a resume keeps the history);
+    its record has a direct run's evaluations (copc.experiments.results.build_record: that evaluation is
+    relabelled, or set apart when off the schedule) and says ``extended_from``.
     """
     want, steps = config_hash(config), int(config["steps"])  # type: ignore[call-overload]
     saved = _saved_config(run_dir)
