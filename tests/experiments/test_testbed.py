@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from copc import tracking as m
-from copc.experiments.testbed import analyse, arms_for, plateau_step, run_dir_for, train_command
+from copc.experiments.testbed import analyse, arms_for, plateau_step, run_dir_for, run_state, train_command
 from copc.experiments.testbed import testbed_cli as cli
 from copc.run.tracker import Tracker
 
@@ -74,6 +74,32 @@ def test_train_command_always_resumes(tmp_path):
     assert "method=ppo" in train_command(sync, 0, run_dir, steps=30, eval_every=10, extra=[])
 
 
+def test_a_run_directory_is_reused_only_by_the_config_that_made_it(tmp_path, capsys):
+    """Finished runs used to be skipped whatever config made them (a 400-step lr 3e-4 run counted as the
+    300-step lr 1e-4 run asked for) and testbed.json named the new command."""
+    from copc.config import dump_yaml
+    from copc.run.config import load_run_config
+
+    sync, _ = arms_for(8)
+    run_dir = run_dir_for(tmp_path, sync, 0)
+    command = train_command(sync, 0, run_dir, steps=30, eval_every=10, extra=["trainer.actor_lr=1e-4"])
+    assert run_state(command, run_dir) == "fresh"
+    overrides = [o for o in command[5:] if o != "resume=true"]
+    run_dir.mkdir(parents=True)
+    dump_yaml(load_run_config(None, overrides), run_dir / "config.yaml")
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 30}))
+    (run_dir / "checkpoints" / "step_00000030").mkdir(parents=True)  # a finished run's last checkpoint
+    assert run_state(command, run_dir) == "finished"
+    other = train_command(sync, 0, run_dir, steps=30, eval_every=10, extra=["trainer.actor_lr=3e-4"])
+    with pytest.raises(ValueError, match=f"{run_dir} holds a run of another config; move it away .* or give --runs"):
+        run_state(other, run_dir)
+    longer = train_command(sync, 0, run_dir, steps=40, eval_every=10, extra=["trainer.actor_lr=1e-4"])
+    assert run_state(longer, run_dir) == "resume"  # extended from its checkpoint
+    assert cli(["--steps", "20", "--eval-every", "10", "--runs", str(tmp_path), "--out", str(tmp_path / "o"),
+                "--staleness", "8", "--seeds", "1", "trainer.actor_lr=1e-4"]) == 2  # steps 20 < the run's 30
+    assert "holds a run of another config" in capsys.readouterr().err
+
+
 def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
     assert cli(["--staleness", "0", "--runs", str(tmp_path)]) == 2
     assert "--staleness must be >= 1" in capsys.readouterr().err
@@ -84,16 +110,20 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
     assert "no metrics in" in capsys.readouterr().err
 
 
-def test_analyse_only_writes_figures_and_report(tmp_path):
+def test_analyse_only_writes_figures_and_report(tmp_path, capsys):
     sync, lagged = arms_for(16)
     for seed in range(2):
         write_run(run_dir_for(tmp_path, sync, seed), {0: 0.3, 2: 0.6}, [0.1 * i for i in range(3)])
         (run_dir_for(tmp_path, sync, seed) / "config.yaml").write_text("eval:\n  prompts: 50\n  samples: 2\n")
         write_run(run_dir_for(tmp_path, lagged, seed), {0: 0.3, 2: 0.5}, [0.05 * i for i in range(3)])
     out = tmp_path / "figs"
+    (run_dir_for(tmp_path, sync, 0) / "summary.json").write_text(json.dumps({"steps": 2}))
     assert cli(["--analyse-only", "--seeds", "2", "--runs", str(tmp_path), "--out", str(out)]) == 0
+    # the runs were made elsewhere: what each trained is said, and that it is not the --steps given
+    assert "warning: --steps 300, but the runs analysed are 2 steps, unfinished runs" in capsys.readouterr().err
     assert (out / "testbed_curves.png").stat().st_size > 0 and (out / "testbed_staleness.png").is_file()
     report = json.loads((out / "testbed.json").read_text())
+    assert report["trained_steps"][str(run_dir_for(tmp_path, sync, 0))] == 2 and report["command"]["analyse_only"]
     gap = report["gap_sync_minus"][lagged.name]
     assert gap["eval_accuracy_gap"]["mean"] == pytest.approx(0.1)
     # 100 episodes per evaluation: s.e. of one gap at step 2 = sqrt(.6 * .4 / 100 + .5 * .5 / 100)

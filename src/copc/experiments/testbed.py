@@ -12,8 +12,10 @@ the ``hard`` built-in task and compares them at equal steps:
 The lagged arm runs on the ``sync`` driver, which *simulates* ``fixed_lag`` by keeping the last
 ``S + 1`` weight versions: batch ``k`` is the same list of trajectories the ``async`` driver would give
 (copc.runtime.sync; ``tests/runtime/test_drivers.py`` checks the two agree), but each run is then a single
-deterministic process, free of timing noise, and two runs share the machine evenly. Each run is a ``copc train`` subprocess; finished runs (``summary.json``) are
-skipped and interrupted ones resumed from their last checkpoint, so the command can be re-run.
+deterministic process, free of timing noise, and two runs share the machine evenly. Each run is a
+``copc train`` subprocess; finished runs of the same config are skipped and interrupted ones resumed
+from their last checkpoint, so the command can be re-run; a run directory made by another config is
+named and never reused.
 
 Outputs (``--out``): ``testbed_curves.png`` (held-out avg@1 and greedy accuracy, train reward; mean of
 the seeds with a min-max band), ``testbed_staleness.png`` (realized staleness and the PPO clip rate)
@@ -111,14 +113,27 @@ def train_command(arm: Arm, seed: int, run_dir: Path, steps: int, eval_every: in
     ]
 
 
-def finished(run_dir: Path, steps: int) -> bool:
-    summary = run_dir / "summary.json"
-    if not summary.is_file():
-        return False
+def run_state(command: Sequence[str], run_dir: Path) -> str:
+    """``finished``, ``resume`` or ``fresh`` for the run ``command`` (:func:`train_command`) trains in
+    ``run_dir``, by copc sweep's rule (copc.experiments.sweep.cell_state): a run directory made by another
+    config (other steps, overrides, eval schedule) is never reused: ValueError naming it and the fix."""
+    from copc.config import to_dict
+    from copc.experiments.sweep import cell_state
+    from copc.run.config import load_run_config
+
+    overrides = [o for o in command[command.index("--no-progress") + 1:] if o != "resume=true"]
+    config = to_dict(load_run_config(None, overrides))
+    state, detail = cell_state(config, run_dir, run_dir / ".no-record.json")  # type: ignore[arg-type]
+    if state == "conflict":
+        raise ValueError(f"{detail}, or give --runs another folder")
+    return state
+
+
+def _trained_steps(run_dir: Path) -> int | None:
     try:
-        return int(json.loads(summary.read_text()).get("steps", -1)) >= steps
-    except (ValueError, OSError):
-        return False
+        return int(json.loads((run_dir / "summary.json").read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unfinished
 
 
 def prepare_warmstart(overrides: Sequence[str]) -> Path:
@@ -135,10 +150,13 @@ def run_all(
     base: Sequence[str] = BASE_OVERRIDES,
 ) -> list[str]:
     """Run the missing jobs, ``parallel`` at a time (one torch thread each); returns failures."""
-    pending = [(arm, seed) for arm, seed in jobs if not finished(run_dir_for(root, arm, seed), steps)]
-    for arm, seed in jobs:
-        if (arm, seed) not in pending:
-            print(f"[testbed] {run_dir_for(root, arm, seed)}: finished, skipped", flush=True)
+    pending = []
+    for arm, seed in jobs:  # every run directory is checked before any run starts
+        run_dir = run_dir_for(root, arm, seed)
+        if run_state(train_command(arm, seed, run_dir, steps, eval_every, extra, base), run_dir) == "finished":
+            print(f"[testbed] {run_dir}: finished, skipped", flush=True)
+        else:
+            pending.append((arm, seed))
     running: list[tuple[str, subprocess.Popen[bytes], float]] = []
     failures: list[str] = []
     while pending or running:
@@ -361,8 +379,15 @@ def testbed_cli(argv: Sequence[str]) -> int:
         print("copc testbed: error: --layout sweep reads runs of copc sweep; add --analyse-only", file=sys.stderr)
         return 2
     if not args.analyse_only:
-        print(f"[testbed] warm start: {prepare_warmstart([*base, *args.overrides])}", flush=True)
         jobs = [(arm, seed) for seed in seeds for arm in arms]
+        try:  # every run directory is checked before the warm start is built and any run starts
+            for arm, seed in jobs:
+                run_dir = run_dir_for(root, arm, seed)
+                run_state(train_command(arm, seed, run_dir, args.steps, args.eval_every, args.overrides, base), run_dir)
+        except ValueError as err:
+            print(f"copc testbed: error: {err}", file=sys.stderr)
+            return 2
+        print(f"[testbed] warm start: {prepare_warmstart([*base, *args.overrides])}", flush=True)
         failures = run_all(jobs, root, steps=args.steps, eval_every=args.eval_every, extra=args.overrides,
                            parallel=args.parallel, base=base)
         if failures:
@@ -375,7 +400,15 @@ def testbed_cli(argv: Sequence[str]) -> int:
         return 2
     report = analyse(root, arms, seeds, layout=args.layout)
     report["command"] = {"steps": args.steps, "staleness": args.staleness, "eval_every": args.eval_every,
-                         "task": args.task, "overrides": [*base, *args.overrides]}
+                         "task": args.task, "overrides": [*base, *args.overrides], "analyse_only": args.analyse_only}
+    if args.analyse_only:  # the runs were made elsewhere: the figures are of what they trained, said here
+        trained = {str(run_dir_for(root, a, s, args.layout)): _trained_steps(run_dir_for(root, a, s, args.layout))
+                   for a in arms for s in seeds}
+        report["trained_steps"] = trained
+        other = sorted({"unfinished runs" if v is None else f"{v} steps" for v in trained.values() if v != args.steps})
+        if other:
+            print(f"warning: --steps {args.steps}, but the runs analysed are {', '.join(other)} "
+                  "(testbed.json's trained_steps names each)", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{prefix}.json").write_text(json.dumps(report, indent=2))
     for path in draw(root, arms, seeds, out, prefix=prefix, task=args.task, layout=args.layout):
