@@ -202,6 +202,17 @@ def joint_spec(tmp_path, lab: dict | None = None):
     return parse_spec(data, "joint.yaml")
 
 
+def test_a_heatmap_refuses_an_axis_it_would_average_away():
+    from copc.experiments.sweep_spec import SpecError, parse_spec
+
+    data = {"experiment": "joint", "axes": {"mask": {"none": ["a=1"], "band": ["a=2"]}, "clip": {"w1": ["b=1"], "clip": ["b=2"]},
+                                            "lr": {"lo": ["c=1"], "hi": ["c=2"]}},
+            "heatmap": {"rows": "mask", "cols": "clip"}}
+    with pytest.raises(SpecError, match="axis 'lr' is neither rows, cols nor panels"):
+        parse_spec(data, "joint.yaml")
+    parse_spec({**data, "heatmap": {"rows": "mask", "cols": "clip", "panels": "lr"}}, "joint.yaml")
+
+
 @pytest.mark.parametrize("heatmap, needle", [
     ({"rows": "mask"}, "expected {rows: AXIS, cols: AXIS"),
     ({"rows": "mask", "cols": "lag"}, "heatmap.cols: unknown axis 'lag'"),

@@ -193,10 +193,14 @@ def _parse_heatmap(value: object, axes: Mapping[str, Mapping[str, object]], wher
         if axis not in axes:
             raise SpecError(f"{where}.{key}: unknown axis {axis!r}; axes: {', '.join(axes)}")
     lab = value.get("lab")
+    if lab is not None and "panels" not in names:
+        raise SpecError(f"{where}: a lab: section needs panels: the axis whose levels are the lab's staleness")
+    others = [a for a in axes if a not in names.values()]
+    if others:  # a cell of the grid would hold several groups, and the analysis would keep one of them
+        raise SpecError(f"{where}: axis {others[0]!r} is neither rows, cols nor panels; each heatmap cell must be "
+                        "one group: make it the panels axis, or run the other levels as another sweep file")
     if lab is None:
         return Heatmap(names["rows"], names["cols"], names.get("panels"))
-    if "panels" not in names:
-        raise SpecError(f"{where}: a lab: section needs panels: the axis whose levels are the lab's staleness")
     if not isinstance(lab, Mapping) or set(lab) - {"json", "rows", "cols", "batch"} or not {"json", "rows", "cols"} <= set(lab):
         raise SpecError(f"{where}.lab: expected {{json: PATH, rows: {{level: mask band c}}, cols: {{level: eps_A}}, batch: N}}")
     maps = {}
