@@ -213,7 +213,8 @@ def build_record(
     """The record of the finished run in ``run_dir`` (its ``summary.json`` and ``metrics.jsonl``).
 
     ``config`` is the resolved RunConfig as a dict; ``wall_seconds`` the sweep's own total over the
-    run's processes (a resumed run's ``summary.json`` only knows its last process).
+    run's processes as the sweep counted them (``summary.json`` carries the earlier processes' time too,
+    but a process started by hand outside the sweep is in that figure only).
     """
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = m.read_metrics(run_dir)

@@ -44,7 +44,8 @@ def store_step_time(results: Path, key: str, entry: Mapping[str, object]) -> Non
 
 
 def timing_from_record(record: Mapping[str, object], cfg: RunConfig) -> dict[str, object] | None:
-    """Seconds per step (median) and per evaluation (the rest of the wall time, startup included)."""
+    """Seconds per step (the mean: the estimate multiplies it by the steps) and per evaluation (the rest of
+    the wall time, startup included)."""
     times, wall = record.get("step_seconds"), record.get("wall_seconds")
     step = times.get("mean") if isinstance(times, dict) else None
     if step is None or not isinstance(wall, (int, float)):
