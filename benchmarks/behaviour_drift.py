@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from copc.experiments.interaction import rank_correlation
-from copc.experiments.results import collapse_step
 from copc.experiments.stats import t_interval
+from copc.experiments.tables import collapse_step
 from copc.tracking import read_metrics
 
 

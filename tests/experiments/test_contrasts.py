@@ -191,7 +191,7 @@ def test_sweep_report_prints_the_contrasts(tmp_path, capsys):
 def test_curve_means_are_report_metrics(tmp_path, capsys):
     """``mean:<curve>`` is the run mean of a record's diagnostic curve (the gain x delay table's drift), in
     --report --metrics, in a sweep file's report list and in a contrasts file; an unknown name is one line."""
-    from copc.experiments.results import by_group
+    from copc.experiments.tables import by_group
 
     record = {"levels": {"arm": "a"}, "seed": 0, "summary": {},
               "curves": {"drift": [[2, 0.1], [4, 0.3], [6, float("nan")], [8, 0.5]], "mask_rate": []}}

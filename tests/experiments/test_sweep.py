@@ -17,14 +17,9 @@ from copc.config import dump_yaml, to_dict
 from copc.experiments import testbed
 from copc.experiments.results import (
     build_record,
-    collapse_step,
-    collapse_text,
     config_hash,
     load_records,
-    paired_differences,
     read_record,
-    report_text,
-    start_mismatches,
     subsample_curve,
     write_record,
 )
@@ -33,6 +28,13 @@ from copc.experiments.step_times import estimate_seconds, evaluations, timing_ke
 from copc.experiments.sweep import cell_state, resolve
 from copc.experiments.sweep_cli import sweep_cli
 from copc.experiments.sweep_spec import SpecError, expand, load_spec, parse_spec
+from copc.experiments.tables import (
+    collapse_step,
+    collapse_text,
+    paired_differences,
+    report_text,
+    start_mismatches,
+)
 from copc.run.config import load_run_config
 from copc.run.tracker import Tracker
 

@@ -44,9 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
-from copc.experiments.results import by_group, group_text, known_metric, metric_names, same_start, start_keys
+from copc.experiments.results import known_metric, metric_names
 from copc.experiments.stats import Interval, t_interval
 from copc.experiments.sweep_spec import SpecError, read_yaml_file
+from copc.experiments.tables import by_group, group_text, same_start, start_keys
 
 __all__ = ["Claim", "ContrastSet", "Verdict", "check_terms", "contrasts_text", "evaluate", "load_contrasts", "parse_claim"]
 

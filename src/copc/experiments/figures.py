@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from copc.experiments.interaction import Panel
-from copc.experiments.results import by_group, group_key, group_text
 from copc.experiments.stats import t_interval
+from copc.experiments.tables import by_group, group_key, group_text
 
 __all__ = ["eval_curves", "plot_curves", "plot_heatmaps", "plot_summary"]
 

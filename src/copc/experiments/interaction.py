@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from copc.experiments.results import by_group
 from copc.experiments.stats import Interval, f_survival, student_t_quantile
 from copc.experiments.sweep_spec import SweepSpec
+from copc.experiments.tables import by_group
 
 if TYPE_CHECKING:
     from copc.lab.sweep import SweepConfig

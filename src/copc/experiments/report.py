@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from copc.experiments.contrasts import ContrastSet, check_terms, contrasts_text
-from copc.experiments.results import collapse_text, report_text
 from copc.experiments.sweep import Paths, report_records
 from copc.experiments.sweep_spec import Cell, SweepSpec, expand
+from copc.experiments.tables import collapse_text, report_text
 
 __all__ = ["print_report"]
 

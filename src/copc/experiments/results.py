@@ -1,4 +1,4 @@
-"""The results store of ``copc sweep``: one small JSON record per finished run, and the table over seeds.
+"""The results store of ``copc sweep``: one small JSON record per finished run (the tables: copc.experiments.tables).
 
 A record (``results/<experiment>/<cell-id>.json``, a few KB) keeps what a comparison needs once the run
 directory is gone: the resolved config and its hash, the cell's levels and seed, every held-out
@@ -18,17 +18,16 @@ Summary figures of one run (``record["summary"]``):
   the held-out curve, per evaluation interval);
 - ``train_reward_last``: mean train reward over the last 20% of the steps.
 
-Across seeds, :func:`~copc.experiments.stats.t_interval` gives the mean with its Student-t interval, and :func:`paired_differences`
+Across seeds, :func:`~copc.experiments.stats.t_interval` gives the mean with its Student-t interval, and ``paired_differences``
 pairs each cell's seeds with the baseline's (same seed = same prompts and warm start) and gives the mean
-difference with its interval. Both are exact for normal data; with 3 seeds the intervals are wide, which
-is the honest width.
+difference with its interval (both in copc.experiments.tables). Both are exact for normal data; with 3
+seeds the intervals are wide, which is the honest width.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -39,7 +38,6 @@ from typing import cast
 import numpy as np
 
 from copc import tracking as m
-from copc.experiments.stats import Interval, t_interval
 
 __all__ = [
     "CURVE_POINTS",
@@ -47,21 +45,13 @@ __all__ = [
     "RECORD_VERSION",
     "SUMMARY_METRICS",
     "build_record",
-    "by_group",
-    "collapse_step",
-    "collapse_text",
     "commit_alone",
     "config_hash",
-    "group_key",
-    "group_text",
     "known_metric",
     "load_records",
     "machine_info",
     "metric_names",
-    "paired_differences",
     "read_record",
-    "report_text",
-    "start_mismatches",
     "subsample_curve",
     "write_record",
 ]
@@ -324,59 +314,6 @@ def commit_alone(files: Sequence[Path], message: str, log: Callable[[str], None]
     return True
 
 
-def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy", *, margin: float = 0.1,
-                  patience: int = 3) -> int | None:
-    """E4's collapse detector: the step of the first evaluation that starts a run of ``patience``
-    consecutive evaluations all more than ``margin`` below the running best of ``metric`` so far (the
-    best over the evaluations before each one); None when the run never collapses.
-
-    A dip that recovers within ``patience - 1`` evaluations is not a collapse; a run that ends inside
-    its drop before ``patience`` evaluations is not counted either (too short to tell).
-    """
-    if margin <= 0 or patience < 1:
-        raise ValueError(f"collapse_step needs margin > 0 and patience >= 1, got {margin}, {patience}")
-    evals = record.get("evals")
-    points = [(int(e["step"]), float(e[metric])) for e in evals if metric in e] if isinstance(evals, list) else []
-    best, start, length = float("-inf"), None, 0
-    for step, value in points:
-        if value < best - margin:
-            start, length = (step, 1) if length == 0 else (start, length + 1)
-            if length >= patience:
-                return start
-        else:
-            length = 0
-        best = max(best, value)
-    return None
-
-
-def collapse_text(records: Sequence[Mapping[str, object]], metric: str = "greedy_accuracy", *, margin: float = 0.1,
-                  patience: int = 3) -> str:
-    """E4's count: per group, how many of its runs collapse (:func:`collapse_step`) and where."""
-    groups: dict[tuple[tuple[str, str], ...], list[tuple[int, int | None]]] = {}
-    for record in records:
-        step = collapse_step(record, metric, margin=margin, patience=patience)
-        groups.setdefault(group_key(record), []).append((int(record["seed"]), step))  # type: ignore[call-overload]
-    lines = [f"collapses ({patience} consecutive evaluations more than {margin:g} below the run's best {metric}):"]
-    width = max((len(group_text(k)) for k in groups), default=0)
-    for key, runs in groups.items():
-        hits = sorted((seed, step) for seed, step in runs if step is not None)
-        where = f"  ({', '.join(f'seed {seed} at step {step}' for seed, step in hits)})" if hits else ""
-        lines.append(f"  {group_text(key):<{width}}  {len(hits)} of {len(runs)}{where}")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------ tables
-def group_key(record: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
-    """The record's axis levels as ``((axis, level), ...)``: its group, seeds aside."""
-    levels = record["levels"]
-    assert isinstance(levels, dict)
-    return tuple((str(k), str(v)) for k, v in levels.items())
-
-
-def group_text(key: tuple[tuple[str, str], ...]) -> str:
-    return " ".join(f"{axis}={level}" for axis, level in key) or "(one cell)"
-
-
 def known_metric(metric: str) -> bool:
     """A summary figure (:data:`SUMMARY_METRICS`) or ``mean:<curve>`` of a :data:`DIAGNOSTIC_CURVES` name."""
     return metric in SUMMARY_METRICS or (metric.startswith("mean:") and metric[5:] in DIAGNOSTIC_CURVES)
@@ -385,164 +322,3 @@ def known_metric(metric: str) -> bool:
 def metric_names() -> str:
     """The valid report metrics, for error messages."""
     return f"{', '.join(SUMMARY_METRICS)}, or mean:<curve> with <curve> one of {', '.join(DIAGNOSTIC_CURVES)}"
-
-
-def _metric(record: Mapping[str, object], metric: str) -> float | None:
-    if metric.startswith("mean:"):  # the run's mean of one diagnostic curve (its bins differ by at most one step)
-        curves = record.get("curves")
-        points = curves.get(metric[5:]) if isinstance(curves, dict) else None
-        values = [float(v) for _, v in points or () if v is not None and math.isfinite(float(v))]
-        return float(np.mean(values)) if values else None
-    summary = record.get("summary")
-    value = summary.get(metric) if isinstance(summary, dict) else None
-    return float(value) if value is not None else None
-
-
-def by_group(records: Sequence[Mapping[str, object]], metric: str) -> dict[tuple[tuple[str, str], ...], dict[int, float]]:
-    """``{levels: {seed: value}}`` for the records that have ``metric``."""
-    groups: dict[tuple[tuple[str, str], ...], dict[int, float]] = {}
-    for record in records:
-        value = _metric(record, metric)
-        if value is not None:
-            groups.setdefault(group_key(record), {})[int(record["seed"])] = value  # type: ignore[call-overload]
-    return groups
-
-
-def paired_differences(
-    records: Sequence[Mapping[str, object]], metric: str, baseline: Mapping[str, str], confidence: float = 0.95
-) -> dict[tuple[tuple[str, str], ...], tuple[Interval, list[int]]]:
-    """For each group other than the baseline: the t interval of ``group - baseline`` over shared seeds.
-
-    ``baseline`` names levels (``{"method": "ppo_sync"}``); a group is compared with the baseline group
-    whose levels agree with it on every axis the baseline does not name (so ``method=copc s=16`` is paired
-    with ``method=ppo_sync`` alone when the baseline group has no ``s`` axis). Returns the interval and the
-    seeds used, for each group with at least one shared seed. A seed whose two records start from
-    different policies (:func:`start_mismatches`) is not shared: it is left out of the pair.
-    """
-    groups = by_group(records, metric)
-    starts = start_keys(records)
-    base_groups = [k for k in groups if all(dict(k).get(a) == lv for a, lv in baseline.items())]
-    out: dict[tuple[tuple[str, str], ...], tuple[Interval, list[int]]] = {}
-    for key, values in groups.items():
-        if key in base_groups:
-            continue
-        levels = dict(key)
-        match = [b for b in base_groups
-                 if all(levels.get(a) == lv for a, lv in b if a not in baseline)]
-        if not match:
-            continue
-        base = groups[match[0]]
-        seeds = [s for s in sorted(set(values) & set(base)) if same_start(starts, [key, match[0]], s)]
-        if seeds:
-            out[key] = (t_interval([values[s] - base[s] for s in seeds], confidence), seeds)
-    return out
-
-
-def start_key(record: Mapping[str, object]) -> tuple[float, float] | None:
-    """The record's step-0 (accuracy, greedy accuracy), rounded: the policy it started from, as far as
-    the evaluation sees it; None for a record without a step-0 evaluation."""
-    evals = cast(list[dict[str, float]], record.get("evals", []) or [])
-    first = next((e for e in evals if e.get("step") == 0), None)
-    if first is None:
-        return None
-    return round(float(first.get("accuracy", math.nan)), 6), round(float(first.get("greedy_accuracy", math.nan)), 6)
-
-
-def start_keys(records: Sequence[Mapping[str, object]]) -> dict[tuple[tuple[tuple[str, str], ...], int], tuple[float, float] | None]:
-    """``{(group, seed): start_key}`` of the records."""
-    return {(group_key(r), int(cast(int, r["seed"]))): start_key(r) for r in records}
-
-
-def same_start(starts: Mapping[tuple[tuple[tuple[str, str], ...], int], tuple[float, float] | None],
-               groups: Sequence[tuple[tuple[str, str], ...]], seed: int) -> bool:
-    """Whether the records of ``groups`` at ``seed`` may be paired: no two known step-0 evaluations differ."""
-    known = {starts.get((g, seed)) for g in groups} - {None}
-    return len(known) <= 1
-
-
-def start_mismatches(records: Sequence[Mapping[str, object]]) -> list[str]:
-    """One line per task and seed whose records start from different policies: their step-0 evaluations
-    (made before any update, so a function of the warm start and the evaluation alone) differ. Such
-    records are not paired, whatever their seed says: the warm start was built anew on another machine
-    (pin it, ``copc.run.warmstart``), or the evaluation changed. Records of different tasks have
-    different warm starts by design and are never compared."""
-    starts: dict[tuple[str, int], dict[tuple[float, float], list[str]]] = {}
-    for record in records:
-        key = start_key(record)
-        if key is not None:
-            task = str(cast(Mapping[str, object], record.get("config", {})).get("task", ""))
-            seed = int(cast(int, record["seed"]))
-            starts.setdefault((task, seed), {}).setdefault(key, []).append(str(record["cell"]))
-    return [f"{task + ' ' if task else ''}seed {seed}: "
-            + "; ".join(f"step-0 accuracy {a:g} / greedy {g:g}: {', '.join(sorted(cells))}"
-                        for (a, g), cells in sorted(by.items()))
-            for (task, seed), by in sorted(starts.items()) if len(by) > 1]
-
-
-def report_text(
-    records: Sequence[Mapping[str, object]],
-    metrics: Sequence[str] = ("eval_last_half", "eval_final", "greedy_last_half"),
-    baseline: Mapping[str, str] | None = None,
-    confidence: float = 0.95,
-    *,
-    markdown: bool = False,
-) -> str:
-    """The table of one experiment: per group and metric, mean [95% t interval] over seeds, and the
-    paired difference from ``baseline`` with its interval (marked ``*`` where it excludes 0);
-    ``markdown``: the same figures as one Markdown table per metric (for docs/results.md)."""
-    if not records:
-        return "no finished records"
-    pct = f"{100 * confidence:g}%"
-    lines = [f"warning: records of one seed start from different policies, so they are not paired (each such "
-             f"pair is left out of the paired differences and contrasts): {line}" for line in start_mismatches(records)]
-    lines.append(f"{len(records)} records; mean [{pct} t interval over seeds] (n = seeds)")
-    for metric in metrics:
-        groups = by_group(records, metric)
-        if not groups:
-            continue
-        diffs = paired_differences(records, metric, baseline, confidence) if baseline else {}
-        if markdown:
-            lines.extend(_markdown_table(metric, groups, diffs, baseline, confidence))
-            continue
-        lines.append(f"\n{metric}:")
-        width = max(len(group_text(k)) for k in groups)
-        for key, values in groups.items():
-            row = f"  {group_text(key):<{width}}  {t_interval(values.values(), confidence).text()}"
-            if key in diffs:
-                interval, _ = diffs[key]
-                mark = " *" if interval.excludes_zero() else ""
-                row += f"   minus {group_text(tuple(baseline.items())) if baseline else ''}: "
-                row += f"{interval.text()}{mark}"
-            lines.append(row)
-    if baseline and not markdown:
-        lines.append(f"\n* the {pct} interval of the paired difference excludes 0")
-    return "\n".join(lines)
-
-
-def _markdown_table(metric: str, groups: Mapping[tuple[tuple[str, str], ...], Mapping[int, float]],
-                    diffs: Mapping[tuple[tuple[str, str], ...], tuple[Interval, list[int]]],
-                    baseline: Mapping[str, str] | None, confidence: float) -> list[str]:
-    """One metric of :func:`report_text` as a Markdown table (bold where the paired interval excludes 0)."""
-    pct = f"{100 * confidence:g}%"
-    base = group_text(tuple(baseline.items())) if baseline else ""
-    head = f"| {metric} | mean [{pct} t interval] | n |" + (f" minus {base} [{pct} t interval] | n |" if baseline else "")
-    rule = "| --- | --- | --- |" + (" --- | --- |" if baseline else "")
-    lines = ["", head, rule]
-    for key, values in groups.items():
-        interval = t_interval(values.values(), confidence)
-        row = f"| {group_text(key)} | {_bounds(interval)} | {interval.n} |"
-        if baseline:
-            diff = diffs.get(key)
-            if diff is None:
-                row += " | |"
-            else:
-                text = _bounds(diff[0])
-                row += f" {f'**{text}**' if diff[0].excludes_zero() else text} | {diff[0].n} |"
-        lines.append(row)
-    return lines
-
-
-def _bounds(interval: Interval, digits: int = 3) -> str:
-    if interval.low is None or interval.high is None:
-        return f"{interval.mean:.{digits}f}"
-    return f"{interval.mean:.{digits}f} [{interval.low:.{digits}f}, {interval.high:.{digits}f}]"

@@ -13,7 +13,7 @@ from pathlib import Path
 from copc.experiments import sweep
 from copc.experiments.contrasts import load_contrasts
 from copc.experiments.report import print_report
-from copc.experiments.results import known_metric, metric_names, report_text
+from copc.experiments.results import known_metric, metric_names
 from copc.experiments.step_times import load_step_times, timing_key
 from copc.experiments.sweep import (
     Paths,
@@ -26,6 +26,7 @@ from copc.experiments.sweep import (
     run_cells,
 )
 from copc.experiments.sweep_spec import SpecError, SweepSpec, expand, load_spec
+from copc.experiments.tables import report_text
 
 
 def build_parser() -> argparse.ArgumentParser:
