@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from copc import tracking as m
-from copc.experiments.testbed import analyse, arms_for, plateau_step, run_dir_for, run_state, train_command
+from copc.experiments.testbed import (
+    analyse,
+    arms_for,
+    plateau_step,
+    run_dir_for,
+    run_overrides,
+    run_state,
+    train_command,
+)
 from copc.experiments.testbed import testbed_cli as cli
 from copc.run.tracker import Tracker
 
@@ -82,18 +90,17 @@ def test_a_run_directory_is_reused_only_by_the_config_that_made_it(tmp_path, cap
 
     sync, _ = arms_for(8)
     run_dir = run_dir_for(tmp_path, sync, 0)
-    command = train_command(sync, 0, run_dir, steps=30, eval_every=10, extra=["trainer.actor_lr=1e-4"])
-    assert run_state(command, run_dir) == "fresh"
-    overrides = [o for o in command[5:] if o != "resume=true"]
+    overrides = run_overrides(sync, 0, run_dir, steps=30, eval_every=10, extra=["trainer.actor_lr=1e-4"])
+    assert run_state(overrides, run_dir) == "fresh"
     run_dir.mkdir(parents=True)
     dump_yaml(load_run_config(None, overrides), run_dir / "config.yaml")
     (run_dir / "summary.json").write_text(json.dumps({"steps": 30}))
     (run_dir / "checkpoints" / "step_00000030").mkdir(parents=True)  # a finished run's last checkpoint
-    assert run_state(command, run_dir) == "finished"
-    other = train_command(sync, 0, run_dir, steps=30, eval_every=10, extra=["trainer.actor_lr=3e-4"])
+    assert run_state(overrides, run_dir) == "finished"
+    other = run_overrides(sync, 0, run_dir, steps=30, eval_every=10, extra=["trainer.actor_lr=3e-4"])
     with pytest.raises(ValueError, match=f"{run_dir} holds a run of another config; move it away .* or give --runs"):
         run_state(other, run_dir)
-    longer = train_command(sync, 0, run_dir, steps=40, eval_every=10, extra=["trainer.actor_lr=1e-4"])
+    longer = run_overrides(sync, 0, run_dir, steps=40, eval_every=10, extra=["trainer.actor_lr=1e-4"])
     assert run_state(longer, run_dir) == "resume"  # extended from its checkpoint
     assert cli(["--steps", "20", "--eval-every", "10", "--runs", str(tmp_path), "--out", str(tmp_path / "o"),
                 "--staleness", "8", "--seeds", "1", "trainer.actor_lr=1e-4"]) == 2  # steps 20 < the run's 30

@@ -12,8 +12,9 @@ sweep's levels and compared with 0::
 A bare name is a level of any axis; a quoted ``axis=level[,axis=level]`` selector names levels where a
 bare name is not enough (a level that is not an identifier, or one shared by several groups). Each term
 must select exactly one grid point of the sweep (checked against its file, not against the records so
-far); a claim whose groups are not all recorded yet gets no verdict. Numbers only multiply. The expression may add, subtract, multiply by a number and take
-``max``/``min`` of terms; it is evaluated seed by seed on the seeds every term has (the seeds are
+far); a claim whose groups are not all recorded yet gets no verdict. The expression may add and subtract
+terms, multiply them by a number (a number is never added: ``16`` or ``0.8-1.2`` as a level is written
+``'s=16'``) and take ``max``/``min`` of terms; it is evaluated seed by seed on the seeds every term has (the seeds are
 paired: one warm start and one prompt stream per seed), and the mean of those values gets the Student-t
 interval over seeds (copc.experiments.stats.t_interval).
 

@@ -1,10 +1,10 @@
 """What ``copc sweep FILE --report`` prints and, with ``--plot DIR``, draws, from the records alone
 (those the file's cells made now, or accepts; any other record file is named as left out).
 
-- the table of every report metric (copc.experiments.results.report_text): seed means with their t
+- the table of every report metric (copc.experiments.tables.report_text): seed means with their t
   intervals, and each group's paired difference from the baseline;
 - with ``--contrasts FILE``: the pre-registered contrasts with their verdicts (copc.experiments.contrasts);
-- with ``--collapse``: E4's collapse count per group (copc.experiments.results.collapse_text);
+- with ``--collapse``: E4's collapse count per group (copc.experiments.tables.collapse_text);
 - for a sweep with a ``heatmap:`` section (a joint sweep, E2): per panel and metric, the two-knob
   analysis (copc.experiments.interaction) with the lab's exact prediction beside it;
 - figures: ``<experiment>_curves.png``, ``<experiment>_summary.png`` and, for a joint sweep,

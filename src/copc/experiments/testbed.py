@@ -101,28 +101,30 @@ def run_dir_for(root: Path, arm: Arm, seed: int, layout: str = "testbed") -> Pat
     return root / (f"arm={arm.name}__seed{seed}" if layout == "sweep" else f"{arm.name}_seed{seed}")
 
 
+def run_overrides(arm: Arm, seed: int, run_dir: Path, steps: int, eval_every: int, extra: Sequence[str],
+                  base: Sequence[str] = BASE_OVERRIDES) -> list[str]:
+    """The ``copc train`` overrides of one run (its config; :func:`train_command` adds ``resume=true``)."""
+    return [*base, *arm.overrides, *extra, f"steps={steps}", f"eval.every={eval_every}", f"seed={seed}",
+            f"run_dir={run_dir}"]
+
+
 def train_command(arm: Arm, seed: int, run_dir: Path, steps: int, eval_every: int, extra: Sequence[str],
                   base: Sequence[str] = BASE_OVERRIDES) -> list[str]:
     """The ``copc train`` command of one run: always ``resume=true`` (continues from the last checkpoint;
     a run directory without one, e.g. killed before its first checkpoint, starts again at step 0)."""
-    return [
-        sys.executable, "-m", "copc.cli", "train", "--no-progress",
-        *base, *arm.overrides, *extra,
-        f"steps={steps}", f"eval.every={eval_every}", f"seed={seed}", f"run_dir={run_dir}",
-        "resume=true",
-    ]
+    return [sys.executable, "-m", "copc.cli", "train", "--no-progress",
+            *run_overrides(arm, seed, run_dir, steps, eval_every, extra, base), "resume=true"]
 
 
-def run_state(command: Sequence[str], run_dir: Path) -> str:
-    """``finished``, ``resume`` or ``fresh`` for the run ``command`` (:func:`train_command`) trains in
+def run_state(overrides: Sequence[str], run_dir: Path) -> str:
+    """``finished``, ``resume`` or ``fresh`` for the run of ``overrides`` (:func:`run_overrides`) in
     ``run_dir``, by copc sweep's rule (copc.experiments.sweep.cell_state): a run directory made by another
     config (other steps, overrides, eval schedule) is never reused: ValueError naming it and the fix."""
     from copc.config import to_dict
     from copc.experiments.sweep import cell_state
     from copc.run.config import load_run_config
 
-    overrides = [o for o in command[command.index("--no-progress") + 1:] if o != "resume=true"]
-    config = to_dict(load_run_config(None, overrides))
+    config = to_dict(load_run_config(None, list(overrides)))
     state, detail = cell_state(config, run_dir, run_dir / ".no-record.json")  # type: ignore[arg-type]
     if state == "conflict":
         raise ValueError(f"{detail}, or give --runs another folder")
@@ -145,18 +147,25 @@ def prepare_warmstart(overrides: Sequence[str]) -> Path:
     return policy_path(cfg, Path(cfg.run_dir or "."))
 
 
-def run_all(
-    jobs: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str], parallel: int,
-    base: Sequence[str] = BASE_OVERRIDES,
-) -> list[str]:
-    """Run the missing jobs, ``parallel`` at a time (one torch thread each); returns failures."""
+def pending_jobs(jobs: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str],
+                 base: Sequence[str] = BASE_OVERRIDES) -> list[tuple[Arm, int]]:
+    """The jobs still to train; every run directory is checked (:func:`run_state`) before any run starts."""
     pending = []
-    for arm, seed in jobs:  # every run directory is checked before any run starts
+    for arm, seed in jobs:
         run_dir = run_dir_for(root, arm, seed)
-        if run_state(train_command(arm, seed, run_dir, steps, eval_every, extra, base), run_dir) == "finished":
+        if run_state(run_overrides(arm, seed, run_dir, steps, eval_every, extra, base), run_dir) == "finished":
             print(f"[testbed] {run_dir}: finished, skipped", flush=True)
         else:
             pending.append((arm, seed))
+    return pending
+
+
+def run_all(
+    pending: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str], parallel: int,
+    base: Sequence[str] = BASE_OVERRIDES,
+) -> list[str]:
+    """Run ``pending`` (:func:`pending_jobs`), ``parallel`` at a time (one torch thread each); returns failures."""
+    pending = list(pending)
     running: list[tuple[str, subprocess.Popen[bytes], float]] = []
     failures: list[str] = []
     while pending or running:
@@ -380,15 +389,14 @@ def testbed_cli(argv: Sequence[str]) -> int:
         return 2
     if not args.analyse_only:
         jobs = [(arm, seed) for seed in seeds for arm in arms]
-        try:  # every run directory is checked before the warm start is built and any run starts
-            for arm, seed in jobs:
-                run_dir = run_dir_for(root, arm, seed)
-                run_state(train_command(arm, seed, run_dir, args.steps, args.eval_every, args.overrides, base), run_dir)
+        try:  # before the warm start is built
+            pending = pending_jobs(jobs, root, steps=args.steps, eval_every=args.eval_every, extra=args.overrides,
+                                   base=base)
         except ValueError as err:
             print(f"copc testbed: error: {err}", file=sys.stderr)
             return 2
         print(f"[testbed] warm start: {prepare_warmstart([*base, *args.overrides])}", flush=True)
-        failures = run_all(jobs, root, steps=args.steps, eval_every=args.eval_every, extra=args.overrides,
+        failures = run_all(pending, root, steps=args.steps, eval_every=args.eval_every, extra=args.overrides,
                            parallel=args.parallel, base=base)
         if failures:
             print(f"copc testbed: error: runs failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)

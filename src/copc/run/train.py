@@ -358,8 +358,7 @@ def _summary(
 ) -> dict[str, object]:
     # The run's training rows from its metrics.jsonl, not this process's loop: after a resume the file holds
     # every step of the run once (the tracker drops the redone ones), the loop only those trained now.
-    history = [row for row in m.read_metrics(run_dir) if m.REWARD_MEAN in row and "step" in row] \
-        if (run_dir / "metrics.jsonl").is_file() else list(loop.history)
+    history = [row for row in m.read_metrics(run_dir) if m.REWARD_MEAN in row]
     tail = history[-max(1, len(history) // 5):] if history else []
     times = [h[m.TIME_STEP] for h in history if m.TIME_STEP in h]
 
