@@ -194,6 +194,33 @@ def test_records_of_one_seed_from_different_warm_starts_are_flagged():
         "kv_search seed 0: step-0 accuracy 0.2 / greedy 0.4: c__seed0; step-0 accuracy 0.21 / greedy 0.435: b__seed0"]
 
 
+def test_records_that_start_apart_by_design_are_paired_and_not_flagged():
+    """An axis over what the start is made of (the warm start's model, the task's options, the evaluation)
+    gives different step-0 evaluations by design: no warning, and the seeds stay paired. Before, records
+    were keyed by task and seed alone, so such a sweep warned of every seed and paired none."""
+    def rec(cell: str, seed: int, acc: float, **config: object) -> dict[str, object]:
+        warm, method = cell.split("__")[0].split("_")
+        return {"cell": cell, "seed": seed, "levels": {"warm": warm, "method": method},
+                "summary": {"eval_final": acc + 0.1 * (method == "b")},
+                "config": {"task": "arith_tool", "model": {"policy": "warmstart", "warmstart_seed": int(warm)},
+                           "method": method, **config},
+                "evals": [{"step": 0, "accuracy": acc, "greedy_accuracy": acc}]}
+    records = [rec(f"{w}_{m}__seed{s}", s, 0.3 + 0.1 * w + 0.01 * s) for w in (0, 1) for m in "ab" for s in (0, 1)]
+    assert start_mismatches(records) == []
+    assert "warning" not in report_text(records, ["eval_final"])
+    diffs = paired_differences(records, "eval_final", {"method": "a"})
+    assert {k: v[1] for k, v in diffs.items()} == {(("warm", "0"), ("method", "b")): [0, 1],
+                                                   (("warm", "1"), ("method", "b")): [0, 1]}
+    from copc.experiments.contrasts import evaluate, parse_claim
+
+    verdict = evaluate(parse_claim("'warm=1,method=a' - 'warm=0,method=a' > 0"), records, "eval_final")
+    assert verdict.seeds == (0, 1) and verdict.unpaired == ()
+    # what only trains (the method, the learning rate) does not change the start: a difference there is flagged
+    broken = [*records[:-1], {**records[-1], "evals": [{"step": 0, "accuracy": 0.9, "greedy_accuracy": 0.9}]}]
+    assert start_mismatches(broken) == [
+        "arith_tool seed 1: step-0 accuracy 0.41 / greedy 0.41: 1_a__seed1; step-0 accuracy 0.9 / greedy 0.9: 1_b__seed1"]
+
+
 def test_collapse_detector_golden():
     def run(values):
         return {"evals": [{"step": 25 * i, "greedy_accuracy": v} for i, v in enumerate(values)]}

@@ -25,6 +25,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -251,6 +252,10 @@ def test_trainer_killed_leaves_no_process_and_resumes_exactly(reference: Path, t
     assert summary["journal_damaged"] == damaged
     assert summary["restored_batches"] == len(after) - damaged
     assert_matches(reference, run_dir)
+    # the counts are the run's, not the last process's: a run continued past its end still reports them
+    again = train(replace(cfg, resume=True, steps=cfg.steps + 1), show_progress=False).summary
+    # (this process may restore a batch of its own: one generated past the end of the run before it)
+    assert again["journal_damaged"] == damaged and again["restored_batches"] >= len(after) - damaged
 
 
 def _tiny_source(tmp_path: Path, **kwargs: object) -> AsyncSource:
@@ -293,6 +298,21 @@ def test_batches_held_by_a_checkpointed_buffer_keep_their_generation_time(tmp_pa
         for step in (0, 1):
             batch, _ = resumed.next_batch(step)
             assert batch.generate_s == held[step], step
+    finally:
+        resumed.close()
+
+
+def test_resume_counts_are_the_runs_and_survive_the_next_checkpoint(tmp_path: Path) -> None:
+    """``restored_batches`` and ``journal_damaged`` counted only the last process's resume; a run resumed
+    twice (or continued past its end) lost the earlier counts. They now travel in the source's state."""
+    source = _tiny_source(tmp_path)
+    source.restored, source.damaged = 3, ["a.damaged", "b.damaged"]
+    state = source.state_dict()
+    resumed = _tiny_source(tmp_path)
+    resumed.load_state_dict(state)  # an empty journal: this resume restores nothing more
+    try:
+        assert (resumed.restored, resumed.journal_damaged) == (3, 2)
+        assert resumed.metrics()["runtime/journal_damaged"] == 2
     finally:
         resumed.close()
 
@@ -822,3 +842,26 @@ def test_a_disk_filled_by_the_journal_says_what_was_kept(tmpfs_2200k: Path,
     assert Path(found.group(2)).parent.is_relative_to(run) and Path(found.group(2)).name != run.name  # a file
     assert found.group(3) == str(run)
     assert rollout_workers() == []
+
+
+def test_a_resume_from_a_checkpoint_before_an_evaluation_writes_its_samples_once(tmp_path: Path) -> None:
+    """An evaluation logged at the step a mid-run resume starts from is redone by the resumed run, so its
+    samples are dropped with the redone steps (before, the samples of the killed process's evaluation were
+    kept as if it were a finished run's final one, and ``samples.jsonl`` held them twice)."""
+    schedule = ["steps=4", "checkpoint_every=2", "eval.every=3", "samples.every=1"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert cli(straight, *schedule) == 0
+    assert cli(killed, *schedule) == 0
+    checkpoints = killed / "checkpoints"
+    shutil.rmtree(checkpoints / "step_00000004")  # as if killed after the evaluation of step 2, before step 4's
+    (checkpoints / "latest").write_text("step_00000002\n")
+    assert cli(killed, *schedule, "resume=true") == 0
+
+    def samples(run: Path) -> list[tuple[int, str]]:
+        return [(r["step"], r["source"]) for r in map(json.loads, (run / "samples.jsonl").read_text().splitlines())]
+
+    assert samples(killed) == samples(straight)
+    evals = [[json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
+             for run in (straight, killed)]
+    assert evals[0] == evals[1] == [0, 2, 4]
+    assert (2, "eval") in samples(straight) and samples(straight).count((2, "eval")) == samples(straight).count((0, "eval"))

@@ -8,6 +8,7 @@ left out of every pair, and the report says so.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import cast
@@ -17,7 +18,7 @@ import numpy as np
 from copc.experiments.stats import Interval, t_interval
 
 __all__ = ["by_group", "collapse_step", "collapse_text", "group_key", "group_text", "paired_differences",
-           "report_text", "same_start", "start_key", "start_keys", "start_mismatches"]
+           "report_text", "same_start", "start_config", "start_key", "start_keys", "start_mismatches"]
 
 
 def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy", *, margin: float = 0.1,
@@ -133,35 +134,64 @@ def start_key(record: Mapping[str, object]) -> tuple[float, float] | None:
     return round(float(first.get("accuracy", math.nan)), 6), round(float(first.get("greedy_accuracy", math.nan)), 6)
 
 
-def start_keys(records: Sequence[Mapping[str, object]]) -> dict[tuple[tuple[tuple[str, str], ...], int], tuple[float, float] | None]:
-    """``{(group, seed): start_key}`` of the records."""
-    return {(group_key(r), int(cast(int, r["seed"]))): start_key(r) for r in records}
+# What a run's step-0 evaluation is a function of: the warm start (task, its options, the model section)
+# and the evaluation (its settings, the rollout's generation settings; the seed is keyed apart). What only
+# trains (method, learning rates, lag, batch shape) is not in it.
+_START_SECTIONS = ("task", "task_options", "model", "eval")
+_START_ROLLOUT = ("temperature", "top_p", "top_k", "max_turns", "max_new_tokens_per_turn", "max_total_tokens",
+                  "context_limit", "chat_template", "dtype")
 
 
-def same_start(starts: Mapping[tuple[tuple[tuple[str, str], ...], int], tuple[float, float] | None],
-               groups: Sequence[tuple[tuple[str, str], ...]], seed: int) -> bool:
-    """Whether the records of ``groups`` at ``seed`` may be paired: no two known step-0 evaluations differ."""
-    known = {starts.get((g, seed)) for g in groups} - {None}
-    return len(known) <= 1
+def start_config(record: Mapping[str, object]) -> str:
+    """The part of the record's config its step-0 evaluation depends on, as canonical JSON: records whose
+    start configs differ start apart by design (an axis over the warm start's model or the task's
+    options) and are never expected to agree at step 0."""
+    config = cast(Mapping[str, object], record.get("config", {}) or {})
+    rollout = cast(Mapping[str, object], config.get("rollout", {}) or {})
+    part = {k: config.get(k) for k in _START_SECTIONS if k in config}
+    part["rollout"] = {k: rollout[k] for k in _START_ROLLOUT if k in rollout}
+    return json.dumps(part, sort_keys=True)
+
+
+StartKeys = dict[tuple[tuple[tuple[str, str], ...], int], tuple[str, tuple[float, float] | None]]
+
+
+def start_keys(records: Sequence[Mapping[str, object]]) -> StartKeys:
+    """``{(group, seed): (start_config, start_key)}`` of the records."""
+    return {(group_key(r), int(cast(int, r["seed"]))): (start_config(r), start_key(r)) for r in records}
+
+
+def same_start(starts: StartKeys, groups: Sequence[tuple[tuple[str, str], ...]], seed: int) -> bool:
+    """Whether the records of ``groups`` at ``seed`` may be paired: no two of them that share a start config
+    have different step-0 evaluations (records that start apart by design stay paired)."""
+    known: dict[str, set[tuple[float, float]]] = {}
+    for g in groups:
+        config, key = starts.get((g, seed), ("", None))
+        if key is not None:
+            known.setdefault(config, set()).add(key)
+    return all(len(keys) <= 1 for keys in known.values())
 
 
 def start_mismatches(records: Sequence[Mapping[str, object]]) -> list[str]:
-    """One line per task and seed whose records start from different policies: their step-0 evaluations
-    (made before any update, so a function of the warm start and the evaluation alone) differ. Such
-    records are not paired, whatever their seed says: the warm start was built anew on another machine
-    (pin it, ``copc.run.warmstart``), or the evaluation changed. Records of different tasks have
-    different warm starts by design and are never compared."""
+    """One line per start config (:func:`start_config`) and seed whose records start from different
+    policies: their step-0 evaluations (made before any update, so a function of the warm start and the
+    evaluation alone) differ. Such records are not paired, whatever their seed says: the warm start was
+    built anew on another machine (pin it, ``copc.run.warmstart``). Records of different start configs
+    (other tasks, another warm start's model) start apart by design and are never compared."""
     starts: dict[tuple[str, int], dict[tuple[float, float], list[str]]] = {}
+    tasks: dict[str, str] = {}
     for record in records:
         key = start_key(record)
         if key is not None:
-            task = str(cast(Mapping[str, object], record.get("config", {})).get("task", ""))
+            config = start_config(record)
+            tasks[config] = str(cast(Mapping[str, object], record.get("config", {}) or {}).get("task", ""))
             seed = int(cast(int, record["seed"]))
-            starts.setdefault((task, seed), {}).setdefault(key, []).append(str(record["cell"]))
-    return [f"{task + ' ' if task else ''}seed {seed}: "
+            starts.setdefault((config, seed), {}).setdefault(key, []).append(str(record["cell"]))
+    return [f"{tasks[config] + ' ' if tasks[config] else ''}seed {seed}: "
             + "; ".join(f"step-0 accuracy {a:g} / greedy {g:g}: {', '.join(sorted(cells))}"
                         for (a, g), cells in sorted(by.items()))
-            for (task, seed), by in sorted(starts.items()) if len(by) > 1]
+            for (config, seed), by in sorted(starts.items(), key=lambda kv: (tasks[kv[0][0]], kv[0][1], kv[0][0]))
+            if len(by) > 1]
 
 
 def report_text(

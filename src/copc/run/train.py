@@ -205,7 +205,7 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
               file=sys.stderr, flush=True)
     source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir,
                           context_limit=context_limit)
-    start_step, summary_before = 0, None
+    start_step, summary_before, ended_here = 0, None, False
     eval_note: dict[str, object] | None = None
     if resumed is not None:
         saved.step, payload = resumed
@@ -216,6 +216,9 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
         source.load_state_dict(payload["source"])  # type: ignore[arg-type]
         restore_rng_state(payload["rng"])  # type: ignore[arg-type]
         start_step = int(payload["next_step"])  # type: ignore[call-overload]
+        # the process that wrote this checkpoint finished there (a run now continued past its end): its final
+        # evaluation is not redone. A mid-run checkpoint's step is redone, its evaluation with it.
+        ended_here = payload.get("config", {}).get("steps") == start_step  # type: ignore[attr-defined]
         summary_before = payload.get("eval_before")
         changed = eval_change(cfg, payload.get("config", {}))  # type: ignore[arg-type]
         if changed:
@@ -227,7 +230,7 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     # final evaluation of an earlier process that ended at the checkpoint stays when the run goes past it.
     mirror = WandbMirror(project=cfg.wandb_project, config=to_dict(cfg)).open(run_dir) if cfg.wandb else None
     tracker = Tracker(run_dir, resume_step=start_step if cfg.resume else None,
-                      keep_resume_evaluation=0 < start_step < cfg.steps, mirror=mirror)
+                      keep_resume_evaluation=ended_here and start_step < cfg.steps, mirror=mirror)
     signals = StopSignals()
     signals.install()
     finished = False
@@ -266,7 +269,7 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     summary["eval_seconds_this_process"], summary["checkpoint_seconds_this_process"] = saved.eval_s, saved.checkpoint_s
     summary["restored_batches"] = source.restored if isinstance(source, AsyncSource) else 0
     summary["worker_restarts"] = source.restarts if isinstance(source, AsyncSource) else 0
-    summary["journal_damaged"] = len(source.damaged) if isinstance(source, AsyncSource) else 0
+    summary["journal_damaged"] = source.journal_damaged if isinstance(source, AsyncSource) else 0
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
         if cfg.plots:

@@ -150,8 +150,9 @@ class AsyncSource:
         self.prefetched: dict[int, GeneratedBatch] = {}  # journaled beyond the checkpoint's requests
         self.generate_s: dict[int, float] = {}
         self.batch_info: dict[int, dict[str, float]] = {}  # the generator's counters, by batch index
-        self.restored = 0
-        self.damaged: list[str] = []
+        self.restored = 0  # journaled batches restored on resume, over the run (the checkpoint's count + this one's)
+        self.damaged: list[str] = []  # journal entries this process set aside on resume
+        self.damaged_before = 0  # entries set aside by earlier resumes (as of the checkpoint)
         self.restarts = 0
         self._resumed = False
         self._fatal: str | None = None
@@ -397,8 +398,14 @@ class AsyncSource:
         """Buffer counters and driver counters (cumulative)."""
         out = self.buffer.metrics()
         out[m.RUNTIME_WORKER_RESTARTS] = float(self.restarts)
-        out[m.RUNTIME_JOURNAL_DAMAGED] = float(len(self.damaged))
+        out[m.RUNTIME_JOURNAL_DAMAGED] = float(self.journal_damaged)
         return out
+
+    @property
+    def journal_damaged(self) -> int:
+        """Damaged journal entries set aside on resume over the run: earlier resumes' (as of the checkpoint)
+        and this process's."""
+        return self.damaged_before + len(self.damaged)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
@@ -410,6 +417,8 @@ class AsyncSource:
                 "next_put": self.next_put,
                 "buffer": self.buffer.state_dict(),
                 "restarts": self.restarts,
+                "restored": self.restored,
+                "journal_damaged": self.journal_damaged,
                 # the generation time and counters of the batches the buffer holds, logged when consumed
                 "generate_s": dict(self.generate_s),
                 "batch_info": {index: dict(info) for index, info in self.batch_info.items()},
@@ -426,6 +435,8 @@ class AsyncSource:
         self.snapshots = snapshots
         self.version = int(state["version"])  # type: ignore[call-overload]
         self.restarts = int(state.get("restarts", 0))  # type: ignore[call-overload]
+        self.restored = int(state.get("restored", 0))  # type: ignore[call-overload]
+        self.damaged_before = int(state.get("journal_damaged", 0))  # type: ignore[call-overload]
         self.generate_s.update(state.get("generate_s", {}))  # type: ignore[call-overload]
         self.batch_info.update(state.get("batch_info", {}))  # type: ignore[call-overload]
         self.buffer.load_state_dict(state["buffer"])  # type: ignore[arg-type]
