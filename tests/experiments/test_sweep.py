@@ -536,8 +536,9 @@ def test_interrupted_cell_resumes_then_is_recorded_and_skipped(tmp_path, capsys)
     assert sweep_cli(args) == 0
     out = capsys.readouterr().out
     assert "start" not in out and not run_dir.exists()
-    assert sweep_cli([*args, "--report"]) == 0
+    assert sweep_cli([*args, "--report", "--plot", str(tmp_path / "fig")]) == 0
     assert "1 of 1 cells recorded" in capsys.readouterr().out
+    assert all((tmp_path / "fig" / f"tiny_{name}.png").stat().st_size > 0 for name in ("curves", "summary", "diagnostics"))
     assert sweep_cli([*args, "--dry-run"]) == 0
     assert "recorded" in capsys.readouterr().out
 
@@ -590,6 +591,26 @@ def test_eval_curves_collect_each_seed_per_step_and_the_figures_are_drawn(tmp_pa
     assert eval_curves(records, "greedy_accuracy") == {"method=ppo": {0: [0.4]}}
     assert plot_curves(records, ["accuracy"], tmp_path / "c.png", title="t").stat().st_size > 0
     assert plot_summary(records, ["eval_last_half"], tmp_path / "s.png", title="t").stat().st_size > 0
+
+
+def test_diagnostic_curves_are_seed_means_per_bin_and_drawn(tmp_path):
+    """The records' binned diagnostic curves (drift, mask rate, ...) as seed means per bin: a record
+    without a curve adds nothing to it, and a bin only some seeds have is the mean of those."""
+    from copc.experiments.figures import diagnostic_curves, plot_diagnostics
+
+    def rec(method, seed, drift, mask=None):
+        curves = {"drift": drift} if mask is None else {"drift": drift, "mask_rate": mask}
+        return {"levels": {"method": method}, "seed": seed, "curves": curves}
+
+    records = [rec("copc", 0, [[2, 0.1], [5, 0.3]], [[7, 0.01]]), rec("copc", 1, [[2, 0.3], [5, 0.5], [8, 0.9]]),
+               rec("ppo", 0, [[2, 0.0]])]
+    drift = diagnostic_curves(records, "drift")
+    assert drift == {"method=copc": {2: pytest.approx([0.1, 0.3]), 5: pytest.approx([0.3, 0.5]), 8: [0.9]},
+                     "method=ppo": {2: [0.0]}}
+    assert diagnostic_curves(records, "mask_rate") == {"method=copc": {7: [0.01]}}
+    out = plot_diagnostics(records, ["drift", "mask_rate", "ess_seq"], tmp_path / "d.png", title="t")
+    assert out is not None and out.stat().st_size > 0
+    assert plot_diagnostics(records, ["ess_seq"], tmp_path / "none.png", title="t") is None  # no data: no figure
 
 
 def test_a_record_made_before_a_config_field_existed_still_counts(tmp_path):

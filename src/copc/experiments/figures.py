@@ -3,7 +3,8 @@
 :func:`plot_curves` draws one panel per evaluation metric: for each group of cells (the axis levels
 without the seed), the seed mean of the metric at every evaluation step, with a band from the lowest to
 the highest seed. :func:`plot_summary` draws, per summary metric, each group's seed mean with its 95%
-t interval over seeds (no bar where a group has one seed) and the seeds as dots. :func:`plot_heatmaps`
+t interval over seeds (no bar where a group has one seed) and the seeds as dots. :func:`plot_diagnostics`
+draws the records' binned diagnostic curves (drift, mask rate, ESS, ...) as seed means. :func:`plot_heatmaps`
 draws a joint sweep's grid of seed means per panel (copc.experiments.interaction), with the lab's exact
 prediction for the same cells beside it. Matplotlib (Agg backend) is imported when a figure is drawn.
 """
@@ -19,7 +20,7 @@ from copc.experiments.interaction import Panel
 from copc.experiments.stats import t_interval
 from copc.experiments.tables import by_group, group_key, group_text
 
-__all__ = ["eval_curves", "plot_curves", "plot_heatmaps", "plot_summary"]
+__all__ = ["diagnostic_curves", "eval_curves", "plot_curves", "plot_diagnostics", "plot_heatmaps", "plot_summary"]
 
 Curve = dict[int, list[float]]  # evaluation step -> one value per seed
 
@@ -33,6 +34,19 @@ def eval_curves(records: Sequence[Mapping[str, object]], metric: str) -> dict[st
         for point in points if isinstance(points, list) else []:
             if isinstance(point, dict) and point.get(metric) is not None:
                 out.setdefault(name, {}).setdefault(int(point["step"]), []).append(float(point[metric]))
+    return out
+
+
+def diagnostic_curves(records: Sequence[Mapping[str, object]], name: str) -> dict[str, Curve]:
+    """``{group text: {bin step: [value of each seed that has the bin]}}`` for one of the records' binned
+    diagnostic curves (``record["curves"][name]``: ``[[step, mean], ...]``, copc.experiments.results)."""
+    out: dict[str, Curve] = {}
+    for record in records:
+        curves = record.get("curves")
+        points = curves.get(name) if isinstance(curves, dict) else None
+        for step, value in points if isinstance(points, list) else []:
+            if value is not None:
+                out.setdefault(group_text(group_key(record)), {}).setdefault(int(step), []).append(float(value))
     return out
 
 
@@ -89,6 +103,31 @@ def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str]
                       ha="right", fontsize=8)
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3, axis="y")
+    return _save(plt, fig, out, title)
+
+
+def plot_diagnostics(records: Sequence[Mapping[str, object]], names: Sequence[str], out: Path, *,
+                     title: str) -> Path | None:
+    """Seed-mean diagnostic curves per group, one panel per curve that some record has (lines only: the
+    bins are seed means of their own); None, and no file, when no record has any of ``names``."""
+    present = [(name, curves) for name in names if (curves := diagnostic_curves(records, name))]
+    if not present:
+        return None
+    plt = _pyplot()
+    cols = min(3, len(present))
+    rows = -(-len(present) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, (name, curves) in zip(axes.flat, present, strict=False):
+        for group, curve in sorted(curves.items()):
+            steps = sorted(curve)
+            ax.plot(steps, [sum(curve[s]) / len(curve[s]) for s in steps], linewidth=1.2,
+                    label=f"{group} (n={max(map(len, curve.values()))})")
+        ax.set_xlabel("training step")
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(present):]:
+        ax.set_visible(False)
+    axes[0][0].legend(fontsize=6)
     return _save(plt, fig, out, title)
 
 

@@ -7,8 +7,9 @@
 - with ``--collapse``: E4's collapse count per group (copc.experiments.tables.collapse_text);
 - for a sweep with a ``heatmap:`` section (a joint sweep, E2): per panel and metric, the two-knob
   analysis (copc.experiments.interaction) with the lab's exact prediction beside it;
-- figures: ``<experiment>_curves.png``, ``<experiment>_summary.png`` and, for a joint sweep,
-  ``<experiment>_heatmaps.png`` (its first report metric).
+- figures: ``<experiment>_curves.png``, ``<experiment>_summary.png``, ``<experiment>_diagnostics.png``
+  (the records' diagnostic curves: drift, what each channel did, ESS, critic, entropy, tool use) and, for
+  a joint sweep, ``<experiment>_heatmaps.png`` (its first report metric).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from copc.experiments.sweep import Paths, report_records
 from copc.experiments.sweep_spec import Cell, SweepSpec, expand
 from copc.experiments.tables import collapse_text, report_text
 
-__all__ = ["print_report"]
+__all__ = ["DIAGNOSTIC_PANELS", "print_report"]
+
+#: The diagnostic curves drawn by ``--plot`` (record["curves"] names, copc.experiments.results).
+DIAGNOSTIC_PANELS = ("drift", "mask_rate", "ppo_clip_low", "adv_clip_low", "adv_clip_high", "ess_seq",
+                     "critic_explained_var", "entropy_mc", "tool_use_rate")
 
 
 def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseline: Mapping[str, str] | None,
@@ -49,12 +54,16 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
         print("\n" + heatmap_text(records, spec))
     if plot_dir is None:
         return
-    from copc.experiments.figures import plot_curves, plot_heatmaps, plot_summary
+    from copc.experiments.figures import plot_curves, plot_diagnostics, plot_heatmaps, plot_summary
 
     title = f"{spec.experiment}: seed mean (band: min-max over seeds)"
     drawn = [plot_curves(records, ["accuracy", "greedy_accuracy"], plot_dir / f"{spec.experiment}_curves.png", title=title),
              plot_summary(records, list(spec.report), plot_dir / f"{spec.experiment}_summary.png",
                           title=f"{spec.experiment}: seed mean, 95% t interval over seeds")]
+    diagnostics = plot_diagnostics(records, DIAGNOSTIC_PANELS, plot_dir / f"{spec.experiment}_diagnostics.png",
+                                   title=f"{spec.experiment}: diagnostic curves, seed mean per bin")
+    if diagnostics is not None:
+        drawn.append(diagnostics)
     if spec.heatmap is not None:
         from copc.experiments.interaction import heatmap_panels
 
