@@ -188,9 +188,11 @@ def test_killed_rollout_actors_are_restarted_and_the_run_is_unchanged(
     finished = threading.Event()  # the run is over: stop looking (no fixed deadline: a loaded machine
     # can take minutes to start an actor, and a deadline that passed first left the run unkilled)
 
+    earlier = set(rollout_actor_pids())  # actors of an earlier run still exiting (a loaded machine) are not this run's
+
     def killer() -> None:
         while not finished.is_set() and not kills:
-            pids = rollout_actor_pids()
+            pids = [p for p in rollout_actor_pids() if p not in earlier]
             if (journal / "batch_00000000.pt").exists() and pids:
                 os.kill(pids[0], signal.SIGKILL)
                 kills.append(f"SIGKILL pid {pids[0]}")
