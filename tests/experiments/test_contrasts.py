@@ -113,6 +113,19 @@ def test_all_group_is_an_intersection_union(tmp_path):
     assert rows[3].startswith("|  | `mask - base > 0` | 0.007 [") and rows[3].endswith(f" | {NOT_RESOLVED} |")
 
 
+def test_each_claim_shows_its_value_for_every_seed(tmp_path):
+    """The text report prints a claim's paired value seed by seed, with how many are above and below 0,
+    so a verdict's interval can be read against the seeds that make it."""
+    got = evaluate(parse_claim("(both - mask) - (adv - base) != 0"), records_of(GRID), "eval_final")
+    assert got.values == pytest.approx((0.04, 0.02, 0.05))
+    spec = tmp_path / "c.yaml"
+    spec.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3, "contrasts": [
+        {"name": "I", "claim": "(both - mask) - (adv - base) != 0"}, {"name": "mask", "claim": "mask - base > 0"}]}))
+    lines = contrasts_text(load_contrasts(spec), records_of(GRID)).splitlines()
+    assert "    by seed: 0 +0.040, 1 +0.020, 2 +0.050 (3 above 0, 0 below)" in lines
+    assert "    by seed: 0 +0.020, 1 +0.010, 2 -0.010 (2 above 0, 1 below)" in lines
+
+
 def test_terms_must_select_one_group():
     records = [{"levels": {"method": m, "lr": lr}, "seed": 0, "summary": {"eval_final": 1.0}}
                for m in ("r0", "b3") for lr in ("1e-4", "2.5e-5")]

@@ -73,6 +73,7 @@ class Verdict:
     seeds: tuple[int, ...]
     verdict: str
     unpaired: tuple[int, ...] = ()  # seeds every term has, left out: their records start from different policies
+    values: tuple[float, ...] = ()  # the claim's paired value at each of ``seeds``
 
 
 @dataclass(frozen=True)
@@ -216,9 +217,10 @@ def evaluate(claim: Claim, records: Sequence[Mapping[str, object]], metric: str,
     if not shared:
         return Verdict(claim.text, None, (), NO_VERDICT, unpaired)
     per_seed = _evaluate(claim.expression, lambda t: np.array([groups[keys[t]][s] for s in shared]))
-    interval = t_interval(np.broadcast_to(per_seed, (len(shared),)), confidence)
+    values = np.broadcast_to(per_seed, (len(shared),))
+    interval = t_interval(values, confidence)
     verdict = NO_VERDICT if len(shared) < seeds_needed else _verdict(interval, claim.op)
-    return Verdict(claim.text, interval, tuple(shared), verdict, unpaired)
+    return Verdict(claim.text, interval, tuple(shared), verdict, unpaired, tuple(float(v) for v in values))
 
 
 def _combine(verdicts: Sequence[str]) -> str:
@@ -270,8 +272,9 @@ def _seed_text(seeds: Sequence[int]) -> str:
 
 def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object]], confidence: float = 0.95, *,
                    markdown: bool = False) -> str:
-    """One block per contrast: each claim's paired mean [t interval] (n, seeds) and the verdict;
-    ``markdown``: one Markdown table, a row per claim, the contrast's verdict on its first row."""
+    """One block per contrast: each claim's paired mean [t interval] (n, seeds), the verdict and the paired
+    value seed by seed; ``markdown``: one Markdown table, a row per claim, the contrast's verdict on its
+    first row."""
     pct = f"{100 * confidence:g}%"
     lines = [f"pre-registered contrasts on {contrasts.metric} (per-seed paired values, mean [{pct} t interval]; "
              f"verdicts need {contrasts.seeds or 2} seeds)"]
@@ -294,4 +297,8 @@ def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object
             numbers = r.interval.text() if r.interval is not None else "no seed has every term"
             seeds = _seed_text(r.seeds)
             lines.append(f"  {r.text}:  {numbers}  {seeds}{_unpaired_text(r)}" + (f"  -> {r.verdict}" if is_all else ""))
+            if r.values:
+                above, below = sum(v > 0 for v in r.values), sum(v < 0 for v in r.values)
+                lines.append("    by seed: " + ", ".join(f"{seed} {v:+.3f}" for seed, v in zip(r.seeds, r.values, strict=True))
+                             + f" ({above} above 0, {below} below)")
     return "\n".join(lines)
