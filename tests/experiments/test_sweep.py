@@ -219,6 +219,19 @@ def test_records_that_start_apart_by_design_are_paired_and_not_flagged():
     broken = [*records[:-1], {**records[-1], "evals": [{"step": 0, "accuracy": 0.9, "greedy_accuracy": 0.9}]}]
     assert start_mismatches(broken) == [
         "arith_tool seed 1: step-0 accuracy 0.41 / greedy 0.41: 1_a__seed1; step-0 accuracy 0.9 / greedy 0.9: 1_b__seed1"]
+    # ... nor do the critic's model and the evaluation schedule, nor a key a record written before it existed
+    # lacks (it had its default): those records are compared at step 0 too (found by a review, 2026-12-04)
+    full = to_dict(load_run_config(None, ["task=arith_tool"]))
+    older = json.loads(json.dumps(full))
+    del older["rollout"]["dtype"]
+    for changed in ({**full, "model": {**full["model"], "critic": "some-critic"}}, {**full, "eval": {**full["eval"], "every": 7}},
+                    older):
+        pair = [{"cell": "a__seed0", "seed": 0, "levels": {"method": "a"}, "config": full,
+                 "summary": {"eval_final": 0.5}, "evals": [{"step": 0, "accuracy": 0.3, "greedy_accuracy": 0.3}]},
+                {"cell": "b__seed0", "seed": 0, "levels": {"method": "b"}, "config": changed,
+                 "summary": {"eval_final": 0.6}, "evals": [{"step": 0, "accuracy": 0.2, "greedy_accuracy": 0.2}]}]
+        assert len(start_mismatches(pair)) == 1
+        assert paired_differences(pair, "eval_final", {"method": "a"}) == {}
 
 
 def test_collapse_detector_golden():

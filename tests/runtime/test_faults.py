@@ -253,9 +253,13 @@ def test_trainer_killed_leaves_no_process_and_resumes_exactly(reference: Path, t
     assert summary["restored_batches"] == len(after) - damaged
     assert_matches(reference, run_dir)
     # the counts are the run's, not the last process's: a run continued past its end still reports them
+    end = load_latest(run_dir)
+    assert end is not None
+    beyond = [j for j in journal.indices() if j >= int(end[1]["source"]["next_put"])]  # type: ignore[index]
     again = train(replace(cfg, resume=True, steps=cfg.steps + 1), show_progress=False).summary
-    # (this process may restore a batch of its own: one generated past the end of the run before it)
-    assert again["journal_damaged"] == damaged and again["restored_batches"] >= len(after) - damaged
+    # this process restores the batches generated past the end of the run before it, and adds them
+    assert again["journal_damaged"] == damaged
+    assert again["restored_batches"] == len(after) - damaged + len(beyond)
 
 
 def _tiny_source(tmp_path: Path, **kwargs: object) -> AsyncSource:
@@ -304,17 +308,34 @@ def test_batches_held_by_a_checkpointed_buffer_keep_their_generation_time(tmp_pa
 
 def test_resume_counts_are_the_runs_and_survive_the_next_checkpoint(tmp_path: Path) -> None:
     """``restored_batches`` and ``journal_damaged`` counted only the last process's resume; a run resumed
-    twice (or continued past its end) lost the earlier counts. They now travel in the source's state."""
+    twice (or continued past its end) lost the earlier counts. Restored batches travel in the source's
+    state; damaged entries are the ``*.damaged`` files the run's journal keeps, so a process that set one
+    aside and was killed before its next checkpoint still counts (found by a review, 2026-12-04)."""
     source = _tiny_source(tmp_path)
-    source.restored, source.damaged = 3, ["a.damaged", "b.damaged"]
-    state = source.state_dict()
-    resumed = _tiny_source(tmp_path)
-    resumed.load_state_dict(state)  # an empty journal: this resume restores nothing more
+    checkpoint = source.state_dict()  # next_put 0: every journal entry is beyond it
+    source.close()
+    journal = tmp_path / "run" / "rollouts"
+    (journal / "batch_00000000.pt").write_bytes(b"garbage")  # a torn entry
+    killed = _tiny_source(tmp_path)
+    killed.load_state_dict(checkpoint)  # sets the entry aside, then is killed before its next checkpoint
+    assert killed.journal_damaged == 1
+    killed.close()
+    (journal / "batch_00000000.pt").write_bytes(b"torn again")  # the same batch, damaged a second time
+    again = _tiny_source(tmp_path)
+    again.load_state_dict(checkpoint)
     try:
-        assert (resumed.restored, resumed.journal_damaged) == (3, 2)
-        assert resumed.metrics()["runtime/journal_damaged"] == 2
+        assert again.journal_damaged == 2 and again.metrics()["runtime/journal_damaged"] == 2
+        assert sorted(p.name for p in journal.glob("*.damaged")) == ["batch_00000000.1.damaged", "batch_00000000.damaged"]
+        again.restored = 3  # as if this resume restored three batches: the next checkpoint carries them
+        state = again.state_dict()
     finally:
-        resumed.close()
+        again.close()
+    later = _tiny_source(tmp_path)
+    later.load_state_dict(state)
+    try:
+        assert (later.restored, later.journal_damaged) == (3, 2)
+    finally:
+        later.close()
 
 
 def test_a_worker_that_cannot_be_restarted_ends_the_run_in_one_line(
@@ -861,7 +882,54 @@ def test_a_resume_from_a_checkpoint_before_an_evaluation_writes_its_samples_once
         return [(r["step"], r["source"]) for r in map(json.loads, (run / "samples.jsonl").read_text().splitlines())]
 
     assert samples(killed) == samples(straight)
+    assert (2, "eval") in samples(straight) and samples(straight).count((2, "eval")) == samples(straight).count((0, "eval"))
     evals = [[json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
              for run in (straight, killed)]
     assert evals[0] == evals[1] == [0, 2, 4]
-    assert (2, "eval") in samples(straight) and samples(straight).count((2, "eval")) == samples(straight).count((0, "eval"))
+
+
+def _eval_samples(run: Path) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for r in map(json.loads, (run / "samples.jsonl").read_text().splitlines()):
+        if r["source"] == "eval":
+            counts[r["step"]] = counts.get(r["step"], 0) + 1
+    return counts
+
+
+def _eval_steps(run: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
+
+
+def _as_if_killed_before(run: Path, step: int, latest: int) -> None:
+    checkpoints = run / "checkpoints"
+    shutil.rmtree(checkpoints / f"step_{step:08d}")
+    (checkpoints / "latest").write_text(f"step_{latest:08d}\n")
+
+
+def test_a_continued_run_killed_before_its_first_checkpoint_writes_each_evaluation_once(tmp_path: Path) -> None:
+    """A finished run (2 steps) continued to 4 with an evaluation after update 3, logged at step 2 where the
+    first process's final evaluation is: killed before step 4's checkpoint and resumed from step 2's, it
+    redoes that evaluation, and only the first process's final one is kept (found by a review, 2026-12-04:
+    the redone evaluation's samples were written twice)."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    schedule = ["checkpoint_every=2", "eval.every=3"]
+    for run in (straight, killed):
+        assert cli(run, *schedule) == 0
+        assert cli(run, "resume=true", "steps=4", *schedule) == 0
+    _as_if_killed_before(killed, 4, latest=2)
+    assert cli(killed, "resume=true", "steps=4", *schedule) == 0
+    assert _eval_samples(killed) == _eval_samples(straight) == {0: 2, 2: 4, 4: 2}
+    assert _eval_steps(killed) == _eval_steps(straight)
+
+
+def test_a_run_resumed_to_its_checkpoint_then_continued_keeps_that_final_evaluation(tmp_path: Path) -> None:
+    """Killed at a mid-run checkpoint (step 4 of 6), finished there by a resume with steps=4 (nothing to
+    train, no new checkpoint: the final evaluation of step 4), then continued to 6: the evaluation of step 4
+    stays, as in any run continued past its end (found by a review, 2026-12-04: it was dropped)."""
+    run = tmp_path / "run"
+    assert cli(run, "steps=6", "checkpoint_every=2") == 0
+    _as_if_killed_before(run, 6, latest=4)
+    assert cli(run, "resume=true", "steps=4") == 0
+    assert _eval_steps(run) == [0, 4]
+    assert cli(run, "resume=true", "steps=6") == 0
+    assert _eval_steps(run) == [0, 4, 6] and _eval_samples(run) == {0: 2, 4: 2, 6: 2}

@@ -188,7 +188,8 @@ def test_killed_rollout_actors_are_restarted_and_the_run_is_unchanged(
     finished = threading.Event()  # the run is over: stop looking (no fixed deadline: a loaded machine
     # can take minutes to start an actor, and a deadline that passed first left the run unkilled)
 
-    earlier = set(rollout_actor_pids())  # actors of an earlier run still exiting (a loaded machine) are not this run's
+    # actors of an earlier run still exiting (a loaded machine) are not this run's
+    earlier, earlier_names = set(rollout_actor_pids()), set(ray.util.list_named_actors())
 
     def killer() -> None:
         while not finished.is_set() and not kills:
@@ -199,7 +200,7 @@ def test_killed_rollout_actors_are_restarted_and_the_run_is_unchanged(
             time.sleep(0.01)
         while not finished.is_set() and len(kills) < 2:
             if (journal / "batch_00000002.pt").exists():
-                for name in sorted(ray.util.list_named_actors()):
+                for name in sorted(set(ray.util.list_named_actors()) - earlier_names):
                     try:
                         ray.kill(ray.get_actor(name))
                     except ValueError:  # the actor of a name listed a moment ago is gone

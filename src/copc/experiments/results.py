@@ -52,6 +52,7 @@ __all__ = [
     "machine_info",
     "metric_names",
     "read_record",
+    "recorded_config",
     "subsample_curve",
     "write_record",
 ]
@@ -322,3 +323,20 @@ def known_metric(metric: str) -> bool:
 def metric_names() -> str:
     """The valid report metrics, for error messages."""
     return f"{', '.join(SUMMARY_METRICS)}, or mean:<curve> with <curve> one of {', '.join(DIAGNOSTIC_CURVES)}"
+
+
+def recorded_config(record: Mapping[str, object]) -> dict[str, object] | None:
+    """The record's config in today's form: keys added to the config since the record was made take
+    their defaults (a field added later, at its default, does not change what the run computed); None
+    when today's config cannot read it (a key removed or renamed since)."""
+    # the run config pulls in torch: imported only when a record is read this way
+    from copc.config import ConfigError, from_dict, to_dict
+    from copc.run.config import RunConfig
+
+    config = record.get("config")
+    if not isinstance(config, dict):
+        return None
+    try:
+        return to_dict(from_dict(RunConfig, config))  # type: ignore[return-value]
+    except (ConfigError, TypeError, ValueError):
+        return None

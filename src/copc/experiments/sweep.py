@@ -61,13 +61,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from copc.config import ConfigError, from_dict, load_yaml, to_dict
+from copc.config import ConfigError, load_yaml, to_dict
 from copc.experiments.results import (
     build_record,
     commit_alone,
     config_hash,
     machine_info,
     read_record,
+    recorded_config,
     write_record,
 )
 from copc.experiments.step_times import (
@@ -110,19 +111,6 @@ def _same_except_steps(a: Mapping[str, object], b: Mapping[str, object]) -> bool
     return config_hash({**a, "steps": 0}) == config_hash({**b, "steps": 0})
 
 
-def _recorded_config(record: Mapping[str, object]) -> dict[str, object] | None:
-    """The record's config in today's form: keys added to the config since the record was made take
-    their defaults (a field added later, at its default, does not change what the run computed); None
-    when today's config cannot read it (a key removed or renamed since)."""
-    config = record.get("config")
-    if not isinstance(config, dict):
-        return None
-    try:
-        return to_dict(from_dict(RunConfig, config))  # type: ignore[return-value]
-    except (ConfigError, TypeError, ValueError):
-        return None
-
-
 def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path,
                accepted: tuple[str, str] | None = None) -> tuple[str, str]:
     """``(state, detail)``: ``recorded``, ``finished`` (run done, record missing), ``resume`` (from a
@@ -145,7 +133,7 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path,
             record = read_record(record_path)
         except ValueError as err:
             return "conflict", str(err)
-        recorded = _recorded_config(record)
+        recorded = recorded_config(record)
         if record.get("config_hash") == want or (recorded is not None and config_hash(recorded) == want):
             return "recorded", ""
         if accepted is not None and record.get("config_hash") == accepted[0]:

@@ -15,6 +15,7 @@ from typing import cast
 
 import numpy as np
 
+from copc.experiments.results import recorded_config
 from copc.experiments.stats import Interval, t_interval
 
 __all__ = ["by_group", "collapse_step", "collapse_text", "group_key", "group_text", "paired_differences",
@@ -134,23 +135,30 @@ def start_key(record: Mapping[str, object]) -> tuple[float, float] | None:
     return round(float(first.get("accuracy", math.nan)), 6), round(float(first.get("greedy_accuracy", math.nan)), 6)
 
 
-# What a run's step-0 evaluation is a function of: the warm start (task, its options, the model section)
-# and the evaluation (its settings, the rollout's generation settings; the seed is keyed apart). What only
-# trains (method, learning rates, lag, batch shape) is not in it.
+# What a run's step-0 evaluation is a function of: the warm start (task, its options, the policy's model
+# settings) and the evaluation (its size, the rollout's generation settings; the seed is keyed apart).
+# What only trains (method, learning rates, lag, batch shape, the critic, the evaluation schedule) is not.
 _START_SECTIONS = ("task", "task_options", "model", "eval")
+_NOT_START = {"model": ("critic",), "eval": ("every",)}
 _START_ROLLOUT = ("temperature", "top_p", "top_k", "max_turns", "max_new_tokens_per_turn", "max_total_tokens",
                   "context_limit", "chat_template", "dtype")
 
 
 def start_config(record: Mapping[str, object]) -> str:
-    """The part of the record's config its step-0 evaluation depends on, as canonical JSON: records whose
-    start configs differ start apart by design (an axis over the warm start's model or the task's
-    options) and are never expected to agree at step 0."""
-    config = cast(Mapping[str, object], record.get("config", {}) or {})
+    """The part of the record's config its step-0 evaluation depends on, as canonical JSON, read in
+    today's form (a key a record predates takes its default, copc.experiments.results.recorded_config):
+    records whose start configs differ start apart by design (an axis over the warm start's model or the
+    task's options) and are never expected to agree at step 0."""
+    config = cast(Mapping[str, object], recorded_config(record) or record.get("config", {}) or {})
+    part: dict[str, object] = {}
+    for section in _START_SECTIONS:
+        if section in config:
+            value = config[section]
+            drop = _NOT_START.get(section, ())
+            part[section] = {k: v for k, v in value.items() if k not in drop} if isinstance(value, Mapping) else value
     rollout = cast(Mapping[str, object], config.get("rollout", {}) or {})
-    part = {k: config.get(k) for k in _START_SECTIONS if k in config}
     part["rollout"] = {k: rollout[k] for k in _START_ROLLOUT if k in rollout}
-    return json.dumps(part, sort_keys=True)
+    return json.dumps(part, sort_keys=True, default=str)
 
 
 StartKeys = dict[tuple[tuple[tuple[str, str], ...], int], tuple[str, tuple[float, float] | None]]

@@ -105,15 +105,34 @@ def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, objec
     return found
 
 
+def _finished_summary(run_dir: Path, step: int) -> dict[str, object] | None:
+    """``summary.json`` of a process that finished at ``step`` (its final evaluation made), else None."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return summary if int(summary["steps"]) == step else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def finished_at(run_dir: Path, step: int, payload: Mapping[str, object]) -> bool:
+    """Whether an earlier process of the run finished at the checkpoint of ``step``, its final evaluation
+    logged there: the checkpoint's own run ended there, or a later process resumed it with ``steps`` equal to
+    it (nothing to train, so no new checkpoint) and finished. A run continued past it keeps that evaluation;
+    a mid-run checkpoint's step is redone, its evaluation with it."""
+    config = payload.get("config")
+    ended = isinstance(config, Mapping) and config.get("steps") == step
+    return ended or _finished_summary(run_dir, step) is not None
+
+
 def earlier_wall_seconds(run_dir: Path, step: int, payload: Mapping[str, object]) -> float:
     """Wall seconds the run's earlier processes spent up to the checkpoint of ``step``: all of a process
     that finished at that step (its ``summary.json``: final evaluation and plots included), else the
     total the checkpoint recorded when it was written (the time a killed process spent after its last
     checkpoint is not known; those steps are redone and counted again)."""
+    summary = _finished_summary(run_dir, step)
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        if int(summary["steps"]) == step:
-            return float(summary["wall_seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
+        if summary is not None:
+            return float(summary["wall_seconds"])  # type: ignore[arg-type]
+    except (KeyError, TypeError, ValueError):
         pass
     return float(payload.get("wall_seconds", 0.0))  # type: ignore[arg-type]

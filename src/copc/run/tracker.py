@@ -133,14 +133,19 @@ class Tracker:
         name = getattr(getattr(getattr(self._tb, "file_writer", None), "event_writer", None), "_file_name", None)
         return Path(name) if isinstance(name, str) else self.run_dir / TENSORBOARD_DIR
 
-    def log_samples(self, step: int, source: str, episodes: Sequence[Mapping[str, object]]) -> None:
+    def log_samples(self, step: int, source: str, episodes: Sequence[Mapping[str, object]], *,
+                    final: bool | None = None) -> None:
         """Append rendered episodes (:func:`copc.rollout.samples.render_episode`) of ``step`` to
-        ``samples.jsonl``, tagged with ``source`` (``train``, ``eval``), and to TensorBoard's text tab."""
+        ``samples.jsonl``, tagged with ``source`` (``train``, ``eval``) and, for evaluations, ``final`` (the
+        run's final evaluation, or one made during training), and to TensorBoard's text tab."""
         if not episodes:
             return
+        tags: dict[str, object] = {"step": int(step), "source": source}
+        if final is not None:
+            tags["final"] = final
         with _naming(self.samples_path), self.samples_path.open("a") as out:
             for episode in episodes:
-                out.write(json.dumps({"step": int(step), "source": source, **episode}) + "\n")
+                out.write(json.dumps({**tags, **episode}) + "\n")
         if self._tb is not None:
             with _naming(self._tb_file()):
                 self._tb.add_text(f"samples/{source}", "\n\n---\n\n".join(_markdown(e) for e in episodes),
@@ -210,9 +215,11 @@ def _truncate_from(path: Path, step: int, *, keep_evaluation: bool = False) -> N
 
 
 def _is_evaluation(record: Mapping[str, object]) -> bool:
-    """A record of an evaluation alone: a sample of ``source`` eval, or metrics that are all ``eval/``."""
+    """A record of a final evaluation alone: a sample of ``source`` eval not made during training (a sample
+    written before the ``final`` tag existed counts as final), or metrics that are all ``eval/`` (an
+    evaluation during training shares its step's record)."""
     if "source" in record:
-        return record["source"] == "eval"
+        return record["source"] == "eval" and record.get("final", True) is not False
     names = [k for k in record if k not in ("step", "time")]
     return bool(names) and all(k.startswith("eval/") for k in names)
 

@@ -62,7 +62,7 @@ from copc.run.config import (
 )
 from copc.run.plots import plot_run
 from copc.run.progress import NoSignal, StepLines
-from copc.run.resume import earlier_wall_seconds, eval_change, find_checkpoint
+from copc.run.resume import earlier_wall_seconds, eval_change, find_checkpoint, finished_at
 from copc.run.tracker import Tracker
 from copc.run.wandb_mirror import WandbMirror
 from copc.runtime.async_local import AsyncSource
@@ -216,9 +216,7 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
         source.load_state_dict(payload["source"])  # type: ignore[arg-type]
         restore_rng_state(payload["rng"])  # type: ignore[arg-type]
         start_step = int(payload["next_step"])  # type: ignore[call-overload]
-        # the process that wrote this checkpoint finished there (a run now continued past its end): its final
-        # evaluation is not redone. A mid-run checkpoint's step is redone, its evaluation with it.
-        ended_here = payload.get("config", {}).get("steps") == start_step  # type: ignore[attr-defined]
+        ended_here = finished_at(run_dir, start_step, payload)  # then its final evaluation is kept, not redone
         summary_before = payload.get("eval_before")
         changed = eval_change(cfg, payload.get("config", {}))  # type: ignore[arg-type]
         if changed:
@@ -258,7 +256,7 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
         if not finished:
             tracker.close()
     with watchdog.phase(f"the evaluation at step {cfg.steps}"):
-        after = _evaluate(cfg, rollout, policy, tokenizer, task, tracker, cfg.steps, saved)
+        after = _evaluate(cfg, rollout, policy, tokenizer, task, tracker, cfg.steps, saved, final=True)
     if after:
         tracker.log(cfg.steps, after)
     tracker.close()
@@ -280,15 +278,17 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
 
 
 def _evaluate(cfg: RunConfig, rollout: RolloutConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-              task: Task, tracker: Tracker, step: int, saved: _Saved) -> dict[str, float]:
+              task: Task, tracker: Tracker, step: int, saved: _Saved, *, final: bool = False) -> dict[str, float]:
     """Held-out evaluation of ``model`` (the trained policy itself, in eval mode: no copy of it is kept for
-    this) on the same prompts and seeds every time; its first sampled episodes go to the samples, its
-    wall seconds to ``saved.eval_s``."""
+    this) on the same prompts and seeds every time; its first sampled episodes go to the samples (marked
+    ``final`` for the run's final evaluation: a run continued past its end keeps those), its wall seconds
+    to ``saved.eval_s``."""
     start = time.perf_counter()
     episodes: list[Trajectory] = []
     with eval_mode(model):
         out = evaluate(model, tokenizer, task, rollout, cfg.eval, seed=cfg.seed + 777, episodes=episodes)
-    tracker.log_samples(step, "eval", [render_episode(t, tokenizer) for t in episodes[: cfg.samples.per_log]])
+    tracker.log_samples(step, "eval", [render_episode(t, tokenizer) for t in episodes[: cfg.samples.per_log]],
+                        final=final)
     saved.eval_s += time.perf_counter() - start
     return out
 

@@ -152,7 +152,7 @@ class AsyncSource:
         self.batch_info: dict[int, dict[str, float]] = {}  # the generator's counters, by batch index
         self.restored = 0  # journaled batches restored on resume, over the run (the checkpoint's count + this one's)
         self.damaged: list[str] = []  # journal entries this process set aside on resume
-        self.damaged_before = 0  # entries set aside by earlier resumes (as of the checkpoint)
+        self.damaged_total = 0  # entries the run's journal holds set aside (every resume's, this one's too)
         self.restarts = 0
         self._resumed = False
         self._fatal: str | None = None
@@ -403,9 +403,9 @@ class AsyncSource:
 
     @property
     def journal_damaged(self) -> int:
-        """Damaged journal entries set aside on resume over the run: earlier resumes' (as of the checkpoint)
-        and this process's."""
-        return self.damaged_before + len(self.damaged)
+        """Damaged journal entries set aside on resume over the run: the ``*.damaged`` files its journal
+        keeps (so a process killed after setting one aside still counts), counted when this process resumed."""
+        return self.damaged_total
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
@@ -418,7 +418,6 @@ class AsyncSource:
                 "buffer": self.buffer.state_dict(),
                 "restarts": self.restarts,
                 "restored": self.restored,
-                "journal_damaged": self.journal_damaged,
                 # the generation time and counters of the batches the buffer holds, logged when consumed
                 "generate_s": dict(self.generate_s),
                 "batch_info": {index: dict(info) for index, info in self.batch_info.items()},
@@ -436,7 +435,6 @@ class AsyncSource:
         self.version = int(state["version"])  # type: ignore[call-overload]
         self.restarts = int(state.get("restarts", 0))  # type: ignore[call-overload]
         self.restored = int(state.get("restored", 0))  # type: ignore[call-overload]
-        self.damaged_before = int(state.get("journal_damaged", 0))  # type: ignore[call-overload]
         self.generate_s.update(state.get("generate_s", {}))  # type: ignore[call-overload]
         self.batch_info.update(state.get("batch_info", {}))  # type: ignore[call-overload]
         self.buffer.load_state_dict(state["buffer"])  # type: ignore[arg-type]
@@ -469,6 +467,7 @@ class AsyncSource:
                 self._accept(batch)
             else:  # requested after the checkpoint: handed over when admission reaches it
                 self.prefetched[index] = batch
+        self.damaged_total = len(self.journal.damaged())
 
     def prune_journal(self, consumed_before: int) -> None:
         """Delete journaled batches ``< consumed_before`` (a checkpoint at that step covers them)."""

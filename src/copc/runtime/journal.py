@@ -101,11 +101,19 @@ class Journal:
         return batch
 
     def set_aside(self, index: int) -> Path:
-        """Rename a damaged entry to ``*.damaged`` (kept for inspection, never read again)."""
+        """Rename a damaged entry to ``*.damaged`` (kept for inspection, never read again; a batch damaged
+        again later gets ``*.1.damaged``, ``*.2.damaged``, ...: none is overwritten)."""
         path = self.path(index)
-        target = path.with_suffix(".damaged")
+        target, n = path.with_suffix(".damaged"), 0
+        while target.exists():
+            n += 1
+            target = path.with_suffix(f".{n}.damaged")
         os.replace(path, target)
         return target
+
+    def damaged(self) -> list[Path]:
+        """The entries set aside as damaged over the run (a fresh run's :meth:`clear` removes them)."""
+        return sorted(self.directory.glob("batch_*.damaged"))
 
     def prune(self, consumed_before: int) -> None:
         """Delete entries ``< consumed_before`` (a checkpoint covers them)."""
