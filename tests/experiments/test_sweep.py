@@ -242,6 +242,11 @@ def test_collapse_detector_golden():
     assert collapse_step(run([0.2, 0.4, 0.5, 0.35, 0.3, 0.2])) == 75
     # a dip of two evaluations that recovers is not a collapse (patience 3), nor a drop of exactly 0.1
     assert collapse_step(run([0.2, 0.5, 0.3, 0.3, 0.5, 0.4, 0.4, 0.4])) is None
+    # ... however the subtraction rounds: 0.555 - 0.1 is 0.45500000000000007 in floating point, so 0.455 (of 200
+    # prompts) is exactly 0.1 below 0.555 and starts no drop (found by an audit, 2026-12-04: it did, and 3b's
+    # seed 204 of the confirmation was reported collapsing at step 24 instead of 49)
+    assert collapse_step(run([0.555, 0.455, 0.195, 0.045, 0.0])) == 50
+    assert collapse_step(run([0.565, 0.465, 0.465, 0.465])) is None
     # the running best counts only earlier evaluations: a new best restarts the count
     assert collapse_step(run([0.5, 0.3, 0.3, 0.7, 0.5, 0.5, 0.5]), patience=3) == 100
     assert collapse_step(run([0.5, 0.3]), patience=1) == 25

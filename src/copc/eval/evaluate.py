@@ -5,6 +5,7 @@ warm start). The maths of the metrics lives in :mod:`copc.eval.metrics`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -80,10 +81,18 @@ def evaluate(
     cut = truncation_stats(sampled)
     out.update({m.EVAL_TRUNCATED_FRAC: cut.episode_frac, m.EVAL_TRUNCATED_TURN_FRAC: cut.turn_frac,
                 m.EVAL_TURN_LIMIT_FRAC: cut.turn_limit_frac})
+    played = list(sampled)
     if eval_cfg.greedy:
         greedy = _play(model, tokenizer, task, prompts, 1, rollout, seed=seed, greedy=True,
                        on_round=counter(len(sampled)))
         out[m.EVAL_GREEDY_ACCURACY] = greedy_accuracy([bool(_correct(t)) for t in greedy])
+        played += greedy
+    failed = sum(t.info.get("tool_infra_errors", 0.0) > 0 for t in played)
+    out[m.EVAL_TOOL_INFRA_FRAC] = failed / len(played)
+    if failed:  # graded wrong, as the policy's answer never came back: say so, or the accuracy looks like the policy's
+        print(f"warning: {failed} of {len(played)} evaluation episodes had a tool call fail for the machine (the "
+              f"sandbox, not the code) and are graded wrong ({m.EVAL_TOOL_INFRA_FRAC}); the sandbox's failure kinds "
+              "are in docs/sandbox.md", file=sys.stderr, flush=True)
     return out
 
 

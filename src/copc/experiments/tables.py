@@ -22,6 +22,10 @@ __all__ = ["by_group", "collapse_step", "collapse_text", "group_key", "group_tex
            "report_text", "same_start", "start_config", "start_key", "start_keys", "start_mismatches"]
 
 
+#: Evaluations are fractions of a few hundred prompts; differences within this are rounding, not a gap.
+_EPS = 1e-9
+
+
 def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy", *, margin: float = 0.1,
                   patience: int = 3) -> int | None:
     """E4's collapse detector: the step of the first evaluation that starts a run of ``patience``
@@ -37,7 +41,7 @@ def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy",
     points = [(int(e["step"]), float(e[metric])) for e in evals if metric in e] if isinstance(evals, list) else []
     best, start, length = float("-inf"), None, 0
     for step, value in points:
-        if value < best - margin:
+        if best - value > margin + _EPS:  # "more than margin below": a gap equal to it up to rounding is not
             start, length = (step, 1) if length == 0 else (start, length + 1)
             if length >= patience:
                 return start

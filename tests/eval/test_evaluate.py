@@ -1,0 +1,73 @@
+"""copc.eval.evaluate with the tiny model and a scripted task whose rewards and tool outcomes are known."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from copc import tracking as m
+from copc.eval.evaluate import EvalConfig, evaluate
+from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
+from copc.rollout.generator import RolloutConfig
+from copc.tasks.base import Split
+from copc.types import EnvStep, Prompt, StopReason
+
+
+class OneTurnEnv:
+    def __init__(self, prompt: Prompt, reward: float, info: dict[str, float]) -> None:
+        self.prompt, self.reward, self.info = prompt, reward, info
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return ("\n",)
+
+    def initial_text(self) -> str:
+        return self.prompt.text
+
+    def step(self, action_text: str) -> EnvStep:
+        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward, **self.info})
+
+    def finish(self, reason: StopReason) -> EnvStep:
+        return self.step("")
+
+
+class ScriptedTask:
+    """Prompt i is answered right when i is even; the first episode made for prompt 0 has its tool call
+    fail for the machine (the sandbox, not the code): it is graded wrong."""
+
+    name = "scripted"
+
+    def __init__(self, *, infra: bool = True) -> None:
+        self.pool = [Prompt(id=f"p{i}", text=f"q{i}:", answers=("1",)) for i in range(3)]
+        self.made: Counter[str] = Counter()
+        self.infra = infra
+
+    def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
+        return self.pool[:n]
+
+    def make_env(self, prompt: Prompt) -> OneTurnEnv:
+        first = self.made[prompt.id] == 0
+        self.made[prompt.id] += 1
+        infra = self.infra and prompt.id == "p0" and first
+        right = int(prompt.id[1:]) % 2 == 0 and not infra
+        return OneTurnEnv(prompt, float(right), {"tool_calls": 1.0, "tool_infra_errors": float(infra)})
+
+
+def test_tool_failures_of_the_machine_are_reported_not_hidden_in_the_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
+    """An evaluation episode whose tool call failed for the machine counts as wrong (the accuracy is what
+    the policy got), and the evaluation says how many there were, in ``eval/tool_infra_frac`` and on
+    stderr; before (found by an audit, 2026-12-04), nothing showed them."""
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, seed=0)
+    rollout = RolloutConfig(max_turns=1, max_new_tokens_per_turn=4, max_total_tokens=4, context_limit=64)
+    out = evaluate(model, tok, ScriptedTask(), rollout, EvalConfig(prompts=3, samples=2, greedy=True), seed=0)  # type: ignore[arg-type]
+    # sampled: p0 1/2 right (its first episode failed), p1 0/2, p2 2/2 -> avg@2 (0.5 + 0 + 1) / 3
+    assert out[m.EVAL_ACCURACY] == pytest.approx(0.5)
+    # one episode of the 9 (6 sampled, 3 greedy) had the machine fail its tool call
+    assert out[m.EVAL_TOOL_INFRA_FRAC] == pytest.approx(1 / 9)
+    err = capsys.readouterr().err
+    assert "1 of 9 evaluation episodes had a tool call fail for the machine" in err
+    clean = evaluate(model, tok, ScriptedTask(infra=False), rollout, EvalConfig(prompts=3, samples=2), seed=0)  # type: ignore[arg-type]
+    assert clean[m.EVAL_TOOL_INFRA_FRAC] == 0.0 and clean[m.EVAL_ACCURACY] == pytest.approx(2 / 3)
+    assert "fail for the machine" not in capsys.readouterr().err
