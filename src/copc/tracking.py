@@ -88,6 +88,7 @@ EVAL_TRUNCATED_FRAC = "eval/truncated_frac"
 EVAL_TRUNCATED_TURN_FRAC = "eval/truncated_turn_frac"
 EVAL_TURN_LIMIT_FRAC = "eval/turn_limit_frac"
 EVAL_TOOL_INFRA_FRAC = "eval/tool_infra_frac"
+EVAL_ENV_ERROR_FRAC = "eval/env_error_frac"
 ROLLOUT_TOOL_USE_RATE = "rollout/tool_use_rate"
 ROLLOUT_ENTROPY_MC = "rollout/entropy_mc"
 ROLLOUT_TOOL_CALLS = "rollout/tool_calls"
@@ -200,6 +201,8 @@ METRICS: dict[str, str] = {
     EVAL_TURN_LIMIT_FRAC: "fraction of sampled eval episodes ended by the per-turn limit max_new_tokens_per_turn",
     EVAL_TOOL_INFRA_FRAC: "fraction of eval episodes (sampled and greedy) with a tool call that failed for the "
                           "machine (sandbox fault), graded wrong: a nonzero value means the accuracies are low for the machine",
+    EVAL_ENV_ERROR_FRAC: "fraction of eval episodes (sampled and greedy) ended because the environment raised (a bug "
+                         "in the task or its tool, not the policy), graded wrong",
     ROLLOUT_TOOL_USE_RATE: "fraction of trajectories that called a tool at least once",
     ROLLOUT_TOOL_CALLS: "mean tool calls per trajectory",
     ROLLOUT_TOOL_INFRA_ERRORS: "mean tool calls per trajectory that failed for the machine, not the code (sandbox fault=infra)",

@@ -68,6 +68,31 @@ def test_tool_failures_of_the_machine_are_reported_not_hidden_in_the_accuracy(ca
     assert out[m.EVAL_TOOL_INFRA_FRAC] == pytest.approx(1 / 9)
     err = capsys.readouterr().err
     assert "1 of 9 evaluation episodes had a tool call fail for the machine" in err
+    assert out[m.EVAL_ENV_ERROR_FRAC] == 0.0
     clean = evaluate(model, tok, ScriptedTask(infra=False), rollout, EvalConfig(prompts=3, samples=2), seed=0)  # type: ignore[arg-type]
     assert clean[m.EVAL_TOOL_INFRA_FRAC] == 0.0 and clean[m.EVAL_ACCURACY] == pytest.approx(2 / 3)
     assert "fail for the machine" not in capsys.readouterr().err
+
+
+class RaisingTask(ScriptedTask):
+    """As ScriptedTask without tool failures, but the environment of prompt p2 raises (a bug in the
+    environment, e.g. a search tool that crashes): those episodes end with reward 0."""
+
+    def make_env(self, prompt: Prompt) -> OneTurnEnv:
+        env = super().make_env(prompt)
+        if prompt.id == "p2":
+            def broken(action_text: str) -> EnvStep:
+                raise RuntimeError("the retriever crashed")
+            env.step = broken  # type: ignore[method-assign]
+            env.finish = lambda reason: broken("")  # type: ignore[method-assign]
+        return env
+
+
+def test_environment_errors_are_reported_not_hidden_in_the_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, seed=0)
+    rollout = RolloutConfig(max_turns=1, max_new_tokens_per_turn=4, max_total_tokens=4, context_limit=64)
+    out = evaluate(model, tok, RaisingTask(infra=False), rollout, EvalConfig(prompts=3, samples=2, greedy=False), seed=0)  # type: ignore[arg-type]
+    assert out[m.EVAL_ACCURACY] == pytest.approx(1 / 3)  # p0 2/2, p1 0/2, p2 (crashed) 0/2
+    assert out[m.EVAL_ENV_ERROR_FRAC] == pytest.approx(2 / 6) and out[m.EVAL_TOOL_INFRA_FRAC] == 0.0
+    assert "2 of 6 evaluation episodes ended because the environment raised" in capsys.readouterr().err

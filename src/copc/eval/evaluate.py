@@ -87,12 +87,20 @@ def evaluate(
                        on_round=counter(len(sampled)))
         out[m.EVAL_GREEDY_ACCURACY] = greedy_accuracy([bool(_correct(t)) for t in greedy])
         played += greedy
+    # Episodes the machine or the task failed are graded wrong, as the policy's answer never came back: say
+    # how many, or the accuracy looks like the policy's alone.
     failed = sum(t.info.get("tool_infra_errors", 0.0) > 0 for t in played)
+    raised = sum(t.info.get("env_errors", 0.0) > 0 for t in played)
     out[m.EVAL_TOOL_INFRA_FRAC] = failed / len(played)
-    if failed:  # graded wrong, as the policy's answer never came back: say so, or the accuracy looks like the policy's
+    out[m.EVAL_ENV_ERROR_FRAC] = raised / len(played)
+    if failed:
         print(f"warning: {failed} of {len(played)} evaluation episodes had a tool call fail for the machine (the "
               f"sandbox, not the code) and are graded wrong ({m.EVAL_TOOL_INFRA_FRAC}); the sandbox's failure kinds "
               "are in docs/sandbox.md", file=sys.stderr, flush=True)
+    if raised:
+        print(f"warning: {raised} of {len(played)} evaluation episodes ended because the environment raised (a bug "
+              f"in the task or its tool; the log has the traceback) and are graded wrong ({m.EVAL_ENV_ERROR_FRAC})",
+              file=sys.stderr, flush=True)
     return out
 
 
