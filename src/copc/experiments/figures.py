@@ -90,8 +90,12 @@ def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str],
 def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *, title: str) -> Path:
     """Per summary metric: each group's seed mean with its 95% t interval over seeds, seeds as dots."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=True):
+    cols = min(3, len(metrics))  # wrapped, so that many metrics stay readable
+    rows = -(-len(metrics) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.set_visible(False)
+    for ax, metric in zip(axes.flat, metrics, strict=False):
         groups = sorted(by_group(records, metric).items(), key=lambda kv: group_text(kv[0]))
         for x, (_, seeds) in enumerate(groups):
             values = list(seeds.values())
