@@ -148,6 +148,14 @@ def test_tensorboard_hides_the_steps_a_resume_redoes(tmp_path):
         tracker.log(10, {tracking.REWARD_MEAN: 0.7})
     assert scalars(tracking.EVAL_ACCURACY) == [(10, 0.5)]
     assert [r["step"] for r in read_metrics(tmp_path)].count(10) == 2  # the kept evaluation and the new step
+    # the continuation was killed before its next checkpoint and resumes at step 10 again: its step 10 is
+    # redone, and TensorBoard shows the redone value alone beside the kept evaluation (before, purge_step
+    # 11 kept the killed process's value too: found by a review, 2026-12-04)
+    with Tracker(tmp_path, strict=True, resume_step=10, keep_resume_evaluation=True) as tracker:
+        tracker.log(10, {tracking.REWARD_MEAN: 0.8})
+    assert scalars(tracking.REWARD_MEAN)[-1:] == [(10, pytest.approx(0.8))]
+    assert [s for s, _ in scalars(tracking.REWARD_MEAN)].count(10) == 1
+    assert scalars(tracking.EVAL_ACCURACY) == [(10, 0.5)]
 
 
 def test_histogram_record_forms():

@@ -66,11 +66,28 @@ class Tracker:
                 if path.exists():
                     _truncate_from(path, resume_step, keep_evaluation=keep_resume_evaluation)
         self._file: IO[str] | None = self.path.open("a")
-        # TensorBoard hides what the steps redone after a resume logged before (the kept evaluation of a
-        # finished run's end, at resume_step, stays), as metrics.jsonl drops them above.
-        purge = None if resume_step is None else resume_step + (1 if keep_resume_evaluation else 0)
-        self._tb: SummaryWriterLike | None = self._open_tensorboard(purge) if tensorboard else None
+        # TensorBoard hides what the steps redone after a resume logged before, as metrics.jsonl drops them
+        # above; the kept final evaluation at resume_step is purged with them and written again from the files.
+        self._tb: SummaryWriterLike | None = self._open_tensorboard(resume_step) if tensorboard else None
+        if resume_step is not None and keep_resume_evaluation:
+            self._rewrite_tensorboard(resume_step)
         self._mirror = mirror
+
+    def _rewrite_tensorboard(self, step: int) -> None:
+        """TensorBoard's scalars and sample text of the records kept at ``step`` (a finished run's final
+        evaluation), which the purge at ``step`` removed."""
+        if self._tb is None:
+            return
+        with _naming(self._tb_file()):
+            for record in (r for r in read_metrics(self.path) if int(r.get("step", -1)) == step):
+                for name, value in record.items():
+                    if name not in ("step", "time") and isinstance(value, int | float) and math.isfinite(value):
+                        self._tb.add_scalar(name, float(value), step)
+            if self.samples_path.exists():
+                kept = [r for r in read_metrics(self.samples_path) if int(r.get("step", -1)) == step]
+                if kept:
+                    self._tb.add_text("samples/eval", "\n\n---\n\n".join(_markdown(e) for e in kept), step)
+            self._tb.flush()
 
     def _open_tensorboard(self, purge_step: int | None) -> SummaryWriterLike | None:
         try:
