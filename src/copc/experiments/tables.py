@@ -8,6 +8,7 @@ left out of every pair, and the report says so.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -153,7 +154,15 @@ def start_config(record: Mapping[str, object]) -> str:
     today's form (a key a record predates takes its default, copc.experiments.results.recorded_config):
     records whose start configs differ start apart by design (an axis over the warm start's model or the
     task's options) and are never expected to agree at step 0."""
-    config = cast(Mapping[str, object], recorded_config(record) or record.get("config", {}) or {})
+    return _start_config(json.dumps(record.get("config", {}) or {}, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=4096)
+def _start_config(raw: str) -> str:
+    """:func:`start_config` of one config (canonical JSON): a report asks for each record's many times
+    (every metric's pairs, every contrast), and reading a config in today's form builds a RunConfig."""
+    loaded = json.loads(raw)
+    config = cast(Mapping[str, object], recorded_config({"config": loaded}) or loaded)
     part: dict[str, object] = {}
     for section in _START_SECTIONS:
         if section in config:
