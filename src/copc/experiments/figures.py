@@ -59,6 +59,18 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+def _panels(plt, n: int, width: float, height: float):  # type: ignore[no-untyped-def]
+    """A figure of ``n`` panels wrapped three to a row (many stay readable); returns it and its ``n`` axes,
+    the spare cells of the last row hidden."""
+    cols = min(3, n)
+    rows = -(-n // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
 def _save(plt, fig, out: Path, title: str) -> Path:  # type: ignore[no-untyped-def]
     fig.suptitle(title)
     fig.tight_layout()
@@ -71,8 +83,8 @@ def _save(plt, fig, out: Path, title: str) -> Path:  # type: ignore[no-untyped-d
 def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *, title: str) -> Path:
     """Seed-mean evaluation curves (band: min to max over seeds), one panel per metric; returns the PNG."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=True):
+    fig, axes = _panels(plt, len(metrics), 5.5, 4.2)
+    for ax, metric in zip(axes, metrics, strict=True):
         for name, curve in sorted(eval_curves(records, metric).items()):
             steps = sorted(curve)
             mean = [sum(curve[s]) / len(curve[s]) for s in steps]
@@ -82,20 +94,16 @@ def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str],
         ax.set_xlabel("training step")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
-    if axes[0][0].get_legend_handles_labels()[0]:
-        axes[0][0].legend(fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
     return _save(plt, fig, out, title)
 
 
 def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *, title: str) -> Path:
     """Per summary metric: each group's seed mean with its 95% t interval over seeds, seeds as dots."""
     plt = _pyplot()
-    cols = min(3, len(metrics))  # wrapped, so that many metrics stay readable
-    rows = -(-len(metrics) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
-    for ax in list(axes.flat)[len(metrics):]:
-        ax.set_visible(False)
-    for ax, metric in zip(axes.flat, metrics, strict=False):
+    fig, axes = _panels(plt, len(metrics), 5.5, 4.2)
+    for ax, metric in zip(axes, metrics, strict=True):
         groups = sorted(by_group(records, metric).items(), key=lambda kv: group_text(kv[0]))
         for x, (_, seeds) in enumerate(groups):
             values = list(seeds.values())
@@ -118,10 +126,8 @@ def plot_diagnostics(records: Sequence[Mapping[str, object]], names: Sequence[st
     if not present:
         return None
     plt = _pyplot()
-    cols = min(3, len(present))
-    rows = -(-len(present) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
-    for ax, (name, curves) in zip(axes.flat, present, strict=False):
+    fig, axes = _panels(plt, len(present), 5.2, 3.6)
+    for ax, (name, curves) in zip(axes, present, strict=True):
         for group, curve in sorted(curves.items()):
             steps = sorted(curve)
             ax.plot(steps, [sum(curve[s]) / len(curve[s]) for s in steps], linewidth=1.2,
@@ -129,9 +135,7 @@ def plot_diagnostics(records: Sequence[Mapping[str, object]], names: Sequence[st
         ax.set_xlabel("training step")
         ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(present):]:
-        ax.set_visible(False)
-    axes[0][0].legend(fontsize=6)
+    axes[0].legend(fontsize=6)
     return _save(plt, fig, out, title)
 
 

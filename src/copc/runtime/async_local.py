@@ -152,7 +152,9 @@ class AsyncSource:
         self.batch_info: dict[int, dict[str, float]] = {}  # the generator's counters, by batch index
         self.restored = 0  # journaled batches restored on resume, over the run (the checkpoint's count + this one's)
         self.damaged: list[str] = []  # journal entries this process set aside on resume
-        self.damaged_total = 0  # entries the run's journal holds set aside (every resume's, this one's too)
+        # damaged entries set aside on resume over the run: the ``*.damaged`` files its journal keeps (so a
+        # process killed after setting one aside still counts), counted when this process resumed
+        self.journal_damaged = 0
         self.restarts = 0
         self._resumed = False
         self._fatal: str | None = None
@@ -401,12 +403,6 @@ class AsyncSource:
         out[m.RUNTIME_JOURNAL_DAMAGED] = float(self.journal_damaged)
         return out
 
-    @property
-    def journal_damaged(self) -> int:
-        """Damaged journal entries set aside on resume over the run: the ``*.damaged`` files its journal
-        keeps (so a process killed after setting one aside still counts), counted when this process resumed."""
-        return self.damaged_total
-
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
         with self._lock:
@@ -467,7 +463,7 @@ class AsyncSource:
                 self._accept(batch)
             else:  # requested after the checkpoint: handed over when admission reaches it
                 self.prefetched[index] = batch
-        self.damaged_total = len(self.journal.damaged())
+        self.journal_damaged = len(self.journal.damaged())
 
     def prune_journal(self, consumed_before: int) -> None:
         """Delete journaled batches ``< consumed_before`` (a checkpoint at that step covers them)."""
