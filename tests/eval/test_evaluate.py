@@ -11,25 +11,8 @@ from copc.eval.evaluate import EvalConfig, evaluate
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
 from copc.rollout.generator import RolloutConfig
 from copc.tasks.base import Split
-from copc.types import EnvStep, Prompt, StopReason
-
-
-class OneTurnEnv:
-    def __init__(self, prompt: Prompt, reward: float, info: dict[str, float]) -> None:
-        self.prompt, self.reward, self.info = prompt, reward, info
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return ("\n",)
-
-    def initial_text(self) -> str:
-        return self.prompt.text
-
-    def step(self, action_text: str) -> EnvStep:
-        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward, **self.info})
-
-    def finish(self, reason: StopReason) -> EnvStep:
-        return self.step("")
+from copc.types import EnvStep, Prompt
+from reference.scripted_env import ScriptedEnv
 
 
 class ScriptedTask:
@@ -46,12 +29,12 @@ class ScriptedTask:
     def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
         return self.pool[:n]
 
-    def make_env(self, prompt: Prompt) -> OneTurnEnv:
+    def make_env(self, prompt: Prompt) -> ScriptedEnv:
         first = self.made[prompt.id] == 0
         self.made[prompt.id] += 1
         infra = self.infra and prompt.id == "p0" and first
         right = int(prompt.id[1:]) % 2 == 0 and not infra
-        return OneTurnEnv(prompt, float(right), {"tool_calls": 1.0, "tool_infra_errors": float(infra)})
+        return ScriptedEnv(prompt, float(right), {"tool_calls": 1.0, "tool_infra_errors": float(infra)})
 
 
 def test_tool_failures_of_the_machine_are_reported_not_hidden_in_the_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,7 +61,7 @@ class RaisingTask(ScriptedTask):
     """As ScriptedTask without tool failures, but the environment of prompt p2 raises (a bug in the
     environment, e.g. a search tool that crashes): those episodes end with reward 0."""
 
-    def make_env(self, prompt: Prompt) -> OneTurnEnv:
+    def make_env(self, prompt: Prompt) -> ScriptedEnv:
         env = super().make_env(prompt)
         if prompt.id == "p2":
             def broken(action_text: str) -> EnvStep:

@@ -28,27 +28,10 @@ from copc.rollout.generator import (
     round_seed,
 )
 from copc.tasks.base import Split
-from copc.types import EnvStep, Prompt, StopReason
+from copc.types import Prompt
+from reference.scripted_env import ScriptedEnv
 
 REWARD = {"right": 1.0, "wrong": 0.0}
-
-
-class ScriptedEnv:
-    def __init__(self, prompt: Prompt, reward: float, extra: dict[str, float] | None = None) -> None:
-        self.prompt, self.reward, self.extra = prompt, reward, extra or {}
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return ("\n",)
-
-    def initial_text(self) -> str:
-        return self.prompt.text
-
-    def step(self, action_text: str) -> EnvStep:
-        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward, **self.extra})
-
-    def finish(self, reason: StopReason) -> EnvStep:
-        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward, **self.extra})
 
 
 class ScriptedTask:
