@@ -126,6 +126,15 @@ def test_each_claim_shows_its_value_for_every_seed(tmp_path):
     assert "    by seed: 0 +0.020, 1 +0.010, 2 -0.010 (2 above 0, 1 below)" in lines
 
 
+def test_a_seed_value_that_rounds_to_zero_shows_its_sign(tmp_path):
+    """A paired value of 2e-4 is counted above 0, so it is not printed as +0.000; an exact 0 counts neither way."""
+    table = {"base": {0: 0.5, 1: 0.5, 2: 0.5}, "arm": {0: 0.5002, 1: 0.5, 2: 0.49}}
+    spec = tmp_path / "c.yaml"
+    spec.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3, "contrasts": [{"name": "a", "claim": "arm - base > 0"}]}))
+    lines = contrasts_text(load_contrasts(spec), records_of(table)).splitlines()
+    assert "    by seed: 0 +2e-04, 1 +0.000, 2 -0.010 (1 above 0, 1 below)" in lines
+
+
 def test_terms_must_select_one_group():
     records = [{"levels": {"method": m, "lr": lr}, "seed": 0, "summary": {"eval_final": 1.0}}
                for m in ("r0", "b3") for lr in ("1e-4", "2.5e-5")]

@@ -299,6 +299,12 @@ def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object
             lines.append(f"  {r.text}:  {numbers}  {seeds}{_unpaired_text(r)}" + (f"  -> {r.verdict}" if is_all else ""))
             if r.values:
                 above, below = sum(v > 0 for v in r.values), sum(v < 0 for v in r.values)
-                lines.append("    by seed: " + ", ".join(f"{seed} {v:+.3f}" for seed, v in zip(r.seeds, r.values, strict=True))
+                lines.append("    by seed: " + ", ".join(f"{seed} {_per_seed(v)}" for seed, v in zip(r.seeds, r.values, strict=True))
                              + f" ({above} above 0, {below} below)")
     return "\n".join(lines)
+
+
+def _per_seed(value: float) -> str:
+    """A seed's paired value to 3 decimals, or to one significant digit when 3 decimals would read 0
+    but the value is not: the above/below counts beside it use the exact sign."""
+    return f"{value:+.3f}" if value == 0 or abs(value) >= 5e-4 else f"{value:+.0e}"
