@@ -216,7 +216,7 @@ def test_curve_means_are_report_metrics(tmp_path, capsys):
     from copc.experiments.tables import by_group
 
     record = {"levels": {"arm": "a"}, "seed": 0, "summary": {},
-              "curves": {"drift": [[2, 0.1], [4, 0.3], [6, float("nan")], [8, 0.5]], "mask_rate": []}}
+              "curves": {"drift": [[0, 0.1], [1, 0.3], [2, float("nan")], [3, 0.5]], "mask_rate": []}}
     assert by_group([record], "mean:drift") == {(("arm", "a"),): {0: pytest.approx(0.3)}}
     assert by_group([record], "mean:mask_rate") == {}  # an empty curve is no value, not 0
     assert by_group([{**record, "curves": None}], "mean:drift") == {}  # a record from before curves

@@ -18,6 +18,7 @@ from copc.experiments import testbed
 from copc.experiments.results import (
     build_record,
     config_hash,
+    curve_mean,
     load_records,
     read_record,
     subsample_curve,
@@ -334,6 +335,22 @@ def test_subsample_curve_golden():
     assert subsample_curve([], []) == []
 
 
+def test_curve_mean_weighs_every_step_the_same():
+    """150 steps cut into 60 bins give 30 bins of 3 steps and 30 of 2: the plain mean of the bins of the
+    curve y = step is 82.0, the run mean 74.5. A record keeps the exact mean; for an older record without
+    it the bins' counts are recovered from their last steps."""
+    steps = list(range(150))
+    curve = subsample_curve(steps, [float(s) for s in steps])
+    assert sum(v for _, v in curve) / len(curve) == pytest.approx(82.0)  # what the bins alone say
+    assert curve_mean({"curves": {"drift": curve}}, "drift") == pytest.approx(74.5)
+    assert curve_mean({"curves": {"drift": curve}, "curve_means": {"drift": 70.0}}, "drift") == 70.0
+    late = list(range(5, 150))  # a curve that starts after a 5-step warm-up: 145 points, 25 bins of 3
+    assert curve_mean({"curves": {"x": subsample_curve(late, [float(s) for s in late])}}, "x") == pytest.approx(77.0)
+    assert curve_mean({"curves": {"x": [[0, 1.0], [2, 2.0], [4, 3.0]]}}, "x") is None  # gaps: counts unknown
+    assert curve_mean({"curves": {"x": [[0, math.nan], [1, 2.0]]}}, "x") == 2.0
+    assert curve_mean({"curves": {}}, "x") is None and curve_mean({}, "x") is None
+
+
 def test_record_round_trips_and_is_small(tmp_path):
     config = fake_run(tmp_path / "run", 100, ["method=ppo"])
     record = build_record(tmp_path / "run", experiment="demo", cell_id="method=ppo__seed0",
@@ -358,6 +375,8 @@ def test_record_round_trips_and_is_small(tmp_path):
     assert 0.098 <= curves["drift"][-1][1] <= 0.099
     assert curves["mask_rate"][0][0] == 6 and {v for _, v in curves["mask_rate"]} == {0.25}
     assert all(v == 4.0 for _, v in curves["lag_mean"]) and len(curves["lag_mean"]) == 60
+    assert record["curve_means"] == {"drift": pytest.approx(0.0495), "mask_rate": 0.25, "lag_mean": 4.0}
+    assert curve_mean({"curves": curves}, "drift") == pytest.approx(0.0495)  # recovered from the bins alone
     assert record["step_seconds"]["median"] == 2.0 and record["wall_seconds"] == 300.0
     assert {"cpu", "cpus", "python", "torch"} <= set(record["machine"])
     assert load_records(path.parent) == [read_record(path)]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -47,6 +48,7 @@ __all__ = [
     "build_record",
     "commit_alone",
     "config_hash",
+    "curve_mean",
     "known_metric",
     "load_records",
     "machine_info",
@@ -140,6 +142,47 @@ def subsample_curve(steps: Sequence[int], values: Sequence[float], points: int =
     return [[int(steps[b[-1]]), float(np.mean([values[i] for i in b]))] for b in bins]
 
 
+def curve_mean(record: Mapping[str, object], name: str) -> float | None:
+    """The run mean over steps of the diagnostic curve ``name``: every step weighs the same.
+
+    Records keep it exactly (``curve_means``). An older record has only the binned curve, whose bins
+    differ by one step (150 steps: 30 bins of 3, 30 of 2), so the plain mean of its bins would weigh the
+    end of the run more; there each bin's count is recovered from the binning itself: the only point
+    count ``n`` whose :func:`subsample_curve` bins of steps ``first .. first + n - 1`` (``first >= 0``)
+    end at the recorded steps. ``None`` when the record lacks the curve, when no bin is finite, or when
+    the counts cannot be recovered (a curve with gaps): never a mean with the wrong weights.
+    """
+    means = record.get("curve_means")
+    if isinstance(means, Mapping) and name in means:
+        value = means[name]
+        return float(value) if value is not None and math.isfinite(float(value)) else None
+    curves = record.get("curves")
+    points = curves.get(name) if isinstance(curves, Mapping) else None
+    if not points:
+        return None
+    counts = _bin_counts([int(step) for step, _ in points])
+    if counts is None:
+        return None
+    pairs = [(float(v), c) for (_, v), c in zip(points, counts, strict=True) if v is not None and math.isfinite(float(v))]
+    weight = sum(c for _, c in pairs)
+    return sum(v * c for v, c in pairs) / weight if weight else None
+
+
+def _bin_counts(last_steps: list[int], points: int = CURVE_POINTS) -> list[int] | None:
+    """The number of steps in each bin of a curve binned by :func:`subsample_curve`, from the bins' last
+    steps, assuming one point per step; ``None`` unless exactly one count fits."""
+    bins, end = len(last_steps), last_steps[-1]
+    fits: list[list[int]] = []
+    for n in range(bins, end + 2):  # first step = end - n + 1 >= 0
+        if min(points, n) != bins:
+            continue
+        sizes = [len(b) for b in np.array_split(np.arange(n), bins)]
+        first = end - n + 1
+        if list(first - 1 + np.cumsum(sizes)) == last_steps:
+            fits.append(sizes)
+    return fits[0] if len(fits) == 1 else None
+
+
 def _median(values: Sequence[float]) -> float | None:
     return float(np.median(values)) if values else None
 
@@ -226,11 +269,13 @@ def build_record(
     rewards = [float(r[m.REWARD_MEAN]) for r in train]
     step_times = [float(r[m.TIME_STEP]) for r in train if m.TIME_STEP in r]
     steps = int(summary["steps"])
-    curves = {}
+    curves, curve_means = {}, {}
     for name, key in DIAGNOSTIC_CURVES.items():
         points = [(int(r["step"]), float(r[key])) for r in train if key in r]
         if points:
             curves[name] = subsample_curve([p[0] for p in points], [p[1] for p in points])
+            finite = [v for _, v in points if math.isfinite(v)]
+            curve_means[name] = float(np.mean(finite)) if finite else None
     return {
         "version": RECORD_VERSION,
         "experiment": experiment,
@@ -244,6 +289,7 @@ def build_record(
         **({"extended_from": extended_from, "evals_off_schedule": kept_off} if extended_from else {}),
         "train_reward": subsample_curve(reward_steps, rewards),
         "curves": curves,
+        "curve_means": curve_means,  # each curve's exact mean over its steps (read by curve_mean)
         "summary": _summary_figures(evals, rewards, steps),
         "step_seconds": {
             "median": _median(step_times),

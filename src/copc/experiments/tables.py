@@ -14,9 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import cast
 
-import numpy as np
-
-from copc.experiments.results import recorded_config
+from copc.experiments.results import curve_mean, recorded_config
 from copc.experiments.stats import Interval, t_interval
 
 __all__ = ["by_group", "collapse_step", "collapse_text", "group_key", "group_text", "paired_differences",
@@ -80,11 +78,8 @@ def group_text(key: tuple[tuple[str, str], ...]) -> str:
 
 
 def _metric(record: Mapping[str, object], metric: str) -> float | None:
-    if metric.startswith("mean:"):  # the run's mean of one diagnostic curve (its bins differ by at most one step)
-        curves = record.get("curves")
-        points = curves.get(metric[5:]) if isinstance(curves, dict) else None
-        values = [float(v) for _, v in points or () if v is not None and math.isfinite(float(v))]
-        return float(np.mean(values)) if values else None
+    if metric.startswith("mean:"):  # the run's mean over steps of one diagnostic curve
+        return curve_mean(record, metric[5:])
     summary = record.get("summary")
     value = summary.get(metric) if isinstance(summary, dict) else None
     return float(value) if value is not None else None
