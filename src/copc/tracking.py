@@ -131,22 +131,29 @@ MEMORY_PEAK = "memory/peak"
 
 #: Every metric name with its one-line meaning (units in brackets). Tokens are sampled (policy) tokens.
 METRICS: dict[str, str] = {
-    LOSS_POLICY: "actor loss (masked clipped surrogate, token-mean over the global minibatch count)",
-    LOSS_VALUE: "critic loss 1/2 max((V-G)^2, (clip(V)-G)^2), token-mean",
+    LOSS_POLICY: "actor loss: the policy channel's surrogate, token-mean over the minibatch's global count, plus "
+                 "kl_coef * KL - entropy_coef * H when those are set; mean over the step's optimizer steps",
+    LOSS_VALUE: "critic loss 1/2 max((V-G)^2, (clip(V)-G)^2), token-mean; mean over the step's optimizer steps",
     LOSS_ENTROPY: "mean policy entropy over sampled tokens [nats] (only with trainer.entropy_coef != 0)",
     ROLLOUT_ENTROPY_MC: "Monte-Carlo per-token entropy of the behaviour policy: mean -log mu over sampled tokens [nats]",
     LOSS_KL: "KL to the reference policy, token-mean",
     RATIO_MASK_FRAC: "fraction of sampled tokens outside the behaviour-ratio mask band (M_t = 0)",
-    RATIO_CLIP_FRAC_LOW: "fraction of tokens whose behaviour ratio w is clipped at 1 - eps_A^- (advantage channel)",
-    RATIO_CLIP_FRAC_HIGH: "fraction of tokens whose behaviour ratio w is clipped at 1 + eps_A^+ (advantage channel)",
-    RATIO_ESS_TOKEN: "token ESS of the behaviour ratio w: (sum w)^2 / (N sum w^2), in (0, 1]",
-    RATIO_ESS_SEQ: "sequence ESS of W_i = exp(sum_t log w_it), normalised to (0, 1]",
+    RATIO_CLIP_FRAC_LOW: "fraction of tokens whose behaviour ratio w is below advantage.ratio_low (clipped-TD's "
+                         "clip 1 - eps_A^-; for an estimator without that clip, where it would bite)",
+    RATIO_CLIP_FRAC_HIGH: "fraction of tokens whose behaviour ratio w is above advantage.ratio_high (clipped-TD's "
+                          "clip 1 + eps_A^+; for an estimator without that clip, where it would bite)",
+    RATIO_ESS_TOKEN: "token ESS of the behaviour ratio w, (sum w)^2 / (N sum w^2) in (0, 1], per actor minibatch "
+                     "(mean over the step's minibatches; the first only for methods without an old forward)",
+    RATIO_ESS_SEQ: "sequence ESS of W_i = exp(sum_t log w_it), normalised to (0, 1], per actor minibatch "
+                   "(mean over the step's minibatches; the first only for methods without an old forward)",
     RATIO_ESS_SEQ_SNIS: "ESS of the self-normalised sequence weights used for the value-bias estimate",
-    RATIO_MEAN_ABS_LOG_W: "mean |log w| = |old - mu| over sampled tokens",
+    RATIO_MEAN_ABS_LOG_W: "mean |log w| = |old - mu| over sampled tokens (ratio/*: of the step-start policy; "
+                          "absent on a step where a method without an old forward does not train its actor)",
     RATIO_KL_K1: "KL(mu || pi_old) estimate k1 = -log w, token mean",
     RATIO_KL_K2: "KL estimate k2 = (log w)^2 / 2, token mean",
     RATIO_KL_K3: "KL estimate k3 = w - 1 - log w, token mean",
-    POLICY_MASK_FRAC: "fraction of sampled tokens the actor loss masks out (policy channel)",
+    POLICY_MASK_FRAC: "fraction of sampled tokens the actor loss masks out (policy channel; policy/* and value/* "
+                      "are token fractions and means over the whole step's updates)",
     POLICY_WEIGHT_MEAN: "mean per-token weight omega_t multiplying the actor term",
     POLICY_CLIP_FRAC_LOW: "fraction of tokens where the PPO clip is active at 1 - eps_low",
     POLICY_CLIP_FRAC_HIGH: "fraction of tokens where the PPO clip is active at 1 + eps_high",
@@ -154,7 +161,8 @@ METRICS: dict[str, str] = {
     POLICY_APPROX_KL: "approximate KL(pi_old || pi_theta) during the actor update",
     VALUE_CLIP_FRAC: "fraction of tokens where value clipping is active",
     VALUE_MEAN_ABS_ERR: "mean |V - G| over sampled tokens in the critic update",
-    VALUE_EXPLAINED_VAR: "explained variance of the critic inside the value loss (per minibatch)",
+    VALUE_EXPLAINED_VAR: "explained variance 1 - Var(G - V) / Var(G) of the values the critic update's forwards "
+                         "gave, over the step's loss tokens",
     STALENESS_MEAN: "mean per-token staleness n - v_t of the consumed batch [versions]",
     STALENESS_MAX: "max per-token staleness of the consumed batch [versions]",
     STALENESS_SEQ_MAX_MEAN: "mean over trajectories of s_max = n - min_t v_t [versions]",
@@ -168,7 +176,8 @@ METRICS: dict[str, str] = {
     STALENESS_PACE_POOL: "completed trajectories in the pool when this step's batch was taken (PACE occupancy)",
     STALENESS_PACE_SCORE_MEAN: "mean PACE effective-staleness score of this step's batch before filtering [versions]",
     STALENESS_HIST: "per-token staleness (TensorBoard histogram; JSONL keeps {counts: [c_0, c_1, ...]})",
-    CRITIC_EXPLAINED_VAR: "1 - Var(G - V) / Var(G) over sampled tokens, pre-update values",
+    CRITIC_EXPLAINED_VAR: "1 - Var(G - V) / Var(G) over sampled tokens, pre-update values (critic/*: only with a "
+                          "critic, except value_bias and returns_mean)",
     CRITIC_VALUE_BIAS_GAP: "g_pi = |mean V(s_1) - E_pi[R]| (BRACE eq. 7, self-normalised IS)",
     CRITIC_VALUE_BIAS: "b = E_pi[R] - E_mu[R] (BRACE eq. 7)",
     CRITIC_VALUES_MEAN: "mean pre-update critic value over sampled tokens",

@@ -388,3 +388,85 @@ def test_micro_batches_by_length_train_like_index_order(method: str, micro: int)
         assert len(keys) > 5
         for key in keys:
             assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-6), key
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a step reports: review 14's defects of the trainer's statistics, each test failed before its fix
+
+
+def _frozen_step(method: str, **overrides: object) -> dict[str, float]:
+    """One step whose learning rates (1e-30: the config asks for > 0) move no weight a float32 can see."""
+    trainer = make_trainer(method, actor_lr=1e-30, critic_lr=1e-30, **overrides)
+    batch = collate(synthetic_trajectories(trainer.policy, n=8, behaviour_noise=0.5), pad_id=TOKENIZER.pad_token_id)
+    return trainer.step(batch)
+
+
+def test_step_statistics_do_not_depend_on_how_the_step_is_cut() -> None:
+    """At lr ~0 neither network moves, so every token's mask / clip indicator and every value is fixed:
+    the step's ``policy/*`` and ``value/*`` fractions and the explained variance must then be the same
+    however the 8 rows (of unequal lengths) are cut into minibatches and micro-batches. Before: a plain
+    mean of each minibatch's token mean (weighting short rows up), the explained variance of each
+    micro-batch (0 for one-row pieces: G is constant along a row), and every statistic divided by the
+    minibatch count asked for even when the batch had fewer rows (16 asked, 8 made: all halved)."""
+    cuts = [(1, 1, 8), (2, 2, 3), (4, 4, 1), (8, 8, 2), (16, 16, 2)]
+    runs = [_frozen_step("copc_behaviour", actor_minibatches=a, critic_minibatches=c, micro_batch_size=mb) for a, c, mb in cuts]
+    keys = sorted(k for k in runs[0] if k.startswith(("policy/", "value/")))
+    assert {"policy/mask_frac", "policy/clip_frac_high", "value/mean_abs_err", "value/explained_var"} <= set(keys)
+    assert runs[0]["policy/mask_frac"] > 0.05 and runs[0]["value/explained_var"] != 0.0  # not vacuous
+    for cut, run in zip(cuts[1:], runs[1:], strict=True):
+        for key in keys:
+            assert run[key] == pytest.approx(runs[0][key], rel=1e-5, abs=1e-7), (cut, key)
+    # when the critic does not move, the values the loss saw are the step-start ones
+    assert runs[0]["value/explained_var"] == pytest.approx(runs[0]["critic/explained_var"], abs=1e-6)
+    # 16 minibatches asked of 8 rows make the same 8 one-row minibatches as 8 asked: the same losses
+    for key in ("loss/policy", "loss/value"):
+        assert runs[4][key] == pytest.approx(runs[3][key], rel=1e-6), key
+
+
+def test_ess_is_taken_per_actor_minibatch_for_every_method() -> None:
+    """A normalised ESS reads higher on fewer rows, and a method without an ``old`` forward (async PPO 3a)
+    measures the step-start ratio on its first minibatch only. So every method reports ESS per actor
+    minibatch: with ``old`` on every row (3b), the mean over the minibatches; without, the first one's,
+    which must equal 3b's first minibatch on the same batch, split and starting policy. Means such as
+    the drift stay over the whole batch. Before: 3b's ESS was the whole batch's, 3a's a quarter's."""
+    batch = collate(synthetic_trajectories(build_tiny_model(TOKENIZER, seed=0), n=16, behaviour_noise=0.6),
+                    pad_id=TOKENIZER.pad_token_id)
+    with_old, without = make_trainer("async_ppo_recompute", actor_minibatches=4), make_trainer("async_ppo", actor_minibatches=4)
+    split = with_old._minibatches(batch.action_mask, 4, salt=100)
+    with torch.no_grad():
+        cur = token_logprobs(with_old.policy, batch.input_ids, batch.attention_mask).logp
+    log_w = log_ratio(cur, batch.logp_behav, batch.action_mask)
+    per = [importance_diagnostics(log_w[mb.index], batch.action_mask[mb.index], clip_low=0.8, clip_high=1.2)
+           for mb in split]
+    whole = importance_diagnostics(log_w, batch.action_mask, clip_low=0.8, clip_high=1.2)
+    got_old, got_without = with_old.step(batch), without.step(batch)
+    for key in ("ratio/ess_seq", "ratio/ess_tok"):
+        assert got_old[key] == pytest.approx(sum(float(p[key]) for p in per) / 4, rel=1e-4), key
+        assert got_without[key] == pytest.approx(float(per[0][key]), rel=1e-4), key
+    assert float(whole["ratio/ess_seq"]) < got_old["ratio/ess_seq"]  # the whole batch reads lower: why
+    assert got_old["ratio/mean_abs_log"] == pytest.approx(float(whole["ratio/mean_abs_log"]), rel=1e-4)
+
+
+def test_a_step_without_an_actor_update_reports_no_first_minibatch_ratios() -> None:
+    """During critic warm-up a method without an ``old`` forward has ``old := mu``, so its ``ratio/*``
+    would read drift 0 and ESS 1 by construction, not by measurement: they are left out until the actor
+    trains. A method with ``old`` measures them from step 0."""
+    batch = collate(synthetic_trajectories(build_tiny_model(TOKENIZER, seed=0), behaviour_noise=0.5),
+                    pad_id=TOKENIZER.pad_token_id)
+    without = make_trainer("async_ppo", critic_warmup_steps=1)
+    first, second = without.step(batch), without.step(batch)
+    assert not [k for k in first if k.startswith("ratio/")]
+    assert second["ratio/mean_abs_log"] > 0.1 and second["ratio/ess_seq"] < 1.0
+    with_old = make_trainer("async_ppo_recompute", critic_warmup_steps=1).step(batch)
+    assert with_old["ratio/mean_abs_log"] > 0.1
+
+
+def test_a_method_without_a_critic_reports_no_critic() -> None:
+    """AReaL's preset has no critic: explained variance, mean value and the bias gap describe a critic, so
+    they are absent rather than 0 (an all-zero value array explains nothing: it read 0.000 in the
+    records); the bias ``E_pi[R] - E_mu[R]`` needs no critic and stays."""
+    policy = build_tiny_model(TOKENIZER, seed=0)
+    trainer = ActorCriticTrainer(policy, None, get_method("areal"), TrainerConfig(micro_batch_size=4))
+    metrics = trainer.step(collate(synthetic_trajectories(policy), pad_id=TOKENIZER.pad_token_id))
+    assert not {"critic/explained_var", "critic/values_mean", "critic/value_bias_gap", "value/explained_var"} & set(metrics)
+    assert "critic/value_bias" in metrics

@@ -10,14 +10,15 @@ import torch
 
 from copc import tracking as m
 from copc.ops import explained_variance, importance_diagnostics, log_ratio, masked_mean, zero_where_not
-from copc.trainer.batching import TrainBatch
+from copc.trainer.batching import Minibatch, TrainBatch
 
-__all__ = ["current_ratio_stats", "step_diagnostics"]
+__all__ = ["current_ratio_stats", "minibatch_ess", "step_diagnostics"]
 
 
 @torch.no_grad()
 def step_diagnostics(
-    batch: TrainBatch, *, loss_mask: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor, log_w: torch.Tensor
+    batch: TrainBatch, *, loss_mask: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor, log_w: torch.Tensor,
+    critic: bool = True,
 ) -> dict[str, float]:
     """Step-start diagnostics of the batch (spec 9.5, step 6), before any update (``[B, T]`` tensors).
 
@@ -29,6 +30,9 @@ def step_diagnostics(
     - ``rollout/entropy_mc``: mean ``-log mu`` over loss tokens, a Monte-Carlo estimate of the behaviour
       policy's per-token entropy (entropy collapse shows here without a vocabulary-wide pass);
     - realized staleness is computed by the driver, which knows the consuming version.
+
+    Without a critic (``critic=False``) the keys that describe one (explained variance, mean value, the
+    bias gap ``g``) are left out rather than reported for an all-zero ``values_old``.
     """
     mask = loss_mask
     rows = mask.any(dim=-1)
@@ -39,8 +43,9 @@ def step_diagnostics(
         m.BATCH_TRUNCATED_FRAC: float(batch.truncated.float().mean()),
     }
     # Undefined when the targets do not vary (e.g. every reward 0): reported as 0 (ops.explained_variance).
-    out[m.CRITIC_EXPLAINED_VAR] = float(explained_variance(returns, values_old, mask))
-    out[m.CRITIC_VALUES_MEAN] = float(masked_mean(values_old, mask))
+    if critic:
+        out[m.CRITIC_EXPLAINED_VAR] = float(explained_variance(returns, values_old, mask))
+        out[m.CRITIC_VALUES_MEAN] = float(masked_mean(values_old, mask))
     out[m.CRITIC_RETURNS_MEAN] = float(masked_mean(returns, mask))
     # -log mu of the sampled tokens averages to mu's entropy (free, unlike the vocabulary-wide entropy)
     out[m.ROLLOUT_ENTROPY_MC] = float(masked_mean(-batch.logp_behav, mask))
@@ -49,11 +54,35 @@ def step_diagnostics(
         weights = torch.softmax(seq_log_w.double(), dim=0)
         scores = batch.scores[rows].double()
         e_pi = float((weights * scores).sum())
-        first = batch.action_mask.float().argmax(dim=-1)[rows]
-        v1 = float(values_old[rows].gather(1, first[:, None]).mean())
         out[m.CRITIC_VALUE_BIAS] = e_pi - float(scores.mean())
-        out[m.CRITIC_VALUE_BIAS_GAP] = abs(v1 - e_pi)
+        if critic:
+            first = batch.action_mask.float().argmax(dim=-1)[rows]
+            v1 = float(values_old[rows].gather(1, first[:, None]).mean())
+            out[m.CRITIC_VALUE_BIAS_GAP] = abs(v1 - e_pi)
     return out
+
+
+@torch.no_grad()
+def minibatch_ess(log_w: torch.Tensor, loss_mask: torch.Tensor, minibatches: list[Minibatch]) -> dict[str, float]:
+    """``ratio/ess_tok`` and ``ratio/ess_seq`` of ``log w = old - mu`` per actor minibatch, averaged over
+    the minibatches that have loss tokens.
+
+    A normalised ESS depends on how many rows it is taken over (it reads higher on fewer rows when the
+    weights are heavy-tailed), and methods without an ``old`` forward can measure it only on their first
+    minibatch (:func:`current_ratio_stats`), so every method reports it per minibatch: the effective
+    sample size of the rows one actor step sees, on the same footing for both kinds of method. The other
+    ``ratio/...`` statistics are means and stay over the whole batch.
+    """
+    ess_tok, ess_seq = [], []
+    for mb in minibatches:
+        mask = loss_mask[mb.index]
+        if bool(mask.any()):
+            stats = importance_diagnostics(log_w[mb.index], mask, clip_low=1.0, clip_high=1.0)
+            ess_tok.append(float(stats[m.RATIO_ESS_TOKEN]))
+            ess_seq.append(float(stats[m.RATIO_ESS_SEQ]))
+    if not ess_tok:
+        return {}
+    return {m.RATIO_ESS_TOKEN: sum(ess_tok) / len(ess_tok), m.RATIO_ESS_SEQ: sum(ess_seq) / len(ess_seq)}
 
 
 @torch.no_grad()

@@ -47,11 +47,11 @@ from copc.channels import (
 )
 from copc.channels.methods import MethodConfig
 from copc.models.hf import TokenLogProbs
-from copc.ops import k3_from_log, log_ratio, zero_where_not
+from copc.ops import explained_variance, k3_from_log, log_ratio, zero_where_not
 from copc.trainer.batching import Minibatch, TrainBatch, split_minibatches
 from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer, trim_length
 from copc.trainer.config import TrainerConfig
-from copc.trainer.diagnostics import current_ratio_stats, step_diagnostics
+from copc.trainer.diagnostics import current_ratio_stats, minibatch_ess, step_diagnostics
 from copc.trainer.forwards import Forwards
 from copc.trainer.memory import PEAKS, use_gradient_checkpointing
 from copc.trainer.proximal import (
@@ -290,30 +290,43 @@ class ActorCriticTrainer:
         epochs = self.config.critic_updates or critic_cfg.updates_per_step
         losses, norms = [], []
         stats_acc: dict[str, float] = {}
+        tokens = 0
+        seen_returns: list[torch.Tensor] = []  # the loss tokens' G and V as each minibatch's forward saw them
+        seen_values: list[torch.Tensor] = []
         for epoch in range(epochs):
             for mb in self._minibatches(st.loss_mask, self.config.critic_minibatches, salt=1 + epoch):
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 for rows in self.fwd.pieces(batch, mb.index):
                     length = trim_length(rows, batch.attention_mask)
                     kept = self._early_values.pop(tuple(rows.tolist()), None)
+                    values = (kept if kept is not None else self.fwd.values(self.critic, batch, rows)).float()
+                    mask = st.loss_mask[rows, :length]
                     res = value_loss(critic_cfg, ValueInputs(
-                        values=(kept if kept is not None else self.fwd.values(self.critic, batch, rows)).float(),
+                        values=values,
                         values_old=st.values_old[rows, :length],
                         returns=st.returns[rows, :length],
-                        action_mask=st.loss_mask[rows, :length],
+                        action_mask=mask,
                         num_tokens=mb.num_tokens,
                         num_seqs=mb.num_seqs,
                     ))
                     res.loss.backward()
                     losses.append(float(res.loss.detach()))
-                    accumulate(stats_acc, res.stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
+                    local = int(mask.sum())
+                    tokens += local
+                    accumulate(stats_acc, {k: v for k, v in res.stats.items() if k != m.VALUE_EXPLAINED_VAR}, weight=local)
+                    seen_returns.append(st.returns[rows, :length][mask])
+                    seen_values.append(values.detach()[mask])
                 norms.append(clip_grad(self.critic, self.config.critic_max_grad_norm))
                 self.critic_optimizer.step()
         if self._early_values:
             raise RuntimeError("critic_forward_reuse: a kept critic forward was not used; the minibatch split changed")
-        updates = max(1, epochs * self.config.critic_minibatches)
-        out = {k: v / updates for k, v in stats_acc.items()}
-        out[m.LOSS_VALUE] = sum(losses) / updates
+        # token means over the whole step (every minibatch made, every epoch), whatever the minibatch and
+        # micro-batch sizes; the loss is the mean over the optimizer steps taken
+        out = {k: v / max(tokens, 1) for k, v in stats_acc.items()}
+        if seen_returns:
+            flat_g, flat_v = torch.cat(seen_returns)[None], torch.cat(seen_values)[None]
+            out[m.VALUE_EXPLAINED_VAR] = float(explained_variance(flat_g, flat_v, torch.ones_like(flat_g, dtype=torch.bool)))
+        out[m.LOSS_VALUE] = sum(losses) / max(len(norms), 1)
         out[m.GRAD_CRITIC_NORM] = sum(norms) / max(len(norms), 1)
         return out
 
@@ -362,6 +375,7 @@ class ActorCriticTrainer:
     def _actor_updates(self, batch: TrainBatch, st: StepTensors) -> dict[str, float]:
         count = self._actor_minibatch_count()
         stats_acc: dict[str, float] = {}
+        tokens = 0
         losses, norms = [], []
         ratio_stats: dict[str, float] = {}
         for epoch in range(self.config.ppo_epochs):
@@ -374,7 +388,9 @@ class ActorCriticTrainer:
                     loss, stats, probe = self._actor_loss(batch, st, rows, mb)
                     loss.backward()
                     losses.append(float(loss.detach()))
-                    accumulate(stats_acc, stats, weight=int(st.loss_mask[rows].sum()) / max(mb.num_tokens, 1))
+                    local = int(st.loss_mask[rows].sum())
+                    tokens += local
+                    accumulate(stats_acc, stats, weight=local)
                     if cur is not None:
                         cur[rows, : probe.shape[1]] = probe.float()
                 if cur is not None:
@@ -386,9 +402,10 @@ class ActorCriticTrainer:
                 self.proximal.after_actor_update(self.policy)
         if self._early:
             raise RuntimeError("old_forward_reuse: a kept first forward was not used; the minibatch split changed")
-        updates = max(1, self.config.ppo_epochs * count)
-        out = {k: v / updates for k, v in stats_acc.items()} | ratio_stats
-        out[m.LOSS_POLICY] = sum(losses) / updates
+        # token means over the whole step (every minibatch made, every epoch); the loss is the mean over
+        # the optimizer steps taken (fewer than asked when the batch has fewer rows than minibatches)
+        out = {k: v / max(tokens, 1) for k, v in stats_acc.items()} | ratio_stats
+        out[m.LOSS_POLICY] = sum(losses) / max(len(norms), 1)
         out[m.GRAD_ACTOR_NORM] = sum(norms) / max(len(norms), 1)
         return out
 
@@ -418,13 +435,21 @@ class ActorCriticTrainer:
             with PEAKS.phase("prepare"):
                 st = self.prepare(batch)
             metrics = step_diagnostics(batch, loss_mask=st.loss_mask, returns=st.returns, values_old=st.values_old,
-                                       log_w=st.log_w)
+                                       log_w=st.log_w, critic=self.critic is not None)
             metrics.update({k: float(v) for k, v in st.adv_stats.items()})
+            actor_trains = self.steps_done >= self.warmup_steps
+            if st.ratio_from_first:
+                # old := mu here, so the advantage channel's ratio/... are 0 and 1 by construction: the
+                # actor's first minibatch measures them, and a step without an actor update has none
+                metrics = {k: v for k, v in metrics.items() if not k.startswith("ratio/")}
+            else:  # ESS per actor minibatch, as the first-minibatch methods measure it (module docstring)
+                metrics.update(minibatch_ess(st.log_w, st.loss_mask,
+                                             self._minibatches(st.loss_mask, self._actor_minibatch_count(), salt=100)))
             if self.critic is not None:
                 self.critic.train()
                 with PEAKS.phase("critic"):
                     metrics.update(self._critic_updates(batch, st))
-            if self.steps_done >= self.warmup_steps:
+            if actor_trains:
                 with PEAKS.phase("actor"):
                     metrics.update(self._actor_updates(batch, st))
         finally:
