@@ -329,6 +329,19 @@ def test_a_run_extended_from_a_shorter_one_gets_the_record_of_a_direct_run(tmp_p
     assert extended["evals_off_schedule"] == ([] if first % every == 0 else kept)
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_after_start_leaves_out_only_the_evaluation_before_any_update(tmp_path, every):
+    """``eval_after_start`` is the mean over the evaluations of trained policies. With ``eval.every = 1``
+    the one after the first update is logged at step 0 too (the training row's step), beside the initial
+    one; it counts (it was dropped as 'step 0' before)."""
+    _run_process(tmp_path / "run", 0, 6, every)
+    record = build_record(tmp_path / "run", experiment="x", cell_id="c", levels={}, config={"seed": 0, "eval": {"every": every}},
+                          machine={})
+    updates = [*range(every, 6, every), 6]  # accuracy = updates / 1000 (_run_process)
+    assert [e["accuracy"] for e in record["evals"]] == pytest.approx([0.0] + [u / 1000 for u in updates])
+    assert record["summary"]["eval_after_start"] == pytest.approx(sum(updates) / len(updates) / 1000)
+
+
 def test_subsample_curve_golden():
     assert subsample_curve([0, 1, 2, 3, 4], [0.0, 1.0, 2.0, 3.0, 4.0], points=2) == [[2, 1.0], [4, 3.5]]
     assert subsample_curve([0, 1], [5.0, 6.0], points=60) == [[0, 5.0], [1, 6.0]]

@@ -187,13 +187,17 @@ def _median(values: Sequence[float]) -> float | None:
     return float(np.median(values)) if values else None
 
 
-def _summary_figures(evals: list[dict[str, float]], rewards: list[float], steps: int) -> dict[str, float | None]:
+def _summary_figures(evals: list[dict[str, float]], rewards: list[float], steps: int, *, initial: bool
+                     ) -> dict[str, float | None]:
+    """``initial``: ``evals[0]`` is the evaluation before any update (its own row at step 0); every other
+    evaluation is after the start, the one after the first update too (logged at step 0 with
+    ``eval.every = 1``)."""
     def mean_of(rows: list[dict[str, float]], key: str) -> float | None:
         values = [r[key] for r in rows if key in r]
         return float(np.mean(values)) if values else None
 
     last_half = [e for e in evals if e["step"] >= steps / 2]
-    after_start = [e for e in evals if e["step"] > 0]
+    after_start = evals[1:] if initial else evals
     final = evals[-1] if evals and evals[-1]["step"] >= steps else None
     tail = rewards[-max(1, len(rewards) // 5):] if rewards else []
     return {
@@ -263,6 +267,7 @@ def build_record(
                 point["alone"] = 1.0  # an evaluation row of its own (step 0, the end, or a kept end)
             evals.append(point)
     every = int(cast(Mapping[str, object], config.get("eval", {})).get("every", 0) or 0)  # type: ignore[call-overload]
+    initial = bool(evals) and evals[0]["step"] == 0 and "alone" in evals[0]  # the evaluation before any update
     evals, kept_off, extended_from = _as_a_direct_run(evals, int(summary["steps"]), every)
     train = [r for r in rows if m.REWARD_MEAN in r]
     reward_steps = [int(r["step"]) for r in train]
@@ -290,7 +295,7 @@ def build_record(
         "train_reward": subsample_curve(reward_steps, rewards),
         "curves": curves,
         "curve_means": curve_means,  # each curve's exact mean over its steps (read by curve_mean)
-        "summary": _summary_figures(evals, rewards, steps),
+        "summary": _summary_figures(evals, rewards, steps, initial=initial),
         "step_seconds": {
             "median": _median(step_times),
             "mean": float(np.mean(step_times)) if step_times else None,
