@@ -199,7 +199,8 @@ METRICS: dict[str, str] = {
     TIME_STEP: "wall seconds of the whole step [s]",
     TIME_PUBLISH: "seconds from the end of the update to the new weights being published (finiteness check, copy, hand-over) [s]",
     TIME_EVAL: "wall seconds of the held-out evaluation made after this step (not in time/step) [s]",
-    REWARD_MEAN: "mean episode reward of the consumed batch",
+    REWARD_MEAN: "mean episode reward of the consumed batch (after the method's dynamic sampling and overlong "
+                 "shaping, DAPO's: then not comparable with other methods' raw rewards)",
     REWARD_STD: "std of episode rewards of the consumed batch",
     EVAL_ACCURACY: "eval accuracy on held-out prompts (avg@k at the rollout temperature)",
     EVAL_GREEDY_ACCURACY: "greedy (temperature 0) accuracy on held-out prompts",

@@ -89,3 +89,9 @@ def test_summary_and_table():
     assert lines[2].split() == ["arith", "2", "0.250", "0.250", "0.500", "0.500"]
     assert lines[3].split() == ["kv", "4", "-", "-", "-", "0.750"]
     assert lines[4].split() == ["mean", "6", "-", "-", "-", "0.625"]
+
+
+def test_summarize_refuses_unequal_sample_counts():
+    """avg@k is labelled with one k: problems with 3 and 1 samples would have been reported as avg@1."""
+    with pytest.raises(ValueError, match="problems have 1 to 3 samples"):
+        summarize("x", sampled=[[True, False, True], [False]])

@@ -88,11 +88,16 @@ def summarize(
 ) -> BenchmarkResult:
     """All figures for one benchmark from per-sample correctness (``sampled``) and/or greedy answers.
 
-    pass@k is reported for each ``k`` in ``ks`` not larger than the fewest samples of any problem.
+    pass@k is reported for each ``k`` in ``ks`` not larger than the samples per problem (the same for every
+    problem: unequal counts are refused).
     """
     if sampled is None and greedy is None:
         raise ValueError("summarize needs sampled and/or greedy correctness")
-    n_min = min(len(row) for row in sampled) if sampled else 0
+    counts = {len(row) for row in sampled} if sampled else set()
+    if len(counts) > 1:  # avg@k names one k; a mean over mixed counts would be labelled with the smallest
+        raise ValueError(f"summarize: problems have {min(counts)} to {max(counts)} samples; give every problem the "
+                         "same number (avg@k and pass@k are per k)")
+    n_min = min(counts) if counts else 0
     return BenchmarkResult(
         name=name,
         num_problems=len(sampled) if sampled is not None else len(greedy or ()),
