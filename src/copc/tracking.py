@@ -129,7 +129,9 @@ PROXIMAL_VERSION_FORWARDS = "proximal/version_forwards"
 PROXIMAL_REUSED_ROWS_FRAC = "proximal/reused_rows_frac"
 MEMORY_PEAK = "memory/peak"
 
-#: Every metric name with its one-line meaning (units in brackets). Tokens are sampled (policy) tokens.
+#: Every metric name with its one-line meaning (units in brackets). Tokens are sampled (policy) tokens;
+#: the trainer's statistics are over its loss tokens, which leave out truncated rows under
+#: ``trainer.truncation = mask``.
 METRICS: dict[str, str] = {
     LOSS_POLICY: "actor loss: the policy channel's surrogate, token-mean over the minibatch's global count, plus "
                  "kl_coef * KL - entropy_coef * H when those are set; mean over the step's optimizer steps",
