@@ -442,7 +442,7 @@ class ActorCriticTrainer:
                 # old := mu here, so the advantage channel's ratio/... are 0 and 1 by construction: the
                 # actor's first minibatch measures them, and a step without an actor update has none
                 metrics = {k: v for k, v in metrics.items() if not k.startswith("ratio/")}
-            else:  # ESS per actor minibatch, as the first-minibatch methods measure it (module docstring)
+            else:  # ESS per actor minibatch, as the first-minibatch methods measure it (diagnostics.minibatch_ess)
                 metrics.update(minibatch_ess(st.log_w, st.loss_mask,
                                              self._minibatches(st.loss_mask, self._actor_minibatch_count(), salt=100)))
             if self.critic is not None:
