@@ -166,6 +166,12 @@ def patient_verifier() -> Iterator[MathVerifier]:
         (r"\boxed{1} ... \boxed{42}", "42", RewardResult(1.0, "correct", "42")),
         (r"\boxed{42} ... \boxed{1}", "42", RewardResult(0.0, "wrong", "1")),
         ("I think it is 42", "42", RewardResult(0.0, "no_answer", None)),
+        # MATH writes money with an escaped dollar: text, not math mode, so it is boxed like any answer
+        (r"\boxed{\$18.90}", r"\$18.90", RewardResult(1.0, "correct", r"\$18.90")),
+        (r"\boxed{18.90}", r"\$18.90", RewardResult(1.0, "correct", "18.90")),
+        (r"\boxed{\$5}", "5", RewardResult(1.0, "correct", r"\$5")),
+        (r"\boxed{\$6}", r"\$5", RewardResult(0.0, "wrong", r"\$6")),
+        (r"so $12$ is \boxed{12}", "$12$", RewardResult(1.0, "correct", "12")),
     ],
 )
 def test_math_verifier_golden(
