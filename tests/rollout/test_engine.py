@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -10,7 +13,9 @@ import torch
 from copc.models.hf import token_logprobs
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
 from copc.rollout.engine import Engine, FinishReason
+from copc.rollout.episode import run_episodes
 from copc.rollout.sampling import SamplingConfig, sample_inverse_cdf, truncated_logprobs
+from copc.types import EnvStep, StopReason
 
 # KV-cached, padded, one-token-at-a-time fp32 vs one full forward: summation order differs, ~1e-6.
 ATOL = 1e-5
@@ -290,3 +295,86 @@ def test_prefix_kv_from_old_weights_is_ignored(tok) -> None:
         forced = token_logprobs(new, full, torch.ones_like(full, dtype=torch.bool)).logp
     # Keys/values of the old weights would shift these; the stale prefix was recomputed instead.
     torch.testing.assert_close(reused.logp, forced[0, len(nxt) :], atol=ATOL, rtol=0)
+
+
+def _merging_tokenizer():
+    """A real (word-level) fast tokenizer whose pieces merge a closing tag with what follows it, as BPE
+    vocabularies do (Qwen's and Llama-3's pre-tokenisers keep ``>`` and a newline in one piece ``>\\n``)."""
+    import re
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<pad>", "<eos>", "<bos>", "</search", ">", ">\n", ">\n5", "q", "5", " ", "a", "b"]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    back = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    back.pre_tokenizer = pre_tokenizers.Split(
+        Regex("|".join(re.escape(p) for p in sorted(pieces, key=len, reverse=True))), behavior="isolated")
+    back.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=back, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+
+
+class _SearchEnv:
+    """Records the text each turn hands it; done after the first."""
+
+    stop_strings = ("</search>",)
+
+    def __init__(self) -> None:
+        self.actions: list[str] = []
+
+    def initial_text(self) -> str:
+        return "a"
+
+    def step(self, action_text: str) -> EnvStep:
+        self.actions.append(action_text)
+        return EnvStep(observation=None, done=True, reward=1.0, info={"correct": 1.0})
+
+    def finish(self, reason: StopReason) -> EnvStep:
+        return EnvStep(observation=None, done=True, reward=0.0, info={"correct": 0.0})
+
+
+@contextlib.contextmanager
+def _scripted(engine: Engine, forced: list[int], prompt_len: int) -> Iterator[None]:
+    """The engine's model emits ``forced`` in order (its logits put all mass on the next one), so a test
+    decides the tokens and the engine and the episode loop decide what they mean."""
+    model = engine.model
+    real_forward = model.forward
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        out = real_forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        done = int(attention_mask.shape[1]) - prompt_len  # tokens generated so far
+        logits = torch.full_like(out.logits, -1e4)
+        logits[..., -1, forced[min(done, len(forced) - 1)]] = 1e4
+        out.logits = logits
+        return out
+
+    model.forward = types.MethodType(forward, model)
+    try:
+        yield
+    finally:
+        model.forward = real_forward
+
+
+@pytest.mark.parametrize("piece", [">\n", ">\n5"])
+def test_a_token_that_runs_past_a_stop_string_stops_the_row(piece: str) -> None:
+    """``</search>`` completed by a ``>\\n`` piece (or ``>\\n5``): the row stops at that token, as vLLM
+    stops wherever the string appears. Before, only a text that *ended* with the stop string stopped, so
+    the row ran on: the query never ran and the model could write its own retrieval. The tool reads
+    ``text_to_stop``, which ends at the stop string; the token's extra characters stay in the row, and
+    the episode loop hands the env that text."""
+    tok = _merging_tokenizer()
+    engine = Engine(build_tiny_model(tok, seed=0), tok)
+    forced = [tok.convert_tokens_to_ids(p) for p in ["q", "</search", piece, "a", "b"]]
+    with _scripted(engine, forced, prompt_len=1):
+        (gen,) = engine.generate([[tok.bos_token_id]], SamplingConfig(top_k=1, max_new_tokens=5),
+                                 stop_strings=[("</search>",)])
+    assert gen.finish is FinishReason.STOP and gen.stop_string == "</search>"
+    assert gen.token_ids.tolist() == forced[:3]  # stopped at the token that completed the string
+    assert gen.text == "q</search" + piece and gen.text_to_stop == "q</search>"
+
+    env = _SearchEnv()
+    with _scripted(engine, forced, prompt_len=1):
+        (traj,) = run_episodes(engine, [env], max_turns=2, max_new_tokens_per_turn=5, max_total_tokens=20,
+                               context_limit=64, seed=0, sampling=SamplingConfig(top_k=1))
+    assert env.actions == ["q</search>"]
+    assert traj.token_ids[traj.prompt_len:].tolist() == forced[:3]

@@ -104,7 +104,8 @@ def test_trajectory_is_exactly_prompt_turns_and_observations(engine, tok) -> Non
         # Alternating: turn, observation, turn, observation, final turn.
         assert [m for m, _ in segments] == [True, False, True, False, True]
         for (_, ids), action in zip(segments[0::2], env.actions, strict=True):
-            assert tok.decode(ids) == action
+            # the env reads the turn up to the stop string; a tag token ("</python>") may run past it
+            assert tok.decode(ids).startswith(action) and len(tok.decode(ids)) - len(action) < len("</python>")
             assert action[-1] in SHORT_TURNS  # every stepped turn stopped on its own (a cut one is not stepped)
         for (_, ids), obs in zip(segments[1::2], env.observations, strict=True):
             assert ids == tok.encode(obs, add_special_tokens=False)

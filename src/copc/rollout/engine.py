@@ -11,9 +11,10 @@ positions and keys it would see alone. Rows that finish are dropped from the KV 
 cost follows the number of rows still generating. The cache grows in place (:mod:`copc.rollout.kv_cache`),
 not by a copy per step.
 
-A row stops at EOS (the EOS token is kept in its ids, not in its text), when the decoded text of the
-tokens generated in this call ends with one of its stop strings (the stop string is kept), or at its
-token budget.
+A row stops at EOS (the EOS token is kept in its ids, not in its text), at the token that completes one
+of its stop strings in the decoded text of the tokens generated in this call (the stop string is kept;
+that token may carry characters past it, as a BPE piece ``>\n`` after ``</search``:
+:attr:`Generation.text_to_stop` leaves them out), or at its token budget.
 
 **Interruptible decoding** (partial rollouts): ``refresh`` runs before the prefill and every
 ``chunk_tokens`` decode steps; when it loads newer weights (returns True) the running rows continue with
@@ -42,7 +43,7 @@ from copc.rollout.sampling import SamplingConfig, sample_inverse_cdf, truncated_
 class FinishReason(str, Enum):
     """Why one row of a :meth:`Engine.generate` call stopped."""
 
-    STOP = "stop"  # the text of this call ends with a stop string
+    STOP = "stop"  # the row's last token completed a stop string
     EOS = "eos"  # the model sampled an end-of-sequence token
     LENGTH = "length"  # the row's max_new_tokens ran out
 
@@ -57,7 +58,8 @@ class Generation:
         versions: ``[N] int64``, the weight version that sampled each token (several after a refresh).
         text: decoded text of ``token_ids`` (a final EOS excluded, special tokens otherwise kept).
         finish: why the row stopped.
-        stop_string: the stop string the text ends with, when ``finish`` is STOP.
+        stop_string: the stop string the last token completed, when ``finish`` is STOP.
+        stop_end: where that stop string ends in ``text`` (the token may run past it).
     """
 
     token_ids: torch.Tensor
@@ -66,7 +68,19 @@ class Generation:
     text: str
     finish: FinishReason
     stop_string: str | None = None
+    stop_end: int | None = None
     kv: PrefixKV | None = None
+
+    @property
+    def text_to_stop(self) -> str:
+        """``text`` up to the end of the stop string that ended the row: what a tool or a grader reads.
+
+        The last token may run past its stop string (``</search>`` closed by a ``>\n`` piece); those
+        characters stay in the trajectory, which is what the policy sampled, but they are not part of the
+        call or answer the stop string closed."""
+        if self.finish is not FinishReason.STOP or self.stop_end is None:
+            return self.text
+        return self.text[: self.stop_end]
 
     @property
     def version(self) -> int:
@@ -411,17 +425,27 @@ class Engine:
             rows.finish[i] = FinishReason.EOS
             return True
         if stops:
-            # A stop string of c characters spans at most c tokens (+ a few for merged/partial bytes).
+            # A stop string of c characters spans at most c tokens (+ a few for merged/partial bytes). It
+            # is looked for anywhere in that tail, not only at its end: a token may complete it and run on
+            # (a BPE piece ">\n"), and since every token is checked, one found now was completed now.
             window = max(len(s) for s in stops) + 4
             tail = self._decode(token_ids[-window:])
             for stop in stops:
-                if tail.endswith(stop):
+                if stop in tail:
                     rows.finish[i], rows.stop[i] = FinishReason.STOP, stop
+                    rows.stop_end[i] = self._stop_end(token_ids, stop)
                     return True
         if len(token_ids) >= budget:
             rows.finish[i] = FinishReason.LENGTH
             return True
         return False
+
+    def _stop_end(self, token_ids: list[int], stop: str) -> int:
+        """Where in the row's text the stop string the last token completed ends: its first occurrence
+        that reaches into that token's characters (the last occurrence if decoding is not prefix-stable)."""
+        text, before = self._decode(token_ids), self._decode(token_ids[:-1])
+        start = text.find(stop, max(0, len(before) - len(stop) + 1)) if text.startswith(before) else -1
+        return (start if start >= 0 else text.rfind(stop)) + len(stop)
 
     def _decode(self, token_ids: list[int]) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -438,6 +462,7 @@ class Engine:
             text=self._decode(text_ids),
             finish=rows.finish[i],
             stop_string=rows.stop[i],
+            stop_end=rows.stop_end[i],
             kv=rows.kv[i],
         )
 
@@ -451,4 +476,5 @@ class _Rows:
         self.versions: list[list[int]] = [[] for _ in range(n)]
         self.finish: list[FinishReason] = [FinishReason.LENGTH] * n
         self.stop: list[str | None] = [None] * n
+        self.stop_end: list[int | None] = [None] * n
         self.kv: list[PrefixKV | None] = [None] * n

@@ -270,7 +270,7 @@ def _step_envs(
 
     def step(i: int) -> EnvStep | None:
         ep, gen = active[i], gens[i]
-        return _call_env(ep, lambda: ep.env.step(gen.text))
+        return _call_env(ep, lambda: ep.env.step(gen.text_to_stop))
 
     if workers <= 1 or len(todo) <= 1:
         stepped = [step(i) for i in todo]
