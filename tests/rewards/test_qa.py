@@ -29,6 +29,13 @@ def test_exact_match_takes_max_over_golds() -> None:
     assert exact_match(None, ["Paris"]) == 0.0
 
 
+def test_an_answer_that_normalises_to_nothing_never_matches() -> None:
+    """The SQuAD script matches "" to a gold that also normalises to "" ("a", "The", "!"): copc does not,
+    so saying nothing is never rewarded."""
+    assert exact_match("", ["a"]) == 0.0 and exact_match(".", ["!"]) == 0.0 and exact_match("the", ["The"]) == 0.0
+    assert exact_match("A", ["vitamin A", "a"]) == 0.0 and exact_match("vitamin A", ["vitamin A"]) == 1.0
+
+
 def test_f1_golden_values() -> None:
     # pred "barack obama jr" vs gold "barack obama": overlap 2, P = 2/3, R = 2/2,
     # F1 = 2 * (2/3) * 1 / (2/3 + 1) = (4/3) / (5/3) = 0.8.

@@ -88,6 +88,22 @@ def test_search_qa_prompts_golds_as_lists():
     assert "<search>" in prompts[0].text and "<answer>" in prompts[0].text
 
 
+def test_search_qa_golds_that_normalise_to_nothing_are_not_graded(tmp_path):
+    """A gold of "" or "The" normalises to "" under SQuAD's rules, so an empty answer would equal it: such
+    a gold is left out, and a row with no other gold is refused with its place; an empty answer never
+    scores (review 14 graded <answer></answer> 1.0 against ["Paris", ""])."""
+    rows = tmp_path / "qa.jsonl"
+    rows.write_text('{"question": "Capital?", "golden_answers": ["Paris", ""]}\n')
+    task = get_task("search_qa", data=str(rows), corpus=CORPUS, eval_data=str(rows))
+    (prompt,) = task.prompts("train")
+    assert prompt.answers == ("Paris",)
+    env = task.make_env(prompt)
+    assert env.step("<answer></answer>").reward == 0.0
+    rows.write_text('{"question": "Capital?", "golden_answers": ["Paris"]}\n{"question": "Article?", "golden_answers": ["The", "a"]}\n')
+    with pytest.raises(ValueError, match=r"line 2: every answer in column 'golden_answers' .* is empty after SQuAD normalisation"):
+        get_task("search_qa", data=str(rows), corpus=CORPUS).prompts("train")
+
+
 def test_search_qa_episode_with_bm25(tmp_path):
     task = get_task("search_qa", data=QA, corpus=CORPUS, top_k=2, index_dir=str(tmp_path / "index"))
     prompt = task.prompts("train")[2]  # Quillan observatory, 1887

@@ -35,11 +35,17 @@ def _as_golds(golds: str | Sequence[str]) -> list[str]:
 
 
 def exact_match(pred: str | None, golds: str | Sequence[str]) -> float:
-    """1.0 when ``normalize_answer(pred)`` equals that of any gold answer, else 0.0 (0.0 for None)."""
+    """1.0 when ``normalize_answer(pred)`` equals that of any gold answer, else 0.0 (0.0 for None).
+
+    An answer that normalises to nothing (``""``, ``"the"``, ``"."``) scores 0.0 whatever the golds: the
+    official SQuAD script would match it to a gold that also normalises to nothing, which rewards saying
+    nothing."""
     gold_list = _as_golds(golds)
     if pred is None:
         return 0.0
     normalized = normalize_answer(pred)
+    if not normalized:
+        return 0.0
     return float(any(normalized == normalize_answer(gold) for gold in gold_list))
 
 

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from copc.config import check_positive
+from copc.rewards.qa import normalize_answer
 from copc.tasks.base import Split, register_task
-from copc.tasks.datasets import SourceRow, answers_column, text_column
+from copc.tasks.datasets import DataError, SourceRow, answers_column, text_column
 from copc.tasks.math_tool import DatasetSplits, check_readable_file
 from copc.tasks.tooling import RetrieverTool, search_env
 from copc.types import Env, Prompt
@@ -121,9 +122,19 @@ class SearchQATask:
         return self.config.row_prompts("search_qa", split, n, self._read)
 
     def _read(self, row: SourceRow) -> tuple[str, tuple[str, ...]]:
+        """The prompt and the golds that exact match can grade: a gold that SQuAD normalisation empties
+        (``""``, ``"The"``, the letter ``"A"``) would make an empty answer correct, so it is left out, and
+        a row with no other gold is refused."""
         question = text_column(row, self.config.question_key, option="task_options.question_key")
         golds = answers_column(row, self.config.answer_key, option="task_options.answer_key")
-        return self.config.template.format(question=question), golds
+        graded = tuple(g for g in golds if normalize_answer(g))
+        if not graded:
+            raise DataError(
+                f"{row.where}: every answer in column {self.config.answer_key!r} ({list(golds)}) is empty after SQuAD "
+                "normalisation (lowercase, no punctuation, no articles), so an empty answer would be graded right; "
+                "fix the row's answers or drop the row"
+            )
+        return self.config.template.format(question=question), graded
 
     def check_rows(self) -> None:
         """Start-up check: every row of both splits reads (local files; ``hf:`` sources are read at the start)."""
