@@ -89,10 +89,13 @@ EVAL_TRUNCATED_TURN_FRAC = "eval/truncated_turn_frac"
 EVAL_TURN_LIMIT_FRAC = "eval/turn_limit_frac"
 EVAL_TOOL_INFRA_FRAC = "eval/tool_infra_frac"
 EVAL_ENV_ERROR_FRAC = "eval/env_error_frac"
+EVAL_GRADE_FAILURE_FRAC = "eval/grade_failure_frac"
 ROLLOUT_TOOL_USE_RATE = "rollout/tool_use_rate"
 ROLLOUT_ENTROPY_MC = "rollout/entropy_mc"
 ROLLOUT_TOOL_CALLS = "rollout/tool_calls"
 ROLLOUT_TOOL_INFRA_ERRORS = "rollout/tool_infra_errors"
+ROLLOUT_ENV_ERROR_FRAC = "rollout/env_error_frac"
+ROLLOUT_GRADE_FAILURE_FRAC = "rollout/grade_failure_frac"
 ROLLOUT_RESPONSE_TOKENS = "rollout/response_tokens"
 ROLLOUT_TRUNCATED_FRAC = "rollout/truncated_frac"
 ROLLOUT_TRUNCATED_TURN_FRAC = "rollout/truncated_turn_frac"
@@ -215,9 +218,15 @@ METRICS: dict[str, str] = {
                           "machine (sandbox fault), graded wrong: a nonzero value means the accuracies are low for the machine",
     EVAL_ENV_ERROR_FRAC: "fraction of eval episodes (sampled and greedy) ended because the environment raised (a bug "
                          "in the task or its tool, not the policy), graded wrong",
+    EVAL_GRADE_FAILURE_FRAC: "fraction of eval episodes (sampled and greedy) whose grader could not decide (math-verify "
+                             "timed out or raised), graded wrong",
     ROLLOUT_TOOL_USE_RATE: "fraction of trajectories that called a tool at least once",
     ROLLOUT_TOOL_CALLS: "mean tool calls per trajectory",
     ROLLOUT_TOOL_INFRA_ERRORS: "mean tool calls per trajectory that failed for the machine, not the code (sandbox fault=infra)",
+    ROLLOUT_ENV_ERROR_FRAC: "fraction of trajectories ended because the environment raised (a bug in the task or its "
+                            "tool), reward 0",
+    ROLLOUT_GRADE_FAILURE_FRAC: "fraction of trajectories whose grader could not decide (math-verify timed out or raised), "
+                                "reward 0",
     ROLLOUT_RESPONSE_TOKENS: "mean number of sampled tokens per trajectory",
     ROLLOUT_TRUNCATED_FRAC: "fraction of trajectories cut by a budget (max tokens/turns/context)",
     ROLLOUT_TRUNCATED_TURN_FRAC: "fraction of policy turns cut by a token limit before they stopped on their own",

@@ -79,3 +79,24 @@ def test_environment_errors_are_reported_not_hidden_in_the_accuracy(capsys: pyte
     assert out[m.EVAL_ACCURACY] == pytest.approx(1 / 3)  # p0 2/2, p1 0/2, p2 (crashed) 0/2
     assert out[m.EVAL_ENV_ERROR_FRAC] == pytest.approx(2 / 6) and out[m.EVAL_TOOL_INFRA_FRAC] == 0.0
     assert "2 of 6 evaluation episodes ended because the environment raised" in capsys.readouterr().err
+
+
+class UndecidedTask(ScriptedTask):
+    """As ScriptedTask without tool failures, but the grader of prompt p2 could not decide (math-verify timed
+    out): reward 0 with ``grade_failures`` = 1."""
+
+    def make_env(self, prompt: Prompt) -> ScriptedEnv:
+        if prompt.id == "p2":
+            return ScriptedEnv(prompt, 0.0, {"grade_failures": 1.0})
+        return super().make_env(prompt)
+
+
+def test_grader_failures_are_reported_not_hidden_in_the_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
+    """An answer the grader could not decide (a timeout, an error) scores 0 like a wrong one; the
+    evaluation says how many, in ``eval/grade_failure_frac`` and on stderr (review 14: nothing did)."""
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, seed=0)
+    rollout = RolloutConfig(max_turns=1, max_new_tokens_per_turn=4, max_total_tokens=4, context_limit=64)
+    out = evaluate(model, tok, UndecidedTask(infra=False), rollout, EvalConfig(prompts=3, samples=2, greedy=False), seed=0)  # type: ignore[arg-type]
+    assert out[m.EVAL_ACCURACY] == pytest.approx(1 / 3) and out[m.EVAL_GRADE_FAILURE_FRAC] == pytest.approx(2 / 6)
+    assert "2 of 6 evaluation episodes were not graded because the grader timed out or raised" in capsys.readouterr().err

@@ -251,3 +251,21 @@ def test_pickle_round_trip_starts_its_own_worker(verifier: MathVerifier) -> None
 def test_bad_timeout_says_how_to_fix() -> None:
     with pytest.raises(ValueError, match=r"timeout_s=0 must be in \(0, 600\]"):
         MathVerifier(timeout_s=0)
+
+
+def test_a_grader_timeout_is_a_failed_grade_the_episode_counts() -> None:
+    """math-verify that times out gives reward 0 like a wrong answer; the grader says it failed and the
+    episode's info counts it (``grade_failures``), so training and evaluation can report it."""
+    from copc.tasks.envs import PYTHON_FENCES, Grade, ToolEnv
+    from copc.tasks.graders import MathVerifyGrader
+
+    class NoTool:
+        def call(self, code: str) -> tuple[str, bool]:
+            raise AssertionError("no tool call in this episode")
+
+    grader = MathVerifyGrader("10", timeout_s=TIMEOUT_S)
+    assert grader.grade(r"\boxed{9^{9^{9^{9}}}}") == Grade(0.0, failed=True)
+    assert grader.grade(r"\boxed{10}") == Grade(1.0, failed=False) and grader.grade(r"\boxed{3}") == Grade(0.0, failed=False)
+    env = ToolEnv("q", syntax=PYTHON_FENCES, tool=NoTool(), grader=grader, max_tool_calls=1)  # type: ignore[arg-type]
+    step = env.step(r"so \boxed{9^{9^{9^{9}}}}")
+    assert step.done and step.reward == 0.0 and step.info["grade_failures"] == 1.0 and step.info["correct"] == 0.0

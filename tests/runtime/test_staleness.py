@@ -167,3 +167,19 @@ def test_config_validates():
         from_dict(StalenessConfig, {"mode": "lagged"})
     with pytest.raises(ConfigError, match="0 = synchronous"):
         from_dict(StalenessConfig, {"staleness": -2})
+
+
+def test_rollout_metrics_count_episodes_the_environment_or_the_grader_failed():
+    """A training batch says how many of its episodes ended because the environment raised and how many
+    the grader could not decide: both get reward 0, which the policy's reward curve would otherwise hide
+    (review 14: only the evaluation counted environment errors, nothing counted grader failures)."""
+    from dataclasses import replace
+
+    from copc.rollout.generator import GeneratedBatch
+    from copc.runtime.loop import rollout_metrics
+
+    base = make_traj([0, 0])
+    trajs = [replace(base, info={"env_errors": 1.0}), replace(base, info={"grade_failures": 1.0}),
+             replace(base, info={"grade_failures": 0.0}), replace(base, info={})]
+    out = rollout_metrics(GeneratedBatch(index=0, version=0, trajectories=trajs, generate_s=0.0), version=1)
+    assert out["rollout/env_error_frac"] == 0.25 and out["rollout/grade_failure_frac"] == 0.25

@@ -134,6 +134,8 @@ def rollout_metrics(batch: GeneratedBatch, version: int) -> dict[str, float]:
         m.ROLLOUT_TOOL_USE_RATE: sum(c > 0 for c in calls) / len(trajs),
         m.ROLLOUT_TOOL_CALLS: sum(calls) / len(trajs),
         m.ROLLOUT_TOOL_INFRA_ERRORS: sum(t.info.get("tool_infra_errors", 0.0) for t in trajs) / len(trajs),
+        m.ROLLOUT_ENV_ERROR_FRAC: sum(t.info.get("env_errors", 0.0) > 0 for t in trajs) / len(trajs),
+        m.ROLLOUT_GRADE_FAILURE_FRAC: sum(t.info.get("grade_failures", 0.0) > 0 for t in trajs) / len(trajs),
         m.ROLLOUT_RESPONSE_TOKENS: sum(t.num_action_tokens for t in trajs) / len(trajs),
         m.ROLLOUT_TRUNCATED_FRAC: sum(t.truncated for t in trajs) / len(trajs),
         m.ROLLOUT_VERSION: float(batch.version),

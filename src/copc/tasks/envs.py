@@ -19,7 +19,9 @@ EOS without a step): there is no answer to grade, so the reward is 0.
 
 Counters in ``info`` (summed over the episode on the final step): ``tool_calls``, ``tool_errors``,
 ``tool_infra_errors`` (calls the tool's machinery failed, e.g. the sandbox could not run the code: not
-the model's error, so not in ``tool_errors``), ``void_turn``, ``correct``, ``turns``.
+the model's error, so not in ``tool_errors``), ``grade_failures`` (1 when the grader could not decide,
+e.g. math-verify timed out or raised: graded 0, but not known to be wrong), ``void_turn``, ``correct``,
+``turns``.
 """
 
 from __future__ import annotations
@@ -30,10 +32,18 @@ from typing import NamedTuple, Protocol
 from copc.types import EnvStep, StopReason
 
 
-class Grader(Protocol):
-    """Grades the final answer of an episode: reward in [0, 1]."""
+class Grade(NamedTuple):
+    """A grade from a grader that can tell its own failure (a timeout, an error) from a wrong answer."""
 
-    def grade(self, answer_text: str) -> float:
+    reward: float
+    failed: bool
+
+
+class Grader(Protocol):
+    """Grades the final answer of an episode: reward in [0, 1], or a :class:`Grade` that says whether the
+    grader itself failed (reward 0 then, counted in ``info["grade_failures"]``)."""
+
+    def grade(self, answer_text: str) -> float | Grade:
         """``answer_text``: the content of the answer tag, or the whole response for tag-free syntaxes."""
         ...
 
@@ -138,8 +148,8 @@ class ToolEnv:
         self._grader = grader
         self._max_tool_calls = max_tool_calls
         self._response: list[str] = []
-        self._counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_infra_errors": 0.0, "void_turn": 0.0,
-                        "correct": 0.0, "turns": 0.0}
+        self._counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_infra_errors": 0.0, "grade_failures": 0.0,
+                        "void_turn": 0.0, "correct": 0.0, "turns": 0.0}
         self._done = False
 
     @property
@@ -162,7 +172,11 @@ class ToolEnv:
             self._counts["void_turn"] = 1.0
             return self._end(0.0)
         graded = answer if answer is not None else "".join(self._response)
-        return self._end(self._grader.grade(graded))
+        grade = self._grader.grade(graded)
+        if isinstance(grade, Grade):
+            self._counts["grade_failures"] = float(grade.failed)
+            return self._end(grade.reward)
+        return self._end(grade)
 
     def finish(self, reason: StopReason) -> EnvStep:
         """The loop ended the episode without an answer (``reason``): nothing to grade, reward 0."""

@@ -6,12 +6,15 @@ Each grader maps the final answer to a reward in {0.0, 1.0}:
 - :class:`ExactMatchGrader`: SQuAD-normalised exact match against any gold answer (``kv_search``,
   ``search_qa``; Search-R1's reward);
 - :class:`MathVerifyGrader`: math-verify on the ``\\boxed{}`` answer of the whole response, in a killable
-  subprocess with a timeout (``math_tool``; ToRL / SimpleTIR's reward).
+  subprocess with a timeout (``math_tool``; ToRL / SimpleTIR's reward); a timeout or an error is a
+  :class:`~copc.tasks.envs.Grade` with ``failed`` set, counted in the episode's ``grade_failures``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from copc.tasks.envs import Grade
 
 if TYPE_CHECKING:
     from copc.rewards.math import MathVerifier
@@ -51,9 +54,11 @@ class MathVerifyGrader:
         self.gold = gold
         self.timeout_s = timeout_s
 
-    def grade(self, answer_text: str) -> float:
+    def grade(self, answer_text: str) -> Grade:
+        """The verifier's reward; ``failed`` when it timed out or raised (graded 0 without knowing)."""
         from copc.rewards.math import MathVerifier
 
         if self.timeout_s not in _VERIFIERS:
             _VERIFIERS[self.timeout_s] = MathVerifier(self.timeout_s)
-        return float(_VERIFIERS[self.timeout_s].score(answer_text, self.gold).reward)
+        result = _VERIFIERS[self.timeout_s].score(answer_text, self.gold)
+        return Grade(float(result.reward), failed=result.reason in ("timeout", "error"))
