@@ -16,7 +16,8 @@ Episode format::
     <answer>1234</answer>                                           <- reward: exact match (SQuAD-normalised)
 
 The question pool (entity x attribute x hops) is shuffled once per seed; the eval split takes its first
-questions and the train split the rest, so no question is in both. Facts are shared (it is one world);
+questions and the train split the rest, so no question is in both. Facts are shared (it is one world:
+at ``hard`` 88% of the eval questions end on a fact some train question also asks for, docs/testbed.md);
 warm-start demonstrations are drawn from a separate world, so they reveal no eval fact.
 
 Difficulty: 1: codes only, single-hop, 600 entities; 2 (default): codes and rooms, 30% multi-hop, 300
