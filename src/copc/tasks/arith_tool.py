@@ -8,7 +8,10 @@ Episode format (one turn per line; the policy writes the lines without ``->``)::
     <answer>29369</answer>                   <- turn 2, stops at </answer>; reward 1 iff numeric_equal
 
 Problems come from a seeded generator. Eval problems are drawn first; train problems (and warm-start
-demonstrations) skip every expression the eval split holds, so the splits share no expression.
+demonstrations) skip every expression the eval split holds, so the splits share no expression. They
+are compared as written: at difficulty 3, 12 of the 500 eval problems are a train problem with its
+operands in another order (``932*551`` and ``551*932``); difficulty 2 (the default) and ``hard`` have
+none (counted 2026-12-04).
 
 Difficulty (operand sizes and forms; ``hard=True`` means level 4 plus word problems)::
 
