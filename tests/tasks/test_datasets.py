@@ -154,3 +154,18 @@ def test_row_errors_count_lines_in_the_file_and_refuse_non_text(tmp_path):
     path.write_text(good + "\n")
     with pytest.raises(DataError, match="eval_size=1 leaves no train rows"):
         get_task("math_tool", data=str(path), eval_size=1).prompts("train")
+
+
+def test_eval_prompts_that_are_also_train_prompts_are_counted_at_start(tmp_path, capsys):
+    """Nothing de-duplicates across the cut, so a file that repeats a problem (P1 here) or eval_data set to
+    the train file makes held-out prompts train prompts: the start-up check says how many."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"problem": "{p}", "answer": "1"}}\n' for p in ("P1", "P2", "P1", "P3")))
+    get_task("math_tool", data=str(rows), eval_size=1).check_rows()
+    assert "warning: math_tool: 1 of 1 eval prompts are also train prompts" in capsys.readouterr().err
+    get_task("math_tool", data=str(rows), eval_size=2).check_rows()  # P1, P2 held out; P1 again in train
+    assert "1 of 2 eval prompts" in capsys.readouterr().err
+    get_task("search_qa", data=QA, corpus=CORPUS, eval_data=QA).check_rows()
+    assert "warning: search_qa: 4 of 4 eval prompts are also train prompts" in capsys.readouterr().err
+    get_task("math_tool", data=MATH, eval_size=2).check_rows()
+    assert capsys.readouterr().err == ""

@@ -19,6 +19,7 @@ runs (SimpleTIR: 5 in training, 10 in evaluation); later blocks get an error tex
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,21 @@ class DatasetSplits:
         return prompts
 
 
+def warn_split_overlap(task: str, train: list[Prompt], evals: list[Prompt]) -> int:
+    """Say on stderr how many eval prompts are also train prompts (the same text), and return the count.
+
+    Nothing removes duplicates across the cut: a dataset that repeats its problems, or ``eval_data`` set
+    to the same file as ``data``, makes "held-out" accuracy partly train accuracy. A start-up note, not a
+    refusal: it may be wanted (a sanity run on the train set)."""
+    seen = {p.text for p in train}
+    both = sum(p.text in seen for p in evals)
+    if both:
+        print(f"warning: {task}: {both} of {len(evals)} eval prompts are also train prompts (the same text; "
+              "held-out accuracy is then partly train accuracy): remove them from the train rows or choose "
+              "eval_data without them", file=sys.stderr, flush=True)
+    return both
+
+
 @dataclass(frozen=True)
 class MathToolConfig(DatasetSplits):
     question_key: str = "problem"
@@ -158,10 +174,10 @@ class MathToolTask:
         return self.config.template.format(problem=problem), (answer,)
 
     def check_rows(self) -> None:
-        """Start-up check: every row of both splits reads (local files; ``hf:`` sources are read at the start)."""
+        """Start-up check: every row of both splits reads (local files; ``hf:`` sources are read at the
+        start), and a note on stderr counts eval prompts that are also train prompts."""
         if self.config.local_sources():
-            self.prompts("train")
-            self.prompts("eval")
+            warn_split_overlap(self.name, self.prompts("train"), self.prompts("eval"))
 
     def sandbox_config(self) -> SandboxConfig:
         """The sandbox its tool calls run in (checked and recorded at the start of a run)."""

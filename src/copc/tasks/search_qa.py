@@ -23,7 +23,7 @@ from copc.config import check_positive
 from copc.rewards.qa import normalize_answer
 from copc.tasks.base import Split, register_task
 from copc.tasks.datasets import DataError, SourceRow, answers_column, text_column
-from copc.tasks.math_tool import DatasetSplits, check_readable_file
+from copc.tasks.math_tool import DatasetSplits, check_readable_file, warn_split_overlap
 from copc.tasks.tooling import RetrieverTool, search_env
 from copc.types import Env, Prompt
 
@@ -137,10 +137,10 @@ class SearchQATask:
         return self.config.template.format(question=question), graded
 
     def check_rows(self) -> None:
-        """Start-up check: every row of both splits reads (local files; ``hf:`` sources are read at the start)."""
+        """Start-up check: every row of both splits reads (local files; ``hf:`` sources are read at the
+        start), and a note on stderr counts eval prompts that are also train prompts."""
         if self.config.local_sources():
-            self.prompts("train")
-            self.prompts("eval")
+            warn_split_overlap(self.name, self.prompts("train"), self.prompts("eval"))
 
     def make_env(self, prompt: Prompt) -> Env:
         return search_env(prompt, self.tool(), max_tool_calls=self.config.max_tool_calls)
