@@ -6,7 +6,7 @@
     copc convert-gguf DIR FILE.gguf OUT                   a GGUF model as an HF folder (model.policy=OUT)
     copc make-critic POLICY OUT --layers K                a smaller critic: the policy's first K layers
     copc sft --task NAME                                  build the warm-started tiny policy
-    copc lab explain|sweep ...                            exact bias/variance lab on small MDPs
+    copc lab explain|sweep|analyse ...                    exact bias/variance lab on small MDPs
     copc testbed [--seeds 3 --steps 200 --staleness 16]   sync PPO vs uncorrected async PPO, curves
     copc sweep FILE.yaml [--dry-run | --report]           a grid of copc train runs, one record each
     copc plot RUN_DIR... [--out DIR] [--mean-seeds]       redraw one run, or overlay several

@@ -89,6 +89,72 @@ def test_coupling_analysis_detects_a_sign_reversal():
     assert res["interaction_share"] == pytest.approx(0.5625 / 1.1875, rel=1e-12)
 
 
+def test_scaled_mse_is_the_mse_at_the_best_step_size():
+    """``scaled_mse = min_a E||a ĝ - g*||² / ||g*||²``, worked by hand for one cell and checked against a
+    scan over a: ||g*|| = 2, E ĝ at 60° with norm 1, tr Cov/N = 3 -> 1 - (1/4) · 1 / (1 + 3) = 15/16.
+    A short update (E ĝ = 0.1 g*, no noise) scores 0.81 in relative MSE but 0 at its best step size."""
+    cfg = _tiny(staleness=(1,), mask_bands=(1.5,), adv_clips=(0.0,))
+    cell = {"family": "dense", "staleness": 1, "mask_band": 1.5, "adv_clip": 0.0, "g_star_norm": 2.0,
+            "mean_update_norm": 1.0, "cosine": 0.5, "bias_norm": math.sqrt(1 + 4 - 2 * 1 * 2 * 0.5), "var_trace": 3.0 * 16}
+    assert float(mean_grid([cell], cfg, "dense", 1, "scaled_mse", 16)) == pytest.approx(15 / 16)
+    g, m, var = 2.0, 1.0, 3.0  # brute force: E||a ĝ - g||² = a²(m² + var) - 2 a m g cos + g²
+    best = min(a * a * (m * m + var) - 2 * a * m * g * 0.5 + g * g for a in [i / 10_000 for i in range(20_001)])
+    assert best / (g * g) == pytest.approx(15 / 16, abs=1e-7)
+    short = {**cell, "g_star_norm": 1.0, "mean_update_norm": 0.1, "cosine": 1.0, "bias_norm": 0.9, "var_trace": 0.0}
+    assert float(mean_grid([short], cfg, "dense", 1, "relative_mse", 16)) == pytest.approx(0.81)
+    assert float(mean_grid([short], cfg, "dense", 1, "scaled_mse", 16)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_band_dependence_has_a_cost_and_no_update_is_the_bar():
+    """The analysis says how much the band-dependence of the best clip is worth (using the most common
+    best clip everywhere) and whether any cell beats not updating (relative MSE below 1)."""
+    import torch
+
+    from copc.lab.sweep import band_dependence_cost
+
+    assert band_dependence_cost(torch.tensor([[1.0, 0.5], [1.0, 2.0], [1.0, 0.9]], dtype=torch.float64)) == pytest.approx(1.0)
+    assert band_dependence_cost(torch.tensor([[1.0, 1.001], [2.0, 3.0]], dtype=torch.float64)) == 0.0
+    cfg = _tiny(staleness=(1,))
+    cells = [{"family": "dense", "staleness": 1, "mask_band": b, "adv_clip": c, "g_star_norm": 1.0, "bias_norm": 1.1,
+              "mean_update_norm": 0.2, "var_trace": 1e-30, "var_amp": 0.0, "cosine": 0.1, "kl": 0.1, "state_norm": 0.0,
+              "policy_norm": 0.0, "advantage_norm": 0.0, "cross_norm": 0.0}
+             for b in (1.5, "inf") for c in (0.0, "inf")]
+    (res,) = coupling_analysis(cells, cfg, batch=16)
+    assert res["some_cell_beats_no_update"] is False and res["band_dependence_cost"] == 0.0
+    (scaled,) = coupling_analysis(cells, cfg, batch=16, criterion="scaled_mse")
+    assert "some_cell_beats_no_update" not in scaled and scaled["best_cell"]["scaled_mse"] == pytest.approx(0.99)
+
+
+def _close(a: object, b: object) -> bool:
+    """Equal up to the JSON's 6 significant digits carried through the analysis (rel 1e-3, abs 1e-6)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-6)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_analyse_rewrites_only_the_analysis_block(tmp_path, capsys):
+    out = tmp_path / "figs"
+    argv = ["sweep", "--out", str(out), "--families", "dense", "--seeds", "0", "--staleness", "1",
+            "--horizon", "3", "--vocab", "2", "--mask-bands", "1.5,inf", "--adv-clips", "0,inf"]
+    assert lab_cli(argv) == 0
+    path = out / "lab_sweep.json"
+    before = json.loads(path.read_text())
+    stale = {**before, "analysis": {"relative_mse@N=64": []}}
+    path.write_text(json.dumps(stale))
+    assert lab_cli(["analyse", str(path)]) == 0
+    after = json.loads(path.read_text())
+    # the block run_sweep wrote, from the same cells (read back at the JSON's 6 significant digits)
+    assert _close(after["analysis"], before["analysis"]) and after["cells"] == before["cells"]
+    assert after["seconds"] == before["seconds"] and after["config"] == before["config"]
+    assert {"scaled_mse@N=8", "scaled_mse@N=64", "scaled_mse@N=512"} <= set(after["analysis"])
+    assert lab_cli(["analyse", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read the lab sweep" in capsys.readouterr().out
+
+
 def test_explain_prints_the_decomposition(capsys):
     argv = ["explain", "--family", "deceptive", "--horizon", "3", "--vocab", "2", "--staleness", "2"]
     assert lab_cli([*argv, "--critic-noise", "0.1"]) == 0

@@ -1,4 +1,4 @@
-"""``copc lab sweep`` and ``copc lab explain``: the bias/variance lab from the command line.
+"""``copc lab sweep``, ``copc lab analyse`` and ``copc lab explain``: the bias/variance lab from the command line.
 
 ``explain`` names its correction with production's vocabulary: ``--policy`` is an objective of
 ``copc.channels.POLICY_OBJECTIVES`` and ``--advantage`` an estimator of ``ADVANTAGE_ESTIMATORS``; the
@@ -18,7 +18,7 @@ from copc.lab.corrections import LAB_ADVANTAGE_ESTIMATORS, Correction
 from copc.lab.exact import CRITIC_BASES, Critic, Decomposition, decompose
 from copc.lab.mdp import REWARD_FAMILIES, behaviour_at_kl, gradient_path, make_mdp, random_logits
 from copc.lab.plots import draw_heatmaps
-from copc.lab.sweep import SweepConfig, run_sweep
+from copc.lab.sweep import SweepConfig, reanalyse, run_sweep
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--critic", dest="critic_base", choices=CRITIC_BASES, default=d.critic_base)
     sw.add_argument("--critic-noise", type=float, default=d.critic_noise)
     sw.add_argument("--critic-draws", type=int, default=d.critic_draws)
+
+    an = sub.add_parser("analyse", help="recompute the analysis block of sweep JSON files from their cells")
+    an.add_argument("files", type=Path, nargs="+", help="lab_sweep*.json files written by `copc lab sweep`")
 
     ex = sub.add_parser("explain", help="print the decomposition of one correction as a table")
     ex.add_argument("--family", choices=REWARD_FAMILIES, default="dense")
@@ -213,6 +216,11 @@ def lab_cli(argv: list[str]) -> int:
     """Entry point of ``copc lab ...`` (wired into ``copc.cli`` by the lead)."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "analyse":
+            for path in args.files:
+                reanalyse(path)
+                print(f"copc lab analyse: {path}")
+            return 0
         return _explain(args) if args.command == "explain" else _sweep(args)
     except ValueError as err:
         print(f"copc lab: {err}")

@@ -9,6 +9,15 @@ For each reward family, seed and staleness ``s`` the lab builds an exact policy-
 ``relative_mse = E||ĝ_N - g*||² / ||g*||²``, ``relative_bias = ||E ĝ - g*|| / ||g*||``,
 ``relative_var = tr Cov[ĝ]/(N ||g*||²)`` and ``cosine = cos(E ĝ, g*)``.
 
+``relative_mse`` rewards a short update: a zero update scores exactly 1, and a tight mask shrinks
+``E ĝ`` (masked tokens stay in the denominator), so a cell can win by nearly not updating. A trainer
+tunes its step size, so the analysis also ranks cells by the **step-size-free MSE**
+``scaled_mse = min_a E||a ĝ_N - g*||² / ||g*||² = 1 - cos² ||E ĝ||² / (||E ĝ||² + tr Cov[ĝ]/N)``
+(direction and noise, not length; 0 is exact, 1 is no better than not updating). Each analysis entry
+also says whether any cell beats a zero update (``relative_mse`` only) and what choosing the most
+common best ``eps_A`` under every band would cost (``band_dependence_cost``, relative): a best clip
+that "depends on the band" by 0.1% is not a coupling.
+
 Coupling analysis (per family and staleness, seeds averaged): the best ``eps_A`` for every band (does
 it depend on the band?), and sign reversals (moving ``eps_A`` between two adjacent grid values lowers
 the MSE under one band and raises it under another, by more than ``REVERSAL_TOL`` relative).
@@ -35,6 +44,8 @@ from copc.lab.mdp import REWARD_FAMILIES, behaviour_at_kl, gradient_path, make_m
 INF = math.inf
 REVERSAL_TOL = 0.02
 METRICS: tuple[str, ...] = ("relative_mse", "relative_bias", "relative_var", "cosine")
+#: Lower-is-better criteria the coupling analysis ranks cells by (module docstring).
+CRITERIA: tuple[str, ...] = ("relative_mse", "scaled_mse", "one_minus_cosine")
 
 
 @dataclass(frozen=True)
@@ -157,7 +168,8 @@ def _as_float(x: float | str | int) -> float:
 def mean_grid(
     cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: float, metric: str, batch: int
 ) -> torch.Tensor:
-    """Seed-mean of ``metric`` as a ``[bands, clips]`` grid; ``relative_mse``/``relative_var`` at ``batch``."""
+    """Seed-mean of ``metric`` as a ``[bands, clips]`` grid; ``relative_mse``, ``scaled_mse`` and
+    ``relative_var`` at ``batch``."""
     grid = torch.zeros(len(cfg.mask_bands), len(cfg.adv_clips), dtype=torch.float64)
     count = torch.zeros_like(grid)
     bands = [_json_float(c) for c in cfg.mask_bands]
@@ -170,6 +182,9 @@ def mean_grid(
         var = _as_float(cell["var_trace"]) / batch
         if metric == "relative_mse":
             value = (_as_float(cell["bias_norm"]) ** 2 + var) / g2
+        elif metric == "scaled_mse":  # 1 - cos² m² / (m² + var): the MSE at the best step size
+            m2 = _as_float(cell["mean_update_norm"]) ** 2
+            value = 1.0 - _as_float(cell["cosine"]) ** 2 * m2 / (m2 + var) if m2 + var > 0 else 1.0
         elif metric == "relative_var":
             value = var / g2
         else:
@@ -211,6 +226,15 @@ def interaction_share(grid: torch.Tensor) -> float:
     return float((grid - additive).pow(2).sum()) / total if total > 0 else 0.0
 
 
+def band_dependence_cost(grid: torch.Tensor) -> float:
+    """What using the most common best column (``eps_A``) under every row (band) would cost: the largest
+    relative increase of the loss over a row's own best. 0 when every band has the same best clip."""
+    best = grid.argmin(dim=1)
+    common = int(torch.mode(best).values)  # ties: the smallest column
+    own = grid.gather(1, best[:, None]).squeeze(1)
+    return float(((grid[:, common] - own) / own.clamp(min=1e-300)).max())
+
+
 def _term_shares(cells: list[dict[str, float | str | int]], family: str, s: float) -> dict[str, float]:
     """Grid-and-seed means of the bias terms relative to ||g*|| and of the squared-weight variance share."""
     chosen = [c for c in cells if c["family"] == family and c["staleness"] == s]
@@ -224,12 +248,12 @@ def _term_shares(cells: list[dict[str, float | str | int]], family: str, s: floa
 def loss_grid(
     cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: float, criterion: str, batch: int
 ) -> torch.Tensor:
-    """Lower-is-better ``[bands, clips]`` grid: ``relative_mse`` at ``batch``, or ``1 - cosine``."""
-    if criterion == "relative_mse":
-        return mean_grid(cells, cfg, family, staleness, "relative_mse", batch)
+    """Lower-is-better ``[bands, clips]`` grid: ``relative_mse`` or ``scaled_mse`` at ``batch``, or ``1 - cosine``."""
+    if criterion in ("relative_mse", "scaled_mse"):
+        return mean_grid(cells, cfg, family, staleness, criterion, batch)
     if criterion == "one_minus_cosine":
         return 1.0 - mean_grid(cells, cfg, family, staleness, "cosine", batch)
-    raise ValueError(f"unknown criterion {criterion!r}; valid: relative_mse, one_minus_cosine")
+    raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
 
 
 def coupling_analysis(
@@ -258,9 +282,12 @@ def coupling_analysis(
                 },
                 "sign_reversals": _reversals(grid, cfg.mask_bands, cfg.adv_clips),
                 "band_sign_reversals": _reversals(grid.T.contiguous(), cfg.adv_clips, cfg.mask_bands),
+                "band_dependence_cost": band_dependence_cost(grid),
                 "interaction_share": interaction_share(grid),
                 "best_cell": _best_cell(grid, cfg, criterion),
             }
+            if criterion == "relative_mse":
+                entry["some_cell_beats_no_update"] = bool(float(grid.min()) < 1.0)
             entry.update(_term_shares(cells, family, s))
             out.append(entry)
     return out
@@ -301,14 +328,38 @@ def run_sweep(
         "config": config,
         "seconds": elapsed,
         "cells": cells,
-        "analysis": {
-            **{f"relative_mse@N={n}": coupling_analysis(cells, cfg, n) for n in sorted({*analysis_batches, cfg.batch_size})},
-            "one_minus_cosine": coupling_analysis(cells, cfg, cfg.batch_size, "one_minus_cosine"),
-        },
+        "analysis": analyse(cells, cfg, analysis_batches),
     }
     result["json"] = str(out_dir / (f"lab_sweep_{tag}.json" if tag else "lab_sweep.json"))
     Path(str(result["json"])).write_text(json.dumps(_rounded(result)))
     return result
+
+
+def analyse(
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, analysis_batches: tuple[int, ...] = (8, 64, 512)
+) -> dict[str, object]:
+    """The analysis block of a sweep: ``relative_mse@N`` and ``scaled_mse@N`` at every batch size, and
+    ``one_minus_cosine``."""
+    batches = sorted({*analysis_batches, cfg.batch_size})
+    return {
+        **{f"relative_mse@N={n}": coupling_analysis(cells, cfg, n) for n in batches},
+        **{f"scaled_mse@N={n}": coupling_analysis(cells, cfg, n, "scaled_mse") for n in batches},
+        "one_minus_cosine": coupling_analysis(cells, cfg, cfg.batch_size, "one_minus_cosine"),
+    }
+
+
+def reanalyse(path: Path) -> dict[str, object]:
+    """Recompute the analysis block of a sweep JSON from its cells (nothing is recomputed exactly) and
+    write the file back; the cells, config and timing are kept as they were. The cells are read at the
+    JSON's 6 significant digits, so figures near 0 (an interaction share of 1e-6, ``1 - cos`` near 0)
+    can move in their third digit against the block the sweep itself wrote."""
+    cfg, _ = read_sweep(path)
+    data = json.loads(Path(path).read_text())
+    data["analysis"] = _rounded(analyse(data["cells"], cfg))
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+    return data
 
 
 def read_sweep(path: Path) -> tuple[SweepConfig, list[dict[str, float | str | int]]]:
