@@ -175,7 +175,8 @@ def explain_table(d: Decomposition, header: str) -> str:
 def _explain(args: argparse.Namespace) -> int:
     mdp = make_mdp(args.family, args.horizon, args.vocab, seed=args.seed)
     init = random_logits(mdp, scale=SweepConfig().init_scale, seed=args.seed + 100)
-    # the same path as `copc lab sweep` (20 normalised steps of length 0.5)
+    # the same path as `copc lab sweep` (20 normalised steps of length 0.5) for s <= 20; a larger s needs a
+    # longer path, so pi is then further along it than the sweep's
     cfg = SweepConfig()
     path = gradient_path(mdp, init, steps=max(cfg.path_steps, args.staleness), lr=cfg.step_size, normalize=True)
     pi = path[-1]
