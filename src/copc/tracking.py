@@ -114,6 +114,7 @@ ROLLOUT_INFRA_DROPPED_GROUPS = "rollout/infra_dropped_groups"
 BATCH_SEQUENCES = "batch/sequences"
 BATCH_ACTION_TOKENS = "batch/action_tokens"
 BATCH_TRUNCATED_FRAC = "batch/truncated_frac"
+BATCH_VOID_FRAC = "batch/void_frac"
 BUFFER_SIZE = "buffer/size"
 BUFFER_IN_FLIGHT = "buffer/in_flight"
 BUFFER_CONSUMED = "buffer/consumed"
@@ -245,6 +246,8 @@ METRICS: dict[str, str] = {
     BATCH_SEQUENCES: "sequences in the training batch",
     BATCH_ACTION_TOKENS: "sampled tokens in the training batch",
     BATCH_TRUNCATED_FRAC: "fraction of truncated sequences in the training batch",
+    BATCH_VOID_FRAC: "fraction of sequences in the training batch with a void turn (neither a tool call nor an "
+                     "answer; out of the losses under trainer.void_turns = mask)",
     BUFFER_SIZE: "trajectories stored in the buffer after the step took its batch",
     BUFFER_IN_FLIGHT: "generation requests admitted but not finished",
     BUFFER_CONSUMED: "trajectories consumed by the trainer so far (cumulative)",

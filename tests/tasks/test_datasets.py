@@ -48,6 +48,20 @@ def test_math_tool_episode_fenced_code_then_boxed_answer():
     assert wrong.step("The answer is \\boxed{4097}.").reward == 0.0
 
 
+def test_math_tool_marks_a_final_turn_without_an_answer_as_void():
+    """SimpleTIR's void turn for fenced code: a turn that is neither a code block nor a \\boxed{} answer.
+    It is still graded on the whole response (an earlier \\boxed{} counts), and marked so that
+    trainer.void_turns = mask can leave the episode out of the losses."""
+    task = get_task("math_tool", data=MATH, max_tool_calls=2)
+    prompt = task.prompts("train")[1]  # 2 ** 12 = 4096
+    answered = task.make_env(prompt).step("So \\boxed{4096}.")
+    assert answered.info["void_turn"] == 0.0 and answered.reward == 1.0
+    env = task.make_env(prompt)
+    env.step("I think it is \\boxed{4096}, let me check.\n```python\nprint(2**12)\n```\n")
+    void = env.step("Yes.")
+    assert void.done and void.info["void_turn"] == 1.0 and void.reward == 1.0
+
+
 def test_math_tool_error_and_budget_are_observations():
     task = get_task("math_tool", data=MATH, max_tool_calls=1)
     env = task.make_env(task.prompts("train")[0])

@@ -470,3 +470,30 @@ def test_a_method_without_a_critic_reports_no_critic() -> None:
     metrics = trainer.step(collate(synthetic_trajectories(policy), pad_id=TOKENIZER.pad_token_id))
     assert not {"critic/explained_var", "critic/values_mean", "critic/value_bias_gap", "value/explained_var"} & set(metrics)
     assert "critic/value_bias" in metrics
+
+
+def test_void_turn_episodes_can_be_left_out_of_the_losses() -> None:
+    """SimpleTIR's filter: with ``void_turns = mask`` an episode with a void turn gives no gradient, so
+    rewriting its reward and its behaviour log-probs leaves the update unchanged; with ``keep`` it trains
+    like any other. ``batch/void_frac`` counts them either way."""
+    from dataclasses import replace
+
+    base = synthetic_trajectories(build_tiny_model(TOKENIZER, seed=0), behaviour_noise=0.3)
+    marked = [replace(t, info={"void_turn": 1.0}) if i in (1, 4) else t for i, t in enumerate(base)]
+    changed = [replace(t, reward=1.0 - t.reward, token_rewards=t.token_rewards.flip(0), logp_behav=t.logp_behav - 0.7)
+               if i in (1, 4) else t for i, t in enumerate(marked)]
+
+    def update(trajs: list, mode: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        trainer = make_trainer("copc", void_turns=mode)
+        metrics = trainer.step(collate(trajs, pad_id=TOKENIZER.pad_token_id))
+        return params(trainer.policy) | {f"critic.{k}": v for k, v in params(trainer.critic).items()}, metrics
+
+    (masked_a, m_a), (masked_b, _) = update(marked, "mask"), update(changed, "mask")
+    for name, value in masked_a.items():
+        torch.testing.assert_close(value, masked_b[name], rtol=0, atol=0, msg=name)
+    assert m_a["batch/void_frac"] == pytest.approx(2 / 8)
+    (kept_a, m_keep), (kept_b, _) = update(marked, "keep"), update(changed, "keep")
+    assert any(not torch.equal(v, kept_b[k]) for k, v in kept_a.items())  # kept rows do train
+    assert m_keep["batch/void_frac"] == pytest.approx(2 / 8)
+    with pytest.raises(ValueError, match=r"trainer\.void_turns must be keep or mask"):
+        make_trainer("copc", void_turns="drop")

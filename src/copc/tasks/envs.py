@@ -10,9 +10,11 @@ policy generated up to (and including) a stop string, or up to end-of-sequence. 
   calls left) return an error text as the observation and count ``tool_errors``; they never crash;
 - a **final answer** (``<answer>...</answer>``; for tasks without an answer tag, any turn that is not a
   tool call): graded, ``done=True``, reward 1.0 or 0.0;
-- a **void turn** (answer-tag tasks only: neither a complete tool call nor an answer, e.g. free text that
-  ended with EOS): the episode ends with reward 0 and ``info["void_turn"] = 1`` so a trainer can drop it
-  (SimpleTIR's stabiliser) or keep it as a plain failure.
+- a **void turn** (neither a complete tool call nor an answer, e.g. free text that ended with EOS):
+  with answer tags the episode ends with reward 0; without them (``math_tool``: a final turn with no
+  ``answer_marker``, ``\\boxed{``) it is still graded on the whole response. Either way
+  ``info["void_turn"] = 1``, so a trainer can drop it (SimpleTIR's stabiliser, ``trainer.void_turns =
+  mask``) or keep it as a plain failure.
 
 ``finish(reason)`` is called when the loop stops the episode itself (turn / token / context budget, or
 EOS without a step): there is no answer to grade, so the reward is 0.
@@ -82,6 +84,8 @@ class CallSyntax:
     answer_close: str = "</answer>"
     #: String that ends a tool-call turn when it differs from ``call_close`` (fences: "```" + newline).
     call_stop: str = ""
+    #: Without answer tags: the text a final turn must contain to state an answer (else it is a void turn).
+    answer_marker: str = ""
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -116,7 +120,8 @@ class CallSyntax:
 PYTHON_TAGS = CallSyntax("<python>", "</python>", "<output>", "</output>")
 #: ToRL / SimpleTIR fenced blocks; the closing fence on its own line ends the turn; answer in \\boxed{}.
 PYTHON_FENCES = CallSyntax(
-    "```python", "```", "```output\n", "\n```\n", answer_open="", answer_close="", call_stop="```\n"
+    "```python", "```", "```output\n", "\n```\n", answer_open="", answer_close="", call_stop="```\n",
+    answer_marker="\\boxed{",
 )
 #: Search-R1: ``<search>q</search>`` -> ``<information>...</information>``, answer in ``<answer>``.
 SEARCH_TAGS = CallSyntax("<search>", "</search>", "<information>", "</information>")
@@ -171,6 +176,8 @@ class ToolEnv:
         if answer is None and self._syntax.answer_open:
             self._counts["void_turn"] = 1.0
             return self._end(0.0)
+        if not self._syntax.answer_open and self._syntax.answer_marker not in action_text:
+            self._counts["void_turn"] = 1.0  # graded on the whole response all the same (module docstring)
         graded = answer if answer is not None else "".join(self._response)
         grade = self._grader.grade(graded)
         if isinstance(grade, Grade):

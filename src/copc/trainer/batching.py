@@ -41,6 +41,8 @@ class TrainBatch:
         scores: ``[B] float32``, episode rewards (group baselines, reward metrics).
         truncated: ``[B] bool``, True when the episode was cut (spec section 0, ``truncation``).
         group_ids: ``[B] int64``, prompt group of each row (group-normalised baselines).
+        void: ``[B] bool``, True when the episode had a void turn (``info["void_turn"]``: neither a tool
+            call nor an answer; ``trainer.void_turns = mask`` leaves such rows out of the losses).
     """
 
     input_ids: torch.Tensor
@@ -52,6 +54,7 @@ class TrainBatch:
     scores: torch.Tensor
     truncated: torch.Tensor
     group_ids: torch.Tensor
+    void: torch.Tensor
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
@@ -60,10 +63,10 @@ class TrainBatch:
         for name in ("attention_mask", "action_mask", "logp_behav", "policy_version", "token_rewards"):
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
-        for name in ("scores", "truncated", "group_ids"):
+        for name in ("scores", "truncated", "group_ids", "void"):
             if tuple(getattr(self, name).shape) != (shape[0],):
                 raise ValueError(f"TrainBatch.{name} must be [B] = ({shape[0]},)")
-        for name in ("attention_mask", "action_mask", "truncated"):
+        for name in ("attention_mask", "action_mask", "truncated", "void"):
             if getattr(self, name).dtype != torch.bool:
                 raise TypeError(f"TrainBatch.{name} must be torch.bool")
 
@@ -110,6 +113,7 @@ def collate(trajectories: Sequence[Trajectory], *, pad_id: int) -> TrainBatch:
         scores=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         truncated=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
         group_ids=torch.tensor([t.group for t in trajectories], dtype=torch.long),
+        void=torch.tensor([t.info.get("void_turn", 0.0) > 0 for t in trajectories], dtype=torch.bool),
     )
 
 

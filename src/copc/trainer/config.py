@@ -61,6 +61,9 @@ class TrainerConfig:
     """The sampler's top-k (0 = off), as top_p; follows rollout.top_k in copc train."""
     truncation: Truncation = "terminal"
     """How truncated episodes end: terminal | bootstrap | mask (spec section 0)."""
+    void_turns: Literal["keep", "mask"] = "keep"
+    """Episodes with a void turn (neither a tool call nor an answer): keep them as failures, or mask them out
+    of the actor and critic losses (SimpleTIR's filter); counted in batch/void_frac either way."""
     shuffle: bool = True
     """Shuffle rows into minibatches (seeded by (seed, step, epoch))."""
     seed: int = 0
@@ -111,6 +114,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.proximal_decay must be in [0, 1) (e.g. 0.75), got {self.proximal_decay}")
         if self.proximal_max_bytes < 1:
             raise ValueError(f"trainer.proximal_max_bytes must be >= 1, got {self.proximal_max_bytes}")
+        if self.void_turns not in ("keep", "mask"):
+            raise ValueError(f"trainer.void_turns must be keep or mask, got {self.void_turns!r}")
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(
                 f"trainer.truncation must be one of {', '.join(TRUNCATION_MODES)}, got {self.truncation!r}"

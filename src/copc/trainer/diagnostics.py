@@ -41,6 +41,7 @@ def step_diagnostics(
         m.BATCH_ACTION_TOKENS: float(batch.num_action_tokens),
         m.BATCH_SEQUENCES: float(batch.batch_size),
         m.BATCH_TRUNCATED_FRAC: float(batch.truncated.float().mean()),
+        m.BATCH_VOID_FRAC: float(batch.void.float().mean()),
     }
     # Undefined when the targets do not vary (e.g. every reward 0): reported as 0 (ops.explained_variance).
     if critic:

@@ -243,6 +243,8 @@ class ActorCriticTrainer:
         loss_mask = action_mask
         if self.config.truncation == "mask":
             loss_mask = action_mask & ~batch.truncated[:, None]
+        if self.config.void_turns == "mask":  # SimpleTIR: a void-turn episode gives no gradient
+            loss_mask = loss_mask & ~batch.void[:, None]
         logp_old, alpha, reused = self._old_logp(batch, loss_mask)
         values_old = self._values_old(batch, loss_mask)
         log_w = log_ratio(logp_old, batch.logp_behav, action_mask)
