@@ -105,7 +105,7 @@ class PolicyChannelConfig:
     mask_source: Literal["step_start", "current"] = "step_start"
     """copc/icepop: band tested on old/mu (step start) or cur/mu (recomputed every minibatch)."""
     weight_cap: float = 5.0
-    """decoupled: cap on w = old/mu (AReaL 5); tis: the truncation C (2)."""
+    """decoupled: cap on w = old/mu (AReaL 5, the default); tis: the truncation C (TIS uses 2: set it, the default is 5)."""
     cap_mode: Literal["mask", "clip"] = "mask"
     """decoupled: tokens with w > cap are masked (AReaL) or w is clipped to the cap."""
     loss_agg: LossAgg = "token-mean"
