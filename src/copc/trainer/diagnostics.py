@@ -10,6 +10,7 @@ import torch
 
 from copc import tracking as m
 from copc.ops import explained_variance, importance_diagnostics, log_ratio, masked_mean, zero_where_not
+from copc.ops.importance import ratio_from_log, sequence_ess, token_ess
 from copc.trainer.batching import Minibatch, TrainBatch
 
 __all__ = ["current_ratio_stats", "minibatch_ess", "step_diagnostics"]
@@ -18,7 +19,7 @@ __all__ = ["current_ratio_stats", "minibatch_ess", "step_diagnostics"]
 @torch.no_grad()
 def step_diagnostics(
     batch: TrainBatch, *, loss_mask: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor, log_w: torch.Tensor,
-    critic: bool = True,
+    critic: bool,
 ) -> dict[str, float]:
     """Step-start diagnostics of the batch (spec 9.5, step 6), before any update (``[B, T]`` tensors).
 
@@ -64,6 +65,7 @@ def step_diagnostics(
 
 
 @torch.no_grad()
+@torch.no_grad()
 def minibatch_ess(log_w: torch.Tensor, loss_mask: torch.Tensor, minibatches: list[Minibatch]) -> dict[str, float]:
     """``ratio/ess_tok`` and ``ratio/ess_seq`` of ``log w = old - mu`` per actor minibatch, averaged over
     the minibatches that have loss tokens.
@@ -76,11 +78,10 @@ def minibatch_ess(log_w: torch.Tensor, loss_mask: torch.Tensor, minibatches: lis
     """
     ess_tok, ess_seq = [], []
     for mb in minibatches:
-        mask = loss_mask[mb.index]
+        mask, log_r = loss_mask[mb.index], log_w[mb.index]
         if bool(mask.any()):
-            stats = importance_diagnostics(log_w[mb.index], mask, clip_low=1.0, clip_high=1.0)
-            ess_tok.append(float(stats[m.RATIO_ESS_TOKEN]))
-            ess_seq.append(float(stats[m.RATIO_ESS_SEQ]))
+            ess_tok.append(float(token_ess(ratio_from_log(log_r, mask), mask)))
+            ess_seq.append(float(sequence_ess(log_r, mask)))
     if not ess_tok:
         return {}
     return {m.RATIO_ESS_TOKEN: sum(ess_tok) / len(ess_tok), m.RATIO_ESS_SEQ: sum(ess_seq) / len(ess_seq)}
