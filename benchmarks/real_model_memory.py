@@ -16,7 +16,7 @@ real-model budgets) as a ``copc train`` subprocess and prints:
 - median seconds per training step (``time/step``) and the run's wall time.
 
 Extra ``key=value`` arguments are passed to ``copc train`` after the walk-through's (e.g.
-``model.dtype=bfloat16 checkpoint.optimizer=false``), and ``--src`` runs another checkout's copc (a
+``model.dtype=bfloat16 checkpoint_optimizer=false``), and ``--src`` runs another checkout's copc (a
 ``git worktree`` of an older commit), so the same script measures before and after in one sitting. It
 also prints the memory floor by component (float32 weights, gradients and AdamW moments of the policy
 and the critic, from the parameter count) and what the run used above it.
