@@ -171,6 +171,10 @@ def test_yaml_file_errors(tmp_path):
     assert str(bad) in _one_line(err) and "did you mean 'mode'" in str(err.value)
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_yaml(RootCfg, tmp_path / "missing.yaml")
+    bad.write_bytes(b"optim: {lr: \xff}\n")  # not UTF-8: one line naming the file, no traceback
+    with pytest.raises(ConfigError) as err:
+        load_yaml(RootCfg, bad)
+    assert str(bad) in _one_line(err) and "not UTF-8" in str(err.value)
 
 
 def test_config_error_is_a_value_error():

@@ -293,11 +293,9 @@ class _DuplicateKey(yaml.YAMLError):
         self.key, self.line, self.first = key, line, first
 
 
-class ConfigLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` for config files, with two changes that keep a file from meaning something else
-    than it says: ``1e-5`` is a float (YAML 1.1 wants ``1.0e-5`` and reads ``1e-5`` as a string, while the
-    command line, YAML 1.2 and Python all read a number), and a key given twice in one mapping is an error
-    (PyYAML keeps the last one silently)."""
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` where a key given twice in one mapping is an error (PyYAML keeps the last one
+    silently): sweep and contrasts files, whose level names must read as written (``1e-4`` stays a string)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
         seen: dict[object, int] = {}
@@ -312,6 +310,12 @@ class ConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
 
 
+class ConfigLoader(UniqueKeyLoader):
+    """:class:`UniqueKeyLoader` for config files, where also ``1e-5`` is a float (YAML 1.1 wants ``1.0e-5``
+    and reads ``1e-5`` as a string, while the command line, YAML 1.2 and Python all read a number): neither
+    lets a file mean something else than it says."""
+
+
 ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -324,9 +328,11 @@ def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
     number, a duplicated key an error naming the key and its line)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}); save it as UTF-8 YAML") from None
     try:
         data = yaml.load(text, Loader=ConfigLoader)  # a SafeLoader subclass: no arbitrary objects
     except _DuplicateKey as err:

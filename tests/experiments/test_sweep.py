@@ -843,3 +843,19 @@ def test_a_sweep_killed_with_sigkill_takes_its_cell_along_and_a_new_sweep_resume
     dry = subprocess.run([sys.executable, "-m", "copc.cli", "sweep", str(spec_file), "--dry-run", "--runs", str(runs),
                           "--results", str(tmp_path / "results")], capture_output=True, text=True, timeout=120)
     assert "resume" in dry.stdout and "skipped" not in dry.stdout, dry.stdout
+
+
+def test_a_sweep_file_with_a_key_given_twice_is_refused_not_read_as_its_last(tmp_path):
+    """PyYAML keeps the last of two equal keys, so a doubled arm used to drop the first silently."""
+    path = tmp_path / "dup.yaml"
+    path.write_text(
+        "experiment: dup\nseeds: [0]\naxes:\n  arm:\n    a: [method=ppo]\n    a: [method=async_ppo]\nbaseline: {arm: a}\n"
+    )
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert "'a'" in str(err.value) and "twice" in str(err.value) and "\n" not in str(err.value)
+    path.write_bytes(b"experiment: \xff\n")
+    with pytest.raises(SpecError, match="not UTF-8"):
+        load_spec(path)
+    path.write_text("experiment: e\nseeds: [0]\naxes:\n  lr:\n    1e-4: [trainer.actor_lr=1e-4]\n")
+    assert [c.levels for c in expand(load_spec(path))] == [(("lr", "1e-4"),)]  # a level reads as written

@@ -219,13 +219,18 @@ def _parse_heatmap(value: object, axes: Mapping[str, Mapping[str, object]], wher
 
 
 def read_yaml_file(path: str | os.PathLike[str], what: str) -> object:
-    """The YAML document in ``path``; SpecError naming the file when it cannot be read or parsed."""
+    """The YAML document in ``path`` (a key given twice is an error); SpecError naming the file when it cannot
+    be read or parsed."""
     import yaml
 
+    from copc.config import UniqueKeyLoader
+
     try:
-        return yaml.safe_load(Path(path).read_text())
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # a SafeLoader
     except OSError as err:
         raise SpecError(f"cannot read {what} {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{what} {path} is not UTF-8 text (byte {err.start}); save it as UTF-8 YAML") from None
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
 
