@@ -276,3 +276,32 @@ def test_committed_contrasts_name_levels_of_their_sweeps(contrasts, sweeps):
         spec = load_spec(experiments / sweep)
         check_terms(loaded, spec.axes, [c.levels for c in expand(spec)])
         assert loaded.seeds == len(spec.seeds)  # verdicts wait for every pre-registered seed
+
+
+def test_report_flags_that_name_nothing_are_refused_not_ignored(tmp_path, capsys):
+    """A review found three silent reports: --baseline naming no axis or level printed no paired column,
+    --collapse with a misspelt metric printed 0 collapses everywhere, and report flags without --report were
+    dropped. Each is now one line and exit 2."""
+    spec = tmp_path / "grid.yaml"
+    spec.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0], "shared": ["steps=2"],
+                                    "axes": {"arm": {"a": ["method=ppo"], "b": ["method=async_ppo"]}}}))
+    evals = [{"step": s, "accuracy": 0.5, "greedy_accuracy": g} for s, g in [(0, 0.6), (1, 0.4), (2, 0.4), (3, 0.4)]]
+    for arm in ("a", "b"):
+        write_cell_record(load_spec(spec), tmp_path / "results", f"arm={arm}__seed0", summary={}, evals=evals)
+    args = [str(spec), "--results", str(tmp_path / "results")]
+    capsys.readouterr()
+    assert sweep_cli([*args, "--report", "--collapse", "greedy_accuracy,0.1,3"]) == 0
+    assert "1 of 1" in capsys.readouterr().out  # the rule itself sees the drop
+    assert sweep_cli([*args, "--report", "--collapse", "greedy_acc,0.1,3"]) == 2
+    err = capsys.readouterr().err
+    assert "no record's evaluations hold 'greedy_acc'" in err and "greedy_accuracy" in err and err.count("\n") == 1
+    assert sweep_cli([*args, "--report", "--baseline", "arm=nope"]) == 2
+    assert "axis 'arm' has no level 'nope'; levels: a, b" in capsys.readouterr().err
+    assert sweep_cli([*args, "--report", "--baseline", "armm=a"]) == 2
+    assert "no axis 'armm'; axes: arm" in capsys.readouterr().err
+    assert sweep_cli([*args, "--collapse", "greedy_accuracy", "--markdown"]) == 2
+    assert "--collapse, --markdown only apply to --report" in capsys.readouterr().err
+    a_file = tmp_path / "file.png"
+    a_file.write_text("mine")
+    assert sweep_cli([*args, "--report", "--plot", str(a_file)]) == 2
+    assert "--plot takes a folder" in capsys.readouterr().err and a_file.read_text() == "mine"

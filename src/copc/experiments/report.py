@@ -29,6 +29,11 @@ DIAGNOSTIC_PANELS = ("drift", "mask_rate", "ppo_clip_low", "adv_clip_low", "adv_
                      "critic_explained_var", "entropy_mc", "tool_use_rate")
 
 
+def _evals(record: Mapping[str, object]) -> list[Mapping[str, object]]:
+    evals = record.get("evals")
+    return [e for e in evals if isinstance(e, Mapping)] if isinstance(evals, list) else []
+
+
 def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseline: Mapping[str, str] | None,
                  collapse: tuple[str, float, int] | None, plot_dir: Path | None,
                  contrasts: ContrastSet | None = None, markdown: bool = False) -> None:
@@ -37,6 +42,11 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
     if contrasts is not None:
         check_terms(contrasts, spec.axes, [c.levels for c in expand(spec)])
     records, left_out = report_records(spec, cells, paths)
+    if collapse is not None and records:  # a misspelt metric skipped every evaluation: "0 of n" collapses
+        evals = [e for r in records for e in _evals(r)]
+        held = sorted({str(k) for e in evals for k in e if k != "step"})
+        if not any(collapse[0] in e for e in evals):
+            raise ValueError(f"--collapse: no record's evaluations hold {collapse[0]!r}; they hold: {', '.join(held)}")
     print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
     for line in left_out:
         print(line)

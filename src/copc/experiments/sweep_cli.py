@@ -84,8 +84,14 @@ def _baseline(text: str | None, spec: SweepSpec) -> dict[str, str]:
     if text is None:
         return spec.baseline
     pairs = [p.split("=", 1) for p in text.split(",") if p]
-    if any(len(p) != 2 for p in pairs):
+    if not pairs or any(len(p) != 2 for p in pairs):
         raise SpecError(f"--baseline {text!r}: expected axis=level[,axis=level]")
+    for axis, level in pairs:  # a name no cell has paired nothing, and the report went out without its column
+        if axis not in spec.axes:
+            raise SpecError(f"--baseline {text!r}: no axis {axis!r}; axes: {', '.join(spec.axes)}")
+        if level not in spec.axes[axis]:
+            raise SpecError(f"--baseline {text!r}: axis {axis!r} has no level {level!r}; "
+                            f"levels: {', '.join(spec.axes[axis])}")
     return {a: lv for a, lv in pairs}
 
 
@@ -93,6 +99,12 @@ def sweep_cli(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     if args.jobs < 0 or args.measure < 0 or args.steps < 0:
         print("copc sweep: error: --jobs, --measure and --steps must be >= 0", file=sys.stderr)
+        return 2
+    report_only = [flag for flag, given in (("--collapse", args.collapse), ("--plot", args.plot),
+                                            ("--metrics", args.metrics), ("--contrasts", args.contrasts),
+                                            ("--markdown", args.markdown), ("--baseline", args.baseline)) if given]
+    if report_only and not args.report:
+        print(f"copc sweep: error: {', '.join(report_only)} only apply to --report; add --report", file=sys.stderr)
         return 2
     collapse = _collapse_rule(args.collapse) if args.collapse else None
     spec = load_spec(args.file)
@@ -122,6 +134,10 @@ def sweep_cli(argv: Sequence[str]) -> int:
                          markdown=args.markdown)
         except ValueError as err:  # e.g. the heatmap's lab JSON missing (its path is relative to the working dir)
             print(f"copc sweep: error: {err}", file=sys.stderr)
+            return 2
+        except OSError as err:  # e.g. --plot names a file, not a folder
+            print(f"copc sweep: error: {err.filename or args.plot}: {err.strerror or err}"
+                  + ("; --plot takes a folder" if args.plot else ""), file=sys.stderr)
             return 2
         return 0
     if args.dry_run:
