@@ -92,6 +92,8 @@ def test_configs_validate_names_at_construction() -> None:
         (lambda: AdvantageChannelConfig(lam_actor=1.5), "lam_actor"),
         (lambda: AdvantageChannelConfig(ratio_low=1.1, ratio_high=1.2), "ratio_low"),
         (lambda: AdvantageChannelConfig(trace="vtrace"), "trace_low"),
+        (lambda: AdvantageChannelConfig(trace="vtrace", trace_low=1.5, trace_high=0.5), "0 <= low <= high"),
+        (lambda: AdvantageChannelConfig(trace="vtrace", trace_low=-3.0, trace_high=1.1), "0 <= low <= high"),
         (lambda: AdvantageChannelConfig(trace="brace", trace_low=0.9, trace_high=1.1), "advantage_window"),
         (lambda: AdvantageChannelConfig(estimator="group"), "whiten=False"),
         (lambda: CriticConfig(updates_per_step=0), "updates_per_step"),

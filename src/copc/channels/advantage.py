@@ -154,6 +154,11 @@ class AdvantageChannelConfig:
         check_one_of("advantage.trace", self.trace, _TRACES)
         if self.trace != "none" and (self.trace_low is None or self.trace_high is None):
             raise ValueError(f"advantage.trace={self.trace!r} needs trace_low and trace_high (e.g. 0.9, 1.1)")
+        if self.trace != "none" and not 0.0 <= self.trace_low <= self.trace_high:  # type: ignore[operator]
+            raise ValueError(  # clamp(min > max) gives every c_t the upper bound without a word
+                f"advantage.trace_low/trace_high must satisfy 0 <= low <= high (e.g. 0.9, 1.1), "
+                f"got {self.trace_low}, {self.trace_high}"
+            )
         if self.trace == "vtrace" and self.advantage_window is not None:
             raise ValueError("advantage.advantage_window needs trace='none' or 'brace'; set it to None for trace='vtrace'")
         if self.trace == "brace" and self.advantage_window is None:
