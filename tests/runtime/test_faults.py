@@ -496,6 +496,12 @@ def test_run_dirs_are_never_reused_or_resumed_by_accident(tmp_path: Path, capsys
     assert cli(run, "resume=true", "steps=3") == 1
     assert "every checkpoint" in one_error_line(capsys)
     assert logged_steps(run) == [0, 1, 2]
+    # Its checkpoints removed altogether: refused too (it retrained from step 0 over metrics and summary).
+    shutil.rmtree(run / "checkpoints")
+    summary = (run / "summary.json").read_bytes()
+    assert cli(run, "resume=true", "steps=3") == 1
+    assert "summary.json" in one_error_line(capsys)
+    assert logged_steps(run) == [0, 1, 2] and (run / "summary.json").read_bytes() == summary
     # overwrite=true replaces the run (fresh metrics).
     assert cli(run, "overwrite=true") == 0
     capsys.readouterr()

@@ -91,6 +91,11 @@ def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, objec
             f"every checkpoint under {run_dir / 'checkpoints'} is damaged ({'; '.join(skipped)}); nothing to "
             "resume from: restore a backup, or start over with overwrite=true"
         )
+    if found is None and (run_dir / "summary.json").exists():  # trained, then its checkpoints went
+        raise CheckpointError(
+            f"{run_dir} holds a trained run (summary.json) but no checkpoint to resume from; starting from step 0 "
+            "would overwrite its metrics and summary: restore its checkpoints/, or start over with overwrite=true"
+        )
     if found is None:
         print(f"note: {run_dir} has no checkpoint yet; starting from step 0", file=sys.stderr, flush=True)
         return None
