@@ -101,3 +101,12 @@ def test_copc_fixes_the_allocator_threshold_for_itself_and_its_children(monkeypa
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")  # a user's own value is kept
     lean_allocator()
     assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "4194304"
+
+
+def test_eval_samples_out_onto_a_folder_is_refused_before_the_evaluation(tmp_path, capsys):
+    """It was an IsADirectoryError traceback after the whole evaluation had run, its metrics never printed."""
+    from copc.run.eval import eval_cli
+
+    assert eval_cli(["--checkpoint", str(tmp_path / "no_run"), "--samples-out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--samples-out" in err and "is a folder" in err

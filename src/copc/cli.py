@@ -98,6 +98,9 @@ def plot_cli(argv: Sequence[str]) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"copc plot: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # e.g. --out names a file
+        print(f"copc plot: error: {err.filename or out}: {err.strerror or err}; --out takes a folder", file=sys.stderr)
+        return 2
     for path in written:
         print(path)
     return 0

@@ -73,6 +73,22 @@ def test_export_picks_a_step_and_never_overwrites(run_dir: Path, tmp_path: Path,
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_export_of_a_damaged_step_asked_for_is_one_line(run_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """--step N whose files fail their check: one line, nothing written (it was a CheckpointError traceback);
+    without --step the newest step that verifies is exported."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    weights = run / "checkpoints" / "step_00000002" / "trainer.policy.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64] + bytes(64))
+    capsys.readouterr()
+    assert export_cli([str(run), str(tmp_path / "two"), "--step", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error:") and not (tmp_path / "two").exists()
+
+
 def test_convert_gguf_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert convert_cli([str(tmp_path), "missing.gguf", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()

@@ -84,3 +84,15 @@ def test_plot_errors(tmp_path):
         plot_runs([tmp_path])
     with pytest.raises(ValueError, match="out_dir"):
         plot_runs([tmp_path / "a", tmp_path / "b"])
+
+
+def test_plot_cli_onto_a_file_is_one_line_and_keeps_the_file(tmp_path, capsys):
+    from copc.cli import plot_cli
+
+    run = tmp_path / "copc_seed0"
+    write_run(run, 1.0)
+    mine = tmp_path / "mine.png"
+    mine.write_text("mine")
+    assert plot_cli([str(run), "--out", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out takes a folder" in err and mine.read_text() == "mine"

@@ -55,6 +55,10 @@ def eval_cli(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     quiet_transformers()
     path = Path(args.checkpoint)
+    if args.samples_out and Path(args.samples_out).is_dir():  # found before the evaluation, not after it
+        print(f"error: --samples-out {args.samples_out} is a folder; give a file to append the episodes to "
+              "(e.g. samples.jsonl)", file=sys.stderr)
+        return 2
     try:
         cfg = eval_config(path, args.task, args.overrides)
         eval_cfg = EvalConfig(prompts=args.prompts, samples=args.samples, greedy=not args.no_greedy)

@@ -28,6 +28,7 @@ from copc.models.hf import convert_gguf, load_policy, save_first_layers
 from copc.run.build import policy_path, quiet_transformers
 from copc.run.config import RunConfig
 from copc.trainer.checkpoint import (
+    CheckpointError,
     checkpoint_root,
     list_checkpoints,
     load_checkpoint,
@@ -121,7 +122,7 @@ def export_cli(argv: Sequence[str]) -> int:
     try:
         out, step = export_run(Path(args.run_dir), Path(args.out), step=args.step,
                                on_skip=lambda reason: print(f"warning: skipped {reason}", file=sys.stderr, flush=True))
-    except (ConfigError, ValueError, OSError) as err:
+    except (ConfigError, ValueError, OSError, CheckpointError) as err:  # --step N damaged: no fallback asked for
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     print(f"exported the policy of {args.run_dir} at step {step} to {out} "
