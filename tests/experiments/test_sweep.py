@@ -859,3 +859,21 @@ def test_a_sweep_file_with_a_key_given_twice_is_refused_not_read_as_its_last(tmp
         load_spec(path)
     path.write_text("experiment: e\nseeds: [0]\naxes:\n  lr:\n    1e-4: [trainer.actor_lr=1e-4]\n")
     assert [c.levels for c in expand(load_spec(path))] == [(("lr", "1e-4"),)]  # a level reads as written
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"axes": {"arm": {"a": ["method=ppo"]}, "arm2": {"x": ["method=async_ppo"]}}},
+         "axes arm=a and arm2=x both set method"),
+        ({"shared": ["seed=5"], "axes": {"arm": {"a": ["method=ppo"]}}}, "shared sets seed"),
+        ({"axes": {"arm": {"a": ["method=ppo", "run_dir=/tmp/x"]}}}, "axes.arm.a sets run_dir"),
+    ],
+)
+def test_an_override_the_cell_would_lose_silently_is_refused(data, match):
+    """Two axes setting one key ran the later (cell arm=a__arm2=x trained async_ppo), and a shared seed or
+    run_dir was replaced by the sweep's own."""
+    with pytest.raises(SpecError, match=match):
+        parse_spec({"experiment": "e", "seeds": [0], **data}, "e.yaml")
+    parse_spec({"experiment": "e", "seeds": [0], "shared": ["trainer.actor_lr=1e-4"],  # an axis may refine shared
+                "axes": {"lr": {"small": ["trainer.actor_lr=2.5e-5"]}}}, "e.yaml")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 from pathlib import Path
@@ -153,12 +153,38 @@ def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepS
     if bad:
         raise SpecError(f"{source}: report metric {bad[0]!r} unknown; valid: {metric_names()}")
     heatmap = _parse_heatmap(data["heatmap"], axes, f"{source}: heatmap") if data.get("heatmap") else None
+    _check_keys(_overrides(data.get("shared", []), f"{source}: shared"), axes, grids, source)
     spec = SweepSpec(experiment=experiment, description=str(data.get("description", "")), seeds=seeds,
                      shared=_overrides(data.get("shared", []), f"{source}: shared"), axes=axes,
                      grids=tuple(grids), baseline=baseline, report=report, heatmap=heatmap)
     if data.get("accepted_records"):
         spec = replace(spec, accepted=_parse_accepted(data["accepted_records"], spec, f"{source}: accepted_records"))
     return spec
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].strip()
+
+
+def _check_keys(shared: Sequence[str], axes: Mapping[str, Mapping[str, tuple[str, ...]]],
+                grids: Sequence[Mapping[str, tuple[str, ...]]], source: str) -> None:
+    """A key the sweep sets itself (seed, run_dir), or one that two axes of a grid both set, is an error:
+    the later override would win silently and a cell would run other than its name says."""
+    for where, overrides in [("shared", shared), *((f"axes.{a}.{lv}", o) for a, lv_map in axes.items()
+                                                   for lv, o in lv_map.items())]:
+        for key in {_key(o) for o in overrides} & {"seed", "run_dir"}:
+            raise SpecError(f"{source}: {where} sets {key}, which the sweep sets per cell; use seeds: "
+                            "for seeds and --runs for run directories")
+    for grid in grids:
+        names = list(grid)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                for la in grid[a]:
+                    for lb in grid[b]:
+                        both = {_key(o) for o in axes[a][la]} & {_key(o) for o in axes[b][lb]}
+                        if both:
+                            raise SpecError(f"{source}: axes {a}={la} and {b}={lb} both set {sorted(both)[0]}; "
+                                            "a cell would run the later one: set it in one axis")
 
 
 _HASH = re.compile(r"^[0-9a-f]{16}$")
