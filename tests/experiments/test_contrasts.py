@@ -175,6 +175,9 @@ def test_bad_claims_get_one_line(text, problem):
     ("metric: eval_final\ncontrasts: [{name: x, all: []}]", "one or more claims"),
     ("metric: eval_final\ncontrasts: [{name: x, claim: 'a >'}]", "not an expression"),
     ("metric: [", "not valid YAML"),
+    ("metric: eval_final\ncontrasts: []", "'contrasts:' is empty"),
+    ("metric: eval_final\ncontrasts: [{name: x, claim: 'a > 0'}, {name: x, claim: 'b > 0'}]", "'x' is given twice"),
+    ("metric: eval_final\ncontrasts:\n  - name: x\n    claim: a > 0\n    claim: b > 0\n", "'claim'.*twice"),
 ])
 def test_bad_files_get_one_line(tmp_path, content, problem):
     path = tmp_path / "c.yaml"

@@ -254,7 +254,11 @@ def load_contrasts(path: str | Path) -> ContrastSet:
         texts = [entry["claim"]] if "claim" in entry else entry["all"]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise SpecError(f"{where}: contrasts[{i}] ({entry['name']}): 'all' needs one or more claims as text")
+        if any(name == entry["name"] for name, _, _ in entries):
+            raise SpecError(f"{where}: contrasts[{i}]: the name {entry['name']!r} is given twice; name each contrast once")
         entries.append((entry["name"], tuple(parse_claim(t) for t in texts), "all" in entry))
+    if not entries:
+        raise SpecError(f"{where}: 'contrasts:' is empty; list at least one pre-registered contrast")
     return ContrastSet(data["metric"], seeds, tuple(entries))
 
 
