@@ -245,7 +245,7 @@ def load_contrasts(path: str | Path) -> ContrastSet:
     seeds = data.get("seeds", 0)
     if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 0:
         raise SpecError(f"{where}: 'seeds' must be a whole number >= 0 (the pre-registered seed count)")
-    entries = []
+    entries: list[tuple[str, tuple[Claim, ...], bool]] = []
     for i, entry in enumerate(data["contrasts"]):
         ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and (
             isinstance(entry.get("claim"), str) != isinstance(entry.get("all"), list))
