@@ -308,3 +308,12 @@ def test_report_flags_that_name_nothing_are_refused_not_ignored(tmp_path, capsys
     a_file.write_text("mine")
     assert sweep_cli([*args, "--report", "--plot", str(a_file)]) == 2
     assert "--plot takes a folder" in capsys.readouterr().err and a_file.read_text() == "mine"
+
+
+def test_a_metric_no_record_holds_is_said_not_skipped():
+    """--metrics mean:entropy over records whose method logs no loss entropy printed nothing at all."""
+    from copc.experiments.tables import report_text
+
+    record = {"levels": {"arm": "a"}, "seed": 0, "summary": {"eval_final": 0.5}, "curves": {"drift": [[0, 0.1]]}}
+    text = report_text([record], ("eval_final", "mean:entropy"), None)
+    assert "mean:entropy: no record holds it" in text and "0.500" in text

@@ -229,7 +229,9 @@ def report_text(
     lines.append(f"{len(records)} records; mean [{pct} t interval over seeds] (n = seeds)")
     for metric in metrics:
         groups = by_group(records, metric)
-        if not groups:
+        if not groups:  # said, not skipped: a metric asked for by name that prints nothing reads as a typo
+            lines.append(f"\n{metric}: no record holds it (a curve this method does not log, or a record from "
+                         "before it was kept)")
             continue
         diffs = paired_differences(records, metric, baseline, confidence) if baseline else {}
         if markdown:
