@@ -119,3 +119,12 @@ def test_data_rows_are_checked_before_anything_heavy(tmp_path, capsys) -> None:
     assert not run_dir.exists()
     fixed = load_run_config(None, [*overrides, "task_options.question_key=question", "task_options.answer_key=solution"])
     assert fixed.task_options["question_key"] == "question"
+
+
+@pytest.mark.parametrize(("override", "said"), [("steps=-3", "steps must be >= 0, got -3"),
+                                                ("checkpoint_every=-1", "checkpoint_every must be >= 0, got -1"),
+                                                ("keep_checkpoints=0", "keep_checkpoints must be >= 1, got 0")])
+def test_a_count_out_of_range_names_its_key_and_value(override: str, said: str) -> None:
+    """The three used to share one message that named none of them."""
+    with pytest.raises(ConfigError, match=said):
+        load_run_config(None, [override])

@@ -210,8 +210,10 @@ class RunConfig:
     samples: SamplesConfig = field(default_factory=SamplesConfig)
 
     def __post_init__(self) -> None:
-        if self.steps < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:
-            raise ValueError("steps and checkpoint_every must be >= 0, keep_checkpoints >= 1")
+        for name, value, least in (("steps", self.steps, 0), ("checkpoint_every", self.checkpoint_every, 0),
+                                   ("keep_checkpoints", self.keep_checkpoints, 1)):
+            if value < least:  # name the key and the value given, not the group
+                raise ValueError(f"{name} must be >= {least}, got {value}")
         if self.no_signal_steps < 0:
             raise ValueError(f"no_signal_steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
         if not 0 <= self.stall_timeout_s < float("inf"):
