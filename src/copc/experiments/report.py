@@ -20,18 +20,13 @@ from pathlib import Path
 from copc.experiments.contrasts import ContrastSet, check_terms, contrasts_text
 from copc.experiments.sweep import Paths, report_records
 from copc.experiments.sweep_spec import Cell, SweepSpec, expand
-from copc.experiments.tables import collapse_text, report_text
+from copc.experiments.tables import collapse_text, record_evals, report_text
 
 __all__ = ["DIAGNOSTIC_PANELS", "print_report"]
 
 #: The diagnostic curves drawn by ``--plot`` (record["curves"] names, copc.experiments.results).
 DIAGNOSTIC_PANELS = ("drift", "mask_rate", "ppo_clip_low", "adv_clip_low", "adv_clip_high", "ess_seq",
                      "critic_explained_var", "entropy_mc", "tool_use_rate")
-
-
-def _evals(record: Mapping[str, object]) -> list[Mapping[str, object]]:
-    evals = record.get("evals")
-    return [e for e in evals if isinstance(e, Mapping)] if isinstance(evals, list) else []
 
 
 def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseline: Mapping[str, str] | None,
@@ -43,7 +38,7 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
         check_terms(contrasts, spec.axes, [c.levels for c in expand(spec)])
     records, left_out = report_records(spec, cells, paths)
     if collapse is not None and records:  # a misspelt metric skipped every evaluation: "0 of n" collapses
-        evals = [e for r in records for e in _evals(r)]
+        evals = [e for r in records for e in record_evals(r)]
         held = sorted({str(k) for e in evals for k in e if k != "step"})
         if not any(collapse[0] in e for e in evals):
             raise ValueError(f"--collapse: no record's evaluations hold {collapse[0]!r}; they hold: {', '.join(held)}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 from pathlib import Path
 
-from copc.config import ConfigError
+from copc.config import ConfigError, parse_override
 from copc.experiments.results import known_metric, metric_names
 
 __all__ = ["Cell", "Heatmap", "SpecError", "SweepSpec", "expand", "load_spec", "parse_spec", "read_yaml_file"]
@@ -153,17 +153,18 @@ def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepS
     if bad:
         raise SpecError(f"{source}: report metric {bad[0]!r} unknown; valid: {metric_names()}")
     heatmap = _parse_heatmap(data["heatmap"], axes, f"{source}: heatmap") if data.get("heatmap") else None
-    _check_keys(_overrides(data.get("shared", []), f"{source}: shared"), axes, grids, source)
+    shared = _overrides(data.get("shared", []), f"{source}: shared")
+    _check_keys(shared, axes, grids, source)
     spec = SweepSpec(experiment=experiment, description=str(data.get("description", "")), seeds=seeds,
-                     shared=_overrides(data.get("shared", []), f"{source}: shared"), axes=axes,
+                     shared=shared, axes=axes,
                      grids=tuple(grids), baseline=baseline, report=report, heatmap=heatmap)
     if data.get("accepted_records"):
         spec = replace(spec, accepted=_parse_accepted(data["accepted_records"], spec, f"{source}: accepted_records"))
     return spec
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].strip()
+def _keys(overrides: Sequence[str]) -> set[str]:
+    return {".".join(parse_override(o)[0]) for o in overrides}
 
 
 def _check_keys(shared: Sequence[str], axes: Mapping[str, Mapping[str, tuple[str, ...]]],
@@ -172,8 +173,9 @@ def _check_keys(shared: Sequence[str], axes: Mapping[str, Mapping[str, tuple[str
     the later override would win silently and a cell would run other than its name says."""
     for where, overrides in [("shared", shared), *((f"axes.{a}.{lv}", o) for a, lv_map in axes.items()
                                                    for lv, o in lv_map.items())]:
-        for key in {_key(o) for o in overrides} & {"seed", "run_dir"}:
-            raise SpecError(f"{source}: {where} sets {key}, which the sweep sets per cell; use seeds: "
+        own = sorted(_keys(overrides) & {"seed", "run_dir"})
+        if own:
+            raise SpecError(f"{source}: {where} sets {own[0]}, which the sweep sets per cell; use seeds: "
                             "for seeds and --runs for run directories")
     for grid in grids:
         names = list(grid)
@@ -181,7 +183,7 @@ def _check_keys(shared: Sequence[str], axes: Mapping[str, Mapping[str, tuple[str
             for b in names[i + 1:]:
                 for la in grid[a]:
                     for lb in grid[b]:
-                        both = {_key(o) for o in axes[a][la]} & {_key(o) for o in axes[b][lb]}
+                        both = _keys(axes[a][la]) & _keys(axes[b][lb])
                         if both:
                             raise SpecError(f"{source}: axes {a}={la} and {b}={lb} both set {sorted(both)[0]}; "
                                             "a cell would run the later one: set it in one axis")

@@ -12,7 +12,7 @@ import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import Any, cast
 
 from copc.experiments.results import curve_mean, recorded_config
 from copc.experiments.stats import Interval, t_interval
@@ -23,6 +23,12 @@ __all__ = ["by_group", "collapse_step", "collapse_text", "group_key", "group_tex
 
 #: Evaluations are fractions of a few hundred prompts; differences within this are rounding, not a gap.
 _EPS = 1e-9
+
+
+def record_evals(record: Mapping[str, object]) -> list[Mapping[str, Any]]:
+    """The record's evaluations (``record["evals"]``: one mapping per evaluation, ``step`` and each metric)."""
+    evals = record.get("evals")
+    return [e for e in evals if isinstance(e, Mapping)] if isinstance(evals, list) else []
 
 
 def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy", *, margin: float = 0.1,
@@ -36,8 +42,7 @@ def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy",
     """
     if margin <= 0 or patience < 1:
         raise ValueError(f"collapse_step needs margin > 0 and patience >= 1, got {margin}, {patience}")
-    evals = record.get("evals")
-    points = [(int(e["step"]), float(e[metric])) for e in evals if metric in e] if isinstance(evals, list) else []
+    points = [(int(e["step"]), float(e[metric])) for e in record_evals(record) if metric in e]
     best, start, length = float("-inf"), None, 0
     for step, value in points:
         if best - value > margin + _EPS:  # "more than margin below": a gap equal to it up to rounding is not
