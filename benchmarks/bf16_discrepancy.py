@@ -9,7 +9,12 @@ mean and std of ``d``, quantiles of ``|d|`` and the fraction of tokens whose rat
 band [0.8, 1.2] (the mask band of COPC / IcePop-style corrections).
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/bf16_discrepancy.py [--task arith_tool] \
-        [--hard] [--batches 4] [--seed 0]
+        [--hard] [--batches 4] [--seed 0] [--device cuda] [--policy HF_FOLDER]
+
+``--device cuda`` puts the sampler on the GPU (the trainer's recompute stays a float32 forward on the CPU):
+the discrepancy a Ray rollout actor on a GPU (``driver.ray_gpus_per_worker=1``) feeds a CPU trainer, as
+docs/scaling.md sets it up. ``--policy`` takes the weights from an HF folder instead of the task's warm
+start (cached or built), e.g. a pinned warm start under ``results/warmstarts/``.
 """
 
 from __future__ import annotations
@@ -59,18 +64,23 @@ def main() -> None:
     parser.add_argument("--hard", action="store_true", help="task_options.hard=true")
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the sampler runs (the trainer's forward: cpu)")
+    parser.add_argument("--policy", type=Path, help="HF folder of the policy (default: the task's warm start)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     options = {**task_defaults(args.task), **({"hard": True} if args.hard else {})}
     cfg = replace(RunConfig(task=args.task, task_options=options), seed=args.seed)
-    with tempfile.TemporaryDirectory() as scratch:
-        path = policy_path(cfg, Path(scratch))
+    if args.policy is not None:
+        path = args.policy
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            path = policy_path(cfg, Path(scratch))
     trainer_model, tokenizer = load_policy(path)
     task = get_task(args.task, **options)  # type: ignore[arg-type]
     print(f"{args.task} (hard={args.hard}), warm start {path.name}, {args.batches} batches of {cfg.rollout.batch_size}, "
-          f"temperature {cfg.rollout.temperature}")
+          f"temperature {cfg.rollout.temperature}, sampler on {args.device}, trainer float32 on cpu")
     for dtype in ("float32", "bfloat16"):
-        sampler_model, _ = load_policy(path)
+        sampler_model, _ = load_policy(path, device=args.device)
         generator = RolloutGenerator(sampler_model, tokenizer, task, replace(cfg.rollout, dtype=dtype), seed=args.seed)
         trajectories = [t for j in range(args.batches) for t in generator.generate(j).trajectories]
         report(dtype, discrepancy(trainer_model, trajectories, cfg.rollout.temperature))
