@@ -508,6 +508,25 @@ def test_run_dirs_are_never_reused_or_resumed_by_accident(tmp_path: Path, capsys
     assert logged_steps(run) == [0, 1]
 
 
+def test_a_refused_resume_names_where_the_differing_value_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CLI review item 14: without an override, the message blamed one (--config, a missing config.yaml)."""
+    run = tmp_path / "run"
+    assert cli(run) == 0
+    capsys.readouterr()
+    other = tmp_path / "other.yaml"
+    other.write_text("method: ppo\n")
+    assert train_cli(["--no-progress", "--config", str(other), f"run_dir={run}", *TINY, "resume=true"]) == 2
+    line = one_error_line(capsys)
+    assert "method=" in line and "--config" in line and "resume=true run_dir=" in line, line
+    (run / "config.yaml").unlink()
+    assert train_cli(["--no-progress", f"run_dir={run}", "resume=true"]) == 2
+    line = one_error_line(capsys)
+    assert "config.yaml is missing" in line and "embedded default" in line, line
+    assert logged_steps(run) == [0, 1]
+
+
 def test_weights_only_checkpoints_are_smaller_and_resume_with_a_note(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

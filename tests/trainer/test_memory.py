@@ -153,9 +153,9 @@ def test_checkpointing_may_change_on_resume_and_a_run_from_before_it_existed_res
 
     saved = to_dict(load_run_config(None, ["method=copc"]))
     del saved["trainer"]["gradient_checkpointing"]  # a checkpoint written before the field existed
-    check_resume_config(load_run_config(None, ["method=copc", "trainer.gradient_checkpointing=always"]), saved, tmp_path)
+    check_resume_config(load_run_config(None, ["method=copc", "trainer.gradient_checkpointing=always"]), saved, tmp_path, tmp_path)
     with pytest.raises(ConfigError, match=r"trainer\.actor_lr"):  # a setting that changes the run still may not
-        check_resume_config(load_run_config(None, ["method=copc", "trainer.actor_lr=3e-4"]), saved, tmp_path)
+        check_resume_config(load_run_config(None, ["method=copc", "trainer.actor_lr=3e-4"]), saved, tmp_path, tmp_path)
 
 
 def is_checkpointing(model) -> bool:

@@ -42,8 +42,9 @@ def _first_difference(saved: object, current: object, prefix: str) -> tuple[str,
     return None if saved == current else (prefix, saved, current)
 
 
-def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path) -> None:
-    """Refuse (one line) to resume with another method, batch size, task ... than the checkpoint's."""
+def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path, run_dir: Path) -> None:
+    """Refuse (one line) to resume with another method, batch size, task ... than the checkpoint's, saying
+    where the other value can have come from (the run's ``config.yaml`` is the base of a resumed config)."""
     current = to_dict(cfg)
     for dotted in RESUME_MUST_MATCH:
         a: object = saved
@@ -54,10 +55,16 @@ def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path
         found = _first_difference(a, b, dotted)
         if found is not None:
             key, old, new = found
+            if (run_dir / "config.yaml").is_file():
+                source = ("from an override or --config; resume=true run_dir=... alone continues the run as it "
+                          "was configured (its config.yaml), or start a new run_dir")
+            else:
+                source = (f"because {run_dir / 'config.yaml'} is missing, this config was built from the embedded "
+                          "default (or --config) and the overrides; restore config.yaml, give the run's settings "
+                          "again, or start a new run_dir")
             raise ConfigError(
                 f"resume: {where} was made with {key}={json.dumps(old)}, this config has {json.dumps(new)}, which "
-                "would change what the run computes; drop that override (resume=true run_dir=... alone continues "
-                "the run as it was configured) or start a new run_dir"
+                f"would change what the run computes: {source}"
             )
 
 
@@ -100,7 +107,8 @@ def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, objec
         print(f"note: {run_dir} has no checkpoint yet; starting from step 0", file=sys.stderr, flush=True)
         return None
     step, payload = found
-    check_resume_config(cfg, payload.get("config", {}), run_dir / "checkpoints" / f"step_{step:08d}")  # type: ignore[arg-type]
+    check_resume_config(cfg, payload.get("config", {}), run_dir / "checkpoints" / f"step_{step:08d}",  # type: ignore[arg-type]
+                        run_dir)
     if cfg.steps < step:
         raise ConfigError(f"resume: {run_dir} has already trained {step} steps (its checkpoint of step {step}); "
                           f"steps={cfg.steps} would go back: give steps >= {step} to continue it, or start a new run_dir")
