@@ -56,6 +56,31 @@ def test_the_hold_ends_with_the_process_however_it_ends(tmp_path: Path) -> None:
     assert run_dir_holder(run) is None
 
 
+def test_a_hold_inherited_by_a_child_names_the_child_not_the_dead_parent(tmp_path: Path) -> None:
+    """CLI review item 18: a process forked by the claimant (it shares the lock's open file) holds the
+    directory after the claimant ends; the refusal named the claimant's stale pid from the lock file."""
+    run = tmp_path / "run"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time; from dataclasses import replace; from copc.run.build import claimed_run_dir; "
+        "from copc.run.config import default_config; "
+        f"cm = claimed_run_dir(replace(default_config(), run_dir={str(run)!r})); cm.__enter__(); "
+        "pid = os.fork()\n"
+        "if pid == 0:\n    time.sleep(60); os._exit(0)\n"
+        "print(pid, flush=True); os._exit(0)"
+    )], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    parent.wait(timeout=30)
+    try:
+        with pytest.raises(ConfigError) as err, claimed_run_dir(replace(default_config(), run_dir=str(run))):
+            pass
+        message = str(err.value)
+        assert f"pid {child}" in message and f"pid {parent.pid}" in message and "has ended" in message, message
+        assert run_dir_holder(run) == child
+    finally:
+        os.kill(child, 9)
+
+
 def test_sweep_skips_a_cell_another_process_is_training(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -141,9 +141,7 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise ConfigError(f"run_dir {path} is in use by another copc train (pid {holder}); wait for it to end "
-                              "or choose another run_dir") from None
+            raise ConfigError(_held_message(path, fd)) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         existing = [name for name in RUN_ENTRIES if (path / name).exists()]
@@ -199,8 +197,54 @@ def check_writable(path: Path, what: str, fix: str) -> None:
         raise ConfigError(unwritable(path, err, what, fix)) from None
 
 
+def _stored_pid(fd: int) -> int | None:
+    """The pid the claimant wrote into the lock file (None if none is there yet)."""
+    text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    return int(text) if text.isdigit() else None
+
+
+def _lock_openers(lock: Path) -> list[int] | None:
+    """Pids of the other processes that have ``lock`` open (one of them holds its flock), read from
+    ``/proc/<pid>/fd``; None where ``/proc`` cannot tell (not Linux)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir():
+        return None
+    target, found = str(lock.resolve()), []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if any(os.readlink(fd) == target for fd in (entry / "fd").iterdir()):
+                found.append(int(entry.name))
+        except OSError:  # the process ended, or its fds are not ours to read
+            continue
+    return sorted(found)
+
+
+def _holder(lock: Path, fd: int) -> tuple[int | None, int | None]:
+    """``(holder, claimant)`` of a held lock: the claimant is the pid written in the file; the holder is
+    the claimant while it has the file open, else the process that does (a child that inherited the
+    open file, say); None where unknown."""
+    claimant = _stored_pid(fd)
+    openers = _lock_openers(lock)
+    if openers is None or claimant in openers or not openers:
+        return claimant, claimant
+    return openers[0], claimant
+
+
+def _held_message(path: Path, fd: int) -> str:
+    holder, claimant = _holder(path / LOCK_NAME, fd)
+    if holder is not None and claimant is not None and holder != claimant:
+        return (f"run_dir {path} is held by pid {holder}: the copc train that claimed it (pid {claimant}) has "
+                f"ended, and pid {holder}, a process it started, still has the directory's lock open; end pid "
+                f"{holder}, or choose another run_dir")
+    return (f"run_dir {path} is in use by another copc train (pid {holder if holder is not None else '?'}); "
+            "wait for it to end or choose another run_dir")
+
+
 def run_dir_holder(path: Path) -> int | None:
-    """The pid of the process training in ``path`` now (:func:`claimed_run_dir`), or None when none is."""
+    """The pid of the process holding ``path`` now (:func:`claimed_run_dir`; -1 when it cannot be told),
+    or None when none is."""
     try:
         fd = os.open(path / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -208,8 +252,8 @@ def run_dir_holder(path: Path) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        return int(text) if text.isdigit() else -1
+        holder, _ = _holder(path / LOCK_NAME, fd)
+        return -1 if holder is None else holder
     else:
         return None
     finally:
