@@ -250,8 +250,9 @@ def _replace(cfg: T, changes: Mapping[str, object], section: str) -> T:
     return _construct(type(cfg), kwargs, section)
 
 
-def from_dict(cls: type[T], data: Mapping[str, object] | None) -> T:
-    """Build config ``cls`` from plain data; keys not given keep their defaults.
+def from_dict(cls: type[T], data: Mapping[str, object] | None, *, section: str = "") -> T:
+    """Build config ``cls`` from plain data; keys not given keep their defaults. ``section``: where ``data``
+    sits in the run's config (``task_options``, ``method_overrides.policy``), for the messages.
 
     Raises:
         ConfigError: unknown key (with the valid keys and a close match), wrongly typed value, or a
@@ -259,7 +260,7 @@ def from_dict(cls: type[T], data: Mapping[str, object] | None) -> T:
     """
     if not _is_dataclass_type(cls):
         raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
-    return _build(cls, data or {}, "")
+    return _build(cls, data or {}, section)
 
 
 def to_dict(cfg: object) -> dict[str, ConfigValue]:
@@ -449,6 +450,13 @@ def check_positive(owner: str, **values: float) -> None:
     for key, value in values.items():
         if not 0 < value < math.inf:
             raise ValueError(f"{owner}.{key} must be > 0 and finite, got {value!r}")
+
+
+def check_at_least(least: float, prefix: str = "", **values: float) -> None:
+    """Raise naming the first value below ``least``, its key (``prefix`` + name) and the value."""
+    for key, value in values.items():
+        if value < least:
+            raise ValueError(f"{prefix}{key} must be >= {least}, got {value!r}")
 
 
 def check_fraction(owner: str, **values: float) -> None:

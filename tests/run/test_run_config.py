@@ -48,6 +48,18 @@ def test_method_overrides_change_the_preset_and_bad_ones_name_the_key() -> None:
             load_run_config(None, [override])
 
 
+def test_errors_in_method_overrides_and_task_options_name_their_section() -> None:
+    """CLI review item 16: these sections were called "the top-level config" in the message."""
+    for override, needle in [
+        ("method_overrides.policy.bad=1", "unknown key 'bad' in section 'method_overrides.policy'"),
+        ("method_overrides.policy.clip_low=-1", "section 'method_overrides.policy' (PolicyChannelConfig)"),
+        ("task_options={bad: 1}", "unknown key 'bad' in section 'task_options'"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+            load_run_config(None, [override])
+        assert "top-level" not in str(err.value)
+
+
 def test_model_critic_loads_a_smaller_backbone_that_reads_the_policys_tokens(tmp_path) -> None:
     import torch
 
@@ -121,10 +133,20 @@ def test_data_rows_are_checked_before_anything_heavy(tmp_path, capsys) -> None:
     assert fixed.task_options["question_key"] == "question"
 
 
-@pytest.mark.parametrize(("override", "said"), [("steps=-3", "steps must be >= 0, got -3"),
-                                                ("checkpoint_every=-1", "checkpoint_every must be >= 0, got -1"),
-                                                ("keep_checkpoints=0", "keep_checkpoints must be >= 1, got 0")])
+@pytest.mark.parametrize(("override", "said"), [
+    ("steps=-3", "steps must be >= 0, got -3"),
+    ("checkpoint_every=-1", "checkpoint_every must be >= 0, got -1"),
+    ("keep_checkpoints=0", "keep_checkpoints must be >= 1, got 0"),
+    ("eval.prompts=-1", "eval.prompts must be >= 0, got -1"),
+    ("eval.samples=0", "eval.samples must be >= 1, got 0"),
+    ("eval.every=-2", "eval.every must be >= 0, got -2"),
+    ("driver.num_workers=0", "driver.num_workers must be >= 1, got 0"),
+    ("driver.trainer_threads=0", "driver.trainer_threads must be >= 1, got 0"),
+    ("driver.max_worker_restarts=-1", "driver.max_worker_restarts must be >= 0, got -1"),
+    ("driver.batch_timeout_s=-1", "driver.batch_timeout_s must be >= 0 and finite, got -1.0"),
+    ("samples.every=-1", "samples.every must be >= 0, got -1"),
+])
 def test_a_count_out_of_range_names_its_key_and_value(override: str, said: str) -> None:
-    """The three used to share one message that named none of them."""
-    with pytest.raises(ConfigError, match=said):
+    """Counts used to share one message per section that named several keys and no value (CLI review 15)."""
+    with pytest.raises(ConfigError, match=re.escape(said)):
         load_run_config(None, [override])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
+from copc.config import check_at_least
 from copc.eval.metrics import avg_at_k, greedy_accuracy, mean_pass_at_k
 from copc.rollout.chat import chat_format
 from copc.rollout.engine import Engine
@@ -37,8 +38,8 @@ class EvalConfig:
     """Evaluate every this many steps during training (0 = only before and after)."""
 
     def __post_init__(self) -> None:
-        if self.prompts < 0 or self.samples < 1 or self.every < 0:
-            raise ValueError("eval.prompts and eval.every must be >= 0, eval.samples >= 1")
+        check_at_least(0, "eval.", prompts=self.prompts, every=self.every)
+        check_at_least(1, "eval.", samples=self.samples)
 
 
 def evaluate(

@@ -22,6 +22,7 @@ from copc.config import (
     ConfigError,
     ConfigValue,
     apply_overrides,
+    check_at_least,
     check_one_of,
     from_dict,
     load_yaml,
@@ -112,12 +113,12 @@ class DriverConfig:
 
     def __post_init__(self) -> None:
         check_one_of("driver.kind", self.kind, ("sync", "async", "ray"))
-        if self.num_workers < 1 or self.trainer_threads < 1:
-            raise ValueError("driver.num_workers and driver.trainer_threads must be >= 1")
+        check_at_least(1, "driver.", num_workers=self.num_workers, trainer_threads=self.trainer_threads)
         if not 0 <= self.worker_nice <= 19:
             raise ValueError(f"driver.worker_nice must be in [0, 19] (0 = the trainer's priority), got {self.worker_nice}")
-        if self.max_worker_restarts < 0 or not 0 <= self.batch_timeout_s < float("inf"):
-            raise ValueError("driver.max_worker_restarts must be >= 0 and driver.batch_timeout_s finite and >= 0")
+        check_at_least(0, "driver.", max_worker_restarts=self.max_worker_restarts)
+        if not 0 <= self.batch_timeout_s < float("inf"):
+            raise ValueError(f"driver.batch_timeout_s must be >= 0 and finite, got {self.batch_timeout_s!r}")
         for key, value in (("silent_worker_warn_s", self.silent_worker_warn_s),
                            ("silent_worker_restart_s", self.silent_worker_restart_s)):
             if not 0 <= value < float("inf"):
@@ -153,8 +154,7 @@ class SamplesConfig:
     """Write training episodes every this many steps (0 = only evaluation episodes); every evaluation writes too."""
 
     def __post_init__(self) -> None:
-        if self.per_log < 0 or self.every < 0:
-            raise ValueError(f"samples.per_log and samples.every must be >= 0, got {self.per_log}, {self.every}")
+        check_at_least(0, "samples.", per_log=self.per_log, every=self.every)
 
 
 @dataclass(frozen=True)
@@ -210,10 +210,8 @@ class RunConfig:
     samples: SamplesConfig = field(default_factory=SamplesConfig)
 
     def __post_init__(self) -> None:
-        for name, value, least in (("steps", self.steps, 0), ("checkpoint_every", self.checkpoint_every, 0),
-                                   ("keep_checkpoints", self.keep_checkpoints, 1)):
-            if value < least:  # name the key and the value given, not the group
-                raise ValueError(f"{name} must be >= {least}, got {value}")
+        check_at_least(0, steps=self.steps, checkpoint_every=self.checkpoint_every)
+        check_at_least(1, keep_checkpoints=self.keep_checkpoints)
         if self.no_signal_steps < 0:
             raise ValueError(f"no_signal_steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
         if not 0 <= self.stall_timeout_s < float("inf"):
@@ -255,9 +253,10 @@ def resolve_method(cfg: RunConfig) -> MethodConfig:
         if current is None:
             raise ConfigError(f"method_overrides.{section}: method {cfg.method!r} has no {section} to change")
         try:
-            changes[section] = from_dict(type(current), {**to_dict(current), **values})
+            changes[section] = from_dict(type(current), {**to_dict(current), **values},
+                                         section=f"method_overrides.{section}")
         except ConfigError as err:
-            raise ConfigError(f"method_overrides.{section} ({cfg.method}): {err}") from None
+            raise ConfigError(f"method {cfg.method!r}: {err}") from None
     return replace(method, **changes) if changes else method
 
 
@@ -367,6 +366,8 @@ def validate_names(cfg: RunConfig, *, check_options: bool = True, check_paths: b
                               "logs without a network), or drop wandb=true")
     try:
         method = resolve_method(cfg)
+    except ConfigError:
+        raise  # one line already, naming the method and the section
     except (KeyError, ValueError) as err:
         raise ConfigError(f"method: {' '.join(str(err).split())}") from None
     try:
@@ -380,9 +381,9 @@ def validate_names(cfg: RunConfig, *, check_options: bool = True, check_paths: b
     if not (check_options or check_paths):
         return
     try:
-        task_cfg: object = from_dict(task_config_class(cfg.task), dict(cfg.task_options))
+        task_cfg: object = from_dict(task_config_class(cfg.task), dict(cfg.task_options), section="task_options")
     except ConfigError as err:
-        raise ConfigError(f"task_options ({cfg.task}): {err}") from None
+        raise ConfigError(f"task {cfg.task!r}: {err}") from None
     if not check_paths:
         return
     check = getattr(task_cfg, "check_paths", None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from copc.config import check_at_least
 from copc.trainer.proximal import PROXIMAL_SOURCES, ProximalSource
 
 __all__ = ["TRUNCATION_MODES", "TrainerConfig", "Truncation"]
@@ -91,17 +92,12 @@ class TrainerConfig:
         for name in ("actor_lr", "critic_lr", "temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "critic_minibatches", "ppo_epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(1, "trainer.", micro_batch_size=self.micro_batch_size,
+                       critic_minibatches=self.critic_minibatches, ppo_epochs=self.ppo_epochs)
         if self.critic_warmup_steps < -1:
             raise ValueError(f"trainer.critic_warmup_steps must be >= 0 (or -1 = preset), got {self.critic_warmup_steps}")
-        for name in ("actor_minibatches", "critic_updates", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("kl_coef", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        check_at_least(0, "trainer.", actor_minibatches=self.actor_minibatches, critic_updates=self.critic_updates,
+                       weight_decay=self.weight_decay, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"trainer.top_p must be in (0, 1] (1 = off; use the rollout's), got {self.top_p}")
         if self.top_k < 0:
