@@ -179,6 +179,7 @@ def test_a_failing_journal_write_ends_the_run_with_its_path(tmp_path: Path) -> N
     """Issue 18, defect 3: the receiver thread died and the trainer waited forever."""
     run_dir = tmp_path / "run"
     (run_dir / "rollouts" / "batch_00000001.pt").mkdir(parents=True)  # a directory where the file goes
+    (run_dir / ".lock").touch()  # a run directory copc made (an earlier claim), not a folder of the user's
     cfg = replace(config(run_dir), resume=True)  # an existing dir without a run: resume starts at step 0
     started = time.monotonic()
     with pytest.raises(RolloutError, match=r"rollout journal: cannot write .*batch_00000001\.pt"):
@@ -506,6 +507,24 @@ def test_run_dirs_are_never_reused_or_resumed_by_accident(tmp_path: Path, capsys
     assert cli(run, "overwrite=true") == 0
     capsys.readouterr()
     assert logged_steps(run) == [0, 1]
+
+
+def test_a_folder_copc_did_not_make_is_never_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """CLI review item 20: run_dir=<a project folder> overwrite=true removed the folder's own config.yaml and
+    plots/ (they share names with what copc writes)."""
+    project = tmp_path / "project"
+    (project / "plots").mkdir(parents=True)
+    (project / "config.yaml").write_text("mine: 1\n")
+    (project / "plots" / "figure.png").write_bytes(b"png")
+    for extra in ((), ("overwrite=true",)):
+        assert cli(project, *extra) == 2
+        line = one_error_line(capsys)
+        assert "not a copc run directory" in line and "config.yaml" in line, line
+    assert (project / "config.yaml").read_text() == "mine: 1\n" and (project / "plots" / "figure.png").exists()
+    assert sorted(p.name for p in project.iterdir()) == ["config.yaml", "plots"]
+    run = tmp_path / "run"  # a run copc made is still replaced by overwrite=true
+    assert cli(run) == 0
+    assert cli(run, "overwrite=true") == 0
 
 
 def test_a_refused_resume_names_where_the_differing_value_came_from(

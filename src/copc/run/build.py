@@ -132,6 +132,7 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
         raise ConfigError(f"resume=true: no run to resume at {path} (no such directory); check the path, or drop "
                           "resume=true to start a new run there")
     created = not path.exists()
+    made_by_copc = (path / LOCK_NAME).exists() or bool(list_checkpoints(path))  # before this claim's .lock
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -145,6 +146,12 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         existing = [name for name in RUN_ENTRIES if (path / name).exists()]
+        if existing and not made_by_copc:  # a folder of the user's whose files share names with a run's
+            (path / LOCK_NAME).unlink(missing_ok=True)
+            raise ConfigError(
+                f"run_dir {path} is not a copc run directory (no {LOCK_NAME}, no checkpoint) but holds "
+                f"{', '.join(existing)}, which a run would write over; choose another run_dir"
+            )
         if existing and not cfg.resume:
             if not cfg.overwrite:
                 raise ConfigError(
