@@ -10,15 +10,27 @@ machine load hits both alike). On a shared machine the process CPU time (one thr
 figure; both are printed.
 
     .venv/bin/python benchmarks/engine_bench.py [--batch 16] [--prompt 32] [--new 64] [--repeats 7] [--eos]
+        [--device cuda] [--model qwen3-0.6b]
+
+On a GPU (``--device cuda``) the wall time is the figure (CPU time then counts the Python that drives
+the kernels). ``--model qwen3-0.6b`` builds a random-weight Qwen3 with Qwen3-0.6B's shapes
+(``benchmarks/gpu/shapes.py``; bfloat16 on cuda, nothing downloaded) instead of the tiny model; the
+prompts are token ids of the tiny tokenizer either way (EOS is its EOS id), so with random weights use
+the default (EOS ignored).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from shapes import QWEN3_06B
 
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
 from copc.rollout.engine import Engine
@@ -33,11 +45,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--eos", action="store_true", help="stop rows at EOS (ragged lengths)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", choices=("tiny", "qwen3-0.6b"), default="tiny")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        sys.exit("engine_bench.py: no CUDA device visible (torch.cuda.is_available() is False)")
 
     tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, seed=0)
+    if args.model == "tiny":
+        model = build_tiny_model(tok, seed=0).to(args.device)
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(0)
+        ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id}
+        with torch.device(args.device):
+            model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B, **ids, tie_word_embeddings=True))
+        model = model.to(torch.bfloat16 if cuda else torch.float32).eval()
     engine = Engine(model, tok)
     gen = torch.Generator().manual_seed(0)
     vocab = torch.arange(4, len(tok))
@@ -45,7 +71,7 @@ def main() -> None:
         [tok.bos_token_id, *vocab[torch.randint(len(vocab), (args.prompt - 1 - i % 8,), generator=gen)].tolist()]
         for i in range(args.batch)
     ]
-    batch = tok.pad({"input_ids": prompts}, return_tensors="pt", padding_side="left")
+    batch = tok.pad({"input_ids": prompts}, return_tensors="pt", padding_side="left").to(args.device)
     config = SamplingConfig(max_new_tokens=args.new, ignore_eos=not args.eos)
 
     def run_engine() -> int:
@@ -82,13 +108,16 @@ def main() -> None:
         for name, fn in (("engine", run_engine), ("hf", run_hf)):
             start, start_cpu = time.perf_counter(), time.process_time()
             tokens[name] = fn()
+            if cuda:
+                torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - start_cpu)
     if not args.eos:
         assert tokens["engine"] == tokens["hf"] == args.batch * args.new, tokens
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    print(f"tiny model ({sum(p.numel() for p in model.parameters())} params), batch {args.batch}, "
+    print(f"{args.model} model ({sum(p.numel() for p in model.parameters())} params, {next(model.parameters()).dtype}, "
+          f"{args.device}), batch {args.batch}, "
           f"prompt <= {args.prompt}, {'<= ' if args.eos else ''}{args.new} new tokens/row "
           f"({'stop at EOS' if args.eos else 'EOS ignored'}), {args.threads} thread(s), {args.repeats} repeats")
     for name in ("engine", "hf"):

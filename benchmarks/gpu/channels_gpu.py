@@ -44,8 +44,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops_bench
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # shapes
 from ops_bench import realistic_batch
+from shapes import QWEN3_06B, QWEN3_TINY
 
 from copc.channels import (
     PolicyInputs,
@@ -139,13 +141,7 @@ def maths_times(device: str, d_dev: Batch, names: tuple[str, ...], repeats: int)
     return out
 
 
-MODELS = {
-    # Qwen3-0.6B's published shapes (config.json of Qwen/Qwen3-0.6B), random weights.
-    "0.6b": {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
-    "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
-}
+MODELS = {"0.6b": QWEN3_06B, "tiny": QWEN3_TINY}
 
 
 def model_times(device: str, size: str, micro: int, batch: Batch, repeats: int) -> dict[str, float]:

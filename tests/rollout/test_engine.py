@@ -155,6 +155,19 @@ def test_padded_batch_equals_row_by_row(engine, tok) -> None:
         assert (len(alone.token_ids) == budgets[i]) == (alone.finish is FinishReason.LENGTH)
 
 
+def test_row_blocks_are_a_cpu_default_and_off_on_an_accelerator(tok) -> None:
+    """Row blocks suit CPU caches; on a GPU a decode step is bound by kernel launches, so blocks of 128 ran a
+    256-row batch in two sequential passes (0.62x HF generate on an H200, docs/figures/gpu_engine_h200_*)."""
+    from copc.models.tiny import build_tiny_model
+    from copc.rollout.engine import MAX_ROWS
+
+    assert Engine(build_tiny_model(tok, seed=0), tok).max_rows == MAX_ROWS
+    with torch.device("meta"):  # any device that is not the CPU; no memory is allocated
+        on_meta = build_tiny_model(tok, seed=0)
+    assert Engine(on_meta, tok).max_rows == 0
+    assert Engine(on_meta, tok, max_rows=64).max_rows == 64  # an explicit choice stays
+
+
 @pytest.mark.parametrize(("max_rows", "prefill_tokens"), [(2, 0), (1, 0), (0, 8), (2, 16)])
 def test_row_blocks_and_prefill_chunks_give_the_same_samples(model, tok, max_rows, prefill_tokens) -> None:
     """Rows decoded in blocks of ``max_rows`` and prefilled in chunks of ``prefill_tokens`` sample what one

@@ -135,7 +135,10 @@ where every row decodes the same number of tokens, one block of 200-400 rows is 
 blocks of 128; but a real held-out evaluation of the arith_tool testbed (200 rows that finish at different
 times) took 12.19 s in one block against 11.71 s in blocks of 128 (``benchmarks/eval_blocks.py --repeats
 6``, medians; kv_search 6.73 s against 6.62 s, 2 repeats): each time rows finish, the block's cache is
-compacted (``batch_select_indices`` copies it), and a larger block copies more. So 128 stays."""
+compacted (``batch_select_indices`` copies it), and a larger block copies more. So 128 stays, on a CPU.
+On any other device there are no blocks by default: a GPU's decode step is bound by kernel launches, not
+by the rows, so blocks only serialise it (an H200, a 0.6B model, 256 rows: blocks of 128 ran at 0.62x HF
+``generate``; ``benchmarks/engine_bench.py --device cuda``, docs/figures/gpu_engine_h200_*)."""
 PREFILL_TOKENS = 8192
 """Default token budget of one prefill forward (rows x padded width) when the cache is a plain one; a
 longer batch is fed in row chunks (each row's keys/values do not depend on its chunk but for rounding).
@@ -145,9 +148,10 @@ A training batch of the testbeds (32 rows of at most 256 tokens) fits in one."""
 class Engine:
     """Samples from a causal LM; owns the model it is given and the version of its weights.
 
-    Rows are decoded in blocks of at most ``max_rows`` (:data:`MAX_ROWS`), and a block's prefill feeds at
-    most ``prefill_tokens`` (:data:`PREFILL_TOKENS`) per forward; 0 lifts either limit. Per-row seeds make
-    a row's tokens independent of its block up to float rounding.
+    Rows are decoded in blocks of at most ``max_rows`` (None: :data:`MAX_ROWS` on a CPU, no blocks on any
+    other device), and a block's prefill feeds at most ``prefill_tokens`` (:data:`PREFILL_TOKENS`) per
+    forward; 0 lifts either limit. Per-row seeds make a row's tokens independent of its block up to float
+    rounding.
 
     The engine puts the model in eval mode and overwrites it in :meth:`load_weights`: give it its own
     copy (``copy.deepcopy(policy)``) when the trainer keeps training the original. Not thread-safe:
@@ -156,8 +160,11 @@ class Engine:
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, version: int = 0,
-        max_rows: int = MAX_ROWS, prefill_tokens: int = PREFILL_TOKENS,
+        max_rows: int | None = None, prefill_tokens: int = PREFILL_TOKENS,
     ) -> None:
+        self._device = next(model.parameters()).device
+        if max_rows is None:  # the device's default (MAX_ROWS)
+            max_rows = MAX_ROWS if self._device.type == "cpu" else 0
         if max_rows < 0 or prefill_tokens < 0:
             raise ValueError(f"max_rows ({max_rows}) and prefill_tokens ({prefill_tokens}) must be >= 0 (0 = no limit)")
         self.model = model.eval()
@@ -169,7 +176,6 @@ class Engine:
         params = inspect.signature(model.forward).parameters
         # transformers >= 5.2x names the KV cache `cache`; older releases and remote code `past_key_values`.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._device = next(model.parameters()).device
         self._kv_reusable = _plain_dynamic_cache(model)
 
     @property
