@@ -22,6 +22,22 @@ def test_version_and_help(capsys):
         assert f"  {name} " in out
 
 
+@pytest.mark.parametrize("argv", [
+    ["train", "--bogus"], ["eval", "--bogus"], ["export"], ["convert-gguf"], ["make-critic"], ["sft", "--bogus"],
+    ["lab"], ["lab", "sweep", "--bogus"], ["testbed", "--bogus"], ["sweep"], ["plot"], ["--bogus"],
+])
+def test_a_command_line_error_is_one_line_that_points_to_help(capsys, argv):
+    """CLI review item 19: argparse printed its usage block (up to 8 lines) before the error line."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and ": error: " in err and "--help" in err, err
+    assert err.startswith("copc"), err
+
+
 def test_unknown_command_names_valid_ones(capsys):
     assert cli.main(["trian"]) == 2
     err = capsys.readouterr().err.strip()

@@ -27,8 +27,17 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from copc.config import ConfigError
+
+
+class CommandParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line pointing to ``--help``, not a usage block and
+    the error (every copc command's parser, sub-parsers included)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; {self.prog} --help lists the arguments\n")
 
 #: subcommand -> (module, function taking the remaining argv and returning an exit code, one-line help)
 DELEGATED: dict[str, tuple[str, str, str]] = {
@@ -57,7 +66,7 @@ LOCAL = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="copc",
         description="Asynchronous RL post-training with Coupled Off-Policy Correction.",
         epilog="\n".join(f"  {name:<6} {text}" for name, text in _help_lines()),
@@ -73,7 +82,7 @@ def _help_lines() -> list[tuple[str, str]]:
 
 
 def build_plot_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="copc plot", description=LOCAL["plot"])
+    parser = CommandParser(prog="copc plot", description=LOCAL["plot"])
     parser.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
     parser.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots for one run)")
     parser.add_argument(

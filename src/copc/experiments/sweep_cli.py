@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from copc.cli import CommandParser
 from copc.experiments import sweep
 from copc.experiments.contrasts import load_contrasts
 from copc.experiments.report import print_report
@@ -30,7 +31,7 @@ from copc.experiments.tables import report_text
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="copc sweep", description=sweep.__doc__,
+    parser = CommandParser(prog="copc sweep", description=sweep.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="sweep YAML (experiments/*.yaml)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and its estimated hours; run nothing")

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from copc import tracking as m
+from copc.cli import CommandParser
 from copc.run.plots import align_runs, curves_for, save_figure, series, smooth
 from copc.tracking import read_metrics
 
@@ -346,7 +347,7 @@ def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, re
 
 # ------------------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="copc testbed",
         description="Sync PPO vs uncorrected async PPO at fixed lag S on the hard task, several seeds.",
     )

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from copc.channels import POLICY_OBJECTIVES, AdvantageChannelConfig, PolicyChannelConfig
+from copc.cli import CommandParser
 from copc.lab.corrections import LAB_ADVANTAGE_ESTIMATORS, Correction
 from copc.lab.exact import CRITIC_BASES, Critic, Decomposition, decompose
 from copc.lab.mdp import REWARD_FAMILIES, behaviour_at_kl, gradient_path, make_mdp, random_logits
@@ -87,7 +88,7 @@ def _config_options(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="copc lab", description=__doc__)
+    parser = CommandParser(prog="copc lab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = SweepConfig()
     sw = sub.add_parser("sweep", help="exact bias/variance/MSE over a (mask band x advantage clip) grid")

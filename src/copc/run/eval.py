@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from copc.cli import CommandParser
 from copc.config import ConfigError, load_yaml
 from copc.eval.evaluate import EvalConfig, evaluate
 from copc.models.hf import load_policy
@@ -38,7 +39,7 @@ __all__ = ["eval_cli", "eval_config"]
 
 def eval_cli(argv: Sequence[str]) -> int:
     """``copc eval --checkpoint DIR|RUN_DIR [--task NAME] [--prompts N] [--samples K] [key.sub=value ...]``."""
-    parser = argparse.ArgumentParser(prog="copc eval", description=__doc__,
+    parser = CommandParser(prog="copc eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="an HF policy folder, or a run directory (its latest checkpoint is evaluated)")

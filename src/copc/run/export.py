@@ -23,6 +23,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from copc.cli import CommandParser
 from copc.config import ConfigError, load_yaml
 from copc.models.hf import convert_gguf, load_policy, save_first_layers
 from copc.run.build import policy_path, quiet_transformers
@@ -112,7 +113,7 @@ def export_run(run_dir: Path, out: Path, *, step: int | None = None,
 
 def export_cli(argv: Sequence[str]) -> int:
     """``copc export RUN_DIR OUT [--step N]`` (module docstring)."""
-    parser = argparse.ArgumentParser(prog="copc export", description=__doc__,
+    parser = CommandParser(prog="copc export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a copc train run directory")
     parser.add_argument("out", help="a new (or empty) folder for the HF model")
@@ -132,7 +133,7 @@ def export_cli(argv: Sequence[str]) -> int:
 
 def convert_cli(argv: Sequence[str]) -> int:
     """``copc convert-gguf DIR FILE.gguf OUT``: de-quantize a GGUF model to an HF folder (needs ``gguf``)."""
-    parser = argparse.ArgumentParser(prog="copc convert-gguf",
+    parser = CommandParser(prog="copc convert-gguf",
                                      description="Convert DIR/FILE.gguf to an HF folder OUT (float32) with its "
                                      "tokenizer and chat template, for model.policy=OUT.")
     parser.add_argument("folder", help="the folder holding the GGUF file")
@@ -167,7 +168,7 @@ def _new_folder(out: Path) -> str | None:
 
 def critic_cli(argv: Sequence[str]) -> int:
     """``copc make-critic POLICY_DIR OUT --layers K``: a K-layer critic backbone cut from the policy."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="copc make-critic",
         description="Save the first K decoder layers of the HF policy in POLICY_DIR (with its embeddings, final "
         "norm and tokenizer) to OUT, for model.critic=OUT: a critic sharing the policy's tokenizer that costs "

@@ -38,6 +38,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
+from copc.cli import CommandParser
 from copc.config import ConfigError, dump_yaml, parse_override, to_dict
 from copc.eval.evaluate import evaluate
 from copc.models.hf import load_policy
@@ -425,7 +426,7 @@ def print_summary(summary: Mapping[str, object]) -> None:
 # ---------------------------------------------------------------------------------------- CLI
 def train_cli(argv: Sequence[str]) -> int:
     """``copc train [--config FILE.yaml] [key.sub=value ...]``."""
-    parser = argparse.ArgumentParser(prog="copc train", description=__doc__,
+    parser = CommandParser(prog="copc train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (sections as in RunConfig)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

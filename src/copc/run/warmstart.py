@@ -29,7 +29,6 @@ copies a freshly built one there.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -44,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from copc.cli import CommandParser
 from copc.config import ConfigValue
 from copc.eval.evaluate import EvalConfig, evaluate
 from copc.rollout.generator import RolloutConfig
@@ -406,7 +406,7 @@ def sft_cli(argv: list[str]) -> int:
 
     For the default run's task (arith_tool) it builds exactly the warm start ``copc train`` uses.
     """
-    parser = argparse.ArgumentParser(prog="copc sft", description="Warm-start the tiny model on a built-in task.")
+    parser = CommandParser(prog="copc sft", description="Warm-start the tiny model on a built-in task.")
     parser.add_argument("--task", required=True, help="built-in task: arith_tool or kv_search")
     parser.add_argument("--seed", type=int, default=None, help="demonstration / training seed (default: the run's model.warmstart_seed)")
     parser.add_argument("--force", action="store_true", help="rebuild even if a completed checkpoint exists")
