@@ -19,14 +19,17 @@ one minibatch.
 3. Context, because the maths alone says nothing about a step: a random-weight Qwen3 model built from a
    config (``--model 0.6b``: Qwen3-0.6B's shapes, bfloat16, SDPA attention; nothing downloaded). Measured on
    micro-batches of ``--micro`` rows x T tokens: the actor's forward + backward (log-probs of the
-   sampled tokens from float32 log-softmax, as copc's trainer takes them), its no-grad forward (the ``old``
-   forward), the critic's forward + backward (the same trunk, a scalar head) and its no-grad forward
-   (pre-update values). Each is scaled to the B rows. A preset's step estimate is the sum of the pieces
-   it needs: actor forward + backward, the critic's two passes if it has a critic, the ``old`` forward if
+   sampled tokens from a full float32 log-softmax, heavier than the trainer's gather minus logsumexp),
+   its no-grad forward (the ``old`` forward), the critic's forward + backward (the same trunk, a scalar
+   head) and its no-grad forward (pre-update values). Each is scaled to the B rows. A preset's step
+   estimate is the sum of the pieces it needs: actor forward + backward, the critic's forward + backward
+   times its preset's critic updates and its no-grad forward if it has a critic, the ``old`` forward if
    ``needs_old_forward``, and its maths from part 2. Printed: each preset's estimate and its overhead
    over async PPO 3a (``async_ppo``). Rollout generation is not in it (asynchronous: it overlaps the
-   step), nor the optimiser, nor communication. It is an estimate assembled from measured pieces, not a
-   measured trainer step: copc's own trainer runs on the CPU (docs/scaling.md).
+   step), nor the optimiser, nor communication, nor recomputation (gradient checkpointing), and the maths
+   is one call over the whole batch where the trainer calls the losses once per micro-batch. It is an
+   estimate assembled from measured pieces, not a measured trainer step: copc's own trainer runs on the
+   CPU (docs/scaling.md). ``--estimates-from FILE.json`` recomputes the estimates from a saved run.
 
 ``--device cpu --model tiny --repeats 2`` runs the whole script on a CPU (how it was checked before any GPU).
 """
@@ -58,6 +61,7 @@ from copc.channels import (
     value_loss,
 )
 from copc.channels.methods import MethodConfig, get_method, method_names
+from copc.ops import log_ratio
 
 Batch = dict[str, torch.Tensor]
 
@@ -69,7 +73,7 @@ def on(d: Batch, device: str) -> Batch:
 def channel_step(method: MethodConfig, d: Batch) -> dict[str, torch.Tensor]:
     """One step's maths of ``method`` on the whole batch: what the trainer computes, as one minibatch."""
     mask = d["mask"]
-    log_w = d["logp_old"] - d["logp_behav"]
+    log_w = log_ratio(d["logp_old"], d["logp_behav"], mask)  # as the trainer forms it (clamped, 0 off actions)
     adv = compute_advantages(
         method.advantage, rewards=d["rewards"], values=d["values"] if method.needs_critic else None,
         log_w=log_w, action_mask=mask, scores=d["scores"], group_ids=d["groups"],
@@ -198,14 +202,14 @@ def model_times(device: str, size: str, micro: int, batch: Batch, repeats: int) 
 
 
 def step_estimates(maths: dict[str, float], pieces: dict[str, float]) -> dict[str, dict[str, float]]:
-    print("\n   step estimate = actor fwd/bwd + critic fwd/bwd + critic fwd (if a critic) + old forward "
-          "(if needed) + maths")
+    print("\n   step estimate = actor fwd/bwd + critic fwd/bwd x the preset's critic updates + critic fwd (if a "
+          "critic) + old forward (if needed) + maths; one actor epoch (trainer.ppo_epochs=1), no recomputation")
     out = {}
     for name, ms in maths.items():
         method = get_method(name)
         step = pieces["actor_fwd_bwd"] + ms
-        if method.needs_critic:
-            step += pieces["critic_fwd_bwd"] + pieces["critic_fwd"]
+        if method.critic is not None:
+            step += pieces["critic_fwd_bwd"] * method.critic.updates_per_step + pieces["critic_fwd"]
         # trainer.old_forward_reuse=true: the first of k actor minibatches takes old from its own forward.
         reuse = step
         if method.needs_old_forward:
@@ -232,7 +236,15 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="0.6b")
     ap.add_argument("--micro", type=int, default=2, help="rows per micro-batch of the model passes")
     ap.add_argument("--out", type=Path, help="write every figure to this JSON file")
+    ap.add_argument("--estimates-from", type=Path, metavar="JSON",
+                    help="recompute only the step estimates from a JSON this script wrote (no device needed)")
     args = ap.parse_args()
+    if args.estimates_from is not None:
+        saved = json.loads(args.estimates_from.read_text())
+        estimates = step_estimates(saved["maths_ms"], saved["model_ms"])
+        if args.out:
+            args.out.write_text(json.dumps({"from": str(args.estimates_from), "step_estimates": estimates}, indent=1))
+        return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("channels_gpu.py: no CUDA device visible (torch.cuda.is_available() is False); use --device cpu")
     torch.manual_seed(0)

@@ -155,16 +155,17 @@ def test_padded_batch_equals_row_by_row(engine, tok) -> None:
         assert (len(alone.token_ids) == budgets[i]) == (alone.finish is FinishReason.LENGTH)
 
 
-def test_row_blocks_are_a_cpu_default_and_off_on_an_accelerator(tok) -> None:
-    """Row blocks suit CPU caches; on a GPU a decode step is bound by kernel launches, so blocks of 128 ran a
+def test_row_blocks_are_sized_per_device(tok) -> None:
+    """Blocks of 128 suit CPU caches; on a GPU a decode step is bound by kernel launches, so they ran a
     256-row batch in two sequential passes (0.62x HF generate on an H200, docs/figures/gpu_engine_h200_*)."""
     from copc.models.tiny import build_tiny_model
-    from copc.rollout.engine import MAX_ROWS
+    from copc.rollout.engine import ACCELERATOR_MAX_ROWS, MAX_ROWS
 
+    assert (MAX_ROWS, ACCELERATOR_MAX_ROWS) == (128, 256)
     assert Engine(build_tiny_model(tok, seed=0), tok).max_rows == MAX_ROWS
     with torch.device("meta"):  # any device that is not the CPU; no memory is allocated
         on_meta = build_tiny_model(tok, seed=0)
-    assert Engine(on_meta, tok).max_rows == 0
+    assert Engine(on_meta, tok).max_rows == ACCELERATOR_MAX_ROWS
     assert Engine(on_meta, tok, max_rows=64).max_rows == 64  # an explicit choice stays
 
 

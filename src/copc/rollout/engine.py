@@ -135,10 +135,14 @@ where every row decodes the same number of tokens, one block of 200-400 rows is 
 blocks of 128; but a real held-out evaluation of the arith_tool testbed (200 rows that finish at different
 times) took 12.19 s in one block against 11.71 s in blocks of 128 (``benchmarks/eval_blocks.py --repeats
 6``, medians; kv_search 6.73 s against 6.62 s, 2 repeats): each time rows finish, the block's cache is
-compacted (``batch_select_indices`` copies it), and a larger block copies more. So 128 stays, on a CPU.
-On any other device there are no blocks by default: a GPU's decode step is bound by kernel launches, not
-by the rows, so blocks only serialise it (an H200, a 0.6B model, 256 rows: blocks of 128 ran at 0.62x HF
-``generate``; ``benchmarks/engine_bench.py --device cuda``, docs/figures/gpu_engine_h200_*)."""
+compacted (``batch_select_indices`` copies it), and a larger block copies more. So 128 stays, on a CPU;
+other devices use :data:`ACCELERATOR_MAX_ROWS`."""
+ACCELERATOR_MAX_ROWS = 256
+"""Default block on any device but the CPU. A GPU's decode step is bound by kernel launches, not by the
+rows: on an H200 a 0.6B model took ~42 ms a step for 64 and for 256 rows, so blocks of 128 ran a 256-row
+batch in two passes at 0.62x HF ``generate``, one block at 1.10x (``benchmarks/engine_bench.py --device
+cuda``, docs/figures/gpu_engine_h200_*). 256 is the largest block measured there; the cap stays because
+the KV cache grows with the rows decoded together."""
 PREFILL_TOKENS = 8192
 """Default token budget of one prefill forward (rows x padded width) when the cache is a plain one; a
 longer batch is fed in row chunks (each row's keys/values do not depend on its chunk but for rounding).
@@ -148,8 +152,8 @@ A training batch of the testbeds (32 rows of at most 256 tokens) fits in one."""
 class Engine:
     """Samples from a causal LM; owns the model it is given and the version of its weights.
 
-    Rows are decoded in blocks of at most ``max_rows`` (None: :data:`MAX_ROWS` on a CPU, no blocks on any
-    other device), and a block's prefill feeds at most ``prefill_tokens`` (:data:`PREFILL_TOKENS`) per
+    Rows are decoded in blocks of at most ``max_rows`` (None: :data:`MAX_ROWS` on a CPU,
+    :data:`ACCELERATOR_MAX_ROWS` on any other device), and a block's prefill feeds at most ``prefill_tokens`` (:data:`PREFILL_TOKENS`) per
     forward; 0 lifts either limit. Per-row seeds make a row's tokens independent of its block up to float
     rounding.
 
@@ -163,8 +167,8 @@ class Engine:
         max_rows: int | None = None, prefill_tokens: int = PREFILL_TOKENS,
     ) -> None:
         self._device = next(model.parameters()).device
-        if max_rows is None:  # the device's default (MAX_ROWS)
-            max_rows = MAX_ROWS if self._device.type == "cpu" else 0
+        if max_rows is None:  # the device's default
+            max_rows = MAX_ROWS if self._device.type == "cpu" else ACCELERATOR_MAX_ROWS
         if max_rows < 0 or prefill_tokens < 0:
             raise ValueError(f"max_rows ({max_rows}) and prefill_tokens ({prefill_tokens}) must be >= 0 (0 = no limit)")
         self.model = model.eval()
