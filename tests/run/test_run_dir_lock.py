@@ -36,14 +36,18 @@ def test_a_second_claim_is_refused_naming_the_holder_and_touches_nothing(tmp_pat
         pass
 
 
+def claimant(run: Path, then: str) -> subprocess.Popen[str]:
+    """A Python process that claims ``run`` and then runs the code ``then`` (its stdout piped)."""
+    return subprocess.Popen([sys.executable, "-c", (
+        "import os, time; from dataclasses import replace; from copc.run.build import claimed_run_dir; "
+        "from copc.run.config import default_config; "
+        f"cm = claimed_run_dir(replace(default_config(), run_dir={str(run)!r})); cm.__enter__()\n{then}"
+    )], stdout=subprocess.PIPE, text=True)
+
+
 def test_the_hold_ends_with_the_process_however_it_ends(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import time; from dataclasses import replace; from copc.run.build import claimed_run_dir; "
-        "from copc.run.config import default_config; "
-        f"cm = claimed_run_dir(replace(default_config(), run_dir={str(run)!r})); cm.__enter__(); "
-        "print('held', flush=True); time.sleep(60)"
-    )], stdout=subprocess.PIPE, text=True)
+    holder = claimant(run, "print('held', flush=True); time.sleep(60)")
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         assert run_dir_holder(run) == holder.pid
@@ -60,14 +64,7 @@ def test_a_hold_inherited_by_a_child_names_the_child_not_the_dead_parent(tmp_pat
     """CLI review item 18: a process forked by the claimant (it shares the lock's open file) holds the
     directory after the claimant ends; the refusal named the claimant's stale pid from the lock file."""
     run = tmp_path / "run"
-    parent = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys, time; from dataclasses import replace; from copc.run.build import claimed_run_dir; "
-        "from copc.run.config import default_config; "
-        f"cm = claimed_run_dir(replace(default_config(), run_dir={str(run)!r})); cm.__enter__(); "
-        "pid = os.fork()\n"
-        "if pid == 0:\n    time.sleep(60); os._exit(0)\n"
-        "print(pid, flush=True); os._exit(0)"
-    )], stdout=subprocess.PIPE, text=True)
+    parent = claimant(run, "pid = os.fork()\nif pid == 0:\n    time.sleep(60); os._exit(0)\nprint(pid, flush=True); os._exit(0)")
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     parent.wait(timeout=30)

@@ -520,10 +520,15 @@ def test_a_folder_copc_did_not_make_is_never_overwritten(tmp_path: Path, capsys:
         assert cli(project, *extra) == 2
         line = one_error_line(capsys)
         assert "not a copc run directory" in line and "config.yaml" in line, line
+    assert cli(project, "resume=true") == 2  # refused too: the folder's config.yaml is not a run config
+    assert "config.yaml" in one_error_line(capsys)
     assert (project / "config.yaml").read_text() == "mine: 1\n" and (project / "plots" / "figure.png").exists()
     assert sorted(p.name for p in project.iterdir()) == ["config.yaml", "plots"]
     run = tmp_path / "run"  # a run copc made is still replaced by overwrite=true
     assert cli(run) == 0
+    assert cli(run, "overwrite=true") == 0
+    (run / ".lock").unlink()  # as a run made before .lock existed, without a checkpoint: its config.yaml tells
+    shutil.rmtree(run / "checkpoints")
     assert cli(run, "overwrite=true") == 0
 
 

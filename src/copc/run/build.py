@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc.config import ConfigError
@@ -132,7 +133,12 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
         raise ConfigError(f"resume=true: no run to resume at {path} (no such directory); check the path, or drop "
                           "resume=true to start a new run there")
     created = not path.exists()
-    made_by_copc = (path / LOCK_NAME).exists() or bool(list_checkpoints(path))  # before this claim's .lock
+    foreign = [name for name in RUN_ENTRIES if (path / name).exists()] if not _made_by_copc(path) else []
+    if foreign:  # a folder of the user's whose files share names with a run's: nothing is written there
+        raise ConfigError(
+            f"run_dir {path} is not a copc run directory (no {LOCK_NAME}, no checkpoint, no copc config.yaml) "
+            f"but holds {', '.join(foreign)}, which a run would write over; choose another run_dir"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -146,12 +152,6 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         existing = [name for name in RUN_ENTRIES if (path / name).exists()]
-        if existing and not made_by_copc:  # a folder of the user's whose files share names with a run's
-            (path / LOCK_NAME).unlink(missing_ok=True)
-            raise ConfigError(
-                f"run_dir {path} is not a copc run directory (no {LOCK_NAME}, no checkpoint) but holds "
-                f"{', '.join(existing)}, which a run would write over; choose another run_dir"
-            )
         if existing and not cfg.resume:
             if not cfg.overwrite:
                 raise ConfigError(
@@ -172,6 +172,19 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
             raise
     finally:
         os.close(fd)  # releases the flock
+
+
+def _made_by_copc(path: Path) -> bool:
+    """Whether ``path`` is a run directory copc made: it holds the ``.lock`` of an accepted claim (a folder
+    of the user's is refused before one is created there), a checkpoint, or a ``config.yaml`` whose
+    top-level keys are a copc run config's (runs made before ``.lock`` existed)."""
+    if (path / LOCK_NAME).exists() or list_checkpoints(path):
+        return True
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(saved, dict) and {"method", "task", "rollout", "trainer"} <= set(saved)
 
 
 def _remove_new_run(path: Path, *, remove_dir: bool) -> None:
@@ -210,19 +223,22 @@ def _stored_pid(fd: int) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _lock_openers(lock: Path) -> list[int] | None:
-    """Pids of the other processes that have ``lock`` open (one of them holds its flock), read from
-    ``/proc/<pid>/fd``; None where ``/proc`` cannot tell (not Linux)."""
+def _lock_holders(lock: Path) -> list[int] | None:
+    """Pids of the other processes whose open ``lock`` carries its flock (a ``lock:`` line in
+    ``/proc/<pid>/fdinfo/<fd>``: the claimant, and any process that inherited its open file; not a process
+    that only has the file open); None where ``/proc`` cannot tell (not Linux)."""
     proc = Path("/proc")
-    if not (proc / "self" / "fd").is_dir():
+    if not (proc / "self" / "fdinfo").is_dir():
         return None
     target, found = str(lock.resolve()), []
     for entry in proc.iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if any(os.readlink(fd) == target for fd in (entry / "fd").iterdir()):
-                found.append(int(entry.name))
+            for fd in (entry / "fd").iterdir():
+                if os.readlink(fd) == target and "\nlock:" in (entry / "fdinfo" / fd.name).read_text():
+                    found.append(int(entry.name))
+                    break
         except OSError:  # the process ended, or its fds are not ours to read
             continue
     return sorted(found)
@@ -230,20 +246,31 @@ def _lock_openers(lock: Path) -> list[int] | None:
 
 def _holder(lock: Path, fd: int) -> tuple[int | None, int | None]:
     """``(holder, claimant)`` of a held lock: the claimant is the pid written in the file; the holder is
-    the claimant while it has the file open, else the process that does (a child that inherited the
-    open file, say); None where unknown."""
+    the claimant while its open file carries the lock, else a process whose does (a child that inherited
+    it, say); None where unknown."""
     claimant = _stored_pid(fd)
-    openers = _lock_openers(lock)
-    if openers is None or claimant in openers or not openers:
+    holders = _lock_holders(lock)
+    if not holders or claimant in holders:
         return claimant, claimant
-    return openers[0], claimant
+    return holders[0], claimant
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _held_message(path: Path, fd: int) -> str:
     holder, claimant = _holder(path / LOCK_NAME, fd)
     if holder is not None and claimant is not None and holder != claimant:
-        return (f"run_dir {path} is held by pid {holder}: the copc train that claimed it (pid {claimant}) has "
-                f"ended, and pid {holder}, a process it started, still has the directory's lock open; end pid "
+        state = "has ended" if not _alive(claimant) else "no longer holds it"
+        return (f"run_dir {path} is held by pid {holder}: the copc train that claimed it (pid {claimant}) "
+                f"{state}, and pid {holder}, a process it started, still holds the directory's lock; end pid "
                 f"{holder}, or choose another run_dir")
     return (f"run_dir {path} is in use by another copc train (pid {holder if holder is not None else '?'}); "
             "wait for it to end or choose another run_dir")

@@ -56,8 +56,8 @@ def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path
         if found is not None:
             key, old, new = found
             if (run_dir / "config.yaml").is_file():
-                source = ("from an override or --config; resume=true run_dir=... alone continues the run as it "
-                          "was configured (its config.yaml), or start a new run_dir")
+                source = ("from an override, --config or an edit of its config.yaml; resume=true run_dir=... "
+                          "alone continues the run as it was configured, or start a new run_dir")
             else:
                 source = (f"because {run_dir / 'config.yaml'} is missing, this config was built from the embedded "
                           "default (or --config) and the overrides; restore config.yaml, give the run's settings "
