@@ -27,17 +27,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
 
-from copc.config import ConfigError
-
-
-class CommandParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose errors are one line pointing to ``--help``, not a usage block and
-    the error (every copc command's parser, sub-parsers included)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; {self.prog} --help lists the arguments\n")
+from copc.config import CommandParser, ConfigError
 
 #: subcommand -> (module, function taking the remaining argv and returning an exit code, one-line help)
 DELEGATED: dict[str, tuple[str, str, str]] = {

@@ -21,6 +21,7 @@ what to do (the CLI prints it without a traceback). Annotations are resolved wit
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import enum
@@ -31,7 +32,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal, TypeAlias, TypeVar, Union
+from typing import Literal, NoReturn, TypeAlias, TypeVar, Union
 
 import yaml
 
@@ -45,6 +46,14 @@ ConfigValue: TypeAlias = Union[  # noqa: UP007 (a recursive alias needs the subs
 
 class ConfigError(ValueError):
     """A config value, key or file is wrong; the message is one line that says how to fix it."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line pointing to ``--help``, not a usage block and
+    the error (every copc command's parser, sub-parsers included)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; {self.prog} --help lists the arguments\n")
 
 
 def _join(section: str, key: str) -> str:
@@ -452,11 +461,11 @@ def check_positive(owner: str, **values: float) -> None:
             raise ValueError(f"{owner}.{key} must be > 0 and finite, got {value!r}")
 
 
-def check_at_least(least: float, prefix: str = "", **values: float) -> None:
-    """Raise naming the first value below ``least``, its key (``prefix`` + name) and the value."""
+def check_at_least(owner: str, least: float, **values: float) -> None:
+    """Raise naming the first field of ``owner`` (``""``: the top level) below ``least``, and its value."""
     for key, value in values.items():
         if value < least:
-            raise ValueError(f"{prefix}{key} must be >= {least}, got {value!r}")
+            raise ValueError(f"{_join(owner, key)} must be >= {least}, got {value!r}")
 
 
 def check_fraction(owner: str, **values: float) -> None:

@@ -38,8 +38,8 @@ class EvalConfig:
     """Evaluate every this many steps during training (0 = only before and after)."""
 
     def __post_init__(self) -> None:
-        check_at_least(0, "eval.", prompts=self.prompts, every=self.every)
-        check_at_least(1, "eval.", samples=self.samples)
+        check_at_least("eval", 0, prompts=self.prompts, every=self.every)
+        check_at_least("eval", 1, samples=self.samples)
 
 
 def evaluate(

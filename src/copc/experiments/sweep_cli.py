@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from copc.cli import CommandParser
+from copc.config import CommandParser
 from copc.experiments import sweep
 from copc.experiments.contrasts import load_contrasts
 from copc.experiments.report import print_report

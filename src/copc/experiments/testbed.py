@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from copc import tracking as m
-from copc.cli import CommandParser
+from copc.config import CommandParser
 from copc.run.plots import align_runs, curves_for, save_figure, series, smooth
 from copc.tracking import read_metrics
 

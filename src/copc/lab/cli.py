@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from copc.channels import POLICY_OBJECTIVES, AdvantageChannelConfig, PolicyChannelConfig
-from copc.cli import CommandParser
+from copc.config import CommandParser
 from copc.lab.corrections import LAB_ADVANTAGE_ESTIMATORS, Correction
 from copc.lab.exact import CRITIC_BASES, Critic, Decomposition, decompose
 from copc.lab.mdp import REWARD_FAMILIES, behaviour_at_kl, gradient_path, make_mdp, random_logits

@@ -44,7 +44,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
-from copc.config import check_one_of
+from copc.config import check_at_least, check_one_of
 from copc.rewards.shaping import overlong_penalty
 from copc.rollout.chat import chat_format
 from copc.rollout.engine import Engine
@@ -154,10 +154,9 @@ class RolloutConfig:
     behaviour log-probs then differ from the trainer's by a real training-inference discrepancy."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_batch", "group_size", "max_turns", "max_new_tokens_per_turn",
-                     "max_total_tokens", "context_limit"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least("rollout", 1, prompts_per_batch=self.prompts_per_batch, group_size=self.group_size,
+                       max_turns=self.max_turns, max_new_tokens_per_turn=self.max_new_tokens_per_turn,
+                       max_total_tokens=self.max_total_tokens, context_limit=self.context_limit)
         if not self.temperature > 0:
             raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

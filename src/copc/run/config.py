@@ -113,10 +113,10 @@ class DriverConfig:
 
     def __post_init__(self) -> None:
         check_one_of("driver.kind", self.kind, ("sync", "async", "ray"))
-        check_at_least(1, "driver.", num_workers=self.num_workers, trainer_threads=self.trainer_threads)
+        check_at_least("driver", 1, num_workers=self.num_workers, trainer_threads=self.trainer_threads)
         if not 0 <= self.worker_nice <= 19:
             raise ValueError(f"driver.worker_nice must be in [0, 19] (0 = the trainer's priority), got {self.worker_nice}")
-        check_at_least(0, "driver.", max_worker_restarts=self.max_worker_restarts)
+        check_at_least("driver", 0, max_worker_restarts=self.max_worker_restarts)
         if not 0 <= self.batch_timeout_s < float("inf"):
             raise ValueError(f"driver.batch_timeout_s must be >= 0 and finite, got {self.batch_timeout_s!r}")
         for key, value in (("silent_worker_warn_s", self.silent_worker_warn_s),
@@ -154,7 +154,7 @@ class SamplesConfig:
     """Write training episodes every this many steps (0 = only evaluation episodes); every evaluation writes too."""
 
     def __post_init__(self) -> None:
-        check_at_least(0, "samples.", per_log=self.per_log, every=self.every)
+        check_at_least("samples", 0, per_log=self.per_log, every=self.every)
 
 
 @dataclass(frozen=True)
@@ -210,8 +210,8 @@ class RunConfig:
     samples: SamplesConfig = field(default_factory=SamplesConfig)
 
     def __post_init__(self) -> None:
-        check_at_least(0, steps=self.steps, checkpoint_every=self.checkpoint_every)
-        check_at_least(1, keep_checkpoints=self.keep_checkpoints)
+        check_at_least("", 0, steps=self.steps, checkpoint_every=self.checkpoint_every)
+        check_at_least("", 1, keep_checkpoints=self.keep_checkpoints)
         if self.no_signal_steps < 0:
             raise ValueError(f"no_signal_steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
         if not 0 <= self.stall_timeout_s < float("inf"):

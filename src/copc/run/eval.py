@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from copc.cli import CommandParser
-from copc.config import ConfigError, load_yaml
+from copc.config import CommandParser, ConfigError, load_yaml
 from copc.eval.evaluate import EvalConfig, evaluate
 from copc.models.hf import load_policy
 from copc.rollout.samples import append_samples

@@ -23,8 +23,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from copc.cli import CommandParser
-from copc.config import ConfigError, load_yaml
+from copc.config import CommandParser, ConfigError, load_yaml
 from copc.models.hf import convert_gguf, load_policy, save_first_layers
 from copc.run.build import policy_path, quiet_transformers
 from copc.run.config import RunConfig

@@ -38,8 +38,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
-from copc.cli import CommandParser
-from copc.config import ConfigError, dump_yaml, parse_override, to_dict
+from copc.config import CommandParser, ConfigError, dump_yaml, parse_override, to_dict
 from copc.eval.evaluate import evaluate
 from copc.models.hf import load_policy
 from copc.rollout.generator import GeneratedBatch, RolloutConfig

@@ -43,8 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from copc.cli import CommandParser
-from copc.config import ConfigValue
+from copc.config import CommandParser, ConfigValue
 from copc.eval.evaluate import EvalConfig, evaluate
 from copc.rollout.generator import RolloutConfig
 from copc.tasks.base import Demo, SupportsSFT, get_task, stable_hash

@@ -92,11 +92,11 @@ class TrainerConfig:
         for name in ("actor_lr", "critic_lr", "temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
-        check_at_least(1, "trainer.", micro_batch_size=self.micro_batch_size,
+        check_at_least("trainer", 1, micro_batch_size=self.micro_batch_size,
                        critic_minibatches=self.critic_minibatches, ppo_epochs=self.ppo_epochs)
         if self.critic_warmup_steps < -1:
             raise ValueError(f"trainer.critic_warmup_steps must be >= 0 (or -1 = preset), got {self.critic_warmup_steps}")
-        check_at_least(0, "trainer.", actor_minibatches=self.actor_minibatches, critic_updates=self.critic_updates,
+        check_at_least("trainer", 0, actor_minibatches=self.actor_minibatches, critic_updates=self.critic_updates,
                        weight_decay=self.weight_decay, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"trainer.top_p must be in (0, 1] (1 = off; use the rollout's), got {self.top_p}")
@@ -108,8 +108,7 @@ class TrainerConfig:
             raise ValueError(f"trainer.proximal must be one of {', '.join(PROXIMAL_SOURCES)}, got {self.proximal!r}")
         if not 0.0 <= self.proximal_decay < 1.0:
             raise ValueError(f"trainer.proximal_decay must be in [0, 1) (e.g. 0.75), got {self.proximal_decay}")
-        if self.proximal_max_bytes < 1:
-            raise ValueError(f"trainer.proximal_max_bytes must be >= 1, got {self.proximal_max_bytes}")
+        check_at_least("trainer", 1, proximal_max_bytes=self.proximal_max_bytes)
         if self.void_turns not in ("keep", "mask"):
             raise ValueError(f"trainer.void_turns must be keep or mask, got {self.void_turns!r}")
         if self.truncation not in TRUNCATION_MODES:
