@@ -152,7 +152,8 @@ METRICS: dict[str, str] = {
                      "(mean over the step's minibatches; the first only for methods without an old forward)",
     RATIO_ESS_SEQ: "sequence ESS of W_i = exp(sum_t log w_it), normalised to (0, 1], per actor minibatch "
                    "(mean over the step's minibatches; the first only for methods without an old forward)",
-    RATIO_ESS_SEQ_SNIS: "ESS of the self-normalised sequence weights used for the value-bias estimate",
+    RATIO_ESS_SEQ_SNIS: "normalised ESS 1 / (n sum W_i^2) of the self-normalised sequence weights of the value-bias "
+                        "estimate (left out without a step-start old, as the bias is)",
     RATIO_MEAN_ABS_LOG_W: "mean |log w| = |old - mu| over sampled tokens (ratio/*: of the step-start policy; "
                           "absent on a step where a method without an old forward does not train its actor)",
     RATIO_KL_K1: "KL(mu || pi_old) estimate k1 = -log w, token mean",
@@ -184,8 +185,9 @@ METRICS: dict[str, str] = {
     STALENESS_HIST: "per-token staleness (TensorBoard histogram; JSONL keeps {counts: [c_0, c_1, ...]})",
     CRITIC_EXPLAINED_VAR: "1 - Var(G - V) / Var(G) over sampled tokens, pre-update values (critic/*: only with a "
                           "critic, except value_bias and returns_mean)",
-    CRITIC_VALUE_BIAS_GAP: "g_pi = |mean V(s_1) - E_pi[R]| (BRACE eq. 7, self-normalised IS)",
-    CRITIC_VALUE_BIAS: "b = E_pi[R] - E_mu[R] (BRACE eq. 7)",
+    CRITIC_VALUE_BIAS_GAP: "g_pi = |mean V(s_1) - E_pi[R]| (BRACE eq. 7, self-normalised IS; left out without a "
+                           "step-start old, where log w = 0 by construction)",
+    CRITIC_VALUE_BIAS: "b = E_pi[R] - E_mu[R] (BRACE eq. 7; left out without a step-start old, where it would read 0)",
     CRITIC_VALUES_MEAN: "mean pre-update critic value over sampled tokens",
     CRITIC_RETURNS_MEAN: "mean critic target G over sampled tokens",
     ADV_MEAN: "mean advantage fed to the actor loss (after whitening, if any)",
@@ -276,7 +278,6 @@ PREFIXES: dict[str, str] = {
     "memory/peak_": "peak resident memory of the training process in the named phase of the step (batch, prepare, "
                     "critic, actor, publish; other: start-up, evaluation, checkpoints since the last step) [GiB]",
     "rollout/": "task-specific rollout counters (means over the batch)",
-    "train/lr_": "learning rate of the named optimizer (train/lr_actor, train/lr_critic)",
 }
 
 

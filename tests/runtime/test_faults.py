@@ -638,6 +638,21 @@ def test_resume_continues_the_run_as_configured_and_keeps_its_history(
         assert again[key] == summary[key], key
 
 
+def test_the_summarys_realized_staleness_is_the_whole_runs(tmp_path: Path) -> None:
+    """Audit of 2026-12-04: ``realized_staleness_mean`` was the mean of the last fifth of the steps (as
+    ``train_reward_last``), not the whole run's that its name and docs/reliability.md give."""
+    from types import SimpleNamespace
+
+    from copc.run.config import default_config
+    from copc.run.train import _summary
+
+    lags = [min(step, 64) for step in range(150)]  # fixed lag 64 reached after a ramp
+    rows = [{"step": i, "reward/mean": 0.5, "staleness/mean": float(x), "time/step": 1.0} for i, x in enumerate(lags)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = _summary(default_config(), {}, {}, SimpleNamespace(steps=150), 1.0, tmp_path)  # type: ignore[arg-type]
+    assert summary["realized_staleness_mean"] == pytest.approx(sum(lags) / len(lags))
+
+
 def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 34, case 9: a mistyped run_dir with resume=true used to start a new run there."""
     assert cli(tmp_path / "typo", "resume=true") == 2

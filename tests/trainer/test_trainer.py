@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from copc import tracking as m
 from copc.channels.methods import get_method
 from copc.models import build_tiny_model, build_tiny_tokenizer
 from copc.models.hf import ValueModel, token_logprobs
@@ -497,3 +498,37 @@ def test_void_turn_episodes_can_be_left_out_of_the_losses() -> None:
     assert m_keep["batch/void_frac"] == pytest.approx(2 / 8)
     with pytest.raises(ValueError, match=r"trainer\.void_turns must be keep or mask"):
         make_trainer("copc", void_turns="drop")
+
+
+def test_step_metrics_are_measured_or_left_out_never_zero_by_construction() -> None:
+    """Audit of 2026-12-04: without a step-start old forward, log w = old - mu is 0 by construction, so the
+    value bias read exactly 0 (its gap ignored the weights) however stale the batch; documented metrics
+    (reward/std, adv/*, train/version, train/actor_frozen, ratio/ess_seq_snis) were never emitted."""
+    by_method = {}
+    for method in ("async_ppo", "async_ppo_recompute"):
+        trainer = make_trainer(method)
+        batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=1.0), pad_id=TOKENIZER.pad_token_id)
+        by_method[method] = trainer.step(batch), trainer, batch
+    no_old, _, _ = by_method["async_ppo"]
+    assert m.CRITIC_VALUE_BIAS not in no_old and m.CRITIC_VALUE_BIAS_GAP not in no_old
+    assert m.RATIO_ESS_SEQ_SNIS not in no_old
+    metrics, trainer, batch = by_method["async_ppo_recompute"]
+    assert metrics[m.CRITIC_VALUE_BIAS] != 0.0 and 0.0 < metrics[m.RATIO_ESS_SEQ_SNIS] <= 1.0
+    assert metrics[m.REWARD_STD] == pytest.approx(float(batch.scores.std(correction=0)))
+    assert metrics[m.TRAIN_VERSION] == trainer.version == 1
+    assert metrics[m.TRAIN_ACTOR_FROZEN] in (0.0, 1.0)
+    assert abs(metrics[m.ADV_MEAN]) < 1e-5 and metrics[m.ADV_STD] == pytest.approx(1.0, abs=0.05)  # whitened
+
+
+def test_ratio_statistics_skip_a_first_minibatch_without_loss_tokens() -> None:
+    """Audit of 2026-12-04: a method without old measured ratio/... on its first actor minibatch even when
+    that minibatch had no loss tokens, and reported ESS 1 and mean |log r| 0 (perfectly on-policy)."""
+    import dataclasses
+
+    trainer = make_trainer("async_ppo", truncation="mask", shuffle=False, actor_minibatches=4)
+    batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=1.0), pad_id=TOKENIZER.pad_token_id)
+    truncated = batch.truncated.clone()
+    truncated[: batch.batch_size // 4] = True  # the first minibatch's rows leave the loss
+    metrics = trainer.step(dataclasses.replace(batch, truncated=truncated))
+    assert metrics[m.RATIO_MEAN_ABS_LOG_W] > 0.0 and metrics[m.RATIO_ESS_TOKEN] < 1.0
+

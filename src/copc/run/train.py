@@ -365,8 +365,8 @@ def _summary(
     tail = history[-max(1, len(history) // 5):] if history else []
     times = [h[m.TIME_STEP] for h in history if m.TIME_STEP in h]
 
-    def mean(key: str) -> float | None:
-        values = [h[key] for h in tail if key in h]
+    def mean(key: str, rows: list[dict[str, float]] = tail) -> float | None:
+        values = [h[key] for h in rows if key in h]
         return sum(values) / len(values) if values else None
 
     return {
@@ -385,7 +385,7 @@ def _summary(
         "task": cfg.task,
         "seed": cfg.seed,
         "train_reward_last": mean(m.REWARD_MEAN),
-        "realized_staleness_mean": mean(m.STALENESS_MEAN),
+        "realized_staleness_mean": mean(m.STALENESS_MEAN, history),  # the whole run's (train_reward_last: the last fifth)
         "step_seconds_median": float(np.median(times)) if times else None,
         "run_dir": str(run_dir),
     }

@@ -39,6 +39,7 @@ def step_diagnostics(
     rows = mask.any(dim=-1)
     out: dict[str, float] = {
         m.REWARD_MEAN: float(batch.scores.mean()),
+        m.REWARD_STD: float(batch.scores.float().std(correction=0)),
         m.BATCH_ACTION_TOKENS: float(batch.num_action_tokens),
         m.BATCH_SEQUENCES: float(batch.batch_size),
         m.BATCH_TRUNCATED_FRAC: float(batch.truncated.float().mean()),
@@ -54,6 +55,7 @@ def step_diagnostics(
     if bool(rows.any()):
         seq_log_w = zero_where_not(batch.action_mask, log_w).sum(dim=-1)[rows]
         weights = torch.softmax(seq_log_w.double(), dim=0)
+        out[m.RATIO_ESS_SEQ_SNIS] = float(1.0 / (weights.square().sum() * len(weights)))
         scores = batch.scores[rows].double()
         e_pi = float((weights * scores).sum())
         out[m.CRITIC_VALUE_BIAS] = e_pi - float(scores.mean())

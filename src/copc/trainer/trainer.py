@@ -47,7 +47,7 @@ from copc.channels import (
 )
 from copc.channels.methods import MethodConfig
 from copc.models.hf import TokenLogProbs
-from copc.ops import explained_variance, k3_from_log, log_ratio, zero_where_not
+from copc.ops import explained_variance, k3_from_log, log_ratio, masked_mean, masked_var, zero_where_not
 from copc.trainer.batching import Minibatch, TrainBatch, split_minibatches
 from copc.trainer.common import accumulate, clip_grad, eval_mode, make_optimizer, trim_length
 from copc.trainer.config import TrainerConfig
@@ -383,7 +383,8 @@ class ActorCriticTrainer:
         for epoch in range(self.config.ppo_epochs):
             for mb in self._minibatches(st.loss_mask, count, salt=100 + epoch):
                 mb = self._actor_denominator(batch, st, mb)
-                first = epoch == 0 and not ratio_stats and st.ratio_from_first
+                first = (epoch == 0 and not ratio_stats and st.ratio_from_first
+                         and bool(st.loss_mask[mb.index].any()))
                 cur = torch.zeros(batch.input_ids.shape) if first else None  # by row: pieces may reorder
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 for rows in self.fwd.pieces(batch, mb.index):
@@ -440,10 +441,12 @@ class ActorCriticTrainer:
                                        log_w=st.log_w, critic=self.critic is not None)
             metrics.update({k: float(v) for k, v in st.adv_stats.items()})
             actor_trains = self.steps_done >= self.warmup_steps
-            if st.ratio_from_first:
-                # old := mu here, so the advantage channel's ratio/... are 0 and 1 by construction: the
-                # actor's first minibatch measures them, and a step without an actor update has none
-                metrics = {k: v for k, v in metrics.items() if not k.startswith("ratio/")}
+            if st.ratio_from_first or not bool(st.loss_mask.any()):
+                # old := mu here (or no loss token), so the advantage channel's ratio/... and the value bias
+                # are 0 and 1 by construction: the actor's first minibatch with loss tokens measures the
+                # ratio/..., and the value bias (a whole-batch weighting) is left out
+                metrics = {k: v for k, v in metrics.items()
+                           if not k.startswith("ratio/") and k not in (m.CRITIC_VALUE_BIAS, m.CRITIC_VALUE_BIAS_GAP)}
             else:  # ESS per actor minibatch, as the first-minibatch methods measure it (diagnostics.minibatch_ess)
                 metrics.update(minibatch_ess(st.log_w, st.loss_mask,
                                              self._minibatches(st.loss_mask, self._actor_minibatch_count(), salt=100)))
@@ -451,6 +454,10 @@ class ActorCriticTrainer:
                 self.critic.train()
                 with PEAKS.phase("critic"):
                     metrics.update(self._critic_updates(batch, st))
+            metrics[m.TRAIN_ACTOR_FROZEN] = float(not actor_trains)
+            counted = st.loss_mask
+            metrics[m.ADV_MEAN] = float(masked_mean(st.advantages, counted))
+            metrics[m.ADV_STD] = float(masked_var(st.advantages, counted).sqrt())
             if actor_trains:
                 with PEAKS.phase("actor"):
                     metrics.update(self._actor_updates(batch, st))
@@ -461,6 +468,7 @@ class ActorCriticTrainer:
             metrics[m.PROXIMAL_REUSED_ROWS_FRAC] = st.reused_rows / batch.batch_size
         self.version += 1
         self.steps_done += 1
+        metrics[m.TRAIN_VERSION] = float(self.version)
         self.proximal.after_step(self.version, self.policy)
         metrics.update(self.proximal.metrics())
         elapsed = time.perf_counter() - start
