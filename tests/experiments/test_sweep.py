@@ -132,6 +132,11 @@ def test_t_interval_golden():
     assert (one.mean, one.low, one.high) == (0.4, None, None)
     with pytest.raises(ValueError):
         t_interval([])
+    # identical paired differences: the interval is a point, and the report says so beside it (audit of
+    # 2026-12-04: [0.05, 0.05] read as a tight interval; the verdict rule is unchanged)
+    point = t_interval([0.05, 0.05])
+    assert point.low == point.high == pytest.approx(0.05) and "no spread" in point.text()
+    assert "no spread" not in interval.text()
 
 
 def fake_record(levels: dict[str, str], seed: int, value: float) -> dict[str, object]:

@@ -95,7 +95,8 @@ class Interval:
     def text(self, digits: int = 3) -> str:
         if self.low is None or self.high is None:
             return f"{self.mean:.{digits}f} (n={self.n})"
-        return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}] (n={self.n})"
+        spread = "" if self.high > self.low else " (no spread: every seed gave the same value)"
+        return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]{spread} (n={self.n})"
 
     def excludes_zero(self) -> bool:
         return self.low is not None and self.high is not None and (self.low > 0 or self.high < 0)
