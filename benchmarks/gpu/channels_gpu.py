@@ -18,11 +18,12 @@ one minibatch.
    a warm-up): advantages and targets, actor loss forward + backward, critic loss forward + backward.
 3. Context, because the maths alone says nothing about a step: a random-weight Qwen3 model built from a
    config (``--model 0.6b``: Qwen3-0.6B's shapes, bfloat16, SDPA attention; nothing downloaded). Measured on
-   micro-batches of ``--micro`` rows x T tokens: the actor's forward + backward (log-probs of the
-   sampled tokens from a full float32 log-softmax, heavier than the trainer's gather minus logsumexp),
-   its no-grad forward (the ``old`` forward), the critic's forward + backward (the same trunk, a scalar
-   head) and its no-grad forward (pre-update values). Each is scaled to the B rows. A preset's step
-   estimate is the sum of the pieces it needs: actor forward + backward, the critic's forward + backward
+   micro-batches of ``--micro`` rows x T tokens: the actor's forward + backward (the sampled tokens'
+   log-probs by the trainer's own ``copc.models.hf.token_logprobs``; the first run, in
+   docs/figures/gpu_channels_h200.log, took a full float32 log-softmax instead), its no-grad forward (the
+   ``old`` forward), the critic's forward + backward (the same trunk, a scalar head) and its no-grad
+   forward (pre-update values). Each is scaled to the B rows. A preset's step estimate is the sum of the
+   pieces it needs: actor forward + backward, the critic's forward + backward
    times its preset's critic updates and its no-grad forward if it has a critic, the ``old`` forward if
    ``needs_old_forward``, and its maths from part 2. Printed: each preset's estimate and its overhead
    over async PPO 3a (``async_ppo``). Rollout generation is not in it (asynchronous: it overlaps the
@@ -61,6 +62,7 @@ from copc.channels import (
     value_loss,
 )
 from copc.channels.methods import MethodConfig, get_method, method_names
+from copc.models.hf import token_logprobs
 from copc.ops import log_ratio
 
 Batch = dict[str, torch.Tensor]
@@ -164,9 +166,10 @@ def model_times(device: str, size: str, micro: int, batch: Batch, repeats: int) 
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (micro, seq), generator=gen).to(device)
 
-    def actor_logp() -> torch.Tensor:
-        logits = actor(input_ids=ids).logits[:, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    attention = torch.ones_like(ids, dtype=torch.bool)
+
+    def actor_logp() -> torch.Tensor:  # the trainer's own log-probs (float32 picked entries minus logsumexp)
+        return token_logprobs(actor, ids, attention).logp
 
     def critic_values() -> torch.Tensor:
         return head(critic_trunk(input_ids=ids).last_hidden_state).squeeze(-1).float()
