@@ -95,6 +95,19 @@ def test_extraction_is_linear_on_degenerate_responses() -> None:
         ("", "42", False),
         (None, "42", False),
         ("3/0", "3", False),
+        # audit of 2026-12-04: commas and spaces were deleted anywhere, so these wrong answers were right
+        ("12, 34", "1234", False),
+        ("12 34", "1234", False),
+        ("1,2,3,4", "1234", False),
+        ("1,5", "15", False),
+        ("12,345,678", "12345678", True),  # thousands separators still read as written
+        ("-1,234.5", "-1234.5", True),
+        # and these right answers were wrong, with nothing counted
+        ("$1234", "1234", True),
+        ("\\boxed{1234}", "1234", True),
+        ("\u22121234", "-1234", True),  # a Unicode minus sign
+        ("1234 jars", "1234", True),
+        ("1234 jars of 5", "1234", False),
     ],
 )
 def test_numeric_equal(pred: str | None, gold: str, equal: bool) -> None:

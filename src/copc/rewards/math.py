@@ -101,6 +101,31 @@ def _decimal(m: int, e: int) -> tuple[str, int, int]:
     return ("dec", m, e)
 
 
+_BOXED = re.compile(r"\\boxed\{(?P<inner>[^{}]*)\}")
+_UNIT_WORD = re.compile(r"(?P<number>[^\s]+)\s+[A-Za-z]+\.?")
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
+
+
+def _plain_spelling(text: str) -> str | None:
+    """``text`` as a bare number's spelling, or None: a ``\\boxed{}`` wrapper, one trailing unit word
+    (``1234 jars``), surrounding or leading ``$`` and a final period are dropped, a Unicode minus is
+    ``-``, and commas are read only as thousands separators (``12,345``). Any other comma or inner space
+    (``12, 34``, ``12 34``, ``1,5``) is not a number: deleting them graded those as 1234 and 15."""
+    cleaned = text.strip().replace("\u2212", "-")
+    if boxed := _BOXED.fullmatch(cleaned):
+        cleaned = boxed["inner"].strip()
+    if unit := _UNIT_WORD.fullmatch(cleaned):
+        cleaned = unit["number"]
+    cleaned = cleaned.rstrip(".")
+    if cleaned.startswith("$"):
+        cleaned = cleaned[1:-1] if cleaned.endswith("$") and len(cleaned) >= 2 else cleaned[1:]
+    if "," in cleaned:
+        if not _THOUSANDS.fullmatch(cleaned):
+            return None
+        cleaned = cleaned.replace(",", "")
+    return None if any(c.isspace() for c in cleaned) else cleaned
+
+
 def _exact_number(text: str) -> tuple[str, int, int] | None:
     """The exact value of a plain number as a canonical tuple: ``("dec", m, e)`` for ``m * 10**e``
     (every terminating decimal, whether written ``0.125``, ``1.25e-1`` or ``1/8``), ``("frac", p, q)``
@@ -110,9 +135,9 @@ def _exact_number(text: str) -> tuple[str, int, int] | None:
     ``1e412537443412`` costs what its characters cost (``Fraction`` would compute ``10**412537443412``,
     and an episode's grading would never end). Numbers beyond Python's 4300-digit limit are not numbers.
     """
-    cleaned = text.strip().replace(",", "").replace(" ", "").rstrip(".")
-    if cleaned.startswith("$") and cleaned.endswith("$") and len(cleaned) >= 2:
-        cleaned = cleaned[1:-1]
+    cleaned = _plain_spelling(text)
+    if cleaned is None:
+        return None
     try:
         if ratio := _RATIO.fullmatch(cleaned):
             num, den = int(ratio["num"]), int(ratio["den"])

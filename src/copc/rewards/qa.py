@@ -19,7 +19,9 @@ _PUNCTUATION = frozenset(string.punctuation)
 def normalize_answer(text: str) -> str:
     """SQuAD normalisation: lowercase, punctuation and articles removed, whitespace squeezed.
 
-    ``"The  Eiffel-Tower!"`` -> ``"eiffeltower"``; ``"an apple"`` -> ``"apple"``.
+    ``"The  Eiffel-Tower!"`` -> ``"eiffeltower"``; ``"an apple"`` -> ``"apple"``. As in the official
+    SQuAD script and Search-R1, a sign and a decimal point are punctuation too: ``"-5"`` matches ``"5"``
+    and ``"3.5"`` matches ``"35"``. Numeric answers that need them belong to a numeric grader.
     """
     lowered = text.lower()
     no_punct = "".join(ch for ch in lowered if ch not in _PUNCTUATION)
