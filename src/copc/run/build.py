@@ -29,7 +29,7 @@ from copc.run.config import RunConfig, resolve_rollout
 from copc.runtime.async_local import AsyncSource
 from copc.runtime.ray_workers import RayOptions, ray_transport
 from copc.runtime.sync import SyncSource
-from copc.runtime.workers import TransportFactory, WorkerSpec, local_transport
+from copc.runtime.workers import TransportFactory, WorkerSpec, local_transport, process_gone
 from copc.tasks import Task
 from copc.tasks.datasets import DataError
 from copc.tools.sandbox import SandboxUnavailable
@@ -255,20 +255,10 @@ def _holder(lock: Path, fd: int) -> tuple[int | None, int | None]:
     return holders[0], claimant
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _held_message(path: Path, fd: int) -> str:
     holder, claimant = _holder(path / LOCK_NAME, fd)
     if holder is not None and claimant is not None and holder != claimant:
-        state = "has ended" if not _alive(claimant) else "no longer holds it"
+        state = "has ended" if process_gone(claimant) else "no longer holds it"
         return (f"run_dir {path} is held by pid {holder}: the copc train that claimed it (pid {claimant}) "
                 f"{state}, and pid {holder}, a process it started, still holds the directory's lock; end pid "
                 f"{holder}, or choose another run_dir")

@@ -50,7 +50,7 @@ from copc.runtime.buffer import encode_batch
 
 __all__ = [
     "ReportsActivity", "Transport", "TransportFactory", "WeightRing", "WeightStore", "WorkerEvent", "WorkerPool",
-    "WorkerSpec", "WorkerStartError", "build_generator", "local_transport", "newest_weights",
+    "WorkerSpec", "WorkerStartError", "build_generator", "local_transport", "newest_weights", "process_gone",
 ]
 
 #: Modules the fork server imports once; every worker forks from it with them loaded (torch, transformers
@@ -190,16 +190,16 @@ def newest_weights(ring: WeightRing, generator: RolloutGenerator, *, limit: int)
     return refresh
 
 
-def _trainer_gone(trainer_pid: int) -> bool:
-    """True when ``trainer_pid`` no longer runs (absent, or a zombie nobody has reaped yet)."""
+def process_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (absent, or a zombie nobody has reaped yet)."""
     try:
-        with open(f"/proc/{trainer_pid}/stat") as handle:
+        with open(f"/proc/{pid}/stat") as handle:
             return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except FileNotFoundError:
         return True
     except (OSError, IndexError):  # no procfs: ask the kernel whether the pid exists
         try:
-            os.kill(trainer_pid, 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             return True
         except PermissionError:
@@ -217,7 +217,7 @@ def _watch_trainer(trainer_alive: Connection, trainer_pid: int) -> None:
                     os._exit(0)
             except (OSError, EOFError):
                 os._exit(0)
-            if _trainer_gone(trainer_pid):
+            if process_gone(trainer_pid):
                 os._exit(0)
 
     threading.Thread(target=watch, name="copc-trainer-watchdog", daemon=True).start()

@@ -55,7 +55,7 @@ def step_diagnostics(
     if bool(rows.any()):
         seq_log_w = zero_where_not(batch.action_mask, log_w).sum(dim=-1)[rows]
         weights = torch.softmax(seq_log_w.double(), dim=0)
-        out[m.RATIO_ESS_SEQ_SNIS] = float(1.0 / (weights.square().sum() * len(weights)))
+        out[m.RATIO_ESS_SEQ_SNIS] = float(sequence_ess(log_w[rows], batch.action_mask[rows]))  # of these weights
         scores = batch.scores[rows].double()
         e_pi = float((weights * scores).sum())
         out[m.CRITIC_VALUE_BIAS] = e_pi - float(scores.mean())
