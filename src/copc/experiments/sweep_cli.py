@@ -32,7 +32,7 @@ from copc.experiments.tables import report_text
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="copc sweep", description=sweep.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="sweep YAML (experiments/*.yaml)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and its estimated hours; run nothing")
     parser.add_argument("--measure", type=int, default=0, metavar="STEPS",

@@ -153,9 +153,9 @@ class Engine:
     """Samples from a causal LM; owns the model it is given and the version of its weights.
 
     Rows are decoded in blocks of at most ``max_rows`` (None: :data:`MAX_ROWS` on a CPU,
-    :data:`ACCELERATOR_MAX_ROWS` on any other device), and a block's prefill feeds at most ``prefill_tokens`` (:data:`PREFILL_TOKENS`) per
-    forward; 0 lifts either limit. Per-row seeds make a row's tokens independent of its block up to float
-    rounding.
+    :data:`ACCELERATOR_MAX_ROWS` on any other device), and a block's prefill feeds at most
+    ``prefill_tokens`` (:data:`PREFILL_TOKENS`) per forward; 0 lifts either limit. Per-row seeds make a
+    row's tokens independent of its block up to float rounding.
 
     The engine puts the model in eval mode and overwrites it in :meth:`load_weights`: give it its own
     copy (``copy.deepcopy(policy)``) when the trainer keeps training the original. Not thread-safe:

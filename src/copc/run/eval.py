@@ -39,7 +39,7 @@ __all__ = ["eval_cli", "eval_config"]
 def eval_cli(argv: Sequence[str]) -> int:
     """``copc eval --checkpoint DIR|RUN_DIR [--task NAME] [--prompts N] [--samples K] [key.sub=value ...]``."""
     parser = CommandParser(prog="copc eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="an HF policy folder, or a run directory (its latest checkpoint is evaluated)")
     parser.add_argument("--task", default=None, help="task name (default: the run's task, else arith_tool)")

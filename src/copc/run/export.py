@@ -113,7 +113,7 @@ def export_run(run_dir: Path, out: Path, *, step: int | None = None,
 def export_cli(argv: Sequence[str]) -> int:
     """``copc export RUN_DIR OUT [--step N]`` (module docstring)."""
     parser = CommandParser(prog="copc export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a copc train run directory")
     parser.add_argument("out", help="a new (or empty) folder for the HF model")
     parser.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
@@ -133,8 +133,8 @@ def export_cli(argv: Sequence[str]) -> int:
 def convert_cli(argv: Sequence[str]) -> int:
     """``copc convert-gguf DIR FILE.gguf OUT``: de-quantize a GGUF model to an HF folder (needs ``gguf``)."""
     parser = CommandParser(prog="copc convert-gguf",
-                                     description="Convert DIR/FILE.gguf to an HF folder OUT (float32) with its "
-                                     "tokenizer and chat template, for model.policy=OUT.")
+                           description="Convert DIR/FILE.gguf to an HF folder OUT (float32) with its "
+                           "tokenizer and chat template, for model.policy=OUT.")
     parser.add_argument("folder", help="the folder holding the GGUF file")
     parser.add_argument("gguf_file", help="the GGUF file's name inside the folder")
     parser.add_argument("out", help="a new (or empty) folder")

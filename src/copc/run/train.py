@@ -426,7 +426,7 @@ def print_summary(summary: Mapping[str, object]) -> None:
 def train_cli(argv: Sequence[str]) -> int:
     """``copc train [--config FILE.yaml] [key.sub=value ...]``."""
     parser = CommandParser(prog="copc train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (sections as in RunConfig)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--print-config", action="store_true",
