@@ -320,7 +320,9 @@ class FakeTQ:
         return "meta"
 
 
-def _trainer_run(monkeypatch: pytest.MonkeyPatch, batch: dict[str, torch.Tensor], drop: tuple[str, ...] = ()):
+def _trainer_run(
+    monkeypatch: pytest.MonkeyPatch, batch: dict[str, torch.Tensor], drop: tuple[str, ...] = (), **overrides: object
+):
     mask = batch["response_mask"]
     lengths = (mask.cumsum(-1) * mask).argmax(-1) + 1  # last response token + 1 (tool holes inside)
     fields = {"rm_scores": batch["token_level_rewards"]} | {
@@ -328,7 +330,7 @@ def _trainer_run(monkeypatch: pytest.MonkeyPatch, batch: dict[str, torch.Tensor]
     }
     fake = FakeTQ({k: _nested(v, lengths) for k, v in fields.items() if k not in drop}, len(lengths))
     monkeypatch.setattr(plugin, "tq", fake)
-    cfg = verl_config(**{"trainer.v1.trainer_mode": "copc"})
+    cfg = verl_config(**{"trainer.v1.trainer_mode": "copc"}, **overrides)
     trainer = object.__new__(get_trainer_cls("copc"))  # the driver-side object, without Ray or workers
     trainer.config = cfg
     trainer._copc = plugin.check_verl_config(cfg)
@@ -360,6 +362,72 @@ def test_trainer_missing_field_fails_with_one_line_naming_the_verl_option(
         _trainer_run(monkeypatch, verl_batch(seed=10), drop=drop)
     message = str(err.value)
     assert option in message and "\n" not in message
+
+
+# --- R1: policy_loss.loss_mode=bypass_mode ------------------------------------------------------------
+
+ACTOR_CORRECTION = "actor_rollout_ref.actor.policy_loss.rollout_correction"
+R1 = {
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "bypass_mode",
+    f"{ACTOR_CORRECTION}.rollout_rs": "token_k1",
+    f"{ACTOR_CORRECTION}.rollout_rs_threshold": "0.5_2.0",
+}
+
+
+def test_r1_trainer_step_reads_old_for_the_advantages_then_centres_the_actor_on_mu(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = verl_batch(B=6, seed=9)
+    written, metrics, channels = _trainer_run(monkeypatch, batch, **R1)
+    assert channels.behaviour and channels.policy == get_method("copc_behaviour").policy
+    T = written["advantages"].shape[1]
+    mask = batch["response_mask"][:, :T].bool()
+    # the actor's ratio is now exp(cur - mu): verl's bypass-mode loss reads old_log_probs as the sampler's
+    assert set(written.keys()) == {"advantages", "returns", "old_log_probs"}  # no weight: the loss masks on cur/mu
+    close(written["old_log_probs"][mask], batch["rollout_log_probs"][:, :T][mask])
+    # the advantage channel is R0's, on w = old/mu from the recomputed old, read before it was replaced
+    r0 = copc_step(plugin.CopcChannels(get_method("copc").policy, channels.advantage), batch)
+    close(written["advantages"], r0.advantages[:, :T])
+    close(written["returns"], r0.returns[:, :T])
+    on_policy = copc_step(channels, batch | {"old_log_probs": batch["rollout_log_probs"]})
+    assert not torch.allclose(written["advantages"], on_policy.advantages[:, :T])  # w was not 1
+    w = (batch["old_log_probs"] - batch["rollout_log_probs"]).exp()[batch["response_mask"].bool()]
+    assert metrics["copc/policy/mask_frac_step_start"] == pytest.approx(float(((w < 0.5) | (w > 2.0)).float().mean()))
+    assert "copc/policy/weight_mean" not in metrics and "copc/adv/raw_std" in metrics
+
+
+@pytest.mark.parametrize(
+    ("threshold", "band"),
+    [("0.5_2.0", (0.5, 2.0)), ("0.8_1.25", (0.8, 1.25)), ("0.5_1.25", (0.8, 2.0)), ("2.0", (0.5, 2.0)), (4, (0.25, 4.0))],
+)
+def test_r1_band_is_verls_token_k1_threshold_inverted(threshold: object, band: tuple[float, float]) -> None:
+    """verl's token_k1 keeps ``lower <= mu/cur <= upper``; copc's band is on ``r = cur/mu``."""
+    channels = plugin.check_verl_config(verl_config(**(R1 | {f"{ACTOR_CORRECTION}.rollout_rs_threshold": threshold})))
+    assert (channels.policy.mask_low, channels.policy.mask_high) == pytest.approx(band)
+
+
+def test_r1_without_a_band_is_3a_with_the_advantage_channel() -> None:
+    channels = plugin.check_verl_config(verl_config(**(R1 | {f"{ACTOR_CORRECTION}.rollout_rs": None})))
+    assert channels.policy == get_method("async_ppo_advantage").policy
+    assert channels.advantage == get_method("async_ppo_advantage").advantage
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({f"{ACTOR_CORRECTION}.rollout_rs_threshold": None}, "rollout_rs_threshold is not set"),
+        ({f"{ACTOR_CORRECTION}.rollout_rs_threshold": "2.0_0.5"}, "the band needs lower < upper"),
+        ({f"{ACTOR_CORRECTION}.rollout_rs_threshold": "half_2"}, "is not a positive number"),
+        ({f"{ACTOR_CORRECTION}.rollout_rs": "seq_mean_k3"}, "rollout_rs=token_k1 (or null for no band)"),
+        ({f"{ACTOR_CORRECTION}.loss_type": "reinforce"}, "R1's DIS form has no verl path"),
+        ({"copc.policy.mask_high": 3.0}, "copc.policy.mask_high is R0's"),
+        ({"copc.channels": "policy", "algorithm.adv_estimator": "grpo"}, "is verl's own bypass mode"),
+        ({"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"}, "use token-mean, seq-mean-token-sum"),
+        ({"algorithm.rollout_correction.bypass_mode": True}, "set algorithm.rollout_correction.bypass_mode=False"),
+    ],
+)
+def test_bad_r1_config_fails_at_start_up_with_one_line(overrides: dict[str, object], says: str) -> None:
+    with pytest.raises(ValueError) as err:
+        plugin.check_verl_config(verl_config(**(R1 | overrides)))
+    assert says in str(err.value) and "\n" not in str(err.value)
 
 
 # --- start-up checks and one-line errors -------------------------------------------------------------
@@ -465,6 +533,49 @@ def test_docs_command_through_verls_own_cli_prints_copcs_config() -> None:
     assert cfg.trainer.v1.trainer_mode == "copc_colocate_async"
 
 
+def r1_command() -> list[str]:
+    """The R1 block of docs/verl.md, as argv words (its ``...`` line dropped)."""
+    import shlex
+
+    text = (ROOT / "docs/verl.md").read_text()
+    block = text.split("<!-- verl-command-r1")[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [w for w in shlex.split(block.replace("\\\n", " "), comments=True) if w != "..."]
+
+
+def test_docs_r1_command_composes_to_copcs_r1_preset() -> None:
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    words = r1_command()
+    assert words[:5] == ["python3", "-m", "verl.trainer.main_ppo", "--config-name", plugin.CONFIG_NAME]
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
+        cfg = compose(config_name=words[4], overrides=[*words[5:], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    channels = plugin.check_verl_config(cfg)
+    r1 = get_method("copc_behaviour")
+    assert channels == plugin.CopcChannels(r1.policy, r1.advantage) and channels.behaviour
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)  # what verl's actor worker builds and its loss reads
+    assert actor.policy_loss.loss_mode == plugin.BEHAVIOUR_LOSS
+    assert actor.policy_loss.rollout_correction["rollout_rs"] == "token_k1"
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (
+        r1.policy.clip_low, r1.policy.clip_high, r1.policy.dual_clip_c,
+    )
+    assert get_trainer_cls(cfg.trainer.v1.trainer_mode) is plugin.CopcTrainerColocateAsync
+
+
+def test_docs_r1_command_through_verls_own_cli() -> None:
+    import yaml
+
+    words = r1_command()
+    out = subprocess.run(
+        [sys.executable, *words[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = OmegaConf.create(yaml.safe_load(out.stdout))
+    r1 = get_method("copc_behaviour")
+    assert plugin.check_verl_config(cfg) == plugin.CopcChannels(r1.policy, r1.advantage)
+
+
 @pytest.mark.parametrize("estimator", sorted(plugin.ESTIMATORS))
 def test_copc_ppo_trainer_lists_every_copc_option_and_its_nulls_are_the_presets(estimator: str) -> None:
     from hydra import compose, initialize_config_dir
@@ -476,7 +587,9 @@ def test_copc_ppo_trainer_lists_every_copc_option_and_its_nulls_are_the_presets(
     fields = {f.name for f in dataclasses.fields(AdvantageChannelConfig)} - {"estimator", "gamma", "lam_critic"}
     assert set(ours.copc.advantage) == fields
     assert set(ours.copc.policy) == {"mask_low", "mask_high", "weight_mode"}
-    assert OmegaConf.to_container(ours.copc.policy) == {"mask_low": 0.5, "mask_high": 2.0, "weight_mode": "masked_is"}
+    # null: the preset's value, so an option the user sets can be told from a default (R1 refuses R0's band)
+    assert OmegaConf.to_container(ours.copc.policy) == {"mask_low": None, "mask_high": None, "weight_mode": None}
+    assert plugin.check_verl_config(ours).policy == get_method("copc").policy
     assert plugin.check_verl_config(ours) == plugin.check_verl_config(plain)
     assert OmegaConf.masked_copy(ours, [k for k in ours if k != "copc"]) == plain  # verl's config, untouched
 

@@ -65,6 +65,18 @@ def test_actor_loss_in_verls_worker_is_copcs_policy_loss(run: dict[str, Any]) ->
     assert metrics["copc/policy/approx_kl"] == pytest.approx(0.0, abs=1e-6)  # the first update starts at old
 
 
+def test_r1_actor_in_verls_worker_is_copcs_own_r1_loss(run: dict[str, Any]) -> None:
+    """R1 (``policy_loss.loss_mode=bypass_mode``): verl's worker reads the band from the composed config and
+    its loss, on the batch R1's trainer writes (old_log_probs = mu), is copc's own R1 actor loss."""
+    assert run["r1_policy"] == ["bypass_ppo", 0.5, 2.0]
+    assert run["r1_same_start"] and run["r1_actor_unchanged"] == []
+    metrics = run["r1_actor_metrics"]
+    assert 0.0 < run["r1_expected_mask_frac"] < 1.0  # the band binds at the step start (old/mu)
+    assert metrics["actor/pg_loss"] == pytest.approx(run["r1_expected_pg_loss"], rel=1e-5)
+    # verl's rejection metric is the share of tokens R1's band removes in the first micro-batches' mean
+    assert metrics["rollout_corr/rollout_rs_token_k1_masked_fraction"] > 0.0
+
+
 def test_critic_regresses_onto_copcs_returns(run: dict[str, Any]) -> None:
     assert run["critic_params"] > 0 and run["critic_unchanged"] == []
     assert {"critic/vf_loss", "critic/vf_clipfrac", "grad_norm"} <= set(run["critic_metric_keys"])

@@ -21,6 +21,7 @@ results differ only by float32 summation order: rtol 1e-6, atol 1e-7 (losses are
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -39,6 +40,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 import copc.integrations.verl as plugin  # noqa: E402
+from copc.channels import PolicyInputs, policy_loss  # noqa: E402
 from copc.channels.methods import get_method  # noqa: E402
 from copc.integrations.verl_config import CopcChannels  # noqa: E402
 from copc.ops import AggSpec, ClipSpec, CorrectedInputs, copc_policy_loss  # noqa: E402
@@ -94,10 +96,12 @@ def _pad(rows: list[dict[str, torch.Tensor]], key: str, width: int, left: bool =
     return out
 
 
-def verl_actor_batch(rows: list[dict[str, torch.Tensor]]) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+def verl_actor_batch(
+    rows: list[dict[str, torch.Tensor]], channels: CopcChannels = CHANNELS
+) -> tuple[TensorDict, dict[str, torch.Tensor]]:
     """The actor-update batch as verl's trainer builds it (left-padded prompts, right-padded responses,
-    copc's advantages and omega written by the plugin's advantage step), converted by verl's own
-    ``left_right_2_no_padding``; also the padded tensors for copc's reference."""
+    what the plugin's advantage step writes: advantages and, for R0, omega; for R1 ``old_log_probs = mu``),
+    converted by verl's own ``left_right_2_no_padding``; also the padded tensors for copc's reference."""
     P, T = max(len(r["prompts"]) for r in rows), max(len(r["responses"]) for r in rows)
     prompts, responses = _pad(rows, "prompts", P, left=True), _pad(rows, "responses", T)
     prompt_att = _pad([{"m": torch.ones(len(r["prompts"]), dtype=torch.int64)} for r in rows], "m", P, left=True)
@@ -105,18 +109,21 @@ def verl_actor_batch(rows: list[dict[str, torch.Tensor]]) -> tuple[TensorDict, d
     attention_mask = torch.cat([prompt_att, resp_att], dim=1)
     padded = {k: _pad(rows, k, T) for k in ("response_mask", "rm_scores", "old_log_probs", "rollout_log_probs", "values", "log_prob")}
     step = plugin.copc_advantage_step(
-        CHANNELS, token_level_rewards=padded["rm_scores"], values=padded["values"],
+        channels, token_level_rewards=padded["rm_scores"], values=padded["values"],
         old_log_probs=padded["old_log_probs"], rollout_log_probs=padded["rollout_log_probs"],
         response_mask=padded["response_mask"],
     )
-    padded |= {"advantages": step.advantages, "rollout_is_weights": step.rollout_is_weights}
+    written = {"advantages": step.advantages}
+    if step.rollout_is_weights is not None:
+        written["rollout_is_weights"] = step.rollout_is_weights
+    padded |= written
     td = TensorDict(
         {
             "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
             "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "response_mask": padded["response_mask"], "old_log_probs": padded["old_log_probs"],
-            "advantages": step.advantages, "rollout_is_weights": step.rollout_is_weights,
-        },
+            "response_mask": padded["response_mask"],
+            "old_log_probs": padded["old_log_probs"] if step.old_log_probs is None else step.old_log_probs,
+        } | written,
         batch_size=len(rows),
     )
     td = left_right_2_no_padding(td)
@@ -198,3 +205,47 @@ def test_verls_padding_rows_give_no_nan_and_change_nothing() -> None:
     td_real, padded_real = verl_actor_batch(rows)
     real, _ = verl_loss(td_real, padded_real["log_prob"], actor_config("token-mean"))
     torch.testing.assert_close(loss.detach(), real, rtol=RTOL, atol=ATOL)
+
+
+# --- R1: verl's own bypass-mode loss, the trainer having written old_log_probs = mu ------------------------
+
+
+def r1_actor_config(mode: str, rollout_rs: str | None = "token_k1") -> FSDPActorConfig:
+    correction = {"rollout_rs": rollout_rs, "rollout_rs_threshold": "0.5_2.0" if rollout_rs else None}
+    return FSDPActorConfig(
+        strategy="fsdp", ppo_micro_batch_size_per_gpu=2, rollout_n=1, loss_agg_mode=mode,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+        policy_loss={"loss_mode": plugin.BEHAVIOUR_LOSS, "rollout_correction": correction},
+    )
+
+
+@pytest.mark.parametrize(("mode", "preset"), [
+    ("token-mean", "copc_behaviour"), ("seq-mean-token-sum", "copc_behaviour"), ("token-mean", "async_ppo_advantage"),
+])
+def test_r1_through_verls_bypass_mode_loss_equals_copcs_own_r1_policy_loss(mode: str, preset: str) -> None:
+    """R1 (spec 9.7) in verl is verl's bypass-mode loss on the batch copc's trainer wrote: copc's own
+    ``copc_behaviour`` actor loss (band on cur/mu at every micro-batch, PPO clip on cur/mu, dual clip), and
+    with no band (``rollout_rs=null``) async PPO 3a's, the advantage channel alone (``async_ppo_advantage``)."""
+    method = get_method(preset)
+    channels = CopcChannels(method.policy, method.advantage)
+    assert channels.behaviour
+    rows = _rows(seed=0, n=6)
+    td, padded = verl_actor_batch(rows, channels)
+    assert "rollout_is_weights" not in td
+    mask = padded["response_mask"].bool()
+    logp = padded["log_prob"].clone().requires_grad_(True)
+    loss, metrics = verl_loss(td, logp, r1_actor_config(mode, "token_k1" if preset == "copc_behaviour" else None))
+    ref_logp = padded["log_prob"].clone().requires_grad_(True)
+    ref = policy_loss(
+        dataclasses.replace(method.policy, loss_agg=mode),
+        PolicyInputs(ref_logp, None, padded["rollout_log_probs"], padded["advantages"], mask, num_tokens=None),
+    )
+    kept = float(ref.stats["policy/mask_frac"]) if "policy/mask_frac" in ref.stats else 0.0
+    assert (0.0 < kept < 1.0) if preset == "copc_behaviour" else kept == 0.0  # the band binds where it exists
+    torch.testing.assert_close(loss, ref.loss, rtol=RTOL, atol=ATOL)
+    loss.backward()
+    ref.loss.backward()
+    assert logp.grad is not None and ref_logp.grad is not None and (logp.grad[mask] != 0).any()
+    torch.testing.assert_close(logp.grad, ref_logp.grad, rtol=RTOL, atol=ATOL)
+    if preset == "copc_behaviour":  # verl's rejection metrics report the band in every micro-batch
+        assert all("rollout_corr/rollout_rs_token_k1_masked_fraction" in m for m in metrics)

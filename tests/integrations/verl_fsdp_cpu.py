@@ -6,7 +6,9 @@ starts a one-rank gloo process group, which must not leak into pytest's process)
 ``init_model`` (verl's ``TrainingWorker`` + ``FSDPEngine`` with ``strategy=fsdp2``, its optimizer and its
 ``ppo_loss`` bound to the actor config), the critic ``TrainingWorker`` built as verl's v1 trainer builds it
 (``value_loss``), ``compute_log_prob`` / ``infer_batch`` / ``update_actor`` / ``train_mini_batch``, and the
-trainer's padded -> no-padding conversions. copc's: the plugin's ``copc_advantage_step``. Stand-ins
+trainer's padded -> no-padding conversions. A second actor worker runs R1 (``policy_loss.loss_mode=bypass_mode``
+with the band as ``policy_loss.rollout_correction``), on the batch R1's trainer writes (``old_log_probs = mu``,
+no weight). copc's: the plugin's ``copc_advantage_step``. Stand-ins
 (``verl_cpu``): the CPU platform and the SDPA value-head loader. The rollout is a stand-in too: responses
 are random tokens, and the sampler's log-probs are verl's recomputed ones plus noise (the staleness COPC
 corrects), because verl 0.9.1 has no CPU rollout engine.
@@ -39,14 +41,22 @@ from verl.workers.utils.losses import value_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 import copc.integrations.verl as plugin  # noqa: E402
-from copc.ops import ClipSpec, CorrectedInputs, copc_policy_loss  # noqa: E402
+from copc.ops import ClipSpec, CorrectedInputs, behaviour_ppo_loss, copc_policy_loss  # noqa: E402
 
 B, P, T = 8, 6, 10  # sequences, prompt and response widths
 CRITIC_UPDATES = 4
 
 
-def verl_config(model_dir: Path) -> DictConfig:
-    """verl's composed ``copc_ppo_trainer`` config for one CPU rank and the tiny model."""
+#: The R1 actor: verl's bypass-mode loss with R1's band [0.5, 2] on cur/mu (Hydra's ``+``: not in verl's yaml).
+R1 = [
+    "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+    "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs=token_k1",
+    "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs_threshold=0.5_2.0",
+]
+
+
+def verl_config(model_dir: Path, extra: tuple[str, ...] | list[str] = ()) -> DictConfig:
+    """verl's composed ``copc_ppo_trainer`` config for one CPU rank and the tiny model (``extra`` last)."""
     import verl
 
     model = [
@@ -69,6 +79,7 @@ def verl_config(model_dir: Path) -> DictConfig:
         "critic.enable=True", "critic.strategy=fsdp2", f"critic.ppo_mini_batch_size={B}",
         "critic.ppo_micro_batch_size_per_gpu=4", "critic.optim.lr=1e-3", "critic.optim.weight_decay=0.0",
         "critic.cliprange_value=0.5",
+        *extra,
     ]
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
         return compose(config_name=plugin.CONFIG_NAME, overrides=overrides)
@@ -173,6 +184,23 @@ def main(out_path: str) -> None:
     after = snapshot(actor_module)
     actor_metrics = tu.get(actor_out, "metrics")
 
+    # R1: a fresh actor (the same weights), the batch as R1's trainer leaves it in TransferQueue.
+    r1_cfg = verl_config(tmp / "tiny", R1)
+    r1_channels = plugin.check_verl_config(r1_cfg)
+    r1_step = plugin.copc_advantage_step(
+        r1_channels, token_level_rewards=rewards, values=values,
+        old_log_probs=old, rollout_log_probs=mu, response_mask=batch["response_mask"],
+    )
+    r1_actor = ActorRolloutRefWorker(config=r1_cfg.actor_rollout_ref, role="actor")
+    r1_actor.init_model()
+    r1_before = snapshot(r1_actor.actor.engine.module)
+    r1_out = r1_actor.update_actor(train_td(
+        batch, {"old_log_probs": r1_step.old_log_probs, "advantages": r1_step.advantages},
+        calculate_entropy=False, compute_loss=True,
+    ))
+    r1_after = snapshot(r1_actor.actor.engine.module)
+    r1_metrics = tu.get(r1_out, "metrics")
+
     critic_before = snapshot(critic.engine.module)
     critic_losses, critic_metrics = [], {}
     for _ in range(CRITIC_UPDATES):  # critic.ppo_epochs steps on the same targets, as verl's critic warm-up
@@ -193,7 +221,18 @@ def main(out_path: str) -> None:
     expected = copc_policy_loss(
         CorrectedInputs(old, old, mu, step.advantages, mask), mask_low=0.5, mask_high=2.0, clip=ClipSpec(0.2, 0.28, 1e9)
     )
+    # R1's first mini-batch also starts at old's parameters: copc's own R1 loss, band and clip on old/mu.
+    expected_r1 = behaviour_ppo_loss(
+        old, mu, r1_step.advantages, mask, mask_low=r1_channels.policy.mask_low,
+        mask_high=r1_channels.policy.mask_high, clip=ClipSpec(0.2, 0.28, 1e9),
+    )
     result = {
+        "r1_policy": [r1_channels.policy.objective, r1_channels.policy.mask_low, r1_channels.policy.mask_high],
+        "r1_expected_pg_loss": float(expected_r1.loss),
+        "r1_expected_mask_frac": float(expected_r1.stats["policy/mask_frac"]),
+        "r1_actor_metrics": {k: scalar(v) for k, v in r1_metrics.items()},
+        "r1_actor_unchanged": [n for n in r1_before if torch.equal(r1_before[n], r1_after[n])],
+        "r1_same_start": all(torch.equal(before[n], r1_before[n]) for n in before),
         "expected_pg_loss": float(expected.loss),
         "expected_mask_frac": float(expected.stats["policy/mask_frac"]),
         "seconds": {"init": t_init, "total": time.perf_counter() - t0},

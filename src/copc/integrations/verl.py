@@ -5,7 +5,8 @@
 and every Ray worker), and importing it registers, through verl's own registries:
 
 - the policy loss ``copc`` (``actor_rollout_ref.actor.policy_loss.loss_mode=copc``): COPC's masked
-  policy channel ``l_t = omega_t * PPOclip(exp(cur_t - old_t), A_t)`` (copc ``weighted_ppo_loss``),
+  policy channel as reconstructed in R0 (spec 9.3),
+  ``l_t = omega_t * PPOclip(exp(cur_t - old_t), A_t)`` (copc ``weighted_ppo_loss``),
   aggregated by verl's own ``agg_loss(..., **config.global_batch_info)`` so verl's data-parallel
   normalisation and every ``loss_agg_mode`` hold. PPO clip, dual clip and aggregation come from verl's
   actor config (``clip_ratio_low``/``clip_ratio_high``, ``clip_ratio_c``, ``loss_agg_mode``,
@@ -21,12 +22,16 @@ and every Ray worker), and importing it registers, through verl's own registries
   Each runs as the verl trainer it extends in every mode-dependent decision (verl's mode string is
   handed to verl's base code; see :class:`CopcAdvantageMixin`). ``copc.channels=policy`` runs the
   COPC policy channel alone (not COPC): verl's own advantage step (e.g. GRPO, no critic), then omega.
+  With ``policy_loss.loss_mode=bypass_mode`` the trainers run R1 (spec 9.7) instead: the same advantage
+  channel on ``old - mu``, then the trainer writes ``old_log_probs = rollout_log_probs`` and no weight, so
+  verl's own bypass-mode loss clips ``r = exp(cur - mu)`` and rejects the tokens whose ``r`` leaves R1's
+  band (``policy_loss.rollout_correction.rollout_rs=token_k1``), recomputed at every micro-batch.
 - the advantage estimators ``copc_clipped_td``, ``copc_vtrace``, ``copc_brace``
   (``algorithm.adv_estimator=...``) choose copc's estimator. verl calls a registered estimator with
   rewards and a mask only (no values, no log-probs), so these entries only say, if a plain verl trainer
   calls them, to set ``trainer.v1.trainer_mode`` to a copc trainer.
 
-How this deviates from copc's own trainer: the band mask is fixed at the step start (verl's actor loss
+How R0 deviates from copc's own trainer: the band mask is fixed at the step start (verl's actor loss
 never sees ``rollout_log_probs``, so ``policy.mask_source='current'`` is refused); masked tokens stay
 in the denominator (``policy.denominator='all'``: verl's global token counts include them); the dual
 clip is verl's ``clip_ratio_c`` (copc's preset has it off). copc options that verl's config has no
@@ -86,6 +91,7 @@ try:
     from verl.workers.utils.padding import response_to_nested
 
     from copc.integrations.verl_config import (
+        BEHAVIOUR_LOSS,
         CONFIG_NAME,
         ESTIMATORS,
         MISSING_OLD,
@@ -101,6 +107,7 @@ except Exception:
     raise
 
 __all__ = [
+    "BEHAVIOUR_LOSS",
     "CONFIG_NAME",
     "ESTIMATORS",
     "LOSS_NAME",
@@ -130,7 +137,8 @@ class CopcStep(NamedTuple):
 
     advantages: torch.Tensor
     returns: torch.Tensor
-    rollout_is_weights: torch.Tensor  # omega = M * w (or M): the policy channel's per-token weight
+    rollout_is_weights: torch.Tensor | None  # R0: omega = M * w (or M), the policy channel's weight; R1: None
+    old_log_probs: torch.Tensor | None  # R1: mu, the actor's trust-region centre from now on; R0: None (unchanged)
     metrics: dict[str, torch.Tensor]  # detached scalars, ``copc/...``
 
 
@@ -196,8 +204,13 @@ def copc_advantage_step(
     adv = compute_advantages(
         channels.advantage, rewards=token_level_rewards.float(), values=values.float(), log_w=policy.log_w, action_mask=mask
     )
-    metrics = {f"copc/{name}": value for name, value in adv.stats.items()} | policy.metrics
-    return CopcStep(adv.advantages, adv.returns, policy.rollout_is_weights, metrics)
+    metrics = {f"copc/{name}": value for name, value in adv.stats.items()}
+    if not channels.behaviour:
+        return CopcStep(adv.advantages, adv.returns, policy.rollout_is_weights, None, metrics | policy.metrics)
+    # R1: the band is tested on r = cur/mu by verl's loss at every micro-batch; at the step start r = old/mu.
+    metrics["copc/policy/mask_frac_step_start"] = policy.metrics["copc/policy/mask_frac"]
+    # as verl's bypass mode writes it: the sampler's log-probs, verbatim
+    return CopcStep(adv.advantages, adv.returns, None, rollout_log_probs, metrics)
 
 
 def copc_policy_loss(
@@ -333,9 +346,11 @@ class CopcAdvantageMixin:
         """verl's step 7 (``PPOTrainer._compute_advantage``) with copc's two channels.
 
         Reads the step's batch from TransferQueue, applies verl's in-reward KL if configured, and writes
-        back ``advantages``, ``returns`` (critic targets) and ``rollout_is_weights`` (omega). With
-        ``copc.channels=policy`` verl's own step runs first (its estimator, e.g. GRPO, writes the
-        advantages) and only omega is added.
+        back ``advantages``, ``returns`` (critic targets) and, for R0, ``rollout_is_weights`` (omega); for
+        R1 (``policy_loss.loss_mode=bypass_mode``) ``old_log_probs = rollout_log_probs`` instead, after the
+        advantage weights have read the recomputed ``old`` (nothing after this step reads it but the
+        actor). With ``copc.channels=policy`` verl's own step runs first (its estimator, e.g. GRPO, writes
+        the advantages) and only omega is added.
         """
         if self._copc.advantage is None:
             return self._put_policy_weight(super()._compute_advantage(batch, metrics), metrics)  # type: ignore[misc]
@@ -364,11 +379,11 @@ class CopcAdvantageMixin:
             response_mask=padded["response_mask"],
         )
         metrics.update({name: float(value) for name, value in step.metrics.items()})
-        out = {
-            "advantages": step.advantages,
-            "returns": step.returns,
-            "rollout_is_weights": step.rollout_is_weights,
-        }
+        out = {"advantages": step.advantages, "returns": step.returns}
+        if step.rollout_is_weights is not None:
+            out["rollout_is_weights"] = step.rollout_is_weights
+        if step.old_log_probs is not None:
+            out["old_log_probs"] = step.old_log_probs
         if use_kl:
             out["token_level_rewards"] = padded["token_level_rewards"]
         nested = {name: response_to_nested(value, nested_mask) for name, value in out.items()}

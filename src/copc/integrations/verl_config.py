@@ -3,7 +3,9 @@
 The copc trainers read their options from verl's composed config: verl's own fields where verl has one
 (``algorithm.gamma``, ``algorithm.lam``, the actor's clip and aggregation), and a top-level ``copc``
 section for the rest (``copc.channels``, ``copc.policy.{mask_low, mask_high, weight_mode}``,
-``copc.advantage.<field>``). Every problem fails before any worker starts, with one line naming the
+``copc.advantage.<field>``). The actor's loss picks the reading of COPC: ``policy_loss.loss_mode=copc`` is
+R0 (spec 9.3, band and PPO clip on the step-start ``old``); ``policy_loss.loss_mode=bypass_mode`` is R1
+(spec 9.7): verl's own behaviour-anchored loss, whose token rejection ``rollout_rs=token_k1`` is R1's band. Every problem fails before any worker starts, with one line naming the
 option to set. :func:`hydra_config_node` is the ``copc_ppo_trainer`` config (verl's ``ppo_trainer``
 plus a ``copc`` section listing every option), registered by the plugin in Hydra's config store.
 """
@@ -11,6 +13,7 @@ plus a ``copc`` section listing every option), registered by the plugin in Hydra
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -20,6 +23,7 @@ from copc.channels import AdvantageChannelConfig, PolicyChannelConfig
 from copc.channels.methods import get_method
 
 __all__ = [
+    "BEHAVIOUR_LOSS",
     "CHANNELS",
     "CONFIG_NAME",
     "ESTIMATORS",
@@ -27,6 +31,7 @@ __all__ = [
     "MISSING_ROLLOUT",
     "MISSING_VALUES",
     "CopcChannels",
+    "behaviour_band",
     "channels_from_verl_config",
     "check_verl_config",
     "hydra_config_node",
@@ -70,12 +75,25 @@ _ADVANTAGE_ELSEWHERE = {
 CHANNELS = ("both", "policy")
 
 
+#: ``actor_rollout_ref.actor.policy_loss.loss_mode`` that makes a copc trainer run COPC's behaviour-anchored
+#: reading R1 (spec 9.7): verl's own bypass-mode loss, PPO clip on ``r = exp(cur - mu)`` with the tokens
+#: whose ``r`` leaves the band rejected (``rollout_rs=token_k1``), recomputed at every micro-batch.
+BEHAVIOUR_LOSS = "bypass_mode"
+#: Where verl's bypass-mode loss reads its options (not in verl's yaml: set them with Hydra's ``+``).
+ACTOR_CORRECTION = "actor_rollout_ref.actor.policy_loss.rollout_correction"
+
+
 class CopcChannels(NamedTuple):
     """The channel configs a copc trainer runs in verl (built once at start-up)."""
 
     policy: PolicyChannelConfig
     #: None: the COPC policy channel alone (``copc.channels=policy``), verl's estimator gives the advantages.
     advantage: AdvantageChannelConfig | None
+
+    @property
+    def behaviour(self) -> bool:
+        """True for R1 (``policy_loss.loss_mode=bypass_mode``): the actor's ratio and band are centred on mu."""
+        return self.policy.objective == "bypass_ppo"
 
 
 def _get(config: Any, dotted: str, default: Any = None) -> Any:
@@ -113,10 +131,61 @@ def _overrides(section: dict[str, Any], name: str, allowed: tuple[str, ...] | No
     return {key: value for key, value in section.items() if value is not None}
 
 
+def _positive(text: str, where: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"{where}: {text!r} is not a positive number; R1's band [0.5, 2] is rollout_rs_threshold=0.5_2.0")
+    return value
+
+
+def behaviour_band(config: Any) -> tuple[float, float]:
+    """R1's band on ``r = cur/mu`` from verl's bypass-mode options (``ACTOR_CORRECTION``), checked.
+
+    verl's ``token_k1`` keeps a token when ``lower <= mu/cur <= upper`` (its statistic is ``log(mu/cur)``,
+    threshold ``"lower_upper"``, or ``"upper"`` for ``lower = 1/upper``): that is ``1/upper <= r <= 1/lower``.
+    ``rollout_rs=null`` is no band, ``(0, inf)``: async PPO 3a's actor (COPC's advantage channel alone).
+    """
+    section = _get(config, ACTOR_CORRECTION)
+    loss_type = str(_get(section, "loss_type", "ppo_clip"))
+    if loss_type != "ppo_clip":
+        raise ValueError(
+            f"{ACTOR_CORRECTION}.loss_type={loss_type}: COPC R1 in verl is its PPO form (ppo_clip); "
+            "R1's DIS form has no verl path"
+        )
+    option = _get(section, "rollout_rs")
+    if option is None:
+        return 0.0, math.inf
+    if str(option).strip() != "token_k1":
+        raise ValueError(
+            f"{ACTOR_CORRECTION}.rollout_rs={option}: R1's mask is verl's token-level band on the ratio, "
+            "rollout_rs=token_k1 (or null for no band)"
+        )
+    spec = _get(section, "rollout_rs_threshold")
+    where = f"{ACTOR_CORRECTION}.rollout_rs_threshold"
+    if spec is None:
+        raise ValueError(f"{where} is not set: R1's band [0.5, 2] is +{where}=0.5_2.0")
+    text = str(spec).strip()
+    if "_" in text:
+        lower_text, upper_text = text.split("_", 1)
+        lower, upper = _positive(lower_text, where), _positive(upper_text, where)
+    else:
+        upper = _positive(text, where)
+        lower = 1.0 / upper
+    if not lower < upper:
+        raise ValueError(f"{where}={text}: the band needs lower < upper (lower_upper, e.g. 0.5_2.0)")
+    return 1.0 / upper, 1.0 / lower
+
+
 def channels_from_verl_config(config: Any) -> CopcChannels:
     """copc's channel configs from verl's full config; fails at start-up with one line per problem.
 
-    Policy channel: copc's ``copc`` preset with ``copc.policy.{mask_low, mask_high, weight_mode}``.
+    Policy channel, by the actor's ``policy_loss.loss_mode``: ``bypass_mode`` runs R1, copc's
+    ``copc_behaviour`` preset with the band of :func:`behaviour_band`; any other loss (``copc``) runs R0,
+    copc's ``copc`` preset with ``copc.policy.{mask_low, mask_high, weight_mode}``, whose weight omega the
+    trainer hands to the loss.
     Advantage channel (``copc.channels=both``, the default): the preset named by
     ``algorithm.adv_estimator`` (``copc_clipped_td`` -> ``copc``, ``copc_vtrace`` -> ``vtrace``,
     ``copc_brace`` -> ``brace``) with gamma = ``algorithm.gamma``, lambda (critic and actor) =
@@ -135,7 +204,28 @@ def channels_from_verl_config(config: Any) -> CopcChannels:
         raise ValueError(f"copc.channels={which!r}: valid are {', '.join(CHANNELS)}")
     policy_over = _overrides(_plain(section.get("policy")), "policy", _POLICY_FIELDS, _POLICY_ELSEWHERE)
     adv_over = _overrides(_plain(section.get("advantage")), "advantage", None, _ADVANTAGE_ELSEWHERE)
-    policy = dataclasses.replace(get_method("copc").policy, **policy_over)
+    if str(_get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "")) == BEHAVIOUR_LOSS:
+        if policy_over:
+            raise ValueError(
+                f"copc.policy.{next(iter(policy_over))} is R0's (policy_loss.loss_mode=copc); with loss_mode="
+                f"{BEHAVIOUR_LOSS} (R1) the band is verl's {ACTOR_CORRECTION}.rollout_rs_threshold: remove it"
+            )
+        if which == "policy":
+            raise ValueError(
+                f"copc.channels=policy with policy_loss.loss_mode={BEHAVIOUR_LOSS} is verl's own bypass mode (async "
+                "PPO 3a + mask): run verl's trainer (trainer.v1.trainer_mode=sync, colocate_async or separate_async) "
+                "with algorithm.rollout_correction.bypass_mode=True; or copc.channels=both for COPC R1"
+            )
+        if str(_get(config, "actor_rollout_ref.actor.loss_agg_mode", "")) == "seq-mean-token-mean":
+            raise ValueError(
+                f"actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean with loss_mode={BEHAVIOUR_LOSS} divides "
+                "each sequence by the tokens the band keeps, not by all its tokens (R1, spec 9.7): use token-mean, "
+                "seq-mean-token-sum or seq-mean-token-sum-norm"
+            )
+        low, high = behaviour_band(config)
+        policy = dataclasses.replace(get_method("copc_behaviour").policy, mask_low=low, mask_high=high)
+    else:
+        policy = dataclasses.replace(get_method("copc").policy, **policy_over)
     if which == "policy":
         if estimator in ESTIMATORS:
             raise ValueError(
@@ -184,14 +274,14 @@ CONFIG_NAME = "copc_ppo_trainer"
 
 
 def hydra_config_node() -> dict[str, Any]:
-    """``copc_ppo_trainer``: the copc preset's policy band; advantage fields null (= the estimator's preset)."""
-    policy = get_method("copc").policy
+    """``copc_ppo_trainer``: every copc option, null meaning the preset's value (R0's band for ``copc.policy``,
+    the estimator's preset for ``copc.advantage``), so an option set by the user can be told from a default."""
     advantage = [f.name for f in dataclasses.fields(AdvantageChannelConfig) if f.name not in _ADVANTAGE_ELSEWHERE]
     return {
         "defaults": ["ppo_trainer", "_self_"],
         "copc": {
             "channels": CHANNELS[0],
-            "policy": {name: getattr(policy, name) for name in _POLICY_FIELDS},
+            "policy": dict.fromkeys(_POLICY_FIELDS),
             "advantage": dict.fromkeys(advantage),
         },
     }
