@@ -8,8 +8,9 @@ and SimpleStorage unit are Ray actors); rows put into it as verl's agent loop pu
 ``response_mask``/``loss_mask``, ``rm_scores``, ``rollout_log_probs`` per key ``{uid}_{session}_{i}``);
 the copc trainer's inherited ``_compute_old_log_prob`` and ``_compute_values`` (verl's own methods)
 calling verl's actor and critic workers, whose ``tqbridge`` decorators read and write TransferQueue;
-then copc's ``_compute_advantage`` reading the batch back. It writes what ``test_verl_tq_pipeline.py``
-asserts on.
+then copc's ``_compute_advantage`` reading the batch back. The same rows under fresh keys then go through
+a copc trainer built from the R1 config, whose advantage step overwrites ``old_log_probs`` with ``mu`` in
+TransferQueue. It writes what ``test_verl_tq_pipeline.py`` asserts on.
 
 Stand-ins, and why: the workers are called in this process instead of through Ray worker groups (a Ray
 worker group places them on GPUs); the critic's group is a two-line adapter giving ``infer_batch`` the
@@ -35,7 +36,7 @@ from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1 import get_trainer_cls
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl_cpu import tiny_model_dir
-from verl_fsdp_cpu import B, P, build_workers, infer, rollout_batch, verl_config
+from verl_fsdp_cpu import R1, B, P, build_workers, infer, rollout_batch, verl_config
 
 import copc.integrations.verl as plugin
 from copc.channels import compute_advantages
@@ -78,15 +79,17 @@ def main(out_path: str) -> None:
     t0 = time.perf_counter()
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="copc_verl_tq_"))
-    cfg = verl_config(tiny_model_dir(tmp / "tiny"))
+    model_dir = tiny_model_dir(tmp / "tiny")
+    cfg = verl_config(model_dir)
+    cfg_r1 = verl_config(model_dir, R1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="copc_verl_tq")
     try:
-        run(cfg, out_path, t0)
+        run(cfg, cfg_r1, out_path, t0)
     finally:
         ray.shutdown()  # the local Ray (and TransferQueue's actors) started above
 
 
-def run(cfg: Any, out_path: str, t0: float) -> None:
+def run(cfg: Any, cfg_r1: Any, out_path: str, t0: float) -> None:
     tq_conf = OmegaConf.to_container(cfg.transfer_queue, resolve=True)
     tq_conf["backend"]["SimpleStorage"]["num_data_storage_units"] = 1  # type: ignore[index]
     tq.init(OmegaConf.create(tq_conf))
@@ -119,6 +122,25 @@ def run(cfg: Any, out_path: str, t0: float) -> None:
     fields = ["response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "values",
               "advantages", "returns", "rollout_is_weights"]
     got = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=fields).to_padded_tensor()
+
+    # R1: the same rows under fresh keys, a trainer built from the R1 config, the same verl steps.
+    r1_keys = [f"r1_{k}" for k in keys]
+    tq.kv_batch_put(keys=r1_keys, partition_id=PARTITION, tags=tags,
+                    fields=list_of_dict_to_tensordict(agent_loop_rows(batch, mu, rewards)))
+    r1_meta = KVBatchMeta(keys=r1_keys, tags=tags, partition_id=PARTITION)
+    trainer_r1 = object.__new__(get_trainer_cls("copc"))
+    trainer_r1.config = cfg_r1
+    trainer_r1._copc = plugin.check_verl_config(cfg_r1)
+    trainer_r1.actor_rollout_wg = actor
+    trainer_r1.critic_wg = CriticGroup(critic)
+    r1_metrics: dict[str, Any] = {}
+    r1_meta = trainer_r1._compute_old_log_prob(r1_meta, r1_metrics)
+    r1_meta = trainer_r1._compute_values(r1_meta, r1_metrics)
+    r1_meta = trainer_r1._compute_advantage(r1_meta, r1_metrics)
+    r1_stored = tq.kv_batch_get(keys=r1_keys[:1], partition_id=PARTITION, select_fields=None)
+    got_r1 = tq.kv_batch_get(
+        keys=r1_keys, partition_id=PARTITION, select_fields=["old_log_probs", "advantages", "returns"]
+    ).to_padded_tensor()
     T = got["response_mask"].shape[1]
 
     # copc's own estimator on the same rows, from tensors that never went through TransferQueue: the
@@ -154,6 +176,13 @@ def run(cfg: Any, out_path: str, t0: float) -> None:
         "weights_below_one": float((got["rollout_is_weights"][m] < 1).float().mean()),
         "masked_out": float((got["rollout_is_weights"][m] == 0).float().mean()),
         "trainer_metrics": sorted(metrics),
+        "r1": {
+            "old_is_mu": max_err(got_r1["old_log_probs"], mu[:, :T]),
+            "advantages_vs_own": max_err(got_r1["advantages"], own.advantages),
+            "returns_vs_own": max_err(got_r1["returns"], own.returns),
+            "fields": sorted(r1_stored.keys()),
+            "metrics": sorted(r1_metrics),
+        },
     }
     Path(out_path).write_text(json.dumps(result, indent=1))
 
