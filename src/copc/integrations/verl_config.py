@@ -3,10 +3,10 @@
 The copc trainers read their options from verl's composed config: verl's own fields where verl has one
 (``algorithm.gamma``, ``algorithm.lam``, the actor's clip and aggregation), and a top-level ``copc``
 section for the rest (``copc.channels``, ``copc.policy.{mask_low, mask_high, weight_mode}``,
-``copc.advantage.<field>``). The actor's loss picks the reading of COPC: ``policy_loss.loss_mode=copc`` is
-R0 (spec 9.3, band and PPO clip on the step-start ``old``); ``policy_loss.loss_mode=bypass_mode`` is R1
-(spec 9.7): verl's own behaviour-anchored loss, whose token rejection ``rollout_rs=token_k1`` is R1's band. Every problem fails before any worker starts, with one line naming the
-option to set. :func:`hydra_config_node` is the ``copc_ppo_trainer`` config (verl's ``ppo_trainer``
+``copc.advantage.<field>``). The actor's loss picks the reading of COPC: ``policy_loss.loss_mode=copc``
+is R0 (spec 9.3, band and PPO clip on the step-start ``old``); ``policy_loss.loss_mode=bypass_mode`` is
+R1 (spec 9.7): verl's own behaviour-anchored loss, whose token rejection ``rollout_rs=token_k1`` is R1's
+band. Every problem fails before any worker starts, with one line naming the option to set. :func:`hydra_config_node` is the ``copc_ppo_trainer`` config (verl's ``ppo_trainer``
 plus a ``copc`` section listing every option), registered by the plugin in Hydra's config store.
 """
 
