@@ -192,6 +192,15 @@ def test_turn_cut_by_the_per_turn_limit_is_truncated_not_graded(engine) -> None:
     assert traj.num_action_tokens == 5 and traj.info["cut_turns"] == 1 and traj.info["turn_cut"] == 1
 
 
+def test_turn_that_reaches_the_per_turn_limit_counts_when_the_episode_budget_ends_at_the_same_token(engine) -> None:
+    # One-turn budgets (max_total_tokens == max_new_tokens_per_turn): the turn reaches both at token 6.
+    env = ScriptedEnv(PROMPTS[1], stops=(), answer_turn=1)
+    (traj,) = _run(engine, [env], max_new_tokens_per_turn=6, max_total_tokens=6)
+    assert traj.stop_reason is StopReason.MAX_TOKENS and traj.num_action_tokens == 6
+    # raising the per-turn limit alone would not help, but it was reached: turn_limit_frac must not read 0
+    assert traj.info["cut_turns"] == 1 and traj.info["turn_cut"] == 1
+
+
 def test_truncation_stats_per_turn_and_per_episode(engine) -> None:
     cut = ScriptedEnv(PROMPTS[0], stops=(), answer_turn=1)  # 1 turn, cut by the per-turn limit
     answered = ScriptedEnv(PROMPTS[1], answer_turn=3)  # 3 turns, answered

@@ -21,8 +21,8 @@ episode:
 - the turn hit a token limit without stopping on its own (the per-turn limit
   ``max_new_tokens_per_turn`` or the episode's ``max_total_tokens`` -> ``MAX_TOKENS``, the context window
   -> ``CONTEXT_LIMIT``): it is not stepped (a cut turn is neither an answer nor a void turn), the episode
-  ends with ``env.finish(reason)`` and is truncated; ``info["turn_cut"] = 1`` says the cut was the
-  per-turn limit;
+  ends with ``env.finish(reason)`` and is truncated; ``info["turn_cut"] = 1`` says the turn reached the
+  per-turn limit (also when the episode's budget or the context ran out at the same token);
 - otherwise ``env.step(turn_text)`` (also after EOS: the env grades or rejects a turn that ended with
   end-of-sequence). ``done`` -> the episode ends with StopReason.ANSWER ("the environment said done").
   Not done after an EOS turn -> ``env.finish(EOS)`` (raw text; with a chat format only when there is no
@@ -209,8 +209,11 @@ def run_episodes(
         for ep, gen in zip(active, gens, strict=True):
             ep.add_turn(gen)
             ep.kv = gen.kv
-        cuts = [_cut_by_limit(ep, gen, max_total_tokens=max_total_tokens, context_limit=context_limit)
-                for ep, gen in zip(active, gens, strict=True)]
+        cuts = [
+            _cut_by_limit(ep, gen, max_new_tokens_per_turn=max_new_tokens_per_turn, max_total_tokens=max_total_tokens,
+                          context_limit=context_limit)
+            for ep, gen in zip(active, gens, strict=True)
+        ]
         results = _step_envs(active, gens, cuts, workers=env_workers)
         for ep, gen, cut, result in zip(active, gens, cuts, results, strict=True):
             if cut is not None:
@@ -238,18 +241,22 @@ class _TurnCut(NamedTuple):
     """A turn that hit a token limit before it stopped on its own (such a turn is not stepped)."""
 
     reason: StopReason
-    #: True when the limit was the per-turn one (``max_new_tokens_per_turn``), not the episode's.
+    #: True when the turn reached the per-turn limit (``max_new_tokens_per_turn``), also when the
+    #: episode's token budget or the context window ran out at the same token.
     per_turn: bool
 
 
-def _cut_by_limit(ep: _Episode, gen: Generation, *, max_total_tokens: int, context_limit: int) -> _TurnCut | None:
+def _cut_by_limit(
+    ep: _Episode, gen: Generation, *, max_new_tokens_per_turn: int, max_total_tokens: int, context_limit: int
+) -> _TurnCut | None:
     """How this turn was cut (call after ``add_turn``), None when it stopped on its own (stop string, EOS)."""
     if gen.finish is not FinishReason.LENGTH:
         return None
+    per_turn = len(gen.token_ids) >= max_new_tokens_per_turn
     if ep.generated >= max_total_tokens:
-        return _TurnCut(StopReason.MAX_TOKENS, per_turn=False)
+        return _TurnCut(StopReason.MAX_TOKENS, per_turn=per_turn)
     if len(ep.ids) >= context_limit:
-        return _TurnCut(StopReason.CONTEXT_LIMIT, per_turn=False)
+        return _TurnCut(StopReason.CONTEXT_LIMIT, per_turn=per_turn)
     return _TurnCut(StopReason.MAX_TOKENS, per_turn=True)
 
 
@@ -369,7 +376,8 @@ class TruncationStats(NamedTuple):
     episode_frac: float
     #: Policy turns cut by a token limit before they stopped on their own.
     turn_frac: float
-    #: Episodes whose last turn hit the per-turn limit ``max_new_tokens_per_turn``.
+    #: Episodes whose last turn reached the per-turn limit ``max_new_tokens_per_turn`` (also when another
+    #: budget ran out at the same token).
     turn_limit_frac: float
 
 
