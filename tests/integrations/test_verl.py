@@ -364,11 +364,11 @@ def test_trainer_missing_field_fails_with_one_line_naming_the_verl_option(
     assert option in message and "\n" not in message
 
 
-# --- R1: policy_loss.loss_mode=bypass_mode ------------------------------------------------------------
+# --- R1: policy_loss.loss_mode=copc_behaviour ------------------------------------------------------------
 
 ACTOR_CORRECTION = "actor_rollout_ref.actor.policy_loss.rollout_correction"
 R1 = {
-    "actor_rollout_ref.actor.policy_loss.loss_mode": "bypass_mode",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "copc_behaviour",
     f"{ACTOR_CORRECTION}.rollout_rs": "token_k1",
     f"{ACTOR_CORRECTION}.rollout_rs_threshold": "0.5_2.0",
 }
@@ -422,6 +422,8 @@ def test_r1_without_a_band_is_3a_with_the_advantage_channel() -> None:
         ({"copc.channels": "policy", "algorithm.adv_estimator": "grpo"}, "is verl's own bypass mode"),
         ({"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"}, "use token-mean, seq-mean-token-sum"),
         ({"algorithm.rollout_correction.bypass_mode": True}, "set algorithm.rollout_correction.bypass_mode=False"),
+        ({"actor_rollout_ref.actor.policy_loss.loss_mode": "bypass_mode"}, "set loss_mode=copc_behaviour for COPC R1"),
+        ({f"{ACTOR_CORRECTION}.rollout_rs_threshold": 0.52}, "Hydra reads digits around an underscore as one number"),
     ],
 )
 def test_bad_r1_config_fails_at_start_up_with_one_line(overrides: dict[str, object], says: str) -> None:

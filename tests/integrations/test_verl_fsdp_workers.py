@@ -66,7 +66,7 @@ def test_actor_loss_in_verls_worker_is_copcs_policy_loss(run: dict[str, Any]) ->
 
 
 def test_r1_actor_in_verls_worker_is_copcs_own_r1_loss(run: dict[str, Any]) -> None:
-    """R1 (``policy_loss.loss_mode=bypass_mode``): verl's worker reads the band from the composed config and
+    """R1 (``policy_loss.loss_mode=copc_behaviour``): verl's worker reads the band from the composed config and
     its loss, on the batch R1's trainer writes (old_log_probs = mu), is copc's own R1 actor loss."""
     assert run["r1_policy"] == ["bypass_ppo", 0.5, 2.0]
     assert run["r1_same_start"] and run["r1_actor_unchanged"] == []

@@ -210,35 +210,49 @@ def test_verls_padding_rows_give_no_nan_and_change_nothing() -> None:
 # --- R1: verl's own bypass-mode loss, the trainer having written old_log_probs = mu ------------------------
 
 
-def r1_actor_config(mode: str, rollout_rs: str | None = "token_k1") -> FSDPActorConfig:
-    correction = {"rollout_rs": rollout_rs, "rollout_rs_threshold": "0.5_2.0" if rollout_rs else None}
+def r1_actor_config(
+    mode: str, rollout_rs: str | None = "token_k1", threshold: str = "0.5_2.0", scale: float | None = None,
+    loss_mode: str = plugin.BEHAVIOUR_LOSS,
+) -> FSDPActorConfig:
+    correction = {"rollout_rs": rollout_rs, "rollout_rs_threshold": threshold if rollout_rs else None}
     return FSDPActorConfig(
-        strategy="fsdp", ppo_micro_batch_size_per_gpu=2, rollout_n=1, loss_agg_mode=mode,
+        strategy="fsdp", ppo_micro_batch_size_per_gpu=2, rollout_n=1, loss_agg_mode=mode, loss_scale_factor=scale,
         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-        policy_loss={"loss_mode": plugin.BEHAVIOUR_LOSS, "rollout_correction": correction},
+        policy_loss={"loss_mode": loss_mode, "rollout_correction": correction},
     )
 
 
-@pytest.mark.parametrize(("mode", "preset"), [
-    ("token-mean", "copc_behaviour"), ("seq-mean-token-sum", "copc_behaviour"), ("token-mean", "async_ppo_advantage"),
+NORM = 12.0  # seq-mean-token-sum-norm's constant (verl's loss_scale_factor, copc's norm_length)
+
+
+@pytest.mark.parametrize(("mode", "preset", "threshold", "band"), [
+    ("token-mean", "copc_behaviour", "0.5_2.0", (0.5, 2.0)),
+    ("seq-mean-token-sum", "copc_behaviour", "0.5_2.0", (0.5, 2.0)),
+    ("seq-mean-token-sum-norm", "copc_behaviour", "0.5_2.0", (0.5, 2.0)),
+    ("token-mean", "copc_behaviour", "0.5_1.25", (0.8, 2.0)),  # asymmetric: verl's bounds are on mu/cur
+    ("token-mean", "async_ppo_advantage", "", (0.0, math.inf)),
 ])
-def test_r1_through_verls_bypass_mode_loss_equals_copcs_own_r1_policy_loss(mode: str, preset: str) -> None:
+def test_r1_through_verls_bypass_mode_loss_equals_copcs_own_r1_policy_loss(
+    mode: str, preset: str, threshold: str, band: tuple[float, float]
+) -> None:
     """R1 (spec 9.7) in verl is verl's bypass-mode loss on the batch copc's trainer wrote: copc's own
     ``copc_behaviour`` actor loss (band on cur/mu at every micro-batch, PPO clip on cur/mu, dual clip), and
     with no band (``rollout_rs=null``) async PPO 3a's, the advantage channel alone (``async_ppo_advantage``)."""
     method = get_method(preset)
-    channels = CopcChannels(method.policy, method.advantage)
+    policy = dataclasses.replace(method.policy, mask_low=band[0], mask_high=band[1], loss_agg=mode,
+                                 norm_length=NORM if mode.endswith("norm") else None)
+    channels = CopcChannels(policy, method.advantage)
     assert channels.behaviour
     rows = _rows(seed=0, n=6)
     td, padded = verl_actor_batch(rows, channels)
     assert "rollout_is_weights" not in td
     mask = padded["response_mask"].bool()
     logp = padded["log_prob"].clone().requires_grad_(True)
-    loss, metrics = verl_loss(td, logp, r1_actor_config(mode, "token_k1" if preset == "copc_behaviour" else None))
+    actor = r1_actor_config(mode, "token_k1" if threshold else None, threshold, NORM if mode.endswith("norm") else None)
+    loss, metrics = verl_loss(td, logp, actor)
     ref_logp = padded["log_prob"].clone().requires_grad_(True)
     ref = policy_loss(
-        dataclasses.replace(method.policy, loss_agg=mode),
-        PolicyInputs(ref_logp, None, padded["rollout_log_probs"], padded["advantages"], mask, num_tokens=None),
+        policy, PolicyInputs(ref_logp, None, padded["rollout_log_probs"], padded["advantages"], mask, num_tokens=None),
     )
     kept = float(ref.stats["policy/mask_frac"]) if "policy/mask_frac" in ref.stats else 0.0
     assert (0.0 < kept < 1.0) if preset == "copc_behaviour" else kept == 0.0  # the band binds where it exists
@@ -249,3 +263,23 @@ def test_r1_through_verls_bypass_mode_loss_equals_copcs_own_r1_policy_loss(mode:
     torch.testing.assert_close(logp.grad, ref_logp.grad, rtol=RTOL, atol=ATOL)
     if preset == "copc_behaviour":  # verl's rejection metrics report the band in every micro-batch
         assert all("rollout_corr/rollout_rs_token_k1_masked_fraction" in m for m in metrics)
+
+
+def test_r1_micro_batch_of_verls_padding_rows_gives_zero_not_an_error() -> None:
+    """verl's rejection step raises on a micro-batch with no valid token; copc's ``copc_behaviour`` gives 0
+    there, and the real rows' loss is what it is without the padding rows."""
+    method = get_method("copc_behaviour")
+    channels = CopcChannels(method.policy, method.advantage)
+    rows = _rows(seed=1, n=4)
+    td, padded = verl_actor_batch(rows + [_padding_row(rows[0]) for _ in range(2)], channels)
+    assert int(td["loss_mask"][-2:].sum()) == 0
+    logp = padded["log_prob"].clone().requires_grad_(True)
+    loss, metrics = verl_loss(td, logp, r1_actor_config("token-mean"))
+    assert float(metrics[-1]["actor/pg_loss"].values[0]) == 0.0
+    loss.backward()
+    assert logp.grad is not None and torch.isfinite(logp.grad).all() and (logp.grad[-2:] == 0).all()
+    td_real, padded_real = verl_actor_batch(rows, channels)
+    real, _ = verl_loss(td_real, padded_real["log_prob"], r1_actor_config("token-mean"))
+    torch.testing.assert_close(loss.detach(), real, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="at least one valid token"):  # verl's own loss, on the same batch
+        verl_loss(td, padded["log_prob"], r1_actor_config("token-mean", loss_mode="bypass_mode"))

@@ -69,7 +69,7 @@ def test_copcs_advantage_step_after_verls_steps_equals_copcs_own_estimator(run: 
 
 
 def test_r1_step_overwrites_old_with_mu_in_transfer_queue_after_the_advantages_read_old(run: dict[str, Any]) -> None:
-    """R1 (``policy_loss.loss_mode=bypass_mode``): the advantages come from verl's recomputed old (the same as
+    """R1 (``policy_loss.loss_mode=copc_behaviour``): the advantages come from verl's recomputed old (the same as
     copc's own estimator on w = old/mu), then TransferQueue holds ``old_log_probs = mu`` for the actor, and no
     weight field is written."""
     r1 = run["r1"]

@@ -6,7 +6,7 @@ starts a one-rank gloo process group, which must not leak into pytest's process)
 ``init_model`` (verl's ``TrainingWorker`` + ``FSDPEngine`` with ``strategy=fsdp2``, its optimizer and its
 ``ppo_loss`` bound to the actor config), the critic ``TrainingWorker`` built as verl's v1 trainer builds it
 (``value_loss``), ``compute_log_prob`` / ``infer_batch`` / ``update_actor`` / ``train_mini_batch``, and the
-trainer's padded -> no-padding conversions. A second actor worker runs R1 (``policy_loss.loss_mode=bypass_mode``
+trainer's padded -> no-padding conversions. A second actor worker runs R1 (``policy_loss.loss_mode=copc_behaviour``
 with the band as ``policy_loss.rollout_correction``), on the batch R1's trainer writes (``old_log_probs = mu``,
 no weight). copc's: the plugin's ``copc_advantage_step``. Stand-ins
 (``verl_cpu``): the CPU platform and the SDPA value-head loader. The rollout is a stand-in too: responses
@@ -49,7 +49,7 @@ CRITIC_UPDATES = 4
 
 #: The R1 actor: verl's bypass-mode loss with R1's band [0.5, 2] on cur/mu (Hydra's ``+``: not in verl's yaml).
 R1 = [
-    "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+    "actor_rollout_ref.actor.policy_loss.loss_mode=copc_behaviour",
     "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs=token_k1",
     "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs_threshold=0.5_2.0",
 ]

@@ -22,10 +22,13 @@ and every Ray worker), and importing it registers, through verl's own registries
   Each runs as the verl trainer it extends in every mode-dependent decision (verl's mode string is
   handed to verl's base code; see :class:`CopcAdvantageMixin`). ``copc.channels=policy`` runs the
   COPC policy channel alone (not COPC): verl's own advantage step (e.g. GRPO, no critic), then omega.
-  With ``policy_loss.loss_mode=bypass_mode`` the trainers run R1 (spec 9.7) instead: the same advantage
-  channel on ``old - mu``, then the trainer writes ``old_log_probs = rollout_log_probs`` and no weight, so
-  verl's own bypass-mode loss clips ``r = exp(cur - mu)`` and rejects the tokens whose ``r`` leaves R1's
-  band (``policy_loss.rollout_correction.rollout_rs=token_k1``), recomputed at every micro-batch.
+- the policy loss ``copc_behaviour`` (``policy_loss.loss_mode=copc_behaviour``): COPC R1 (spec 9.7). The
+  trainers then run the same advantage channel on ``old - mu`` and write ``old_log_probs =
+  rollout_log_probs`` and no weight; the loss is verl's own bypass-mode loss
+  (``compute_policy_loss_bypass_mode``), which clips ``r = exp(cur - mu)`` and rejects the tokens whose
+  ``r`` leaves R1's band (``policy_loss.rollout_correction.rollout_rs=token_k1``) at every micro-batch.
+  copc adds one thing: a micro-batch with no loss token (verl's synthetic padding rows) gives 0, where
+  verl's rejection step raises.
 - the advantage estimators ``copc_clipped_td``, ``copc_vtrace``, ``copc_brace``
   (``algorithm.adv_estimator=...``) choose copc's estimator. verl calls a registered estimator with
   rewards and a mask only (no values, no log-probs), so these entries only say, if a plain verl trainer
@@ -122,6 +125,7 @@ __all__ = [
     "check_verl_hook",
     "check_verl_version",
     "copc_advantage_step",
+    "copc_behaviour_loss",
     "copc_policy_loss",
     "copc_policy_weight",
 ]
@@ -254,6 +258,30 @@ def copc_policy_loss(
         loss_mat=out.per_token, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.get("global_batch_info", {})
     )
     return loss, {f"copc/{name}": value for name, value in out.stats.items()}
+
+
+def copc_behaviour_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl policy loss ``copc_behaviour``: COPC R1's actor loss, which is verl's bypass-mode loss.
+
+    ``old_log_prob`` is mu (copc's trainer wrote ``old_log_probs = rollout_log_probs`` after its advantage
+    step). verl's ``compute_policy_loss_bypass_mode`` does the work, reading R1's band from
+    ``config.policy_loss.rollout_correction``; a micro-batch without a loss token (verl's padding rows)
+    returns 0 with a zero gradient, where verl's rejection step raises.
+    """
+    if not bool(response_mask.bool().any()):
+        return (log_prob * 0.0).sum(), {}
+    return core_algos.compute_policy_loss_bypass_mode(
+        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights,
+    )
 
 
 def _estimator_stub(name: str) -> Any:
@@ -443,11 +471,12 @@ TRAINERS: dict[str, type[CopcAdvantageMixin]] = {
 
 def _register() -> None:
     """Register the loss, the estimators' stubs and the trainers in verl's registries (idempotent)."""
-    existing = core_algos.POLICY_LOSS_REGISTRY.get(LOSS_NAME)
-    if existing is not None and existing is not copc_policy_loss:
-        # verl's register_policy_loss overwrites silently; never replace someone else's loss.
-        raise ValueError(f"verl already has a policy loss named {LOSS_NAME!r} ({existing!r}); copc will not overwrite it")
-    core_algos.register_policy_loss(LOSS_NAME)(copc_policy_loss)
+    for name, loss in ((LOSS_NAME, copc_policy_loss), (BEHAVIOUR_LOSS, copc_behaviour_loss)):
+        existing = core_algos.POLICY_LOSS_REGISTRY.get(name)
+        if existing is not None and existing is not loss:
+            # verl's register_policy_loss overwrites silently; never replace someone else's loss.
+            raise ValueError(f"verl already has a policy loss named {name!r} ({existing!r}); copc will not overwrite it")
+        core_algos.register_policy_loss(name)(loss)
     for name, stub in _STUBS.items():
         core_algos.register_adv_est(name)(stub)  # verl rejects a different function under the same name
     for name, cls in TRAINERS.items():

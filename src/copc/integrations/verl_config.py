@@ -4,9 +4,9 @@ The copc trainers read their options from verl's composed config: verl's own fie
 (``algorithm.gamma``, ``algorithm.lam``, the actor's clip and aggregation), and a top-level ``copc``
 section for the rest (``copc.channels``, ``copc.policy.{mask_low, mask_high, weight_mode}``,
 ``copc.advantage.<field>``). The actor's loss picks the reading of COPC: ``policy_loss.loss_mode=copc``
-is R0 (spec 9.3, band and PPO clip on the step-start ``old``); ``policy_loss.loss_mode=bypass_mode`` is
-R1 (spec 9.7): verl's own behaviour-anchored loss, whose token rejection ``rollout_rs=token_k1`` is R1's
-band. Every problem fails before any worker starts, with one line naming the option to set. :func:`hydra_config_node` is the ``copc_ppo_trainer`` config (verl's ``ppo_trainer``
+is R0 (spec 9.3, band and PPO clip on the step-start ``old``); ``policy_loss.loss_mode=copc_behaviour`` is
+R1 (spec 9.7): verl's own behaviour-anchored (bypass-mode) loss, whose token rejection
+``rollout_rs=token_k1`` is R1's band. Every problem fails before any worker starts, with one line naming the option to set. :func:`hydra_config_node` is the ``copc_ppo_trainer`` config (verl's ``ppo_trainer``
 plus a ``copc`` section listing every option), registered by the plugin in Hydra's config store.
 """
 
@@ -30,6 +30,7 @@ __all__ = [
     "MISSING_OLD",
     "MISSING_ROLLOUT",
     "MISSING_VALUES",
+    "VERL_BYPASS_LOSS",
     "CopcChannels",
     "behaviour_band",
     "channels_from_verl_config",
@@ -78,7 +79,9 @@ CHANNELS = ("both", "policy")
 #: ``actor_rollout_ref.actor.policy_loss.loss_mode`` that makes a copc trainer run COPC's behaviour-anchored
 #: reading R1 (spec 9.7): verl's own bypass-mode loss, PPO clip on ``r = exp(cur - mu)`` with the tokens
 #: whose ``r`` leaves the band rejected (``rollout_rs=token_k1``), recomputed at every micro-batch.
-BEHAVIOUR_LOSS = "bypass_mode"
+BEHAVIOUR_LOSS = "copc_behaviour"
+#: verl's own name of that loss: under a copc trainer it would clip on the recomputed ``old``, so it is refused.
+VERL_BYPASS_LOSS = "bypass_mode"
 #: Where verl's bypass-mode loss reads its options (not in verl's yaml: set them with Hydra's ``+``).
 ACTOR_CORRECTION = "actor_rollout_ref.actor.policy_loss.rollout_correction"
 
@@ -175,7 +178,10 @@ def behaviour_band(config: Any) -> tuple[float, float]:
         upper = _positive(text, where)
         lower = 1.0 / upper
     if not lower < upper:
-        raise ValueError(f"{where}={text}: the band needs lower < upper (lower_upper, e.g. 0.5_2.0)")
+        read_as_number = "" if isinstance(spec, str) else (
+            " (Hydra reads digits around an underscore as one number: 0.5_2 is 0.52; write 0.5_2.0 or quote it)"
+        )
+        raise ValueError(f"{where}={text}: the band needs lower < upper (lower_upper, e.g. 0.5_2.0){read_as_number}")
     return 1.0 / upper, 1.0 / lower
 
 
@@ -204,7 +210,13 @@ def channels_from_verl_config(config: Any) -> CopcChannels:
         raise ValueError(f"copc.channels={which!r}: valid are {', '.join(CHANNELS)}")
     policy_over = _overrides(_plain(section.get("policy")), "policy", _POLICY_FIELDS, _POLICY_ELSEWHERE)
     adv_over = _overrides(_plain(section.get("advantage")), "advantage", None, _ADVANTAGE_ELSEWHERE)
-    if str(_get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "")) == BEHAVIOUR_LOSS:
+    loss_mode = str(_get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", ""))
+    if loss_mode == VERL_BYPASS_LOSS:
+        raise ValueError(
+            f"policy_loss.loss_mode={VERL_BYPASS_LOSS} under a copc trainer would clip on verl's recomputed old: set "
+            f"loss_mode={BEHAVIOUR_LOSS} for COPC R1 (verl's bypass-mode loss on the sampler's log-probs), or copc for R0"
+        )
+    if loss_mode == BEHAVIOUR_LOSS:
         if policy_over:
             raise ValueError(
                 f"copc.policy.{next(iter(policy_over))} is R0's (policy_loss.loss_mode=copc); with loss_mode="
@@ -214,7 +226,8 @@ def channels_from_verl_config(config: Any) -> CopcChannels:
             raise ValueError(
                 f"copc.channels=policy with policy_loss.loss_mode={BEHAVIOUR_LOSS} is verl's own bypass mode (async "
                 "PPO 3a + mask): run verl's trainer (trainer.v1.trainer_mode=sync, colocate_async or separate_async) "
-                "with algorithm.rollout_correction.bypass_mode=True; or copc.channels=both for COPC R1"
+                "with algorithm.rollout_correction.bypass_mode=True (it writes old_log_probs = rollout_log_probs "
+                "itself); or copc.channels=both for COPC R1"
             )
         if str(_get(config, "actor_rollout_ref.actor.loss_agg_mode", "")) == "seq-mean-token-mean":
             raise ValueError(
