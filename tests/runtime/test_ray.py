@@ -257,6 +257,31 @@ def test_bad_ray_settings_are_one_line(driver: dict[str, object], message: str) 
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("workers", "options", "says"),
+    [
+        (2, RayOptions(cpus_per_worker=2.0), "driver.num_workers=2 x driver.ray_cpus_per_worker=2 needs 4 CPUs"),
+        (1, RayOptions(gpus_per_worker=0.5), "driver.num_workers=1 x driver.ray_gpus_per_worker=0.5 needs 0.5 GPUs"),
+    ],
+)
+def test_actors_the_ray_cluster_cannot_place_fail_at_start_or_warn(
+    workers: int, options: RayOptions, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An actor Ray cannot place never starts, and the batch it was given blocks the run (for
+    driver.batch_timeout_s, then again after each restart). A local Ray copc started cannot grow: one line
+    before any actor starts. A cluster may (an autoscaler): a warning, and the run waits."""
+    from copc.runtime.ray_workers import check_resources
+
+    with pytest.raises(ValueError) as err:
+        check_resources(workers, options, owns_ray=True)  # the module's local Ray: 2 CPUs, no GPU
+    message = str(err.value)
+    assert says in message and ("has 2" in message or "has 0" in message) and "\n" not in message
+    check_resources(workers, options, owns_ray=False)
+    assert says in capsys.readouterr().err
+    check_resources(2, RayOptions(cpus_per_worker=1.0), owns_ray=True)  # fits: nothing said
+    assert capsys.readouterr().err == ""
+
+
 def test_only_the_ray_transport_imports_ray_and_only_when_it_is_used() -> None:
     """``import copc`` (any module) never imports ray: one module names it, inside a function."""
     import ast

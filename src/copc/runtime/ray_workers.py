@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 import uuid
@@ -39,10 +40,11 @@ from typing import Any
 
 import torch
 
+from copc.config import ConfigError
 from copc.runtime.buffer import encode_batch
 from copc.runtime.workers import TransportFactory, WorkerEvent, WorkerSpec, build_generator
 
-__all__ = ["RayOptions", "RayWeights", "RayWorkerPool", "RolloutWorker", "connect", "ray_transport"]
+__all__ = ["RayOptions", "RayWeights", "RayWorkerPool", "RolloutWorker", "check_resources", "connect", "ray_transport"]
 
 
 def _ray() -> Any:
@@ -266,12 +268,34 @@ class RayWorkerPool:
             _ray().shutdown()
 
 
+def check_resources(num_workers: int, options: RayOptions, *, owns_ray: bool) -> None:
+    """Refuse (a local Ray copc started) or warn about (a cluster, which an autoscaler may grow) actors the
+    cluster cannot place: such an actor never starts, and the batch it is given blocks the run."""
+    total = _ray().cluster_resources()
+    for key, what, per, option in (("CPU", "CPUs", options.cpus_per_worker, "driver.ray_cpus_per_worker"),
+                                   ("GPU", "GPUs", options.gpus_per_worker, "driver.ray_gpus_per_worker")):
+        need, have = num_workers * per, float(total.get(key, 0.0))
+        if need <= have + 1e-9:
+            continue
+        problem = (f"driver.num_workers={num_workers} x {option}={per:g} needs {need:g} {what}, "
+                   f"but the Ray cluster has {have:g}")
+        if owns_ray:
+            raise ConfigError(f"{problem}: lower one of them, or join a larger cluster (driver.address)")
+        print(f"warning: {problem}; the actors that do not fit wait until it has room (an autoscaler may add "
+              f"it), and so do their batches", file=sys.stderr, flush=True)
+
+
 def ray_transport(options: RayOptions) -> TransportFactory:
     """The :class:`~copc.runtime.async_local.AsyncSource` transport of Ray actors (connects to Ray now)."""
 
     def build(spec: WorkerSpec, initial_weights: Mapping[str, torch.Tensor], slots: int,
               num_workers: int) -> tuple[RayWeights, RayWorkerPool]:
         owns = connect(options.address)
+        try:
+            check_resources(num_workers, options, owns_ray=owns)
+        except ConfigError:
+            _ray().shutdown()  # the local Ray this call started
+            raise
         weights = RayWeights(slots)
         return weights, RayWorkerPool(spec, weights, num_workers, options, owns_ray=owns)
 
