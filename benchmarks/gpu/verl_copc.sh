@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU check of copc's verl plugin: a few verl v1 colocated-async steps on one GPU, first with verl's own
 # PPO + GAE (plugin not loaded), then with copc's loss and trainer (`--config-name copc_ppo_trainer`, as in
-# docs/verl.md), on the same data and model; prints each run's mean step time, its actor and critic
-# losses, and the copc metrics the copc run logged. Sized for under 10 minutes on one GPU (each run is cut
-# at RUN_TIMEOUT); not yet run on a GPU.
+# docs/verl.md: R0, loss `copc`), then R1 (loss `copc_behaviour`, R1's band as verl's token rejection), on
+# the same data and model; prints each run's mean step time, its actor and critic losses, and the copc
+# metrics the copc runs logged. Sized for under 10 minutes on one GPU (each run is cut at RUN_TIMEOUT,
+# 180 s); not yet run on a GPU.
 #
 # Nothing is downloaded: a small random-weight Qwen3-architecture model is built from a config, its
 # tokenizer is a byte-level BPE trained on the synthetic prompts, and the data are GSM8K-style
@@ -13,7 +14,7 @@
 #
 # Needs: one CUDA GPU; python with torch (CUDA), `pip install "copc[verl]" vllm` done beforehand.
 # Usage: bash benchmarks/gpu/verl_copc.sh [steps]   (default 6 steps per run; the first is not timed)
-# Env:   PY (python, default python3), WORK (scratch dir, default a new temp dir), RUN_TIMEOUT (s, 240).
+# Env:   PY (python, default python3), WORK (scratch dir, default a new temp dir), RUN_TIMEOUT (s, 180).
 set -euo pipefail
 STEPS=${1:-6}
 PY=${PY:-python3}
@@ -23,7 +24,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     exit 2
 fi
 WORK=${WORK:-$(mktemp -d -t verl_copc.XXXX)}
-RUN_TIMEOUT=${RUN_TIMEOUT:-240}
+RUN_TIMEOUT=${RUN_TIMEOUT:-180}
 echo "work dir: $WORK"
 
 "$PY" - "$WORK" <<'EOF'
@@ -121,6 +122,10 @@ run ppo none ppo_trainer trainer.v1.trainer_mode=colocate_async algorithm.adv_es
     actor_rollout_ref.actor.policy_loss.loss_mode=vanilla || status=1
 run copc auto copc_ppo_trainer trainer.v1.trainer_mode=copc_colocate_async algorithm.adv_estimator=copc_clipped_td \
     actor_rollout_ref.actor.policy_loss.loss_mode=copc || status=1
+run copc_r1 auto copc_ppo_trainer trainer.v1.trainer_mode=copc_colocate_async algorithm.adv_estimator=copc_clipped_td \
+    actor_rollout_ref.actor.policy_loss.loss_mode=copc_behaviour \
+    +actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs=token_k1 \
+    +actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs_threshold=0.5_2.0 || status=1
 
 "$PY" - "$WORK" <<'EOF'
 """Mean step time (verl's timing_s/step, first step dropped), losses, and the copc metrics that were logged."""
@@ -129,18 +134,18 @@ import sys
 from pathlib import Path
 
 work = Path(sys.argv[1])
-for name in ("ppo", "copc"):
+for name in ("ppo", "copc", "copc_r1"):
     log = work / f"{name}.log"
     text = log.read_text(errors="replace") if log.exists() else ""
     steps = [float(x) for x in re.findall(r"timing_s/step:([0-9.eE+-]+)", text)]
-    copc_keys = sorted(set(re.findall(r"((?:actor/)?copc/[a-z_/0-9]+):", text)))
+    copc_keys = sorted(set(re.findall(r"((?:actor/)?(?:copc|rollout_corr)/[a-z_/0-9]+):", text)))
     timed = steps[1:] if len(steps) > 1 else steps
     mean = sum(timed) / len(timed) if timed else float("nan")
     print(f"{name}: {len(steps)} steps, mean step time {mean:.2f} s (first step dropped); copc metrics: {len(copc_keys)}")
     for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean"):
         values = re.findall(re.escape(key) + r":([0-9.eE+-]+)", text)
         print(f"    {key} per step: {', '.join(f'{float(v):.4g}' for v in values) or 'not logged'}")
-    if name == "copc":
+    if name != "ppo":
         last = {k: re.findall(re.escape(k) + r":([0-9.eE+-]+)", text)[-1:] for k in copc_keys}
         print("    copc metrics, last step:", ", ".join(f"{k}={float(v[0]):.4g}" for k, v in last.items() if v))
 EOF
