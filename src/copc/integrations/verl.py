@@ -375,7 +375,7 @@ class CopcAdvantageMixin:
 
         Reads the step's batch from TransferQueue, applies verl's in-reward KL if configured, and writes
         back ``advantages``, ``returns`` (critic targets) and, for R0, ``rollout_is_weights`` (omega); for
-        R1 (``policy_loss.loss_mode=bypass_mode``) ``old_log_probs = rollout_log_probs`` instead, after the
+        R1 (``policy_loss.loss_mode=copc_behaviour``) ``old_log_probs = rollout_log_probs`` instead, after the
         advantage weights have read the recomputed ``old`` (nothing after this step reads it but the
         actor). With ``copc.channels=policy`` verl's own step runs first (its estimator, e.g. GRPO, writes
         the advantages) and only omega is added.

@@ -6,8 +6,10 @@ section for the rest (``copc.channels``, ``copc.policy.{mask_low, mask_high, wei
 ``copc.advantage.<field>``). The actor's loss picks the reading of COPC: ``policy_loss.loss_mode=copc``
 is R0 (spec 9.3, band and PPO clip on the step-start ``old``); ``policy_loss.loss_mode=copc_behaviour`` is
 R1 (spec 9.7): verl's own behaviour-anchored (bypass-mode) loss, whose token rejection
-``rollout_rs=token_k1`` is R1's band. Every problem fails before any worker starts, with one line naming the option to set. :func:`hydra_config_node` is the ``copc_ppo_trainer`` config (verl's ``ppo_trainer``
-plus a ``copc`` section listing every option), registered by the plugin in Hydra's config store.
+``rollout_rs=token_k1`` is R1's band. Every problem fails before any worker starts, with one line
+naming the option to set. :func:`hydra_config_node` is the ``copc_ppo_trainer`` config (verl's
+``ppo_trainer`` plus a ``copc`` section listing every option), registered by the plugin in Hydra's
+config store.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class CopcChannels(NamedTuple):
 
     @property
     def behaviour(self) -> bool:
-        """True for R1 (``policy_loss.loss_mode=bypass_mode``): the actor's ratio and band are centred on mu."""
+        """True for R1 (``policy_loss.loss_mode=copc_behaviour``): the actor's ratio and band are centred on mu."""
         return self.policy.objective == "bypass_ppo"
 
 
@@ -188,8 +190,9 @@ def behaviour_band(config: Any) -> tuple[float, float]:
 def channels_from_verl_config(config: Any) -> CopcChannels:
     """copc's channel configs from verl's full config; fails at start-up with one line per problem.
 
-    Policy channel, by the actor's ``policy_loss.loss_mode``: ``bypass_mode`` runs R1, copc's
-    ``copc_behaviour`` preset with the band of :func:`behaviour_band`; any other loss (``copc``) runs R0,
+    Policy channel, by the actor's ``policy_loss.loss_mode``: ``copc_behaviour`` runs R1, copc's
+    ``copc_behaviour`` preset with the band of :func:`behaviour_band` (verl's own ``bypass_mode`` is
+    refused); any other loss (``copc``) runs R0,
     copc's ``copc`` preset with ``copc.policy.{mask_low, mask_high, weight_mode}``, whose weight omega the
     trainer hands to the loss.
     Advantage channel (``copc.channels=both``, the default): the preset named by
