@@ -10,11 +10,11 @@ from copc.tasks.envs import PYTHON_FENCES, PYTHON_TAGS, SEARCH_TAGS
 
 
 def test_registry_lists_all_tasks():
-    assert task_names() == ("arith_tool", "kv_search", "math_tool", "search_qa")
+    assert task_names() == ("arith_tool", "kv_chain", "kv_search", "math_tool", "search_qa")
 
 
 def test_unknown_task_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown task 'arith'.*valid: arith_tool, kv_search, math_tool, search_qa"):
+    with pytest.raises(ValueError, match=r"unknown task 'arith'.*valid: arith_tool, kv_chain, kv_search, math_tool, search_qa"):
         get_task("arith")
 
 

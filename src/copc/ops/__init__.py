@@ -12,7 +12,9 @@ formulas as implemented are in docs/algorithms.md. Each name lives in one module
   COPC's ``clipped_td`` and BRACE;
 - :mod:`copc.ops.policy_losses`: the one PPO formula, PPO (also bypass PPO), PG;
   :mod:`copc.ops.corrected_policy_losses`: decoupled (and TIS), COPC (and IcePop), SAO's DIS;
-- :mod:`copc.ops.value_losses`: critic losses and the explained variance.
+- :mod:`copc.ops.value_losses`: critic losses and the explained variance;
+- :mod:`copc.ops.chunks`: turn-level advantages from values at turn boundaries (the Monte-Carlo
+  oracle's) and an estimate's errors against them.
 """
 
 # Each submodule's ``__all__`` is the one list of its public names: the star imports bind exactly those
@@ -20,6 +22,7 @@ formulas as implemented are in docs/algorithms.md. Each name lives in one module
 # mypy and pyright read as re-exports). ``scans`` is the exception the docstring names.
 from copc.ops import (
     advantages,
+    chunks,
     corrected_advantages,
     corrected_policy_losses,
     importance,
@@ -28,6 +31,7 @@ from copc.ops import (
     value_losses,
 )
 from copc.ops.advantages import *
+from copc.ops.chunks import *
 from copc.ops.corrected_advantages import *
 from copc.ops.corrected_policy_losses import *
 from copc.ops.importance import *
@@ -38,6 +42,7 @@ from copc.ops.value_losses import *
 
 __all__ = ["discounted_reverse_cumsum"]
 __all__ += advantages.__all__
+__all__ += chunks.__all__
 __all__ += corrected_advantages.__all__
 __all__ += corrected_policy_losses.__all__
 __all__ += importance.__all__

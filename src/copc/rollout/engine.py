@@ -434,21 +434,25 @@ class Engine:
         if token_ids[-1] in self._eos and not config.ignore_eos:
             rows.finish[i] = FinishReason.EOS
             return True
-        if stops:
-            # A stop string of c characters spans at most c tokens (+ a few for merged/partial bytes). It
-            # is looked for anywhere in that tail, not only at its end: a token may complete it and run on
-            # (a BPE piece ">\n"), and since every token is checked, one found now was completed now.
-            window = max(len(s) for s in stops) + 4
-            tail = self._decode(token_ids[-window:])
-            for stop in stops:
-                if stop in tail:
-                    rows.finish[i], rows.stop[i] = FinishReason.STOP, stop
-                    rows.stop_end[i] = self._stop_end(token_ids, stop)
-                    return True
+        if (found := self.completed_stop(token_ids, stops)) is not None:
+            rows.finish[i], rows.stop[i], rows.stop_end[i] = FinishReason.STOP, *found
+            return True
         if len(token_ids) >= budget:
             rows.finish[i] = FinishReason.LENGTH
             return True
         return False
+
+    def completed_stop(self, token_ids: list[int], stops: tuple[str, ...]) -> tuple[str, int] | None:
+        """The first of ``stops`` that the last of ``token_ids`` (a turn's tokens so far) completes, and where
+        it ends in their text; None when it completes none. The rule that ends a row, also for replays."""
+        if not stops:
+            return None
+        # A stop string of c characters spans at most c tokens (+ a few for merged/partial bytes). It is
+        # looked for anywhere in that tail, not only at its end: a token may complete it and run on (a BPE
+        # piece ">\n"), and since every token is checked, one found now was completed now.
+        tail = self._decode(token_ids[-(max(len(s) for s in stops) + 4) :])
+        stop = next((s for s in stops if s in tail), None)
+        return None if stop is None else (stop, self._stop_end(token_ids, stop))
 
     def _stop_end(self, token_ids: list[int], stop: str) -> int:
         """Where in the row's text the stop string the last token completed ends: its first occurrence

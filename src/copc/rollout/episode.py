@@ -38,6 +38,9 @@ latest value of each key wins) plus the loop's own: ``policy_turns``, ``gen_toke
 ``turn_cut`` (1 when that cut was the per-turn limit). :func:`truncation_stats` turns them into the
 per-turn and per-episode truncation rates.
 
+:func:`continue_episodes` replays a recorded episode's first turns through a fresh env (checking every
+observation) and samples the rest: Monte-Carlo continuations from a turn boundary (copc.rollout.oracle).
+
 An exception raised by ``env.step`` or ``env.finish`` ends that episode only: reward 0, ``env_errors``
 = 1, stop reason ENV_ERROR, and the traceback is logged. Other episodes carry on. ``env.step`` calls of
 one round run concurrently in a thread pool (``env_workers``); envs must be independent of each other.
@@ -48,7 +51,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -57,6 +60,7 @@ import torch
 from copc.rollout.chat import ChatFormat
 from copc.rollout.engine import Engine, FinishReason, Generation, PrefixKV
 from copc.rollout.sampling import SamplingConfig
+from copc.rollout.turns import ReplayError, recorded_turn, turn_end
 from copc.types import Env, EnvStep, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -189,8 +193,27 @@ def run_episodes(
     for name, values in (("group_ids", group_ids), ("prompt_ids", prompt_ids)):
         if values is not None and len(values) != n:
             raise ValueError(f"{name} has {len(values)} entries for {n} envs; give one per env")
-    sampling = sampling or SamplingConfig()
     episodes = [_start(engine, i, env, context_limit, chat) for i, env in enumerate(envs)]
+    _play(engine, episodes, _Budgets(max_turns, max_new_tokens_per_turn, max_total_tokens, context_limit),
+          sampling=sampling or SamplingConfig(), seed=seed, reuse_kv=reuse_kv, env_workers=env_workers, chat=chat,
+          refresh=refresh, chunk_tokens=chunk_tokens, on_round=on_round)
+    return [_to_trajectory(ep, group_ids, prompt_ids) for ep in episodes]
+
+
+class _Budgets(NamedTuple):
+    max_turns: int
+    max_new_tokens_per_turn: int
+    max_total_tokens: int
+    context_limit: int
+
+
+def _play(
+    engine: Engine, episodes: list[_Episode], limits: _Budgets, *, sampling: SamplingConfig, seed: int | None,
+    reuse_kv: bool, env_workers: int, chat: ChatFormat | None, refresh: Callable[[], bool] | None = None,
+    chunk_tokens: int = 0, on_round: Callable[[int], None] | None = None,
+) -> None:
+    """Advance every unfinished episode, one batched engine call per round, until all have ended."""
+    max_turns, max_new_tokens_per_turn, max_total_tokens, context_limit = limits
     while active := [ep for ep in episodes if ep.stop is None]:
         budgets = [
             min(max_new_tokens_per_turn, max_total_tokens - ep.generated, context_limit - len(ep.ids)) for ep in active
@@ -223,7 +246,81 @@ def run_episodes(
                             context_limit=context_limit)
         if on_round is not None:
             on_round(sum(ep.stop is not None for ep in episodes))
-    return [_to_trajectory(ep, group_ids, prompt_ids) for ep in episodes]
+
+
+def continue_episodes(
+    engine: Engine,
+    envs: Sequence[Env],
+    prefixes: Sequence[Trajectory],
+    turns: Sequence[int],
+    *,
+    max_turns: int,
+    max_new_tokens_per_turn: int,
+    max_total_tokens: int,
+    context_limit: int,
+    indices: Sequence[int] | None = None,
+    sampling: SamplingConfig | None = None,
+    seed: int | None = None,
+    reuse_kv: bool = True,
+    env_workers: int = 8,
+    chat: ChatFormat | None = None,
+) -> list[Trajectory]:
+    """Replay the first ``turns[i]`` policy turns of ``prefixes[i]`` through a fresh ``envs[i]``, then let
+    ``engine`` sample the rest of the episode (Monte-Carlo continuations from a turn boundary).
+
+    Replay feeds each recorded turn's text to ``env.step`` exactly as the loop did and checks that the
+    prompt and every observation come back token for token (:class:`ReplayError` otherwise: the
+    environment is not deterministic, or the prefix was recorded under other settings). Replayed tokens
+    keep their recorded behaviour log-probs and versions; the budgets count them, so a continuation ends
+    where the original episode would have. ``indices[i]`` (default ``i``) names episode i's sampling
+    stream under ``seed``: give each continuation of one prefix its own index.
+
+    Returns:
+        One whole :class:`Trajectory` per env (prefix then continuation), in order; the continuation's
+        tokens start at the prefix's length, :func:`boundary_lengths` of the recorded trajectory.
+    """
+    _check_limits(max_turns, max_new_tokens_per_turn, max_total_tokens, context_limit)
+    n = len(envs)
+    if len(prefixes) != n or len(turns) != n or (indices is not None and len(indices) != n):
+        raise ValueError(f"continue_episodes: give one prefix, turn count (and index) per env ({n} envs)")
+    limits = _Budgets(max_turns, max_new_tokens_per_turn, max_total_tokens, context_limit)
+    episodes = []
+    for i, (env, prefix, k) in enumerate(zip(envs, prefixes, turns, strict=True)):
+        ep = _start(engine, i if indices is None else indices[i], env, context_limit, chat)
+        _replay(engine, chat, ep, prefix, k, limits)
+        episodes.append(ep)
+    _play(engine, episodes, limits, sampling=sampling or SamplingConfig(), seed=seed, reuse_kv=reuse_kv,
+          env_workers=env_workers, chat=chat)
+    return [replace(_to_trajectory(ep, None, None), prompt_id=prefix.prompt_id, group=prefix.group)
+            for ep, prefix in zip(episodes, prefixes, strict=True)]
+
+
+def _replay(engine: Engine, chat: ChatFormat | None, ep: _Episode, prefix: Trajectory, turns: int,
+            limits: _Budgets) -> None:
+    """Feed ``prefix``'s first ``turns`` policy turns to ``ep``'s env; raise :class:`ReplayError` on a mismatch."""
+    recorded = prefix.token_ids.tolist()
+    if ep.ids != recorded[: len(ep.ids)] or len(ep.ids) != prefix.prompt_len:
+        raise ReplayError(f"prompt of {prefix.prompt_id!r} tokenises differently from the recorded one")
+    mask = prefix.action_mask.tolist()
+    stops = tuple(ep.env.stop_strings)
+    for turn in range(turns):
+        start = len(ep.ids)
+        if start >= len(recorded) or not mask[start] or ep.stop is not None:
+            raise ReplayError(f"{prefix.prompt_id!r} has no policy turn {turn + 1} to replay after {start} tokens")
+        end = turn_end(engine, recorded, mask, start, stops)
+        gen = recorded_turn(engine, recorded[start:end], prefix, start, stops)
+        ep.add_turn(gen)
+        result = _call_env(ep, lambda gen=gen: ep.env.step(gen.text_to_stop))  # type: ignore[misc]
+        if result is None or result.done:
+            raise ReplayError(f"{prefix.prompt_id!r}: turn {turn + 1} ended the episode; replay at most the turns "
+                              f"that were followed by another")
+        _after_turn(engine, chat, ep, gen, result, max_turns=limits.max_turns,
+                    max_total_tokens=limits.max_total_tokens, context_limit=limits.context_limit)
+        if ep.ids != recorded[: len(ep.ids)]:
+            raise ReplayError(f"{prefix.prompt_id!r}: the observation after turn {turn + 1} differs from the "
+                              f"recorded one; the environment must answer the same call the same way")
+
+
 
 
 def _start(engine: Engine, index: int, env: Env, context_limit: int, chat: ChatFormat | None) -> _Episode:

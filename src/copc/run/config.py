@@ -32,6 +32,7 @@ from copc.config import (
 from copc.eval.evaluate import EvalConfig
 from copc.rollout.generator import RolloutConfig
 from copc.runtime.staleness import StalenessConfig
+from copc.tasks.kv_chain import ROLLOUT_DEFAULTS as KV_CHAIN_ROLLOUT
 from copc.trainer.config import TrainerConfig
 from copc.trainer.proximal import check_proximal_source
 
@@ -54,9 +55,20 @@ __all__ = [
 TASK_RUN_DEFAULTS: dict[str, dict[str, ConfigValue]] = {"arith_tool": {"difficulty": 1, "train_size": 5000}}
 
 
+#: ``rollout`` budgets a task needs beyond the defaults (its episodes are longer): set when a run names
+#: the task (``task=X`` or a YAML file's ``task``); a later override or the file's own ``rollout`` wins.
+TASK_RUN_ROLLOUT: dict[str, dict[str, int]] = {"kv_chain": KV_CHAIN_ROLLOUT}
+
+
 def task_defaults(task: str) -> dict[str, str | int | float | bool | None]:
     """The ``task_options`` of a run of ``task`` that sets none (a fresh copy)."""
     return dict(TASK_RUN_DEFAULTS.get(task, {}))  # type: ignore[arg-type]
+
+
+def _with_task_rollout(cfg: RunConfig, keep: Sequence[str] = ()) -> RunConfig:
+    """``cfg`` with its task's :data:`TASK_RUN_ROLLOUT` budgets, except the ``keep`` keys set elsewhere."""
+    budgets: dict[str, Any] = {k: v for k, v in TASK_RUN_ROLLOUT.get(cfg.task, {}).items() if k not in keep}
+    return replace(cfg, rollout=replace(cfg.rollout, **budgets)) if budgets else cfg
 
 
 @dataclass(frozen=True)
@@ -335,6 +347,9 @@ def _load_yaml_run_config(path: str) -> RunConfig:
     data = yaml.safe_load(Path(path).read_text())  # load_yaml read it without error already
     if isinstance(data, dict) and "task" in data and "task_options" not in data:
         cfg = replace(cfg, task_options=task_defaults(cfg.task))
+    if isinstance(data, dict) and "task" in data:
+        rollout = data.get("rollout")
+        cfg = _with_task_rollout(cfg, keep=tuple(rollout) if isinstance(rollout, dict) else ())
     return cfg
 
 
@@ -344,7 +359,7 @@ def apply_run_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
         before = cfg.task
         cfg = apply_overrides(cfg, [text])
         if parse_override(text)[0] == ["task"] and cfg.task != before:
-            cfg = replace(cfg, task_options=task_defaults(cfg.task))
+            cfg = _with_task_rollout(replace(cfg, task_options=task_defaults(cfg.task)))
     return cfg
 
 

@@ -90,6 +90,7 @@ class SFTConfig:
 DEFAULT_SFT: dict[str, SFTConfig] = {
     "arith_tool": SFTConfig(batch_size=8, steps=1500, lr=2e-3, warmup_steps=50),
     "kv_search": SFTConfig(batch_size=8, steps=1500, lr=2e-3, warmup_steps=50),
+    "kv_chain": SFTConfig(batch_size=8, steps=1500, lr=2e-3, warmup_steps=50),
 }
 
 
