@@ -1,6 +1,7 @@
 """What ``copc sweep FILE --report`` prints and, with ``--plot DIR``, draws, from the records alone
 (those the file's cells made now, or accepts; any other record file is named as left out).
 
+- the code behind the records (:func:`code_text`: their commits, or ``unknown`` for older records);
 - the table of every report metric (copc.experiments.tables.report_text): seed means with their t
   intervals, and each group's paired difference from the baseline;
 - with ``--contrasts FILE``: the pre-registered contrasts with their verdicts (copc.experiments.contrasts);
@@ -22,11 +23,23 @@ from copc.experiments.sweep import Paths, report_records
 from copc.experiments.sweep_spec import Cell, SweepSpec, expand
 from copc.experiments.tables import collapse_text, record_evals, report_text
 
-__all__ = ["DIAGNOSTIC_PANELS", "print_report"]
+__all__ = ["DIAGNOSTIC_PANELS", "code_text", "print_report"]
 
 #: The diagnostic curves drawn by ``--plot`` (record["curves"] names, copc.experiments.results).
 DIAGNOSTIC_PANELS = ("drift", "mask_rate", "ppo_clip_low", "adv_clip_low", "adv_clip_high", "ess_seq",
                      "critic_explained_var", "entropy_mc", "tool_use_rate")
+
+
+def code_text(records: Sequence[Mapping[str, object]]) -> str:
+    """One line naming the code behind the records: each commit (12 hex digits, ``+dirty`` when its
+    package differed from the commit) with its record count; records made before records named their
+    code, or outside a git checkout, count as ``unknown``."""
+    counts: dict[str, int] = {}
+    for record in records:
+        commit = record.get("commit")
+        name = f"{str(commit)[:12]}{'+dirty' if record.get('commit_dirty') else ''}" if commit else "unknown"
+        counts[name] = counts.get(name, 0) + 1
+    return "code: " + ", ".join(f"{name} ({n} record{'s' if n != 1 else ''})" for name, n in sorted(counts.items()))
 
 
 def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseline: Mapping[str, str] | None,
@@ -43,6 +56,8 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
         if not any(collapse[0] in e for e in evals):
             raise ValueError(f"--collapse: no record's evaluations hold {collapse[0]!r}; they hold: {', '.join(held)}")
     print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
+    if records:
+        print(code_text(records))
     for line in left_out:
         print(line)
     print(report_text(records, spec.report, baseline or None, markdown=markdown))

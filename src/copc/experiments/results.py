@@ -4,7 +4,10 @@ A record (``results/<experiment>/<cell-id>.json``, a few KB) keeps what a compar
 directory is gone: the resolved config and its hash, the cell's levels and seed, every held-out
 evaluation, the train-reward curve and the :data:`DIAGNOSTIC_CURVES` averaged into at most :data:`CURVE_POINTS` bins,
 the summary figures,
-step times, wall seconds and the machine. Records are written atomically (a temporary sibling, then
+step times, wall seconds, the machine, and the provenance (copc.run.provenance: ``commit`` and
+``commit_dirty``, library ``versions``, ``method_resolved``, the preset's every field, and ``lag``, the lag
+the configuration states beside the one measured). Records made before the provenance lack those keys;
+every reader takes them as unknown. Records are written atomically (a temporary sibling, then
 ``os.replace``), so a reader never sees half a record, and a cell whose record exists is finished.
 :func:`commit_alone` commits records to git as they land (``copc sweep --commit``).
 
@@ -283,6 +286,7 @@ def build_record(
             curve_means[name] = float(np.mean(finite)) if finite else None
     return {
         "version": RECORD_VERSION,
+        **_provenance(summary, config, train),
         "experiment": experiment,
         "cell": cell_id,
         "levels": dict(levels),
@@ -306,6 +310,36 @@ def build_record(
         "wall_seconds_last_process": summary.get("wall_seconds_this_process", summary.get("wall_seconds")),
         "machine": dict(machine) if machine is not None else machine_info(),
     }
+
+
+def _provenance(summary: Mapping[str, object], config: Mapping[str, object], train: list[dict[str, float]]
+                ) -> dict[str, object]:
+    """The record's provenance (copc.run.provenance): the run's own, from its ``summary.json``; for a run
+    whose summary predates it, this process's (``provenance_from`` says which), with ``method_resolved`` and
+    ``lag`` from the config (None when today's config cannot read it). ``lag`` gains the lag the run
+    measured: ``realized_mean`` (mean over steps) and ``realized_max``."""
+    from copc.config import ConfigError, from_dict
+    from copc.run.config import RunConfig
+    from copc.run.provenance import PROVENANCE_KEYS, run_provenance
+
+    if "commit" in summary:
+        out: dict[str, object] = {k: summary.get(k) for k in PROVENANCE_KEYS}
+        out["provenance_from"] = "run"
+    else:
+        try:
+            out = dict(run_provenance(from_dict(RunConfig, dict(config))))
+        except (ConfigError, TypeError, ValueError):
+            from copc.run.provenance import code_commit, library_versions
+
+            out = {**code_commit(), "versions": library_versions(), "method_resolved": None, "lag": None}
+        out["provenance_from"] = "record writer"
+    means = [r[m.STALENESS_MEAN] for r in train if m.STALENESS_MEAN in r and math.isfinite(r[m.STALENESS_MEAN])]
+    maxima = [r[m.STALENESS_MAX] for r in train if m.STALENESS_MAX in r and math.isfinite(r[m.STALENESS_MAX])]
+    if isinstance(out.get("lag"), Mapping):
+        out["lag"] = {**cast(Mapping[str, object], out["lag"]),
+                      "realized_mean": float(np.mean(means)) if means else None,
+                      "realized_max": float(max(maxima)) if maxima else None}
+    return out
 
 
 def write_record(path: Path, record: Mapping[str, object]) -> Path:

@@ -20,7 +20,8 @@ named and never reused.
 Outputs (``--out``): ``testbed_curves.png`` (held-out avg@1 and greedy accuracy, train reward; mean of
 the seeds with a min-max band), ``testbed_staleness.png`` (realized staleness and the PPO clip rate)
 and ``testbed.json``: per arm and eval step the seed mean/min/max, each arm's plateau step, and the paired
-gap sync - async at equal steps (per seed, with its binomial sampling standard error; mean and spread).
+gap sync - async at equal steps (per seed, with its binomial sampling standard error; mean and spread),
+and ``provenance``: the commit of each run's code (:func:`run_commits`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from copc.config import CommandParser
 from copc.run.plots import align_runs, curves_for, save_figure, series, smooth
 from copc.tracking import read_metrics
 
-__all__ = ["Arm", "analyse", "arms_for", "plateau_step", "testbed_cli"]
+__all__ = ["Arm", "analyse", "arms_for", "plateau_step", "run_commits", "testbed_cli"]
 
 #: The hard setting of each task ``copc testbed --task`` knows (arith_tool is the copc train default task).
 TASK_SETTINGS: dict[str, tuple[str, ...]] = {
@@ -130,6 +131,22 @@ def run_state(overrides: Sequence[str], run_dir: Path) -> str:
     if state == "conflict":
         raise ValueError(f"{detail}, or give --runs another folder")
     return state
+
+
+def run_commits(run_dirs: Sequence[Path]) -> dict[str, object]:
+    """The code behind a testbed report (copc.run.provenance): this process's commit and library versions,
+    and each run's ``commit`` and ``commit_dirty`` from its ``summary.json`` (None for a run made before
+    summaries named their code, or unfinished)."""
+    from copc.run.provenance import code_commit, library_versions
+
+    runs: dict[str, object] = {}
+    for run_dir in run_dirs:
+        try:
+            summary = json.loads((run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            summary = {}
+        runs[str(run_dir)] = {"commit": summary.get("commit"), "commit_dirty": summary.get("commit_dirty")}
+    return {"analysed_by": {**code_commit(), "versions": library_versions()}, "runs": runs}
 
 
 def _trained_steps(run_dir: Path) -> int | None:
@@ -410,6 +427,7 @@ def testbed_cli(argv: Sequence[str]) -> int:
     report = analyse(root, arms, seeds, layout=args.layout)
     report["command"] = {"steps": args.steps, "staleness": args.staleness, "eval_every": args.eval_every,
                          "task": args.task, "overrides": [*base, *args.overrides], "analyse_only": args.analyse_only}
+    report["provenance"] = run_commits([run_dir_for(root, a, s, args.layout) for a in arms for s in seeds])
     if args.analyse_only:  # the runs were made elsewhere: the figures are of what they trained, said here
         trained = {str(run_dir_for(root, a, s, args.layout)): _trained_steps(run_dir_for(root, a, s, args.layout))
                    for a in arms for s in seeds}

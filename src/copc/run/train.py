@@ -15,7 +15,7 @@ before and after training on held-out prompts and writes a run directory:
         checkpoints/         atomic checkpoints (policy, critic, optimizers, RNG, buffer, in-flight)
         rollouts/            journal of finished rollout batches not yet covered by a checkpoint
         plots/*.png          reward and eval accuracy, staleness, mask and clip rates, explained variance
-        summary.json         eval_accuracy_before/after, steps, wall_seconds, method, staleness ...
+        summary.json         eval_accuracy_before/after, steps, wall_seconds, method, lag, commit ...
 
 "Eval accuracy" is avg@k at the rollout temperature (mean reward over ``eval.samples`` samples of each of
 ``eval.prompts`` eval prompts); greedy accuracy and pass@k are reported beside it.
@@ -62,6 +62,7 @@ from copc.run.config import (
 )
 from copc.run.plots import plot_run
 from copc.run.progress import NoSignal, StepLines
+from copc.run.provenance import lag_text, run_provenance
 from copc.run.resume import earlier_wall_seconds, eval_change, find_checkpoint, finished_at
 from copc.run.tracker import Tracker
 from copc.run.wandb_mirror import WandbMirror
@@ -388,6 +389,7 @@ def _summary(
         "realized_staleness_mean": mean(m.STALENESS_MEAN, history),  # the whole run's (train_reward_last: the last fifth)
         "step_seconds_median": float(np.median(times)) if times else None,
         "run_dir": str(run_dir),
+        **run_provenance(cfg),  # the code, libraries, resolved method and stated lag (copc.run.provenance)
     }
 
 
@@ -396,7 +398,7 @@ def print_summary(summary: Mapping[str, object]) -> None:
     from rich.table import Table
 
     table = Table(title=f"copc train: {summary['method']} on {summary['task']} ({summary['driver']}, "
-                        f"staleness {summary['staleness']} {summary['staleness_mode']})")
+                        f"{lag_text(summary['lag'])})")  # type: ignore[arg-type]
     table.add_column("metric")
     table.add_column("before", justify="right")
     table.add_column("after", justify="right")
