@@ -34,7 +34,7 @@ from copc.rollout.generator import RolloutConfig
 from copc.runtime.staleness import StalenessConfig
 from copc.tasks.kv_chain import ROLLOUT_DEFAULTS as KV_CHAIN_ROLLOUT
 from copc.trainer.config import TrainerConfig
-from copc.trainer.proximal import check_proximal_source
+from copc.trainer.old_sources import check_proximal_source
 
 __all__ = [
     "DriverConfig",
@@ -228,7 +228,7 @@ class RunConfig:
             raise ValueError(f"no_signal_steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
         if not 0 <= self.stall_timeout_s < float("inf"):
             raise ValueError(f"stall_timeout_s must be finite and >= 0 (0 = no limit), got {self.stall_timeout_s!r}")
-        if self.driver.partial_rollouts and self.staleness.mode == "fixed_lag":
+        if self.driver.partial_rollouts and self.staleness.fixed_lag:
             raise ValueError("driver.partial_rollouts=true needs staleness.mode=bounded (fixed_lag prescribes one "
                              "version per batch); set staleness.mode=bounded or driver.partial_rollouts=false")
         if self.staleness.filter == "pace" and self.driver.kind != "async":

@@ -83,7 +83,7 @@ def ring_slots(staleness: StalenessConfig, *, partial: bool) -> int:
     newest. Otherwise (``bounded``) a worker always reads the newest version: that one, the one being
     written, and one spare for a slow reader (a read torn by a publication is retried anyway).
     """
-    return staleness.staleness + 2 if staleness.mode == "fixed_lag" or partial else 3
+    return staleness.staleness + 2 if staleness.fixed_lag or partial else 3
 
 
 class RolloutError(RunError):
@@ -123,7 +123,7 @@ class AsyncSource:
     ) -> None:
         from copc.tasks import get_task
 
-        if spec.partial_chunk_tokens is not None and staleness.mode == "fixed_lag":
+        if spec.partial_chunk_tokens is not None and staleness.fixed_lag:
             raise ValueError(
                 "partial rollouts need staleness.mode=bounded: fixed_lag prescribes one version per batch; "
                 "set staleness.mode=bounded or driver.partial_rollouts=false"
@@ -192,12 +192,9 @@ class AsyncSource:
         self.version = version
         self.ring.publish(version, weights)
         snapshot = sampler_weights(weights, self.dtype, copy=True)
-        if self.staleness.mode == "fixed_lag":
-            self.snapshots[version] = snapshot
-            oldest = max(0, version - self.staleness.staleness)
-            self.snapshots = {v: w for v, w in self.snapshots.items() if v >= oldest}
-        else:
-            self.snapshots = {version: snapshot}
+        self.snapshots[version] = snapshot
+        oldest = self.staleness.oldest_needed(version)
+        self.snapshots = {v: w for v, w in self.snapshots.items() if v >= oldest}
 
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Make ``version`` available to workers, then admit the requests it unlocks."""
@@ -220,7 +217,7 @@ class AsyncSource:
             self.next_request += 1
 
     def _request(self, index: int, *, first: bool = False) -> None:
-        wanted = source_version(index, self.staleness.staleness) if self.staleness.mode == "fixed_lag" else None
+        wanted = self.staleness.wanted_version(index)
         with self._lock:
             if first:
                 self._queue.appendleft((index, wanted))

@@ -184,7 +184,7 @@ class TrajectoryBuffer:
                 self._ready.wait(timeout=remaining)
             mode, s = self.config.mode, self.config.staleness
             for e in chosen:
-                if mode == "fixed_lag" and not eligible(mode, step=step, staleness=s, min_version=e.version):
+                if self.config.fixed_lag and not eligible(mode, step=step, staleness=s, min_version=e.version):
                     raise RuntimeError(
                         f"batch {step} was sampled by version {e.version}, but fixed_lag s={s} needs "
                         f"version {step - s if step > s else 0}: the driver requested it wrongly"
@@ -283,7 +283,7 @@ class TrajectoryBuffer:
         if len(candidates) < batch_size:
             return None
         chosen = sorted(candidates, key=lambda e: (e.version, e.seq))[:batch_size]
-        if mode == "fixed_lag":
+        if self.config.fixed_lag:
             chosen.sort(key=lambda e: e.seq)
         taken = {e.seq for e in chosen}
         self._entries = [e for e in self._entries if e.seq not in taken]

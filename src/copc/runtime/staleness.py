@@ -118,6 +118,20 @@ class StalenessConfig:
                 f"staleness.staleness must be an integer >= 0 (0 = synchronous), got {self.staleness!r}"
             )
 
+    @property
+    def fixed_lag(self) -> bool:
+        """Every batch's sampling version is prescribed (``mode = fixed_lag``), not only bounded."""
+        return self.mode == "fixed_lag"
+
+    def wanted_version(self, batch_index: int) -> int | None:
+        """The version that must sample batch ``batch_index`` (fixed_lag); None when any may (bounded)."""
+        return source_version(batch_index, self.staleness) if self.fixed_lag else None
+
+    def oldest_needed(self, version: int) -> int:
+        """The oldest version a driver keeps at ``version``: ``max(0, version - s)`` under fixed_lag (the
+        batches still to sample need them), ``version`` itself under bounded."""
+        return max(0, version - self.staleness) if self.fixed_lag else version
+
 
 def admits_request(*, version: int, batch_size: int, num_requested: int, staleness: int) -> bool:
     """Whether a new generation request may start now: ``floor(N_r / B) <= i + s``.

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from copc.rollout.generator import GeneratedBatch, RolloutGenerator, sampler_weights
-from copc.runtime.staleness import StalenessConfig, source_version
+from copc.runtime.staleness import StalenessConfig
 from copc.trainer.weight_files import Weights
 
 __all__ = ["SyncSource"]
@@ -43,14 +43,11 @@ class SyncSource:
         self.snapshots = {v: w for v, w in self.snapshots.items() if v in keep}
 
     def _needed_versions(self, version: int) -> set[int]:
-        if self.staleness.mode == "fixed_lag":
-            return set(range(max(0, version - self.staleness.staleness), version + 1))
-        return {version}
+        return set(range(self.staleness.oldest_needed(version), version + 1))
 
     def _sampling_version(self, batch_index: int) -> int:
-        if self.staleness.mode == "fixed_lag":
-            return source_version(batch_index, self.staleness.staleness)
-        return self.version
+        wanted = self.staleness.wanted_version(batch_index)
+        return self.version if wanted is None else wanted
 
     def next_batch(self, step: int) -> tuple[GeneratedBatch, float]:
         """Batch ``step`` and the seconds spent waiting for it (0: it is generated right here)."""

@@ -33,24 +33,20 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Literal, get_args
 
 import torch
 from torch import nn
 
-from copc import tracking as m
-from copc.channels.methods import MethodConfig
 from copc.ops import zero_where_not
 
 __all__ = [
     "PROXIMAL_SOURCES",
     "EwmaWeights",
-    "Proximal",
     "ProximalSource",
     "SnapshotMissingError",
     "SnapshotStore",
-    "check_proximal_source",
     "ewma_update",
     "loglinear_alpha",
     "loglinear_logp",
@@ -86,23 +82,6 @@ def _clone(weights: Mapping[str, torch.Tensor]) -> Weights:
             copies[ident] = tensor.detach().to("cpu", copy=True)
         out[key] = copies[ident]
     return out
-
-
-def check_proximal_source(method: MethodConfig, source: str) -> None:
-    """Fail with one line unless ``trainer.proximal = source`` fits ``method``: every source but recompute
-    needs a method with a proximal policy (``needs_old_forward``); loglinear moves ``old`` with each
-    minibatch, so it cannot serve ``policy.denominator = kept``."""
-    if source != "recompute" and not method.needs_old_forward:
-        raise ValueError(
-            f"trainer.proximal={source} needs a method with a proximal (old) policy; method {method.name!r} "
-            "reads only cur and mu: use trainer.proximal=recompute or a method such as copc, areal, "
-            "areal_critic, icepop, async_ppo_recompute"
-        )
-    if source == "loglinear" and method.policy.denominator == "kept":
-        raise ValueError(
-            "trainer.proximal=loglinear moves old with every minibatch, so policy.denominator='kept' is "
-            "undefined; use method_overrides.policy.denominator=all or another trainer.proximal"
-        )
 
 
 # ---------------------------------------------------------------------------------------- loglinear
@@ -254,116 +233,6 @@ class SnapshotStore:
             old, _ = self._versions.popitem(last=False)
             del self._bytes[old]
             self.evicted += 1
-
-
-# ---------------------------------------------------------------------------------------- the trainer's side
-#: ``logp_fn(model, rows)``: no-grad eval-mode log-probs ``[len(rows), t] float32`` of ``rows`` (``[b] int64``),
-#: ``t`` trimmed to the rows' longest length (the trainer's ``_logp``).
-LogpFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-class Proximal:
-    """What the trainer keeps for its proximal source, and the step-start ``old`` forwards that need it.
-
-    Args:
-        source: ``trainer.proximal``.
-        policy: the policy being trained (its weights are version ``version``).
-        version: the trainer's version now.
-        decay: ``trainer.proximal_decay`` (ewma).
-        max_bytes: ``trainer.proximal_max_bytes`` (snapshot).
-    """
-
-    def __init__(self, source: str, policy: nn.Module, *, version: int, decay: float, max_bytes: int) -> None:
-        self.source = source
-        self.store = SnapshotStore(max_bytes=max_bytes) if source == "snapshot" else None
-        self.ewma = EwmaWeights(policy, decay=decay) if source == "ewma" else None
-        self._scratch: nn.Module | None = None
-        self._scratch_version: int | None = None
-        self.version_forwards = 0
-        if self.store is not None:
-            self.store.add(version, policy.state_dict())
-
-    def after_actor_update(self, policy: nn.Module) -> None:
-        """After every actor optimizer step: the EWMA moves."""
-        if self.ewma is not None:
-            self.ewma.update(policy)
-
-    def after_step(self, version: int, policy: nn.Module) -> None:
-        """After the step (``version`` = the new one): the snapshot store takes the published weights."""
-        if self.store is not None:
-            self.store.add(version, policy.state_dict())
-
-    @torch.no_grad()
-    def snapshot_logp(
-        self, logp_fn: LogpFn, policy: nn.Module, policy_version: torch.Tensor, action_mask: torch.Tensor,
-        *, version: int, micro_batch_size: int,
-    ) -> torch.Tensor:
-        """``old_t = log pi_{v_t}(a_t | s_t)`` for every sampled token, ``[B, T] float32`` (0 elsewhere).
-
-        One forward per distinct version over the rows holding a token of it; version ``n`` (the step
-        start) runs on ``policy`` itself, others on a scratch copy loaded with the stored weights.
-        """
-        assert self.store is not None
-        out = torch.zeros(policy_version.shape, dtype=torch.float32)
-        versions = torch.unique(policy_version[action_mask]).tolist()
-        self.version_forwards = len(versions)
-        for v in versions:
-            if v > version:
-                raise ValueError(f"a token carries policy version {v} > the trainer's {version}: version tags are wrong upstream")
-            model = policy if v == version else self._scratch_at(int(v), policy)
-            hit = action_mask & (policy_version == v)
-            rows = torch.nonzero(hit.any(dim=-1)).squeeze(1)
-            for piece in rows.split(micro_batch_size):
-                logp = logp_fn(model, piece).float()
-                width = logp.shape[1]
-                region = hit[piece, :width]
-                out[piece, :width] = torch.where(region, logp, out[piece, :width])
-        return out
-
-    def _scratch_at(self, version: int, policy: nn.Module) -> nn.Module:
-        assert self.store is not None
-        weights = self.store.get(version)
-        if self._scratch is None:
-            self._scratch = copy.deepcopy(policy).eval()
-            for p in self._scratch.parameters():
-                p.requires_grad_(False)
-        if self._scratch_version != version:
-            self._scratch.load_state_dict(weights)
-            self._scratch_version = version
-        return self._scratch
-
-    def metrics(self) -> dict[str, float]:
-        if self.store is None:
-            return {}
-        return {
-            m.PROXIMAL_SNAPSHOT_BYTES: float(self.store.nbytes),
-            m.PROXIMAL_SNAPSHOT_VERSIONS: float(len(self.store.versions)),
-            m.PROXIMAL_VERSION_FORWARDS: float(self.version_forwards),
-        }
-
-    def state_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"source": self.source}
-        if self.store is not None:
-            out[self.source] = self.store.state_dict()
-        if self.ewma is not None:
-            out[self.source] = self.ewma.state_dict()
-        return out
-
-    def load_state_dict(self, state: Mapping[str, object] | None, policy: nn.Module, *, version: int) -> None:
-        """Restore; a checkpoint without this source's state (older copc, another source) starts it afresh
-        from the loaded policy: the EWMA restarts at the current weights, the store holds only ``version``."""
-        payload = state.get(self.source) if state is not None and state.get("source") == self.source else None
-        if self.store is not None:
-            self.store = SnapshotStore(max_bytes=self.store.max_bytes)
-            if isinstance(payload, Mapping):
-                self.store.load_state_dict(payload)
-            if version not in self.store.versions:
-                self.store.add(version, policy.state_dict())
-        if self.ewma is not None:
-            self.ewma = EwmaWeights(policy, decay=self.ewma.decay)
-            if isinstance(payload, Mapping):
-                self.ewma.load_state_dict(payload)
-        self._scratch_version = None
 
 
 # ---------------------------------------------------------------------------------------- reuse check

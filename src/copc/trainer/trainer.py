@@ -54,13 +54,8 @@ from copc.trainer.config import TrainerConfig
 from copc.trainer.diagnostics import current_ratio_stats, minibatch_ess, step_diagnostics
 from copc.trainer.forwards import Forwards
 from copc.trainer.memory import PEAKS, use_gradient_checkpointing
-from copc.trainer.proximal import (
-    Proximal,
-    check_proximal_source,
-    loglinear_alpha,
-    loglinear_logp,
-    train_eval_equivalent,
-)
+from copc.trainer.old_sources import OldInputs, OldLogp, check_proximal_source, make_source
+from copc.trainer.proximal import loglinear_logp, train_eval_equivalent
 from copc.trainer.weight_files import Weights
 
 __all__ = ["ActorCriticTrainer", "StepTensors"]
@@ -131,8 +126,8 @@ class ActorCriticTrainer:
         self.critic_optimizer = opt(self.critic, lr=config.critic_lr) if self.critic is not None else None
         self.version = 0
         self.steps_done = 0
-        self.proximal = Proximal(config.proximal, policy, version=0, decay=config.proximal_decay,
-                                 max_bytes=config.proximal_max_bytes)
+        self.proximal = make_source(config.proximal, policy, version=0, decay=config.proximal_decay,
+                                    max_bytes=config.proximal_max_bytes)
         self._early: dict[tuple[int, ...], TokenLogProbs] = {}  # actor forwards kept from the step start
         self._early_values: dict[tuple[int, ...], torch.Tensor] = {}  # critic_forward_reuse
         self.fwd = Forwards(config.temperature, config.top_k, config.top_p, config.micro_batch_size,
@@ -170,29 +165,21 @@ class ActorCriticTrainer:
         return {k: v.detach() for k, v in self.policy.state_dict().items()}
 
     # ------------------------------------------------------------------ forwards
-    def _old_logp(self, batch: TrainBatch, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """``(logp_old [B, T], alpha or None, reused rows)`` at the step start from ``trainer.proximal``
-        (copc.trainer.proximal); ``logp_behav`` itself for methods without a proximal policy (async PPO 3a)."""
-        mu, mask, source = batch.logp_behav, batch.action_mask, self.config.proximal
+    def _old_logp(self, batch: TrainBatch, loss_mask: torch.Tensor) -> OldLogp:
+        """``old`` at the step start from the ``trainer.proximal`` source (copc.trainer.old_sources);
+        ``logp_behav`` itself for methods without a proximal policy (async PPO 3a)."""
         self._early.clear()  # a prepare() outside step() must not leave graphs for the next step
         if not self.method.needs_old_forward:
-            return mu, None, 0
-        if source == "loglinear":
-            alpha = loglinear_alpha(batch.policy_version, mask, version=self.version)
-            if not self.method.advantage.needs_old_forward:
-                return mu, alpha, 0  # the actor loss interpolates with each micro-batch's own forward
-            with eval_mode(self.policy):
-                cur = self.fwd.full(self.fwd.logp_of(self.policy), batch)
-            return loglinear_logp(mu, cur, alpha, mask), alpha, 0
-        if source == "snapshot":
-            with eval_mode(self.policy):
-                return self.proximal.snapshot_logp(
-                    lambda model, rows: self.fwd.logp(model, batch, rows), self.policy, batch.policy_version, mask,
-                    version=self.version, micro_batch_size=self.config.micro_batch_size,
-                ), None, 0
-        if source == "ewma":
-            assert self.proximal.ewma is not None
-            return zero_where_not(mask, self.fwd.full(self.fwd.logp_of(self.proximal.ewma.model), batch)), None, 0
+            return OldLogp(batch.logp_behav)
+        return self.proximal.old(OldInputs(
+            batch=batch, policy=self.policy, version=self.version, fwd=self.fwd,
+            advantage_reads_old=self.method.advantage.needs_old_forward,
+            policy_logp=partial(self._policy_logp, batch, loss_mask),
+        ))
+
+    def _policy_logp(self, batch: TrainBatch, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The step-start policy's log-probs ``[B, T]`` and how many rows came from their first actor
+        forward (``old_forward_reuse``: train mode, with grad, kept for the first update)."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         rest = torch.arange(batch.batch_size)
         if self._reuses_first_forward():
@@ -205,7 +192,7 @@ class ActorCriticTrainer:
             self._early, rest = self.fwd.keep_first(actor_forward, batch, first, out)  # train mode, with grad
         with eval_mode(self.policy):
             self.fwd.full(self.fwd.logp_of(self.policy), batch, rest, out)
-        return zero_where_not(mask, out), None, batch.batch_size - len(rest)
+        return out, batch.batch_size - len(rest)
 
     def _values_old(self, batch: TrainBatch, loss_mask: torch.Tensor) -> torch.Tensor:
         """Pre-update ``V(s_t)`` ``[B, T]`` (0 without a critic); with ``critic_forward_reuse`` the first
@@ -229,10 +216,11 @@ class ActorCriticTrainer:
         return zero_where_not(batch.action_mask, out)
 
     def _reuses_first_forward(self) -> bool:
-        """``old_forward_reuse`` applies this step: recompute, the actor trains, and a train-mode forward
-        equals the eval-mode one (no dropout, no batch norm; else the separate forward is kept)."""
-        return (self.config.old_forward_reuse and self.config.proximal == "recompute"
-                and self.steps_done >= self.warmup_steps and train_eval_equivalent(self.policy))
+        """``old_forward_reuse`` applies this step (only recompute asks for the step-start policy's forward):
+        the actor trains, and a train-mode forward equals the eval-mode one (no dropout, no batch norm;
+        else the separate forward is kept)."""
+        return (self.config.old_forward_reuse and self.steps_done >= self.warmup_steps
+                and train_eval_equivalent(self.policy))
 
     def _actor_minibatch_count(self) -> int:
         return self.config.actor_minibatches or self.method.policy.minibatches
