@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from copc.config import ConfigError, to_dict
+from copc.config import ConfigError, parse_override, to_dict
 from copc.run.config import RunConfig
+from copc.runtime.loop import RunError
 from copc.trainer.checkpoint import CheckpointError, list_checkpoints, load_latest
 
-__all__ = ["RESUME_MAY_CHANGE", "RESUME_MUST_MATCH", "check_resume_config", "earlier_wall_seconds", "eval_change",
-           "find_checkpoint"]
+__all__ = ["NO_SPACE", "RESUME_MAY_CHANGE", "RESUME_MUST_MATCH", "DiskFullError", "check_resume_config",
+           "config_file", "disk_full_message", "earlier_wall_seconds", "eval_change", "find_checkpoint"]
 
 
 #: Settings a resumed run must share with the checkpoint it continues, since they change what the run
@@ -149,3 +150,43 @@ def earlier_wall_seconds(run_dir: Path, step: int, payload: Mapping[str, object]
     except (KeyError, TypeError, ValueError):
         pass
     return float(payload.get("wall_seconds", 0.0))  # type: ignore[arg-type]
+
+
+#: What copc's errors say of a full disk (``copc.runtime.journal.describe_os_error``, checkpoints, the CLI).
+NO_SPACE = "no space left on device"
+
+
+class DiskFullError(RunError):
+    """The disk filled during a run; the message names the file and says what was kept."""
+
+
+def disk_full_message(what: str, cfg: RunConfig, run_dir: Path, step: int) -> str:
+    """One line: ``what`` failed (it names the file), what the run kept (its last checkpoint, or none) and how
+    to continue. ``step`` is the last checkpointed step, -1 for none."""
+    if step >= 0:
+        kept = f"the checkpoint of step {step} is kept"
+        then = f"free space, then continue with copc train resume=true run_dir={run_dir}"
+    else:
+        kept = "no checkpoint was written yet"
+        then = f"free space, then start again (copc train resume=true run_dir={run_dir} starts at step 0)"
+    if cfg.checkpoint_every == 0:  # the journal keeps every batch since the last checkpoint: the whole run
+        then += "; checkpoint_every=N keeps the rollout journal (rollouts/) to N steps of batches"
+    return f"{what}; {kept}; {then}"
+
+
+def config_file(config: str | None, overrides: Sequence[str]) -> str | None:
+    """The YAML file the config starts from: ``--config``, else with ``resume=true`` the run's own
+    ``run_dir/config.yaml`` (a run continues as it was configured, the overrides applied on top), else
+    None (the embedded default)."""
+    if config is not None:
+        return config
+    given: dict[str, object] = {}
+    for text in overrides:
+        try:
+            path, value = parse_override(text)
+        except ConfigError:
+            return None  # load_run_config says what is wrong with it
+        if path in (["resume"], ["run_dir"]):
+            given[path[0]] = value
+    saved = Path(str(given.get("run_dir") or "")) / "config.yaml"
+    return str(saved) if given.get("resume") is True and given.get("run_dir") and saved.is_file() else None

@@ -38,7 +38,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from copc import tracking as m
-from copc.config import CommandParser, ConfigError, dump_yaml, parse_override, to_dict
+from copc.config import CommandParser, ConfigError, dump_yaml, to_dict
 from copc.eval.evaluate import evaluate
 from copc.models.hf import load_policy
 from copc.rollout.generator import GeneratedBatch, RolloutConfig
@@ -63,14 +63,21 @@ from copc.run.config import (
 from copc.run.plots import plot_run
 from copc.run.progress import NoSignal, StepLines
 from copc.run.provenance import lag_text, run_provenance
-from copc.run.resume import earlier_wall_seconds, eval_change, find_checkpoint, finished_at
+from copc.run.resume import (
+    NO_SPACE,
+    DiskFullError,
+    config_file,
+    disk_full_message,
+    earlier_wall_seconds,
+    eval_change,
+    find_checkpoint,
+    finished_at,
+)
 from copc.run.tracker import Tracker
 from copc.run.wandb_mirror import WandbMirror
-from copc.runtime.async_local import AsyncSource
-from copc.runtime.loop import Interrupted, LoopResult, RunError, StopSignals, run_loop
+from copc.runtime.loop import BatchSource, Interrupted, LoopResult, RunError, StopSignals, run_loop
 from copc.runtime.staleness import realized_staleness
 from copc.runtime.stall import StallWatchdog
-from copc.runtime.sync import SyncSource
 from copc.tasks import Task, get_task
 from copc.tasks.datasets import DataError
 from copc.tools.sandbox import SandboxUnavailable
@@ -84,7 +91,7 @@ from copc.trainer.common import eval_mode
 from copc.trainer.trainer import ActorCriticTrainer
 from copc.types import Trajectory
 
-__all__ = ["DiskFullError", "TrainResult", "train", "train_cli"]
+__all__ = ["TrainResult", "train", "train_cli"]
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -94,9 +101,7 @@ class TrainResult:
     summary: dict[str, object]
 
 
-def checkpoint_payload(
-    cfg: RunConfig, step: int, trainer: ActorCriticTrainer, source: SyncSource | AsyncSource
-) -> dict[str, object]:
+def checkpoint_payload(cfg: RunConfig, step: int, trainer: ActorCriticTrainer, source: BatchSource) -> dict[str, object]:
     return {
         "trainer": trainer.state_dict(optimizers=cfg.checkpoint_optimizer),
         "source": source.state_dict(),
@@ -121,17 +126,46 @@ class _Saved:
         return self.wall_before + time.perf_counter() - self.started
 
 
-def _save(cfg: RunConfig, run_dir: Path, done: int, trainer: ActorCriticTrainer, source: SyncSource | AsyncSource,
-          eval_before: dict[str, float] | None, saved: _Saved) -> None:
-    start = time.perf_counter()
-    payload = checkpoint_payload(cfg, done, trainer, source)
+@dataclass
+class _Run:
+    """What one process assembled for a run: the loop, the evaluations and the checkpoints read it."""
+
+    cfg: RunConfig
+    run_dir: Path
+    #: the episodes' settings: cfg's, the context limit capped to the model's (cfg itself, saved in
+    #: config.yaml and in each checkpoint, keeps the value given)
+    rollout: RolloutConfig
+    policy: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    task: Task
+    trainer: ActorCriticTrainer
+    source: BatchSource
+    saved: _Saved
+    watchdog: StallWatchdog
+    show_progress: bool
+
+
+@dataclass
+class _Start:
+    """Where this process starts: step 0, or what a checkpoint restored."""
+
+    step: int = 0
+    eval_before: dict[str, float] | None = None
+    #: the checkpoint is where an earlier process ended (its final evaluation is kept, not redone)
+    ended_here: bool = False
+    #: the evaluation settings changed on resume (said in the summary)
+    eval_note: dict[str, object] | None = None
+
+
+def _save(run: _Run, done: int, eval_before: dict[str, float] | None) -> None:
+    start, saved = time.perf_counter(), run.saved
+    payload = checkpoint_payload(run.cfg, done, run.trainer, run.source)
     payload["eval_before"] = eval_before
     payload["wall_seconds"] = saved.wall_seconds()
-    save_checkpoint(run_dir, done, payload, keep=cfg.keep_checkpoints)
+    save_checkpoint(run.run_dir, done, payload, keep=run.cfg.keep_checkpoints)
     saved.step = done
     saved.checkpoint_s += time.perf_counter() - start
-    if isinstance(source, AsyncSource):
-        source.prune_journal(int(payload["source"]["next_put"]))  # type: ignore[index]
+    run.source.checkpointed(payload["source"])  # type: ignore[arg-type]
 
 
 def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
@@ -159,35 +193,23 @@ def train(cfg: RunConfig, *, show_progress: bool = True) -> TrainResult:
             watchdog.close()
 
 
-#: What copc's errors say of a full disk (``copc.runtime.journal.describe_os_error``, checkpoints, the CLI).
-NO_SPACE = "no space left on device"
-
-
-class DiskFullError(RunError):
-    """The disk filled during a run; the message names the file and says what was kept."""
-
-
-def disk_full_message(what: str, cfg: RunConfig, run_dir: Path, step: int) -> str:
-    """One line: ``what`` failed (it names the file), what the run kept (its last checkpoint, or none) and how
-    to continue. ``step`` is the last checkpointed step, -1 for none."""
-    if step >= 0:
-        kept = f"the checkpoint of step {step} is kept"
-        then = f"free space, then continue with copc train resume=true run_dir={run_dir}"
-    else:
-        kept = "no checkpoint was written yet"
-        then = f"free space, then start again (copc train resume=true run_dir={run_dir} starts at step 0)"
-    if cfg.checkpoint_every == 0:  # the journal keeps every batch since the last checkpoint: the whole run
-        then += "; checkpoint_every=N keeps the rollout journal (rollouts/) to N steps of batches"
-    return f"{what}; {kept}; {then}"
-
-
 def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watchdog: StallWatchdog,
            saved: _Saved) -> TrainResult:
+    """Assemble, restore, run, finish."""
     torch.set_num_threads(cfg.driver.trainer_threads)
     seed_everything(cfg.seed)
     cfg = sampling_from_rollout(cfg)  # a RunConfig built in code, not by load_run_config, too
     resumed = find_checkpoint(cfg, run_dir) if cfg.resume else None
     dump_yaml(cfg, run_dir / "config.yaml")
+    run = _assemble(cfg, run_dir, show_progress=show_progress, watchdog=watchdog, saved=saved)
+    start = _restore(run, *resumed) if resumed is not None else _Start()
+    loop, before, after = _run(run, start)
+    return _finish(run, start, loop, before, after, wall)
+
+
+def _assemble(cfg: RunConfig, run_dir: Path, *, show_progress: bool, watchdog: StallWatchdog,
+              saved: _Saved) -> _Run:
+    """The task, the policy (and critic), the trainer and the driver's batch source."""
     method = resolve_method(cfg)
     task = get_task(cfg.task, **cfg.task_options)
     check_sandbox(task, run_dir)
@@ -195,8 +217,6 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
     policy, tokenizer = load_policy(model_dir)
     context_limit = capped_context_limit(cfg.rollout.context_limit, policy)
     check_prompts_fit(task, tokenizer, context_limit, configured=cfg.rollout.context_limit)
-    # The episodes' rollout settings: cfg's, the context limit capped (cfg itself, saved in config.yaml and in
-    # each checkpoint, keeps the value given).
     rollout = replace(cfg.rollout, context_limit=context_limit)
     critic = build_critic(cfg, policy, tokenizer) if method.needs_critic else None
     trainer = ActorCriticTrainer(policy, critic, method, replace(cfg.trainer, seed=cfg.seed))
@@ -204,119 +224,122 @@ def _train(cfg: RunConfig, run_dir: Path, wall: float, show_progress: bool, watc
         print(f"note: method {cfg.method!r} trains only the critic for the first {trainer.warmup_steps} steps "
               "(critic warm-up; the actor is frozen); trainer.critic_warmup_steps=0 turns it off",
               file=sys.stderr, flush=True)
-    source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task, run_dir=run_dir,
-                          context_limit=context_limit)
-    start_step, summary_before, ended_here = 0, None, False
-    eval_note: dict[str, object] | None = None
-    if resumed is not None:
-        saved.step, payload = resumed
-        saved.wall_before = earlier_wall_seconds(run_dir, saved.step, payload)
-        if not trainer.load_state_dict(payload["trainer"]):  # type: ignore[arg-type]
-            print(f"note: the checkpoint of step {saved.step} has no optimizer state (checkpoint_optimizer=false): "
-                  "the AdamW moments restart from zero", file=sys.stderr, flush=True)
-        source.load_state_dict(payload["source"])  # type: ignore[arg-type]
-        restore_rng_state(payload["rng"])  # type: ignore[arg-type]
-        start_step = int(payload["next_step"])  # type: ignore[call-overload]
-        ended_here = finished_at(run_dir, start_step, payload)  # then its final evaluation is kept, not redone
-        summary_before = payload.get("eval_before")
-        changed = eval_change(cfg, payload.get("config", {}))  # type: ignore[arg-type]
-        if changed:
-            eval_note = {"step": saved.step, "change": changed}
-            print(f"note: the evaluation settings differ from the run's ({changed}): the evaluations up to step "
-                  f"{saved.step}, the summary's 'before' among them, were made with the earlier ones",
-                  file=sys.stderr, flush=True)
+    source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task,
+                          run_dir=run_dir, context_limit=context_limit)
+    return _Run(cfg=cfg, run_dir=run_dir, rollout=rollout, policy=policy, tokenizer=tokenizer, task=task,
+                trainer=trainer, source=source, saved=saved, watchdog=watchdog, show_progress=show_progress)
+
+
+def _restore(run: _Run, step: int, payload: dict[str, object]) -> _Start:
+    """The trainer, the batch source and the RNGs as the checkpoint of ``step`` left them."""
+    cfg, saved = run.cfg, run.saved
+    saved.step = step
+    saved.wall_before = earlier_wall_seconds(run.run_dir, step, payload)
+    if not run.trainer.load_state_dict(payload["trainer"]):  # type: ignore[arg-type]
+        print(f"note: the checkpoint of step {step} has no optimizer state (checkpoint_optimizer=false): "
+              "the AdamW moments restart from zero", file=sys.stderr, flush=True)
+    run.source.load_state_dict(payload["source"])  # type: ignore[arg-type]
+    restore_rng_state(payload["rng"])  # type: ignore[arg-type]
+    start_step = int(payload["next_step"])  # type: ignore[call-overload]
+    start = _Start(step=start_step, eval_before=payload.get("eval_before"),  # type: ignore[arg-type]
+                   ended_here=finished_at(run.run_dir, start_step, payload))
+    changed = eval_change(cfg, payload.get("config", {}))  # type: ignore[arg-type]
+    if changed:
+        start.eval_note = {"step": step, "change": changed}
+        print(f"note: the evaluation settings differ from the run's ({changed}): the evaluations up to step "
+              f"{step}, the summary's 'before' among them, were made with the earlier ones",
+              file=sys.stderr, flush=True)
+    return start
+
+
+def _run(run: _Run, start: _Start) -> tuple[LoopResult, dict[str, float], dict[str, float]]:
+    """The metrics writer, the evaluation before (unless restored), the loop and the final evaluation;
+    returns the loop's result and the two evaluations."""
+    cfg = run.cfg
     # A resumed run drops the records of the steps it redoes (all of them when no checkpoint was made); the
     # final evaluation of an earlier process that ended at the checkpoint stays when the run goes past it.
-    mirror = WandbMirror(project=cfg.wandb_project, config=to_dict(cfg)).open(run_dir) if cfg.wandb else None
-    tracker = Tracker(run_dir, resume_step=start_step if cfg.resume else None,
-                      keep_resume_evaluation=ended_here and start_step < cfg.steps, mirror=mirror)
+    mirror = WandbMirror(project=cfg.wandb_project, config=to_dict(cfg)).open(run.run_dir) if cfg.wandb else None
+    tracker = Tracker(run.run_dir, resume_step=start.step if cfg.resume else None,
+                      keep_resume_evaluation=start.ended_here and start.step < cfg.steps, mirror=mirror)
     signals = StopSignals()
     signals.install()
     finished = False
+    before = start.eval_before
     try:
-        if summary_before is None:
-            with watchdog.phase(f"the evaluation at step {start_step}"):
-                summary_before = _evaluate(cfg, rollout, policy, tokenizer, task, tracker, start_step, saved)
-            if summary_before:
-                tracker.log(start_step, summary_before)
-        if isinstance(source, AsyncSource):
-            source.start()
-        loop = _run_with_progress(cfg, rollout, trainer, source, tracker, run_dir, start_step, tokenizer,
-                                  summary_before, policy, task, show_progress, saved, signals, watchdog)  # type: ignore[arg-type]
+        if before is None:
+            with run.watchdog.phase(f"the evaluation at step {start.step}"):
+                before = _evaluate(run, tracker, start.step)
+            if before:
+                tracker.log(start.step, before)
+        run.source.start()
+        loop = _run_with_progress(run, tracker, signals, start.step, before)
         finished = True
     except Interrupted as stop:
-        if stop.clean and trainer.version > max(saved.step, start_step):
-            _save(cfg, run_dir, trainer.version, trainer, source, summary_before, saved)  # type: ignore[arg-type]
+        trainer, saved = run.trainer, run.saved
+        if stop.clean and trainer.version > max(saved.step, start.step):
+            _save(run, trainer.version, before)
         what = f"checkpoint of step {saved.step} kept" if saved.step >= 0 else "no checkpoint yet"
         print(f"stopped by {stop.signal_name} after {trainer.version} steps; {what}; continue with "
-              f"resume=true run_dir={run_dir}", file=sys.stderr, flush=True)
+              f"resume=true run_dir={run.run_dir}", file=sys.stderr, flush=True)
         raise
     finally:
-        source.close()
+        run.source.close()
         signals.restore()
         if not finished:
             tracker.close()
-    with watchdog.phase(f"the evaluation at step {cfg.steps}"):
-        after = _evaluate(cfg, rollout, policy, tokenizer, task, tracker, cfg.steps, saved, final=True)
+    with run.watchdog.phase(f"the evaluation at step {cfg.steps}"):
+        after = _evaluate(run, tracker, cfg.steps, final=True)
     if after:
         tracker.log(cfg.steps, after)
     tracker.close()
-    summary = _summary(cfg, summary_before, after, loop, saved.wall_seconds(), run_dir)  # type: ignore[arg-type]
+    return loop, before, after
+
+
+def _finish(run: _Run, start: _Start, loop: LoopResult, before: dict[str, float], after: dict[str, float],
+            wall: float) -> TrainResult:
+    """summary.json and the plots."""
+    saved = run.saved
+    summary = _summary(run.cfg, before, after, loop, saved.wall_seconds(), run.run_dir)
     summary["wall_seconds_this_process"] = time.perf_counter() - wall
-    if eval_note is not None:
-        summary["eval_changed_on_resume"] = eval_note
-    summary["eval_seconds_this_process"], summary["checkpoint_seconds_this_process"] = saved.eval_s, saved.checkpoint_s
-    summary["restored_batches"] = source.restored if isinstance(source, AsyncSource) else 0
-    summary["worker_restarts"] = source.restarts if isinstance(source, AsyncSource) else 0
-    summary["journal_damaged"] = source.journal_damaged if isinstance(source, AsyncSource) else 0
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if start.eval_note is not None:
+        summary["eval_changed_on_resume"] = start.eval_note
+    summary["eval_seconds_this_process"] = saved.eval_s
+    summary["checkpoint_seconds_this_process"] = saved.checkpoint_s
+    summary.update(run.source.counters())  # restored_batches, worker_restarts, journal_damaged
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
-        if cfg.plots:
-            plot_run(run_dir)
+        if run.cfg.plots:
+            plot_run(run.run_dir)
     except Exception as err:  # plots are a convenience; a plotting failure must not lose the run
         print(f"warning: plots failed: {err}", file=sys.stderr)
-    return TrainResult(run_dir=run_dir, summary=summary)
+    return TrainResult(run_dir=run.run_dir, summary=summary)
 
 
-def _evaluate(cfg: RunConfig, rollout: RolloutConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-              task: Task, tracker: Tracker, step: int, saved: _Saved, *, final: bool = False) -> dict[str, float]:
-    """Held-out evaluation of ``model`` (the trained policy itself, in eval mode: no copy of it is kept for
+def _evaluate(run: _Run, tracker: Tracker, step: int, *, final: bool = False) -> dict[str, float]:
+    """Held-out evaluation of the policy (the trained policy itself, in eval mode: no copy of it is kept for
     this) on the same prompts and seeds every time; its first sampled episodes go to the samples (marked
     ``final`` for the run's final evaluation: a run continued past its end keeps those), its wall seconds
     to ``saved.eval_s``."""
-    start = time.perf_counter()
+    start, cfg = time.perf_counter(), run.cfg
     episodes: list[Trajectory] = []
-    with eval_mode(model):
-        out = evaluate(model, tokenizer, task, rollout, cfg.eval, seed=cfg.seed + 777, episodes=episodes)
-    tracker.log_samples(step, "eval", [render_episode(t, tokenizer) for t in episodes[: cfg.samples.per_log]],
-                        final=final)
-    saved.eval_s += time.perf_counter() - start
+    with eval_mode(run.policy):
+        out = evaluate(run.policy, run.tokenizer, run.task, run.rollout, cfg.eval, seed=cfg.seed + 777,
+                       episodes=episodes)
+    shown = [render_episode(t, run.tokenizer) for t in episodes[: cfg.samples.per_log]]
+    tracker.log_samples(step, "eval", shown, final=final)
+    run.saved.eval_s += time.perf_counter() - start
     return out
 
 
-def _run_with_progress(
-    cfg: RunConfig,
-    rollout: RolloutConfig,
-    trainer: ActorCriticTrainer,
-    source: SyncSource | AsyncSource,
-    tracker: Tracker,
-    run_dir: Path,
-    start_step: int,
-    tokenizer: PreTrainedTokenizerBase,
-    eval_before: dict[str, float],
-    policy: PreTrainedModel,
-    task: Task,
-    show_progress: bool,
-    saved: _Saved,
-    signals: StopSignals,
-    watchdog: StallWatchdog,
-) -> LoopResult:
+def _run_with_progress(run: _Run, tracker: Tracker, signals: StopSignals, start_step: int,
+                       eval_before: dict[str, float] | None) -> LoopResult:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    lines = StepLines(cfg.steps) if show_progress and not sys.stdout.isatty() else None  # nohup, a pipe, a file
+    cfg, show = run.cfg, run.show_progress
+    lines = StepLines(cfg.steps) if show and not sys.stdout.isatty() else None  # nohup, a pipe, a file
     progress = Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(), disable=not show_progress or lines is not None, transient=False,
+        TimeElapsedColumn(), disable=not show or lines is not None, transient=False,
     )
     bar = progress.add_task("train", total=cfg.steps, completed=start_step, status="")
     no_signal = NoSignal(cfg.no_signal_steps)
@@ -324,17 +347,17 @@ def _run_with_progress(
     def on_step(step: int, metrics: dict[str, float], batch: GeneratedBatch) -> None:
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
-            before = saved.eval_s
-            with watchdog.phase(f"the evaluation after step {step}"):
-                metrics.update(_evaluate(cfg, rollout, policy, tokenizer, task, tracker, step, saved))
-            metrics[m.TIME_EVAL] = saved.eval_s - before
+            before = run.saved.eval_s
+            with run.watchdog.phase(f"the evaluation after step {step}"):
+                metrics.update(_evaluate(run, tracker, step))
+            metrics[m.TIME_EVAL] = run.saved.eval_s - before
         if cfg.samples.every and done % cfg.samples.every == 0:
-            tracker.log_samples(step, "train", [render_episode(t, tokenizer)
+            tracker.log_samples(step, "train", [render_episode(t, run.tokenizer)
                                                 for t in batch.trajectories[: cfg.samples.per_log]])
         lags = realized_staleness(batch.trajectories, step).token_values()
         tracker.log(step, metrics, histograms={m.STALENESS_HIST: lags})
         if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-            _save(cfg, run_dir, done, trainer, source, eval_before, saved)
+            _save(run, done, eval_before)
         status = (
             f"step {done}  reward {metrics['reward/mean']:.3f}  acc {metrics['rollout/accuracy']:.3f}  "
             f"stale {metrics['staleness/mean']:.1f}"
@@ -345,16 +368,17 @@ def _run_with_progress(
         no_signal.step(done, metrics)
 
     with progress:
-        return run_loop(trainer, source, start_step=start_step, steps=cfg.steps,
-                        pad_id=int(tokenizer.pad_token_id), on_step=on_step, signals=signals,  # type: ignore[arg-type]
-                        watchdog=watchdog, wait_bounded=batch_wait_bounded(source))
+        return run_loop(run.trainer, run.source, start_step=start_step, steps=cfg.steps,
+                        pad_id=int(run.tokenizer.pad_token_id),  # type: ignore[arg-type]
+                        on_step=on_step, signals=signals, watchdog=run.watchdog,
+                        wait_bounded=batch_wait_bounded(run.source))
 
 
-def batch_wait_bounded(source: object) -> bool:
+def batch_wait_bounded(source: BatchSource) -> bool:
     """Whether the source's wait for a batch has a limit of its own (the async driver's
     ``driver.batch_timeout_s``, 0 = none), so the stall watchdog may pause during it; without one the
     watchdog bounds the wait too."""
-    return isinstance(source, AsyncSource) and source.batch_timeout_s is not None
+    return source.batch_timeout_s is not None
 
 
 def _summary(
@@ -459,24 +483,6 @@ def train_cli(argv: Sequence[str]) -> int:
         return 1
     print_summary(result.summary)
     return 0
-
-
-def config_file(config: str | None, overrides: Sequence[str]) -> str | None:
-    """The YAML file the config starts from: ``--config``, else with ``resume=true`` the run's own
-    ``run_dir/config.yaml`` (a run continues as it was configured, the overrides applied on top), else
-    None (the embedded default)."""
-    if config is not None:
-        return config
-    given: dict[str, object] = {}
-    for text in overrides:
-        try:
-            path, value = parse_override(text)
-        except ConfigError:
-            return None  # load_run_config says what is wrong with it
-        if path in (["resume"], ["run_dir"]):
-            given[path[0]] = value
-    saved = Path(str(given.get("run_dir") or "")) / "config.yaml"
-    return str(saved) if given.get("resume") is True and given.get("run_dir") and saved.is_file() else None
 
 
 def run_dir_of(args: argparse.Namespace) -> str:

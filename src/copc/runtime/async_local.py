@@ -467,6 +467,15 @@ class AsyncSource:
         if self.journal is not None:
             self.journal.prune(consumed_before)
 
+    def checkpointed(self, state: Mapping[str, object]) -> None:
+        """A checkpoint holding ``state`` (:meth:`state_dict`) is on disk: the batches it covers leave the journal."""
+        self.prune_journal(int(state["next_put"]))  # type: ignore[call-overload]
+
+    def counters(self) -> dict[str, int]:
+        """Journaled batches restored on resume, worker restarts, damaged journal files (the run's summary)."""
+        return {"restored_batches": self.restored, "worker_restarts": self.restarts,
+                "journal_damaged": self.journal_damaged}
+
     @property
     def journal_dir(self) -> Path | None:
         return self.journal.directory if self.journal is not None else None

@@ -99,7 +99,17 @@ class StopSignals:
 
 
 class BatchSource(Protocol):
-    """What the loop needs from a driver: batches by step, and the weights it should sample with."""
+    """What a run needs from a driver: batches by step, the weights it should sample with, its state for
+    checkpoints, and the counters of its background work (0 for a driver that has none)."""
+
+    #: A batch wait's own limit [s] (None: none, so the stall watchdog bounds the wait).
+    batch_timeout_s: float | None
+
+    def start(self) -> None: ...
+
+    def checkpointed(self, state: Mapping[str, object]) -> None: ...
+
+    def counters(self) -> dict[str, int]: ...
 
     def next_batch(self, step: int) -> tuple[GeneratedBatch, float]: ...
 

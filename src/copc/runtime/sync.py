@@ -30,6 +30,9 @@ class SyncSource:
             version ``max(0, j - s)``; ``bounded`` samples with the current weights.
     """
 
+    #: generation runs inside ``next_batch``: the wait has no limit of its own.
+    batch_timeout_s: float | None = None
+
     def __init__(self, generator: RolloutGenerator, staleness: StalenessConfig) -> None:
         self.generator, self.staleness = generator, staleness
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
@@ -67,6 +70,15 @@ class SyncSource:
     def metrics(self) -> dict[str, float]:
         """No counters: every batch is generated in process, nothing is buffered or dropped."""
         return {}
+
+    def start(self) -> None:
+        """Nothing runs in the background."""
+
+    def checkpointed(self, state: Mapping[str, object]) -> None:
+        """No journal: a checkpoint covers nothing kept here."""
+
+    def counters(self) -> dict[str, int]:
+        return {"restored_batches": 0, "worker_restarts": 0, "journal_damaged": 0}
 
     def close(self) -> None:
         """Nothing runs in the background."""
