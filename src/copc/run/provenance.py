@@ -8,7 +8,8 @@ so a reader can tell which code made a number once the run directory is gone:
   files under the package folder; ``dirty_paths`` names up to :data:`DIRTY_PATHS_KEPT` of them). Both are
   ``None`` when copc does not run from a git checkout (an installed wheel, a ``git archive`` copy): then
   ``versions["copc"]``, the package's version, is all there is to go by. Git is asked once per process,
-  each call with a timeout: provenance never holds up or fails a run.
+  each call with a timeout: provenance never holds up or fails a run. A run resumed by later code names
+  the code of its last process, the one that wrote the summary.
 - ``versions``: python, torch, transformers, numpy and copc as imported;
 - ``method_resolved``: the method preset with ``method_overrides`` applied, every field of its policy,
   advantage and critic configs (a preset changed later leaves an old record's own copy as it ran);
