@@ -84,9 +84,9 @@ def test_stated_lag_golden() -> None:
         "rule": "fixed_lag", "nominal": 16, "at_most": 16}
     assert stated_lag(driver="async", mode="fixed_lag", staleness=4)["nominal"] == 4
     assert stated_lag(driver="async", mode="bounded", staleness=8) == {
-        "rule": "bounded (async driver)", "nominal": None, "at_most": 8}
+        "rule": "bounded, async driver", "nominal": None, "at_most": 8}
     assert lag_text(stated_lag(driver="sync", mode="bounded", staleness=8)) == "lag 0 (sync driver: current weights)"
-    assert lag_text(stated_lag(driver="ray", mode="bounded", staleness=8)) == "lag <= 8 (bounded (ray driver))"
+    assert lag_text(stated_lag(driver="ray", mode="bounded", staleness=8)) == "lag <= 8 (bounded, ray driver)"
 
 
 @pytest.mark.parametrize("overrides", [

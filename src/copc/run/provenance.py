@@ -111,12 +111,12 @@ def stated_lag(*, driver: str, mode: str, staleness: int) -> dict[str, ConfigVal
         return {"rule": "fixed_lag", "nominal": staleness, "at_most": staleness}
     if driver == "sync":
         return {"rule": "sync driver: current weights", "nominal": 0, "at_most": 0}
-    return {"rule": f"bounded ({driver} driver)", "nominal": None, "at_most": staleness}
+    return {"rule": f"bounded, {driver} driver", "nominal": None, "at_most": staleness}
 
 
 def lag_text(lag: dict[str, ConfigValue]) -> str:
     """A :func:`stated_lag` in words: ``lag 16 (fixed_lag)``, ``lag 0 (sync driver: current weights)``,
-    ``lag <= 8 (bounded (async driver))``."""
+    ``lag <= 8 (bounded, async driver)``."""
     amount = f"lag {lag['nominal']}" if lag["nominal"] is not None else f"lag <= {lag['at_most']}"
     return f"{amount} ({lag['rule']})"
 
