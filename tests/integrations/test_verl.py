@@ -29,6 +29,7 @@ from verl.trainer.ppo.v1 import get_trainer_cls  # noqa: E402
 from verl.workers.config import FSDPActorConfig  # noqa: E402
 
 import copc.integrations.verl as plugin  # noqa: E402
+import copc.integrations.verl_trainers as verl_trainers  # noqa: E402
 from copc.channels import AdvantageChannelConfig  # noqa: E402
 from copc.channels.methods import get_method  # noqa: E402
 from copc.ops import (  # noqa: E402
@@ -133,7 +134,7 @@ def test_import_verl_alone_finds_copc_through_verls_own_lookups() -> None:
     out = _run(code)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [
-        "copc.integrations.verl",
+        "copc.integrations.verl_losses",
         "CopcTrainerSync",
         "CopcTrainerColocateAsync",
         "CopcTrainerSeparateAsync",
@@ -329,7 +330,7 @@ def _trainer_run(
         k: batch[k] for k in ("response_mask", "old_log_probs", "rollout_log_probs", "values")
     }
     fake = FakeTQ({k: _nested(v, lengths) for k, v in fields.items() if k not in drop}, len(lengths))
-    monkeypatch.setattr(plugin, "tq", fake)
+    monkeypatch.setattr(verl_trainers, "tq", fake)
     cfg = verl_config(**{"trainer.v1.trainer_mode": "copc"}, **overrides)
     trainer = object.__new__(get_trainer_cls("copc"))  # the driver-side object, without Ray or workers
     trainer.config = cfg

@@ -26,6 +26,7 @@ from verl.trainer.ppo.v1 import get_trainer_cls  # noqa: E402
 from verl.trainer.ppo.v1 import trainer_base as verl_trainer_base  # noqa: E402
 
 import copc.integrations.verl as plugin  # noqa: E402
+import copc.integrations.verl_trainers as verl_trainers  # noqa: E402
 from copc.channels.methods import get_method  # noqa: E402
 
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer/config")
@@ -128,7 +129,7 @@ def run_step(mode: str, cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -> tup
     fields, keys, mask, log_w = grpo_batch()
     fake = FakeTQ(fields, len(keys))
     monkeypatch.setattr(verl_trainer_base, "tq", fake)
-    monkeypatch.setattr(plugin, "tq", fake)
+    monkeypatch.setattr(verl_trainers, "tq", fake)
     trainer: Any = get_trainer_cls(mode)(cfg)
     metrics: dict[str, float] = {}
     trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys)), metrics=metrics)

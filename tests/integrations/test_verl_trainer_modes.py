@@ -29,6 +29,7 @@ from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls  # noqa: E402
 from verl.trainer.ppo.v1 import trainer_base as verl_trainer_base  # noqa: E402
 
 import copc.integrations.verl as plugin  # noqa: E402
+import copc.integrations.verl_trainers as verl_trainers  # noqa: E402
 
 PAIRS = [("copc", "sync"), ("copc_colocate_async", "colocate_async"), ("copc_separate_async", "separate_async")]
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer/config")
@@ -192,7 +193,7 @@ def test_the_installed_verl_passes_the_hook_check() -> None:
 def test_a_verl_outside_the_supported_range_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                version: str) -> None:
     """The version check comes first, before the hook check and before any worker starts."""
-    monkeypatch.setattr(plugin, "_verl_version", lambda: version)
+    monkeypatch.setattr(verl_trainers, "_verl_version", lambda: version)
     with pytest.raises(RuntimeError) as err:
         get_trainer_cls("copc")(verl_cfg("copc", tmp_path))
     assert str(err.value) == (f"copc's verl trainers support verl>=0.9.1,<0.10, but verl {version} is installed: "
