@@ -1,6 +1,6 @@
 """Generic machinery for configs: nested frozen dataclasses <-> dicts, YAML files and CLI overrides.
 
-Every component owns a frozen dataclass config (STYLE.md, point 7): each field has a default, a
+Every component owns a frozen dataclass config (CONTRIBUTING.md#configs): each field has a default, a
 one-line doc under it, and ``__post_init__`` checks ranges and says how to fix a bad value. This module
 knows nothing about any particular component. It turns plain data (a YAML file, ``key.sub=value``
 overrides) into those dataclasses, checking every value against the field's annotation:

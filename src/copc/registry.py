@@ -1,6 +1,6 @@
 """A small typed name -> entry registry (verl ``core_algos`` style, with duplicate checks).
 
-Every registry holds entries of ONE type (STYLE.md point 5), so every entry is called the same way and
+Every registry holds entries of ONE type (CONTRIBUTING.md#registries), so every entry is called the same way and
 callers never compare names. A misspelt name fails with the list of valid names and, when one is
 close, a "did you mean" hint::
 

@@ -4,7 +4,7 @@ Notation: ``L`` is the length of one trajectory in tokens (prompt + everything g
 Every per-token field of a :class:`Trajectory` has length ``L`` and the same alignment: index ``i``
 describes token ``token_ids[i]``.
 
-Three policies appear in copc (STYLE.md, point 6):
+Three policies appear in copc (CONTRIBUTING.md#policy-naming):
 
 - the *behaviour* policy mu, whose log-probs ``logp_behav`` the sampler recorded token by token;
 - the *old* (proximal) policy, recomputed by the trainer at the start of a step;
@@ -32,7 +32,7 @@ class StopReason(str, Enum):
 
     @property
     def truncated(self) -> bool:
-        """True when the episode was cut rather than finished (spec section 0, `truncation`)."""
+        """True when the episode was cut rather than finished (docs/formulas.md#notation, `truncation`)."""
         return self in (StopReason.MAX_TURNS, StopReason.MAX_TOKENS, StopReason.CONTEXT_LIMIT)
 
 
@@ -96,7 +96,7 @@ class Trajectory:
         policy_version: ``[L] int64``, weight version that sampled the token; -1 where not sampled.
         reward: scalar episode reward (sum of the environment's rewards).
         token_rewards: ``[L] float32``, rewards where the environment gave them (usually only the last
-            token); estimators fold them onto policy tokens (spec section 0).
+            token); estimators fold them onto policy tokens (docs/formulas.md#notation).
         stop_reason: why the episode ended.
         info: counters for metrics (tool calls, tool errors, correctness ...).
         group: index of the prompt group this sample belongs to (group-normalised baselines).

@@ -46,7 +46,7 @@ VALUE_LOSSES: Registry[Callable[[CriticConfig, ValueInputs], ValueLossOutput]] =
 
 @dataclass(frozen=True)
 class CriticConfig:
-    """Critic loss and schedule (spec 2, 9.3, 9.6)."""
+    """Critic loss and schedule (docs/formulas.md#ppo, #r0, #hyper-parameters)."""
 
     loss: str = "mse"
     """Registered penalty: mse (1/2 d^2) or huber."""

@@ -85,7 +85,7 @@ POLICY_OBJECTIVES: Registry[PolicyObjective] = Registry("policy objective")
 
 @dataclass(frozen=True)
 class PolicyChannelConfig:
-    """Actor loss: objective, PPO clip, behaviour-ratio mask/weight, aggregation (spec 2-9)."""
+    """Actor loss: objective, PPO clip, behaviour-ratio mask/weight, aggregation (docs/formulas.md)."""
 
     INFINITE_OK: ClassVar[tuple[str, ...]] = ("mask_high", "weight_cap")  # inf = no bound (copc.config)
     objective: str = "ppo"

@@ -4,8 +4,8 @@ The copc trainers read their options from verl's composed config: verl's own fie
 (``algorithm.gamma``, ``algorithm.lam``, the actor's clip and aggregation), and a top-level ``copc``
 section for the rest (``copc.channels``, ``copc.policy.{mask_low, mask_high, weight_mode}``,
 ``copc.advantage.<field>``). The actor's loss picks the reading of COPC: ``policy_loss.loss_mode=copc``
-is R0 (spec 9.3, band and PPO clip on the step-start ``old``); ``policy_loss.loss_mode=copc_behaviour`` is
-R1 (spec 9.7): verl's own behaviour-anchored (bypass-mode) loss, whose token rejection
+is R0 (docs/formulas.md#r0, band and PPO clip on the step-start ``old``); ``policy_loss.loss_mode=copc_behaviour`` is
+R1 (docs/formulas.md#r1): verl's own behaviour-anchored (bypass-mode) loss, whose token rejection
 ``rollout_rs=token_k1`` is R1's band. Every problem fails before any worker starts, with one line
 naming the option to set. :func:`hydra_config_node` is the ``copc_ppo_trainer`` config (verl's
 ``ppo_trainer`` plus a ``copc`` section listing every option), registered by the plugin in Hydra's
@@ -79,7 +79,7 @@ CHANNELS = ("both", "policy")
 
 
 #: ``actor_rollout_ref.actor.policy_loss.loss_mode`` that makes a copc trainer run COPC's behaviour-anchored
-#: reading R1 (spec 9.7): verl's own bypass-mode loss, PPO clip on ``r = exp(cur - mu)`` with the tokens
+#: reading R1 (docs/formulas.md#r1): verl's own bypass-mode loss, PPO clip on ``r = exp(cur - mu)`` with the tokens
 #: whose ``r`` leaves the band rejected (``rollout_rs=token_k1``), recomputed at every micro-batch.
 BEHAVIOUR_LOSS = "copc_behaviour"
 #: verl's own name of that loss: under a copc trainer it would clip on the recomputed ``old``, so it is refused.
@@ -235,7 +235,7 @@ def channels_from_verl_config(config: Any) -> CopcChannels:
         if str(_get(config, "actor_rollout_ref.actor.loss_agg_mode", "")) == "seq-mean-token-mean":
             raise ValueError(
                 f"actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean with loss_mode={BEHAVIOUR_LOSS} divides "
-                "each sequence by the tokens the band keeps, not by all its tokens (R1, spec 9.7): use token-mean, "
+                "each sequence by the tokens the band keeps, not by all its tokens (R1, docs/formulas.md#r1): use token-mean, "
                 "seq-mean-token-sum or seq-mean-token-sum-norm"
             )
         low, high = behaviour_band(config)

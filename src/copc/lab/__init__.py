@@ -1,7 +1,7 @@
 """copc.lab: exact bias/variance decomposition of the two-channel actor update on small token MDPs.
 
 Everything is enumerated (``K**H`` sequences), so ``E[ĝ]``, ``Cov[ĝ]`` and the bias/variance split of
-spec 9.2 are exact. A :class:`Correction` is a pair of production configs
+docs/formulas.md#two-channels are exact. A :class:`Correction` is a pair of production configs
 (:class:`copc.channels.PolicyChannelConfig`, :class:`copc.channels.AdvantageChannelConfig`), and the
 per-token weights and advantages come from the trainer's own channels. See docs/lab.md.
 """

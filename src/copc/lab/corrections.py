@@ -8,7 +8,7 @@ vtrace, clipped_td, brace). Nothing here re-implements a formula or compares a n
 :func:`copc.channels.compute_advantages` and the policy weight is differentiated from
 :func:`copc.channels.policy_loss`, the entry points the trainer calls.
 
-Per-token form of the actor update (spec 9.2): at the start of a step the trainer's policy is the
+Per-token form of the actor update (docs/formulas.md#two-channels): at the start of a step the trainer's policy is the
 proximal one (``cur = old = pi``), so for every objective
 
     -d l_t / d cur_t = omega_t · Â_t,
@@ -196,7 +196,7 @@ CRITIC_TARGET_RATIOS: Mapping[str, CriticTargetRatio] = {
     "clipped_td": lambda cfg, w, mask: ops.clip_ratio(w, mask, low=cfg.ratio_low, high=cfg.ratio_high),
 }
 """Per production estimator, the ``rho`` whose ``pi~ ∝ mu·rho`` has the value a critic regressed on the
-estimator's returns converges to (spec 4, 9.3); a test checks every key is in :data:`ADVANTAGE_ESTIMATORS`
+estimator's returns converges to (docs/formulas.md#v-trace, #r0); a test checks every key is in :data:`ADVANTAGE_ESTIMATORS`
 and that ``V^{pi~}`` zeroes the expected weighted TD residual."""
 
 
@@ -206,7 +206,7 @@ def critic_target_policy(
     """Logits of the policy whose value is the fixed point of the channel's own critic target.
 
     A critic regressed on the channel's returns converges to ``V`` of ``pi~(a|s) ∝ mu(a|s)·rho(a|s)``
-    (spec 4 and 9.3): ``rho = 1`` for GAE (``V^mu``), ``min(rho_bar, w)`` for V-trace,
+    (docs/formulas.md#v-trace and #r0): ``rho = 1`` for GAE (``V^mu``), ``min(rho_bar, w)`` for V-trace,
     ``clip(w, ratio_low, ratio_high)`` for clipped TD (``V^mu`` at eps_A = 0, ``V^pi`` without a clip).
     The clip goes through the ops helpers, treating the ``[S, K]`` table as a ``[B, T]`` batch (float32).
 

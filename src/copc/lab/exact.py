@@ -1,4 +1,4 @@
-"""Exact bias and variance of a two-channel actor update on an enumerable token MDP (spec 9.2).
+"""Exact bias and variance of a two-channel actor update on an enumerable token MDP (docs/formulas.md#two-channels).
 
 Notation (as :mod:`copc.lab.mdp`): ``H`` tokens, ``K`` symbols, ``M = K**H`` sequences, ``S`` prefix
 states, ``J`` critic-noise draws, ``B = M·J`` enumerated (sequence, draw) rows, row ``b = m·J + j``.
@@ -14,7 +14,7 @@ exact sums over the ``B`` rows with probability ``mu(tau)/J``.
 Bias (every term exact; the four sum to ``E[ĝ] - g*`` by construction, and a test checks it)::
 
     w = pi/mu (exact token ratio),  A = A^pi(s_t, a_t),  e^omega = omega - w,  e^A = Â - A
-    g_tok      = E_mu[sum_t w·A·grad]                  per-token target of spec 9.2
+    g_tok      = E_mu[sum_t w·A·grad]                  per-token target of docs/formulas.md#two-channels
     state      = g_tok - g*                            state-distribution term (d^mu instead of d^pi;
                                                        no token-level method corrects it)
     policy     = E_mu[sum_t e^omega·A·grad]            policy channel
@@ -23,7 +23,7 @@ Bias (every term exact; the four sum to ``E[ĝ] - g*`` by construction, and a te
 
 Variance (trace of ``Cov[ĝ]`` of one trajectory). Each time step owns its own block of parameters
 (the prefix states of length t), so ``X_t = omega_t Â_t grad_t`` of different steps are orthogonal and
-``tr Cov[ĝ] = sum_t tr Cov[X_t]`` exactly (the cross-token covariances of spec 9.2 vanish here, they
+``tr Cov[ĝ] = sum_t tr Cov[X_t]`` exactly (the cross-token covariances of docs/formulas.md#two-channels vanish here, they
 are not omitted). With ``h_t`` = the prefix through ``a_t`` (the token and everything before it), the
 law of total variance splits each step::
 
@@ -32,7 +32,7 @@ law of total variance splits each step::
                                                                bypass_ppo under critic noise)
     tok = sum_t tr Cov( omega_t E[Â_t|h_t] grad_t )          token/weight sampling variance
 
-``amp`` is spec 9.2's squared-weight term ("squared policy weights amplify advantage uncertainty");
+``amp`` is the squared-weight term of docs/formulas.md#two-channels ("squared policy weights amplify advantage uncertainty");
 ``amp_unweighted`` is the same with ``omega := 1``, so ``amp / amp_unweighted`` is the amplification.
 """
 
@@ -56,7 +56,7 @@ class Critic:
     """The critic V(s) the advantage channel is given (not :class:`copc.channels.CriticConfig`, which
     configures the value loss that trains a critic: the lab trains none).
 
-    ``base = mu``: exact ``V^mu`` (what regression on behaviour data converges to; spec 3). ``base = pi``:
+    ``base = mu``: exact ``V^mu`` (what regression on behaviour data converges to; docs/formulas.md#async-ppo). ``base = pi``:
     exact ``V^pi`` (an oracle critic). ``base = fitted``: the exact fixed point of the advantage channel's
     own critic target (``V`` of ``pi~ ∝ mu·rho``; :func:`copc.lab.corrections.critic_target_policy`), i.e.
     a critic fully fitted to the same clipped returns, as COPC trains it. ``noise_std > 0``: ``V = V^base + noise_std · xi_j(s)`` with ``J``

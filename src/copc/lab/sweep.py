@@ -1,4 +1,4 @@
-"""Joint sweep of the two channels (mask band x advantage clip) at several staleness levels (spec 9.6).
+"""Joint sweep of the two channels (mask band x advantage clip) at several staleness levels (docs/formulas.md#hyper-parameters).
 
 For each reward family, seed and staleness ``s`` the lab builds an exact policy-gradient path
 (normalised steps of length ``step_size`` from random logits), takes ``pi = path[-1]`` and

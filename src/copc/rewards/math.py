@@ -5,7 +5,7 @@ Reward = 1.0 when the last final answer in the response is mathematically equal 
 else 0.0. No format bonus (spec ``tasks.md``: binary correctness).
 
 sympy can hang on degenerate answers (``9^{9^{9^{9}}}`` never finishes). math-verify's own timeout uses
-``signal.alarm``, which breaks under threads, asyncio and Ray (STYLE.md, point 11), so it is switched
+``signal.alarm``, which breaks under threads, asyncio and Ray (CONTRIBUTING.md#waiting), so it is switched
 off and the check runs in a persistent worker *process* instead (a fresh interpreter, never a fork of
 the trainer): the caller waits on a socket pair with a timeout and, when it passes, kills the worker
 and starts a fresh one.

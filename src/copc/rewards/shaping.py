@@ -1,6 +1,6 @@
 """Reward shaping applied to a finished episode's reward before any estimator reads it.
 
-**Soft overlong punishment** (DAPO, Yu et al. 2025, arXiv 2503.14476, eq. 13; spec section 5). With
+**Soft overlong punishment** (DAPO, Yu et al. 2025, arXiv 2503.14476, eq. 13; docs/formulas.md#dapo). With
 ``L_max`` the generation budget and ``L_cache`` the punishment interval below it, a response of
 ``|y|`` generated tokens gets, on top of its correctness reward::
 

@@ -8,7 +8,7 @@ trajectories; this is what makes ``async`` with ``s = 0`` equal to ``sync``, and
 ``fixed_lag`` run equal to the uninterrupted one. Which version samples batch ``j`` is the drivers'
 business (``copc.runtime``).
 
-**Dynamic sampling** (DAPO, spec section 5; :class:`DynamicSamplingConfig`). A group whose rewards are
+**Dynamic sampling** (DAPO, docs/formulas.md#dapo; :class:`DynamicSamplingConfig`). A group whose rewards are
 all equal (all correct or all wrong) carries no signal for a group baseline. With dynamic sampling on,
 such groups are dropped and more prompts are sampled, in rounds, until the batch holds
 ``prompts_per_batch`` informative groups. Round 0 is the batch's own prompts with the batch's own seed

@@ -322,7 +322,7 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
 
 
 #: The sampler's transform: set under ``rollout.``; ``trainer.`` mirrors it (the trainer's log-probs must
-#: come from the distribution the tokens were drawn from, spec 14).
+#: come from the distribution the tokens were drawn from, docs/formulas.md#pitfalls).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 
 

@@ -1,6 +1,6 @@
 """``copc train --print-config``: every key of a resolved run config with its value and its one-line doc.
 
-The docs are the attribute docstrings written under each dataclass field (STYLE.md point 7), read from
+The docs are the attribute docstrings written under each dataclass field (CONTRIBUTING.md#configs), read from
 the source with :mod:`ast`; a field of a base class is documented where it is declared. The task's own
 options are listed under ``task_options`` from the task's config class, with the run's values where
 set and the class defaults elsewhere.

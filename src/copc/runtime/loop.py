@@ -125,7 +125,7 @@ class BatchSource(Protocol):
 
 
 def rollout_metrics(batch: GeneratedBatch, version: int) -> dict[str, float]:
-    """Realized staleness (spec section 1) and episode statistics of a consumed batch."""
+    """Realized staleness (docs/formulas.md#staleness) and episode statistics of a consumed batch."""
     trajs = batch.trajectories
     st = realized_staleness(trajs, version)
     calls = [t.info.get("tool_calls", 0.0) for t in trajs]

@@ -1,6 +1,6 @@
 """Staleness policies, as small pure functions (no I/O, no threads), and realized-staleness statistics.
 
-Versions and steps (spec/algorithms.md, section 1). The trainer starts at version 0 (the warm start).
+Versions and steps (docs/formulas.md#staleness). The trainer starts at version 0 (the warm start).
 Training step ``n`` (0-based) runs with the weights of version ``n`` and publishes version ``n + 1``,
 so "the step index" and "the trainer version when the batch is consumed" are the same number ``n``.
 Every generated token carries the version ``v_t`` that sampled it.
@@ -29,7 +29,7 @@ The same formula paces ``fixed_lag`` generation. There batch ``j`` must be sampl
 the weights it needs are published; :func:`fixed_lag_quota` says how many trajectories each version
 generates (``(s + 1)·B`` for version 0, ``B`` after).
 
-Realized staleness of a trajectory consumed at version ``n`` (PACE's split, spec section 1):
+Realized staleness of a trajectory consumed at version ``n`` (PACE's split, docs/formulas.md#staleness):
 ``s_max = n - min_t v_t`` (what AReaL/BRACE/DORA bound), ``s_gen = max_t v_t - min_t v_t`` (generation
 staleness: versions picked up while it was generated, > 0 only with partial rollouts),
 ``s_wait = n - max_t v_t`` (waiting staleness: versions that passed after its last sampled token).

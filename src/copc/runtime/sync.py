@@ -1,6 +1,6 @@
 """The synchronous driver: generate batch ``j`` with the current weights, then train on it.
 
-**Which version samples batch j.** ``fixed_lag``: exactly ``max(0, j - s)`` (spec section 1; the warm
+**Which version samples batch j.** ``fixed_lag``: exactly ``max(0, j - s)`` (docs/formulas.md#staleness; the warm
 start samples the first ``s + 1`` batches). ``bounded``: the newest weights when generation starts.
 The synchronous driver has no concurrency: under ``fixed_lag`` it *simulates* the lag by keeping the
 last ``s + 1`` weight versions and sampling batch ``j`` with version ``max(0, j - s)`` (identical data

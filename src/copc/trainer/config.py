@@ -53,7 +53,7 @@ class TrainerConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the actor loss)."""
     temperature: float = 1.0
-    """The sampler's temperature, under which log-probs are computed (spec 14); in copc train it follows
+    """The sampler's temperature, under which log-probs are computed (docs/formulas.md#pitfalls); in copc train it follows
     rollout.temperature (set that one)."""
     top_p: float = 1.0
     """The sampler's top-p (1 = off): log-probs come from the same truncated, renormalised distribution;
@@ -61,7 +61,7 @@ class TrainerConfig:
     top_k: int = 0
     """The sampler's top-k (0 = off), as top_p; follows rollout.top_k in copc train."""
     truncation: Truncation = "terminal"
-    """How truncated episodes end: terminal | bootstrap | mask (spec section 0)."""
+    """How truncated episodes end: terminal | bootstrap | mask (docs/formulas.md#notation)."""
     void_turns: Literal["keep", "mask"] = "keep"
     """Episodes with a void turn (neither a tool call nor an answer): keep them as failures, or mask them out
     of the actor and critic losses (SimpleTIR's filter); counted in batch/void_frac either way."""

@@ -21,7 +21,7 @@ def step_diagnostics(
     batch: TrainBatch, *, loss_mask: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor, log_w: torch.Tensor,
     critic: bool,
 ) -> dict[str, float]:
-    """Step-start diagnostics of the batch (spec 9.5, step 6), before any update (``[B, T]`` tensors).
+    """Step-start diagnostics of the batch (docs/formulas.md#one-step, step 6), before any update (``[B, T]`` tensors).
 
     - ``critic/explained_var = 1 - Var(G - V_old) / Var(G)`` over loss tokens;
     - ``critic/value_bias`` ``b = E_pi[R] - E_mu[R]`` and ``critic/value_bias_gap`` ``g = |v1 - E_pi[R]|``

@@ -19,7 +19,7 @@ after ``n`` updates, which the driver published as version ``n``), ``v_t`` = ``p
   start EWMA serves the whole step, because the advantage channel and the step-start mask need ``old``
   before any update (the EWMA still moves after every optimizer step, and carries across steps).
 - ``loglinear``: AReaL's A-3PO approximation (areal/trainer/ppo/actor.py,
-  ``compute_prox_logp_approximations``, docs/en/algorithms/prox_approx.md): no forward;
+  ``compute_prox_logp_approximations`` and the prox_approx page of its docs): no forward;
   ``old_t = mu_t + alpha_t (sg(cur_t) - mu_t)`` with ``alpha_t = clamp((v_prox - v_t) / (v_theta - v_t), 0, 1)``
   (0 where ``v_theta = v_t`` or the token was not sampled), ``v_theta = n`` (AReaL's engine version during
   the update) and ``v_prox = n - 1``. So tokens of staleness ``d = n - v_t <= 1`` get ``old = mu`` and a

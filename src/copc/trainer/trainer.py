@@ -1,4 +1,5 @@
-"""One actor-critic training step on a batch of (possibly stale) trajectories (spec sections 2, 3, 9.5).
+"""One actor-critic training step on a batch of (possibly stale) trajectories (docs/formulas.md#ppo,
+#async-ppo, #one-step).
 
 Notation: ``B`` trajectories, ``T`` tokens; ``mu`` = behaviour log-probs recorded by the sampler,
 ``old`` = the policy at the start of this step (no-grad forward), ``cur`` = the policy being optimised.
