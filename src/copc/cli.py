@@ -148,7 +148,7 @@ def _delegate(name: str) -> Callable[[list[str]], int] | None:
 #: glibc's mmap threshold for the copc processes (bytes): allocations this large are mapped and handed back
 #: to the system when freed. glibc's default starts at 128 KiB and rises with every large free (to 32 MiB),
 #: after which freed logits and activations stay in the heap: a 135M-parameter run's RSS grew by ~6 GB
-#: (issue 35). A value already in MALLOC_MMAP_THRESHOLD_ is kept.
+#: over a run. A value already in MALLOC_MMAP_THRESHOLD_ is kept.
 MMAP_THRESHOLD = 1 << 20
 
 

@@ -161,10 +161,6 @@ class TrajectoryBuffer:
                 self._next_seq += 1
             self._ready.notify_all()
 
-    def has_batch(self, index: int) -> bool:
-        with self._lock:
-            return any(e.batch == index for e in self._entries)
-
     def take_batch(self, step: int, *, timeout_s: float = 0.0) -> list[Trajectory] | None:
         """The trajectories of batch ``step`` (stored by :meth:`put_batch`), or None after ``timeout_s``.
 

@@ -1,7 +1,7 @@
 """The stall watchdog: a run whose step or evaluation never ends is stopped, not left waiting forever.
 
 Env steps (graders, tools, a user's environment) run inside the trainer process with the sync driver and
-in every evaluation. A grader that never returns (session 10: ``Fraction("1537640e412537443412")``, a
+in every evaluation. A grader that never returns (one seen in a real run: ``Fraction("1537640e412537443412")``, a
 power of ten with 4e11 digits) would hold a run for ever at full CPU. :class:`StallWatchdog` bounds
 each *phase* of a run (one training step, one evaluation) by ``seconds``; when a phase outlasts it the
 process ends with :data:`STALL_EXIT_CODE`. Checkpoints already written are untouched, so the run

@@ -37,7 +37,7 @@ class TrainerConfig:
     """Rows per forward/backward; gradients of a minibatch are accumulated over its micro-batches."""
     micro_batch_by_length: bool = False
     """Sort each minibatch's rows by length before cutting micro-batches (less padding in each trimmed
-    micro-batch; the same sums up to float rounding, so not bit-identical to off: issue 12)."""
+    micro-batch; the same sums up to float rounding, so not bit-identical to off)."""
     actor_minibatches: int = 0
     """Actor optimizer steps per epoch; 0 = the method preset's (policy.minibatches)."""
     critic_updates: int = 0
@@ -76,7 +76,8 @@ class TrainerConfig:
     proximal_max_bytes: int = 32 << 20
     """snapshot: bound of the stored versions (memory and checkpoints) [bytes]; needs (staleness + 1) x one."""
     old_forward_reuse: bool = False
-    """recompute: take old of the first actor minibatch's rows from their own first forward (issue 12)."""
+    """recompute: take old of the first actor minibatch's rows from their own first forward (one no-grad
+    forward fewer; docs/algorithms.md, "Old log-probs from the first forward")."""
     gradient_checkpointing: Literal["auto", "always", "never"] = "auto"
     """Recompute each layer's activations in the backward pass instead of keeping them (the policy's and the
     critic's updates): the same gradients, less memory, about one more forward of time. always | never |
@@ -86,7 +87,7 @@ class TrainerConfig:
     critic_forward_reuse: bool = False
     """Take V_old of the first critic minibatch's rows from their own first critic forward (train mode, with
     grad, kept for that minibatch's update): one critic forward fewer per step; the kept activations live
-    until the update (issue 12)."""
+    until the update."""
 
     def __post_init__(self) -> None:
         for name in ("actor_lr", "critic_lr", "temperature"):

@@ -98,7 +98,7 @@ def current_ratio_stats(
 
     Their ``old := mu`` makes ``log w = 0`` (ESS 1, KL 0) whatever the staleness; measured before the
     minibatch's optimizer step, ``cur`` is the step-start policy, so these are the statistics ``old / mu``
-    would have had on these rows (issue 10 defect 5).
+    would have had on these rows.
     """
     stats = importance_diagnostics(log_ratio(logp, logp_behav, loss_mask), loss_mask, clip_low=clip_low, clip_high=clip_high)
     return {k: float(v) for k, v in stats.items()}

@@ -57,7 +57,7 @@ __all__ = [
 ProximalSource = Literal["recompute", "snapshot", "ewma", "loglinear"]
 PROXIMAL_SOURCES: tuple[str, ...] = get_args(ProximalSource)
 
-Weights = dict[str, torch.Tensor]
+StateDict = dict[str, torch.Tensor]
 
 
 def weights_nbytes(weights: Mapping[str, torch.Tensor]) -> int:
@@ -72,10 +72,10 @@ def weights_nbytes(weights: Mapping[str, torch.Tensor]) -> int:
     return total
 
 
-def _clone(weights: Mapping[str, torch.Tensor]) -> Weights:
+def _clone(weights: Mapping[str, torch.Tensor]) -> StateDict:
     """Detached CPU copies; keys that share storage (tied embeddings) keep sharing it."""
     copies: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
-    out: Weights = {}
+    out: StateDict = {}
     for key, tensor in weights.items():
         ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
         if ident not in copies:
@@ -110,7 +110,7 @@ def loglinear_logp(logp_behav: torch.Tensor, logp_cur: torch.Tensor, alpha: torc
 
 # ---------------------------------------------------------------------------------------- ewma
 @torch.no_grad()
-def ewma_update(average: Weights, weights: Mapping[str, torch.Tensor], *, total: float, decay: float) -> float:
+def ewma_update(average: StateDict, weights: Mapping[str, torch.Tensor], *, total: float, decay: float) -> float:
     """One bias-corrected EWMA step in place on ``average`` (module docstring); returns the new total ``W_k``.
 
     ``theta_bar <- (beta W theta_bar + theta) / (beta W + 1)``; floating-point tensors only (integer
@@ -142,7 +142,7 @@ class EwmaWeights:
         self.total = 1.0
         self.updates = 0
 
-    def weights(self) -> Weights:
+    def weights(self) -> StateDict:
         return {k: v for k, v in self.model.state_dict().items()}
 
     def update(self, policy: nn.Module) -> None:
@@ -174,7 +174,7 @@ class SnapshotStore:
 
     def __init__(self, *, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._versions: OrderedDict[int, Weights] = OrderedDict()
+        self._versions: OrderedDict[int, StateDict] = OrderedDict()
         self._bytes: dict[int, int] = {}
         self.evicted = 0
 
@@ -204,7 +204,7 @@ class SnapshotStore:
             del self._bytes[old]
             self.evicted += 1
 
-    def get(self, version: int) -> Weights:
+    def get(self, version: int) -> StateDict:
         if version not in self._versions:
             held = f"{self.versions[0]}..{self.versions[-1]}" if self._versions else "nothing"
             per = max(self._bytes.values(), default=0)
