@@ -100,8 +100,10 @@ class AsyncSource:
         num_workers: rollout processes.
         journal_dir: where finished batches are journaled (None = no journal, nothing survives a kill).
         max_restarts: worker failures survived (restart + re-request); one more ends the run.
-        batch_timeout_s: a worker holding one batch longer than this is killed and restarted (None = no limit).
-        silent_warn_s: a worker holding a batch that has used no CPU for this long gets a warning (None = never).
+        batch_timeout_s: a worker holding one batch longer than this is killed and restarted (None = no
+            limit).
+        silent_warn_s: a worker holding a batch that has used no CPU for this long gets a warning (None =
+            never).
         silent_restart_s: ... for this long is killed and restarted, a failure like a death (None = never).
         transport: builds the weight store and the workers (local processes by default; Ray actors:
             :func:`copc.runtime.ray_workers.ray_transport`). The policy here is the same for every transport.
@@ -134,7 +136,8 @@ class AsyncSource:
         self.pool = get_task(spec.task, **spec.task_options).prompts("train")  # type: ignore[arg-type]
         self.dtype = getattr(torch, spec.rollout.dtype)  # the sampler's: copies kept here are in it too
         self.ring, self.workers = transport(spec, sampler_weights(initial_weights, self.dtype),
-                                            ring_slots(staleness, partial=spec.partial_chunk_tokens is not None),
+                                            ring_slots(staleness,
+                                                       partial=spec.partial_chunk_tokens is not None),
                                             num_workers)
         self.journal = Journal(journal_dir) if journal_dir is not None else None
         self.max_restarts, self.batch_timeout_s = max_restarts, batch_timeout_s
@@ -150,7 +153,8 @@ class AsyncSource:
         self.prefetched: dict[int, GeneratedBatch] = {}  # journaled beyond the checkpoint's requests
         self.generate_s: dict[int, float] = {}
         self.batch_info: dict[int, dict[str, float]] = {}  # the generator's counters, by batch index
-        self.restored = 0  # journaled batches restored on resume, over the run (the checkpoint's count + this one's)
+        # journaled batches restored on resume, over the run (the checkpoint's count + this one's)
+        self.restored = 0
         self.damaged: list[str] = []  # journal entries this process set aside on resume
         # damaged entries set aside on resume over the run: the ``*.damaged`` files its journal keeps (so a
         # process killed after setting one aside still counts), counted when this process resumed
@@ -179,7 +183,8 @@ class AsyncSource:
         self._admit()
 
     def close(self) -> None:
-        """Stop the receiver and every worker (in-flight batches are abandoned; the journal keeps finished ones)."""
+        """Stop the receiver and every worker (in-flight batches are abandoned; the journal keeps finished
+        ones)."""
         if not self._started:
             return
         self._stop.set()
@@ -209,7 +214,8 @@ class AsyncSource:
         while self.buffer.can_request(self.version):
             admitted = self.buffer.admit(self.version, self._requests_of(self.next_request))
             if len(admitted) != self.batch_size:
-                raise RolloutError(f"admission split batch {self.next_request}: {len(admitted)} of {self.batch_size}")
+                raise RolloutError(f"admission split batch {self.next_request}: {len(admitted)} of "
+                                   f"{self.batch_size}")
             if self.next_request in self.prefetched:  # finished before a crash: journaled, not regenerated
                 self._accept(self.prefetched.pop(self.next_request))
             else:
@@ -267,7 +273,8 @@ class AsyncSource:
         with self._lock:  # one step: the batch is never "neither assigned nor stored" (see _coming)
             self._accept(batch)
             self._assigned.pop(slot, None)
-            newest = max([batch.version] + [t.max_version for t in batch.trajectories])  # partial rollouts swap
+            # partial rollouts swap
+            newest = max([batch.version] + [t.max_version for t in batch.trajectories])
             self._worker_version[slot] = max(self._worker_version[slot], newest)
 
     def _on_failure(self, slot: int, error: str) -> None:
@@ -304,7 +311,8 @@ class AsyncSource:
 
     def _check_silence(self) -> None:
         """Warn about, then restart, a worker that holds a batch and has used no CPU (module docstring)."""
-        if (self.silent_warn_s is None and self.silent_restart_s is None) or not isinstance(self.workers, ReportsActivity):
+        if (self.silent_warn_s is None and self.silent_restart_s is None) or not isinstance(self.workers,
+                                                                                            ReportsActivity):
             return
         now = time.monotonic()
         if now < self._next_silence_check:
@@ -325,13 +333,16 @@ class AsyncSource:
             silent = now - heard[2]
             state = "has been stopped (SIGSTOP?)" if stopped else "has used no CPU"
             if self.silent_restart_s is not None and silent > self.silent_restart_s:
-                self._on_failure(slot, f"silent while generating batch {index}: it {state} for {silent:.0f} s "
+                self._on_failure(slot,
+                                 f"silent while generating batch {index}: it {state} for {silent:.0f} s "
                                        f"(driver.silent_worker_restart_s={self.silent_restart_s:g})")
             elif self.silent_warn_s is not None and silent > self.silent_warn_s and not heard[3]:
-                then = (f"; it is restarted after {self.silent_restart_s:g} s (driver.silent_worker_restart_s)"
+                then = (f"; it is restarted after {self.silent_restart_s:g} s "
+                        f"(driver.silent_worker_restart_s)"
                         if self.silent_restart_s is not None else "")
                 print(f"warning: rollout worker {slot} (pid {self.workers.pid(slot)}) "
-                      f"{state} for {silent:.0f} s while generating batch {index}; the run waits for it{then}",
+                      f"{state} for {silent:.0f} s while generating batch {index}; the run waits for "
+                      f"it{then}",
                       file=sys.stderr, flush=True)
                 self._heard[slot] = (*heard[:3], True)
 
@@ -342,7 +353,8 @@ class AsyncSource:
         now = time.monotonic()
         for slot, (index, _, since) in list(self._assigned.items()):
             if now - since > self.batch_timeout_s:
-                self._on_failure(slot, f"no batch {index} after {self.batch_timeout_s:.0f} s (driver.batch_timeout_s)")
+                self._on_failure(slot, f"no batch {index} after {self.batch_timeout_s:.0f} s "
+                                       f"(driver.batch_timeout_s)")
 
     def _accept(self, batch: GeneratedBatch) -> None:
         with self._lock:
@@ -421,7 +433,8 @@ class AsyncSource:
         if self._started:
             raise RuntimeError("load_state_dict must run before start()")
         self._resumed = True
-        snapshots: dict[int, dict[str, torch.Tensor]] = dict(state["snapshots"])  # type: ignore[call-overload]
+        snapshots: dict[int, dict[str, torch.Tensor]]
+        snapshots = dict(state["snapshots"])  # type: ignore[call-overload]
         for version in sorted(snapshots):
             self.ring.publish(version, snapshots[version])
         self.snapshots = snapshots
@@ -468,11 +481,13 @@ class AsyncSource:
             self.journal.prune(consumed_before)
 
     def checkpointed(self, state: Mapping[str, object]) -> None:
-        """A checkpoint holding ``state`` (:meth:`state_dict`) is on disk: the batches it covers leave the journal."""
+        """A checkpoint holding ``state`` (:meth:`state_dict`) is on disk: the batches it covers leave the
+        journal."""
         self.prune_journal(int(state["next_put"]))  # type: ignore[call-overload]
 
     def counters(self) -> dict[str, int]:
-        """Journaled batches restored on resume, worker restarts, damaged journal files (the run's summary)."""
+        """Journaled batches restored on resume, worker restarts, damaged journal files (the run's
+        summary)."""
         return {"restored_batches": self.restored, "worker_restarts": self.restarts,
                 "journal_damaged": self.journal_damaged}
 

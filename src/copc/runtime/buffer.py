@@ -180,7 +180,8 @@ class TrajectoryBuffer:
                 self._ready.wait(timeout=remaining)
             mode, s = self.config.mode, self.config.staleness
             for e in chosen:
-                if self.config.fixed_lag and not eligible(mode, step=step, staleness=s, min_version=e.version):
+                if self.config.fixed_lag and not eligible(mode, step=step, staleness=s,
+                                                          min_version=e.version):
                     raise RuntimeError(
                         f"batch {step} was sampled by version {e.version}, but fixed_lag s={s} needs "
                         f"version {step - s if step > s else 0}: the driver requested it wrongly"
@@ -203,7 +204,8 @@ class TrajectoryBuffer:
         members = list(groups.values())
         budget = pace_budget(pool=len(self._entries), target=pace.target_batches * self.batch_size,
                              batch=len(chosen), gain=pace.gain, max_reject_frac=pace.max_reject_frac)
-        rejected = pace_select([sum(scores[i] for i in g) / len(g) for g in members], [len(g) for g in members],
+        rejected = pace_select([sum(scores[i] for i in g) / len(g) for g in members],
+                               [len(g) for g in members],
                                budget=budget, min_score=pace.min_score)
         out = {i for k in rejected for i in members[k]}
         self._dropped["pace"] += len(out)

@@ -33,7 +33,8 @@ from copc.trainer.memory import PEAKS
 from copc.trainer.trainer import ActorCriticTrainer
 
 __all__ = [
-    "BatchSource", "Interrupted", "LoopResult", "NonFiniteError", "RunError", "StopSignals", "rollout_metrics",
+    "BatchSource", "Interrupted", "LoopResult", "NonFiniteError", "RunError", "StopSignals",
+    "rollout_metrics",
     "run_loop",
 ]
 
@@ -162,8 +163,9 @@ def check_finite(step: int, metrics: Mapping[str, float], weights: Mapping[str, 
     bad = [k for k, v in metrics.items() if k.startswith(("loss/", "grad/")) and not math.isfinite(v)]
     if bad:
         raise NonFiniteError(
-            f"step {step}: {bad[0]} is {metrics[bad[0]]} (not finite); stopped before publishing or saving these "
-            "weights (the last checkpoint is the last good state); lower the learning rate or check the data"
+            f"step {step}: {bad[0]} is {metrics[bad[0]]} (not finite); stopped before publishing or saving "
+            "these weights (the last checkpoint is the last good state); lower the learning rate or check the "
+            "data"
         )
     for name, tensor in weights.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):

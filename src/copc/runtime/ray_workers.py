@@ -44,7 +44,8 @@ from copc.config import ConfigError
 from copc.runtime.buffer import encode_batch
 from copc.runtime.workers import TransportFactory, WorkerEvent, WorkerSpec, build_generator
 
-__all__ = ["RayOptions", "RayWeights", "RayWorkerPool", "RolloutWorker", "check_resources", "connect", "ray_transport"]
+__all__ = ["RayOptions", "RayWeights", "RayWorkerPool", "RolloutWorker", "check_resources", "connect",
+           "ray_transport"]
 
 
 def _ray() -> Any:
@@ -72,7 +73,8 @@ def connect(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     if address is None:
-        # "local": a new instance even where a `ray start` cluster runs on this machine (plain init would join it)
+        # "local": a new instance even where a `ray start` cluster runs on this machine (plain init would join
+        # it)
         ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False)
     else:
         ray.init(address=address)
@@ -102,7 +104,8 @@ class RolloutWorker:
         if version != self.generator.version:
             tagged = _ray().get(weights[0])
             if int(tagged["version"]) != version:
-                raise RuntimeError(f"the object store gave weights of version {tagged['version']}, not {version}")
+                raise RuntimeError(f"the object store gave weights of version {tagged['version']}, not "
+                                   f"{version}")
             self.generator.load(tagged["weights"], version)
             self.fetched.append(version)
         return encode_batch(self.generator.generate(index))
@@ -225,12 +228,14 @@ class RayWorkerPool:
         except ray.exceptions.RayTaskError as err:  # generate raised: its traceback
             self._drop(slot)
             return WorkerEvent(slot, error=str(err))
-        except ray.exceptions.RayError as err:  # the actor died (killed, crashed, node lost) or lost the result
+        # the actor died (killed, crashed, node lost) or lost the result
+        except ray.exceptions.RayError as err:
             self._drop(slot)
             return WorkerEvent(slot, error=f"its actor died ({type(err).__name__}): {err}")
 
     def pid(self, slot: int, timeout_s: float = 0.0) -> int | None:
-        """The process id of ``slot``'s actor once it has been built (waits up to ``timeout_s``), else None."""
+        """The process id of ``slot``'s actor once it has been built (waits up to ``timeout_s``), else
+        None."""
         ref = self._pid_refs[slot]
         if ref is None:
             return None

@@ -102,15 +102,16 @@ class StalenessConfig:
     staleness: int = 8
     """s: the lag (fixed_lag) or the lag bound (bounded), in trainer versions; 0 = synchronous."""
     filter: StalenessFilter = "none"
-    """none: train on every consumed trajectory; pace: reject the stalest groups when the pool is overfull (bounded)."""
+    """none: train on every consumed trajectory; pace: reject the stalest groups when the pool is overfull
+    (bounded)."""
     pace: PaceConfig = field(default_factory=PaceConfig)
     """PACE parameters (used with filter=pace)."""
 
     def __post_init__(self) -> None:
         check_one_of("staleness.filter", self.filter, STALENESS_FILTERS)
         if self.filter == "pace" and self.mode != "bounded":
-            raise ValueError("staleness.filter=pace needs staleness.mode=bounded (fixed_lag prescribes every batch); "
-                             "set staleness.mode=bounded or staleness.filter=none")
+            raise ValueError("staleness.filter=pace needs staleness.mode=bounded (fixed_lag prescribes every "
+                             "batch); set staleness.mode=bounded or staleness.filter=none")
         if self.mode not in STALENESS_MODES:
             raise ValueError(f"staleness.mode must be one of {', '.join(STALENESS_MODES)}, got {self.mode!r}")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
@@ -294,7 +295,8 @@ def effective_staleness(traj: Trajectory, step: int, *, gen_weight: float, filed
     ``filed_version`` is used as ``max_t v_t`` of a trajectory without sampled tokens (its batch's version).
     """
     v_end = traj.max_version if traj.max_version >= 0 else filed_version
-    return float(step - v_end) + gen_weight * prefix_generation_staleness(traj.policy_version, traj.action_mask)
+    return float(step - v_end) + gen_weight * prefix_generation_staleness(traj.policy_version,
+                                                                          traj.action_mask)
 
 
 def pace_budget(*, pool: int, target: float, batch: int, gain: float, max_reject_frac: float) -> int:

@@ -1,11 +1,11 @@
 """The stall watchdog: a run whose step or evaluation never ends is stopped, not left waiting forever.
 
 Env steps (graders, tools, a user's environment) run inside the trainer process with the sync driver and
-in every evaluation. A grader that never returns (one seen in a real run: ``Fraction("1537640e412537443412")``, a
-power of ten with 4e11 digits) would hold a run for ever at full CPU. :class:`StallWatchdog` bounds
-each *phase* of a run (one training step, one evaluation) by ``seconds``; when a phase outlasts it the
-process ends with :data:`STALL_EXIT_CODE`. Checkpoints already written are untouched, so the run
-continues with ``resume=true`` once what hung is fixed.
+in every evaluation. A grader that never returns (one seen in a real run:
+``Fraction("1537640e412537443412")``, a power of ten with 4e11 digits) would hold a run for ever at full CPU.
+:class:`StallWatchdog` bounds each *phase* of a run (one training step, one evaluation) by ``seconds``; when a
+phase outlasts it the process ends with :data:`STALL_EXIT_CODE`. Checkpoints already written are untouched, so
+the run continues with ``resume=true`` once what hung is fixed.
 
 Two stages, because a hang can hold the GIL:
 
@@ -116,8 +116,9 @@ class StallWatchdog:
 
     def _fire(self, phase: str) -> None:
         hint = f" once what hangs is fixed: {self.resume_hint}" if self.resume_hint else ""
-        print(f"error: {phase} did not end within {self.seconds:.0f} s (stall_timeout_s): stopping the process; "
-              f"the stack of every thread follows. Checkpoints already written are kept; continue{hint}, or "
+        print(f"error: {phase} did not end within {self.seconds:.0f} s (stall_timeout_s): stopping the "
+              f"process; the stack of every thread follows. Checkpoints already written are kept; "
+              f"continue{hint}, or "
               "raise stall_timeout_s (0 = no limit) if the phase is just slow", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=_STDERR_FD, all_threads=True)
         os._exit(STALL_EXIT_CODE)

@@ -1,7 +1,7 @@
 """The synchronous driver: generate batch ``j`` with the current weights, then train on it.
 
-**Which version samples batch j.** ``fixed_lag``: exactly ``max(0, j - s)`` (docs/formulas.md#staleness; the warm
-start samples the first ``s + 1`` batches). ``bounded``: the newest weights when generation starts.
+**Which version samples batch j.** ``fixed_lag``: exactly ``max(0, j - s)`` (docs/formulas.md#staleness; the
+warm start samples the first ``s + 1`` batches). ``bounded``: the newest weights when generation starts.
 The synchronous driver has no concurrency: under ``fixed_lag`` it *simulates* the lag by keeping the
 last ``s + 1`` weight versions and sampling batch ``j`` with version ``max(0, j - s)`` (identical data
 to the async driver, see :mod:`copc.rollout.generator` for why); under ``bounded`` it samples with the
@@ -61,7 +61,8 @@ class SyncSource:
         return self.generator.generate(step), 0.0
 
     def state_dict(self) -> dict[str, object]:
-        return {"snapshots": {version: Weights(w) for version, w in self.snapshots.items()}, "version": self.version}
+        return {"snapshots": {version: Weights(w) for version, w in self.snapshots.items()},
+                "version": self.version}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.snapshots = dict(state["snapshots"])  # type: ignore[call-overload]

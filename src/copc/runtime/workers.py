@@ -49,7 +49,8 @@ from copc.rollout.generator import RolloutConfig, RolloutGenerator
 from copc.runtime.buffer import encode_batch
 
 __all__ = [
-    "ReportsActivity", "Transport", "TransportFactory", "WeightRing", "WeightStore", "WorkerEvent", "WorkerPool",
+    "ReportsActivity", "Transport", "TransportFactory", "WeightRing", "WeightStore", "WorkerEvent",
+    "WorkerPool",
     "WorkerSpec", "WorkerStartError", "build_generator", "local_transport", "newest_weights", "process_gone",
 ]
 
@@ -317,7 +318,8 @@ class WorkerPool:
         mine, theirs = self._ctx.Pipe(duplex=True)
         for attempt in (1, 2):
             proc = self._ctx.Process(
-                target=_worker_main, args=(self.spec, self.ring, theirs, self._alive_r, os.getpid()), daemon=True,
+                target=_worker_main, args=(self.spec, self.ring, theirs, self._alive_r, os.getpid()),
+                daemon=True,
                 name=f"copc-rollout-{slot}",
             )
             try:
@@ -381,7 +383,8 @@ class WorkerPool:
         except (EOFError, OSError) as err:
             proc.join(timeout=5)
             self._drop(slot)
-            return WorkerEvent(slot, error=f"its pipe broke ({type(err).__name__}); {describe_exit(proc.exitcode)}")
+            return WorkerEvent(slot, error=f"its pipe broke ({type(err).__name__}); "
+                                           f"{describe_exit(proc.exitcode)}")
         if not proc.is_alive():
             proc.join(timeout=5)
             code = proc.exitcode
@@ -464,7 +467,8 @@ class ReportsActivity(Protocol):
 
 class Transport(Protocol):
     """What the async driver's policy asks of its workers (:class:`WorkerPool` here; a Ray pool in
-    :mod:`copc.runtime.ray_workers`): start or restart a slot, send it a request, report batches and deaths."""
+    :mod:`copc.runtime.ray_workers`): start or restart a slot, send it a request, report batches and
+    deaths."""
 
     def __len__(self) -> int: ...
 
