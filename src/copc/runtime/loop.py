@@ -164,8 +164,8 @@ def check_finite(step: int, metrics: Mapping[str, float], weights: Mapping[str, 
     if bad:
         raise NonFiniteError(
             f"step {step}: {bad[0]} is {metrics[bad[0]]} (not finite); stopped before publishing or saving "
-            "these weights (the last checkpoint is the last good state); lower the learning rate or check the "
-            "data"
+            "these weights (the last checkpoint is the last good "
+            "state); lower the learning rate or check the data"
         )
     for name, tensor in weights.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):

@@ -118,7 +118,7 @@ class StallWatchdog:
         hint = f" once what hangs is fixed: {self.resume_hint}" if self.resume_hint else ""
         print(f"error: {phase} did not end within {self.seconds:.0f} s (stall_timeout_s): stopping the "
               f"process; the stack of every thread follows. Checkpoints already written are kept; "
-              f"continue{hint}, or "
-              "raise stall_timeout_s (0 = no limit) if the phase is just slow", file=sys.stderr, flush=True)
+              f"continue{hint}, or raise stall_timeout_s "
+              "(0 = no limit) if the phase is just slow", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=_STDERR_FD, all_threads=True)
         os._exit(STALL_EXIT_CODE)
