@@ -20,19 +20,19 @@ Protocol of :func:`save_checkpoint` (one writer per run directory):
 
 A SIGKILL at any moment leaves either the previous state or the new one. A write that fails (disk
 full, permissions) removes its temp directory and raises :class:`CheckpointError` with one line
-(``no space left on device at PATH``); the previous checkpoint and ``latest`` are untouched. :func:`load_latest` follows
-``latest`` and verifies the checkpoint's ``meta.json`` (sizes and hashes); if the pointer is missing,
-corrupt or points at something invalid, it falls back to the newest ``step_*`` directory that verifies,
-and says so through ``on_skip`` (each skipped checkpoint with its reason).
+(``no space left on device at PATH``); the previous checkpoint and ``latest`` are untouched.
+:func:`load_latest` follows ``latest`` and verifies the checkpoint's ``meta.json`` (sizes and hashes); if the
+pointer is missing, corrupt or points at something invalid, it falls back to the newest ``step_*`` directory
+that verifies, and says so through ``on_skip`` (each skipped checkpoint with its reason).
 
 The payload is what the trainer wants back: policy and critic state dicts, optimizer states, RNG
 states (:func:`capture_rng_state`), step, version, the buffer's ``state_dict()`` (stored trajectories
 and prompts in flight) and the resolved config as plain data. It must be loadable with
 ``torch.load(weights_only=True)``: tensors, str, int, float, bool, None, lists, tuples and dicts.
-A state dict wrapped in :class:`~copc.trainer.weight_files.Weights` (the trainer's policy and critic, the async driver's weight
-versions) is written as a safetensors file of its own instead, named by its key path in the payload
-(``trainer.policy.safetensors``): the weights load without torch's pickle, by any safetensors reader,
-and tied tensors (an embedding shared with the LM head) are stored once and tied again on load.
+A state dict wrapped in :class:`~copc.trainer.weight_files.Weights` (the trainer's policy and critic, the
+async driver's weight versions) is written as a safetensors file of its own instead, named by its key path in
+the payload (``trainer.policy.safetensors``): the weights load without torch's pickle, by any safetensors
+reader, and tied tensors (an embedding shared with the LM head) are stored once and tied again on load.
 """
 
 from __future__ import annotations
@@ -280,7 +280,8 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[int]:
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> int:
-    """Check ``meta.json`` against the files (sizes and sha256); returns the step or raises CheckpointError."""
+    """Check ``meta.json`` against the files (sizes and sha256); returns the step or raises
+    CheckpointError."""
     path = Path(path)
     meta_path = path / META_FILE
     try:

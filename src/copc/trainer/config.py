@@ -53,8 +53,8 @@ class TrainerConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the actor loss)."""
     temperature: float = 1.0
-    """The sampler's temperature, under which log-probs are computed (docs/formulas.md#pitfalls); in copc train it follows
-    rollout.temperature (set that one)."""
+    """The sampler's temperature, under which log-probs are computed (docs/formulas.md#pitfalls); in copc
+    train it follows rollout.temperature (set that one)."""
     top_p: float = 1.0
     """The sampler's top-p (1 = off): log-probs come from the same truncated, renormalised distribution;
     follows rollout.top_p in copc train."""
@@ -74,14 +74,16 @@ class TrainerConfig:
     proximal_decay: float = 0.75
     """ewma: decay beta per actor optimizer step (center of mass beta / (1 - beta) = 3 steps back)."""
     proximal_max_bytes: int = 32 << 20
-    """snapshot: bound of the stored versions (memory and checkpoints) [bytes]; needs (staleness + 1) x one."""
+    """snapshot: bound of the stored versions (memory and checkpoints) [bytes]; needs (staleness + 1) x
+    one."""
     old_forward_reuse: bool = False
     """recompute: take old of the first actor minibatch's rows from their own first forward (one no-grad
     forward fewer; docs/algorithms.md, "Old log-probs from the first forward")."""
     gradient_checkpointing: Literal["auto", "always", "never"] = "auto"
     """Recompute each layer's activations in the backward pass instead of keeping them (the policy's and the
     critic's updates): the same gradients, less memory, about one more forward of time. always | never |
-    auto: on for a model of at least 50M parameters (real models, where activations dominate the update's memory), off
+    auto: on for a model of at least 50M parameters (real models, where activations dominate the update's
+        memory), off
     below (copc.trainer.memory). It changes nothing a run computes, so it may change on resume and is left
     out of sweep records' config hash."""
     critic_forward_reuse: bool = False
@@ -96,19 +98,24 @@ class TrainerConfig:
         check_at_least("trainer", 1, micro_batch_size=self.micro_batch_size,
                        critic_minibatches=self.critic_minibatches, ppo_epochs=self.ppo_epochs)
         if self.critic_warmup_steps < -1:
-            raise ValueError(f"trainer.critic_warmup_steps must be >= 0 (or -1 = preset), got {self.critic_warmup_steps}")
-        check_at_least("trainer", 0, actor_minibatches=self.actor_minibatches, critic_updates=self.critic_updates,
+            raise ValueError(f"trainer.critic_warmup_steps must be >= 0 (or -1 = preset), got "
+                             f"{self.critic_warmup_steps}")
+        check_at_least("trainer", 0, actor_minibatches=self.actor_minibatches,
+                       critic_updates=self.critic_updates,
                        weight_decay=self.weight_decay, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"trainer.top_p must be in (0, 1] (1 = off; use the rollout's), got {self.top_p}")
+            raise ValueError(f"trainer.top_p must be in (0, 1] (1 = off; use the rollout's), "
+                             f"got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"trainer.top_k must be >= 0 (0 = off; use the rollout's), got {self.top_k}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"trainer.optimizer must be adamw or sgd, got {self.optimizer!r}")
         if self.proximal not in PROXIMAL_SOURCES:
-            raise ValueError(f"trainer.proximal must be one of {', '.join(PROXIMAL_SOURCES)}, got {self.proximal!r}")
+            raise ValueError(f"trainer.proximal must be one of {', '.join(PROXIMAL_SOURCES)}, got "
+                             f"{self.proximal!r}")
         if not 0.0 <= self.proximal_decay < 1.0:
-            raise ValueError(f"trainer.proximal_decay must be in [0, 1) (e.g. 0.75), got {self.proximal_decay}")
+            raise ValueError(f"trainer.proximal_decay must be in [0, 1) (e.g. 0.75), got "
+                             f"{self.proximal_decay}")
         check_at_least("trainer", 1, proximal_max_bytes=self.proximal_max_bytes)
         if self.void_turns not in ("keep", "mask"):
             raise ValueError(f"trainer.void_turns must be keep or mask, got {self.void_turns!r}")

@@ -18,10 +18,12 @@ __all__ = ["current_ratio_stats", "minibatch_ess", "step_diagnostics"]
 
 @torch.no_grad()
 def step_diagnostics(
-    batch: TrainBatch, *, loss_mask: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor, log_w: torch.Tensor,
+    batch: TrainBatch, *, loss_mask: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor,
+    log_w: torch.Tensor,
     critic: bool,
 ) -> dict[str, float]:
-    """Step-start diagnostics of the batch (docs/formulas.md#one-step, step 6), before any update (``[B, T]`` tensors).
+    """Step-start diagnostics of the batch (docs/formulas.md#one-step, step 6), before any update (``[B, T]``
+    tensors).
 
     - ``critic/explained_var = 1 - Var(G - V_old) / Var(G)`` over loss tokens;
     - ``critic/value_bias`` ``b = E_pi[R] - E_mu[R]`` and ``critic/value_bias_gap`` ``g = |v1 - E_pi[R]|``
@@ -55,7 +57,8 @@ def step_diagnostics(
     if bool(rows.any()):
         seq_log_w = zero_where_not(batch.action_mask, log_w).sum(dim=-1)[rows]
         weights = torch.softmax(seq_log_w.double(), dim=0)
-        out[m.RATIO_ESS_SEQ_SNIS] = float(sequence_ess(log_w[rows], batch.action_mask[rows]))  # of these weights
+        # of these weights
+        out[m.RATIO_ESS_SEQ_SNIS] = float(sequence_ess(log_w[rows], batch.action_mask[rows]))
         scores = batch.scores[rows].double()
         e_pi = float((weights * scores).sum())
         out[m.CRITIC_VALUE_BIAS] = e_pi - float(scores.mean())
@@ -68,7 +71,8 @@ def step_diagnostics(
 
 @torch.no_grad()
 @torch.no_grad()
-def minibatch_ess(log_w: torch.Tensor, loss_mask: torch.Tensor, minibatches: list[Minibatch]) -> dict[str, float]:
+def minibatch_ess(log_w: torch.Tensor, loss_mask: torch.Tensor,
+                  minibatches: list[Minibatch]) -> dict[str, float]:
     """``ratio/ess_tok`` and ``ratio/ess_seq`` of ``log w = old - mu`` per actor minibatch, averaged over
     the minibatches that have loss tokens.
 
@@ -91,7 +95,8 @@ def minibatch_ess(log_w: torch.Tensor, loss_mask: torch.Tensor, minibatches: lis
 
 @torch.no_grad()
 def current_ratio_stats(
-    logp: torch.Tensor, logp_behav: torch.Tensor, loss_mask: torch.Tensor, *, clip_low: float, clip_high: float
+    logp: torch.Tensor, logp_behav: torch.Tensor, loss_mask: torch.Tensor, *, clip_low: float,
+    clip_high: float
 ) -> dict[str, float]:
     """``ratio/...`` statistics of ``log(cur / mu)`` (``[b, T]`` rows of one minibatch), for methods without
     an ``old`` forward.
@@ -100,5 +105,6 @@ def current_ratio_stats(
     minibatch's optimizer step, ``cur`` is the step-start policy, so these are the statistics ``old / mu``
     would have had on these rows.
     """
-    stats = importance_diagnostics(log_ratio(logp, logp_behav, loss_mask), loss_mask, clip_low=clip_low, clip_high=clip_high)
+    stats = importance_diagnostics(log_ratio(logp, logp_behav, loss_mask), loss_mask, clip_low=clip_low,
+                                   clip_high=clip_high)
     return {k: float(v) for k, v in stats.items()}

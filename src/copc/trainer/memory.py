@@ -105,7 +105,8 @@ class PhasePeaks:
             self._active = None
 
     def take(self) -> dict[str, float]:
-        """The metrics of the phases since the last call (``memory/peak_<phase>`` and ``memory/peak``), cleared."""
+        """The metrics of the phases since the last call (``memory/peak_<phase>`` and ``memory/peak``),
+        cleared."""
         if not self._peaks:
             return {}
         out = {f"{m.MEMORY_PEAK}_{name}": peak for name, peak in self._peaks.items()}

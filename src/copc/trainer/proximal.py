@@ -1,4 +1,5 @@
-"""Where a step's proximal ("old") log-probs come from: ``trainer.proximal`` (docs/algorithms.md, "Proximal sources").
+"""Where a step's proximal ("old") log-probs come from: ``trainer.proximal`` (docs/algorithms.md, "Proximal
+sources").
 
 Notation as in :mod:`copc.trainer.trainer`: ``n`` = the trainer's version at the step start (the weights
 after ``n`` updates, which the driver published as version ``n``), ``v_t`` = ``policy_version`` of token
@@ -20,10 +21,10 @@ after ``n`` updates, which the driver published as version ``n``), ``v_t`` = ``p
   before any update (the EWMA still moves after every optimizer step, and carries across steps).
 - ``loglinear``: AReaL's A-3PO approximation (areal/trainer/ppo/actor.py,
   ``compute_prox_logp_approximations`` and the prox_approx page of its docs): no forward;
-  ``old_t = mu_t + alpha_t (sg(cur_t) - mu_t)`` with ``alpha_t = clamp((v_prox - v_t) / (v_theta - v_t), 0, 1)``
-  (0 where ``v_theta = v_t`` or the token was not sampled), ``v_theta = n`` (AReaL's engine version during
-  the update) and ``v_prox = n - 1``. So tokens of staleness ``d = n - v_t <= 1`` get ``old = mu`` and a
-  token of staleness ``d >= 2`` gets ``alpha = (d - 1) / d``. ``cur`` is the micro-batch's own forward in
+  ``old_t = mu_t + alpha_t (sg(cur_t) - mu_t)`` with ``alpha_t = clamp((v_prox - v_t) / (v_theta - v_t), 0,
+  1)`` (0 where ``v_theta = v_t`` or the token was not sampled), ``v_theta = n`` (AReaL's engine version
+  during the update) and ``v_prox = n - 1``. So tokens of staleness ``d = n - v_t <= 1`` get ``old = mu`` and
+  a token of staleness ``d >= 2`` gets ``alpha = (d - 1) / d``. ``cur`` is the micro-batch's own forward in
   the actor update (as AReaL), so ``old`` moves with the minibatches; methods whose advantage channel
   reads ``log w = old - mu`` at the step start (copc, brace, vtrace) need ``cur`` before any update, which
   costs the one forward ``loglinear`` exists to save (documented there).
@@ -94,7 +95,8 @@ def loglinear_alpha(policy_version: torch.Tensor, action_mask: torch.Tensor, *, 
         version: ``n``, the trainer's version at the step start (``v_theta = n``, ``v_prox = n - 1``).
     """
     if policy_version.shape != action_mask.shape:
-        raise ValueError(f"policy_version {tuple(policy_version.shape)} and action_mask {tuple(action_mask.shape)} differ")
+        raise ValueError(f"policy_version {tuple(policy_version.shape)} and action_mask "
+                         f"{tuple(action_mask.shape)} differ")
     v_behav = policy_version.double()
     v_theta, v_prox = float(version), float(version - 1)
     diff = v_theta - v_behav
@@ -103,14 +105,17 @@ def loglinear_alpha(policy_version: torch.Tensor, action_mask: torch.Tensor, *, 
     return alpha.clamp(0.0, 1.0).float()
 
 
-def loglinear_logp(logp_behav: torch.Tensor, logp_cur: torch.Tensor, alpha: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """``mu + alpha (sg(cur) - mu)`` on sampled tokens, 0 elsewhere (all ``[b, t] float32``; ``cur`` detached)."""
+def loglinear_logp(logp_behav: torch.Tensor, logp_cur: torch.Tensor, alpha: torch.Tensor,
+                   action_mask: torch.Tensor) -> torch.Tensor:
+    """``mu + alpha (sg(cur) - mu)`` on sampled tokens, 0 elsewhere (all ``[b, t] float32``; ``cur``
+    detached)."""
     return zero_where_not(action_mask, logp_behav + alpha * (logp_cur.detach().float() - logp_behav))
 
 
 # ---------------------------------------------------------------------------------------- ewma
 @torch.no_grad()
-def ewma_update(average: StateDict, weights: Mapping[str, torch.Tensor], *, total: float, decay: float) -> float:
+def ewma_update(average: StateDict, weights: Mapping[str, torch.Tensor], *, total: float,
+                decay: float) -> float:
     """One bias-corrected EWMA step in place on ``average`` (module docstring); returns the new total ``W_k``.
 
     ``theta_bar <- (beta W theta_bar + theta) / (beta W + 1)``; floating-point tensors only (integer
@@ -160,7 +165,8 @@ class EwmaWeights:
 
 # ---------------------------------------------------------------------------------------- snapshot
 class SnapshotMissingError(RuntimeError):
-    """A token's behaviour version is not in the snapshot store (evicted by the memory bound, or never seen)."""
+    """A token's behaviour version is not in the snapshot store (evicted by the memory bound, or never
+    seen)."""
 
 
 class SnapshotStore:
@@ -209,10 +215,11 @@ class SnapshotStore:
             held = f"{self.versions[0]}..{self.versions[-1]}" if self._versions else "nothing"
             per = max(self._bytes.values(), default=0)
             raise SnapshotMissingError(
-                f"trainer.proximal=snapshot: a token of policy version {version} is in the batch but the snapshot "
-                f"store holds versions {held} (trainer.proximal_max_bytes={self.max_bytes}, {per} bytes per version, "
-                f"so {self.max_bytes // max(per, 1)} versions fit); raise proximal_max_bytes to (staleness + 1) x {per} "
-                "or lower staleness.staleness"
+                f"trainer.proximal=snapshot: a token of policy version {version} is in the batch but the "
+                f"snapshot store holds versions {held} (trainer.proximal_max_bytes={self.max_bytes}, {per} "
+                f"bytes per version, so {self.max_bytes // max(per, 1)} versions fit); raise "
+                f"proximal_max_bytes to (staleness + "
+                f"1) x {per} or lower staleness.staleness"
             )
         return self._versions[version]
 
@@ -236,7 +243,8 @@ class SnapshotStore:
 
 
 # ---------------------------------------------------------------------------------------- reuse check
-_DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                  nn.FeatureAlphaDropout)
 _NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 

@@ -76,7 +76,8 @@ class StepTensors:
         adv_stats: the advantage channel's detached diagnostics (``adv/...``, ``returns/...``, ``ratio/...``).
         alpha: ``trainer.proximal = loglinear``: A-3PO's ``[B, T]`` weights; the actor loss then takes
             ``old`` from each micro-batch's own forward (``logp_old`` is only the step-start value).
-        ratio_from_first: ``logp_old`` is ``mu`` (no step-start old): ``ratio/...`` come from the first minibatch.
+        ratio_from_first: ``logp_old`` is ``mu`` (no step-start old): ``ratio/...`` come from the first
+            minibatch.
         reused_rows: rows whose ``logp_old`` is their first actor forward (``old_forward_reuse``).
     """
 
@@ -122,7 +123,8 @@ class ActorCriticTrainer:
         self.method, self.config = method, config
         self.checkpointing = (use_gradient_checkpointing(policy, config.gradient_checkpointing),
                               use_gradient_checkpointing(self.critic, config.gradient_checkpointing))
-        opt = partial(make_optimizer, kind=config.optimizer, weight_decay=config.weight_decay, eps=config.adam_eps)
+        opt = partial(make_optimizer, kind=config.optimizer, weight_decay=config.weight_decay,
+                      eps=config.adam_eps)
         self.actor_optimizer = opt(policy, lr=config.actor_lr)
         self.critic_optimizer = opt(self.critic, lr=config.critic_lr) if self.critic is not None else None
         self.version = 0
@@ -143,7 +145,8 @@ class ActorCriticTrainer:
             "policy": Weights(self.policy.state_dict()),
             "critic": Weights(self.critic.state_dict()) if self.critic is not None else None,
             "actor_optimizer": self.actor_optimizer.state_dict() if optimizers else None,
-            "critic_optimizer": self.critic_optimizer.state_dict() if optimizers and self.critic_optimizer else None,
+            "critic_optimizer": self.critic_optimizer.state_dict() if optimizers and self.critic_optimizer
+            else None,
             "version": self.version, "steps_done": self.steps_done,
             "proximal": self.proximal.state_dict(),
         }
@@ -154,11 +157,13 @@ class ActorCriticTrainer:
             self.critic.load_state_dict(state["critic"])  # type: ignore[arg-type]
         if has_optimizers := state.get("actor_optimizer") is not None:
             self.actor_optimizer.load_state_dict(state["actor_optimizer"])  # type: ignore[arg-type]
-        if self.critic_optimizer is not None and (critic_moments := state.get("critic_optimizer")) is not None:
+        critic_moments = state.get("critic_optimizer")
+        if self.critic_optimizer is not None and critic_moments is not None:
             self.critic_optimizer.load_state_dict(critic_moments)  # type: ignore[arg-type]
         self.version = int(state["version"])  # type: ignore[call-overload]
         self.steps_done = int(state["steps_done"])  # type: ignore[call-overload]
-        self.proximal.load_state_dict(state.get("proximal"), self.policy, version=self.version)  # type: ignore[arg-type]
+        proximal = state.get("proximal")
+        self.proximal.load_state_dict(proximal, self.policy, version=self.version)  # type: ignore[arg-type]
         return has_optimizers
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
@@ -211,7 +216,8 @@ class ActorCriticTrainer:
                 values = self.fwd.values(critic, b, rows)
                 return values, values
 
-            self._early_values, rest = self.fwd.keep_first(critic_forward, batch, first, out)  # kept for the update
+            # kept for the update
+            self._early_values, rest = self.fwd.keep_first(critic_forward, batch, first, out)
         with eval_mode(self.critic):
             self.fwd.full(partial(self.fwd.values, self.critic), batch, rest, out)
         return zero_where_not(batch.action_mask, out)
@@ -261,7 +267,8 @@ class ActorCriticTrainer:
             loss_mask=loss_mask,
             adv_stats=adv.stats,
             alpha=alpha,
-            ratio_from_first=not self.method.needs_old_forward or (alpha is not None and not self.method.advantage.needs_old_forward),
+            ratio_from_first=(not self.method.needs_old_forward
+                              or (alpha is not None and not self.method.advantage.needs_old_forward)),
             reused_rows=reused,
         )
 
@@ -304,19 +311,22 @@ class ActorCriticTrainer:
                     losses.append(float(res.loss.detach()))
                     local = int(mask.sum())
                     tokens += local
-                    accumulate(stats_acc, {k: v for k, v in res.stats.items() if k != m.VALUE_EXPLAINED_VAR}, weight=local)
+                    accumulate(stats_acc, {k: v for k, v in res.stats.items() if k != m.VALUE_EXPLAINED_VAR},
+                               weight=local)
                     seen_returns.append(st.returns[rows, :length][mask])
                     seen_values.append(values.detach()[mask])
                 norms.append(clip_grad(self.critic, self.config.critic_max_grad_norm))
                 self.critic_optimizer.step()
         if self._early_values:
-            raise RuntimeError("critic_forward_reuse: a kept critic forward was not used; the minibatch split changed")
+            raise RuntimeError("critic_forward_reuse: a kept critic forward was not used; the minibatch "
+                               "split changed")
         # token means over the whole step (every minibatch made, every epoch), whatever the minibatch and
         # micro-batch sizes; the loss is the mean over the optimizer steps taken
         out = {k: v / max(tokens, 1) for k, v in stats_acc.items()}
         if seen_returns:
             flat_g, flat_v = torch.cat(seen_returns)[None], torch.cat(seen_values)[None]
-            out[m.VALUE_EXPLAINED_VAR] = float(explained_variance(flat_g, flat_v, torch.ones_like(flat_g, dtype=torch.bool)))
+            every = torch.ones_like(flat_g, dtype=torch.bool)
+            out[m.VALUE_EXPLAINED_VAR] = float(explained_variance(flat_g, flat_v, every))
         out[m.LOSS_VALUE] = sum(losses) / max(len(norms), 1)
         out[m.GRAD_CRITIC_NORM] = sum(norms) / max(len(norms), 1)
         return out
@@ -331,7 +341,9 @@ class ActorCriticTrainer:
         length = trim_length(rows, batch.attention_mask)
         mask = st.loss_mask[rows, :length]
         early = self._early.pop(tuple(rows.tolist()), None)
-        logp, entropy = early if early is not None else self.fwd.logp_entropy(self.policy, batch, rows, entropy=self.config.entropy_coef != 0)
+        if early is None:
+            early = self.fwd.logp_entropy(self.policy, batch, rows, entropy=self.config.entropy_coef != 0)
+        logp, entropy = early
         logp_old = st.logp_old[rows, :length]
         if st.alpha is not None:  # A-3PO: interpolate towards this forward's own (detached) log-probs
             logp_old = loglinear_logp(batch.logp_behav[rows, :length], logp, st.alpha[rows, :length],
@@ -387,13 +399,15 @@ class ActorCriticTrainer:
                         cur[rows, : probe.shape[1]] = probe.float()
                 if cur is not None:
                     adv = self.method.advantage
-                    ratio_stats = current_ratio_stats(cur[mb.index], batch.logp_behav[mb.index], st.loss_mask[mb.index],
+                    ratio_stats = current_ratio_stats(cur[mb.index], batch.logp_behav[mb.index],
+                                                      st.loss_mask[mb.index],
                                                       clip_low=adv.ratio_low, clip_high=adv.ratio_high)
                 norms.append(clip_grad(self.policy, self.config.max_grad_norm))
                 self.actor_optimizer.step()
                 self.proximal.after_actor_update(self.policy)
         if self._early:
-            raise RuntimeError("old_forward_reuse: a kept first forward was not used; the minibatch split changed")
+            raise RuntimeError("old_forward_reuse: a kept first forward was not used; the minibatch split "
+                               "changed")
         # token means over the whole step (every minibatch made, every epoch); the loss is the mean over
         # the optimizer steps taken (fewer than asked when the batch has fewer rows than minibatches)
         out = {k: v / max(tokens, 1) for k, v in stats_acc.items()} | ratio_stats
@@ -426,7 +440,8 @@ class ActorCriticTrainer:
         try:
             with PEAKS.phase("prepare"):
                 st = self.prepare(batch)
-            metrics = step_diagnostics(batch, loss_mask=st.loss_mask, returns=st.returns, values_old=st.values_old,
+            metrics = step_diagnostics(batch, loss_mask=st.loss_mask, returns=st.returns,
+                                       values_old=st.values_old,
                                        log_w=st.log_w, critic=self.critic is not None)
             metrics.update({k: float(v) for k, v in st.adv_stats.items()})
             actor_trains = self.steps_done >= self.warmup_steps
@@ -435,10 +450,13 @@ class ActorCriticTrainer:
                 # are 0 and 1 by construction: the actor's first minibatch with loss tokens measures the
                 # ratio/..., and the value bias (a whole-batch weighting) is left out
                 metrics = {k: v for k, v in metrics.items()
-                           if not k.startswith("ratio/") and k not in (m.CRITIC_VALUE_BIAS, m.CRITIC_VALUE_BIAS_GAP)}
-            else:  # ESS per actor minibatch, as the first-minibatch methods measure it (diagnostics.minibatch_ess)
+                           if not k.startswith("ratio/") and k not in (m.CRITIC_VALUE_BIAS,
+                                                                       m.CRITIC_VALUE_BIAS_GAP)}
+            # ESS per actor minibatch, as the first-minibatch methods measure it (diagnostics.minibatch_ess)
+            else:
                 metrics.update(minibatch_ess(st.log_w, st.loss_mask,
-                                             self._minibatches(st.loss_mask, self._actor_minibatch_count(), salt=100)))
+                                             self._minibatches(st.loss_mask, self._actor_minibatch_count(),
+                                                               salt=100)))
             if self.critic is not None:
                 self.critic.train()
                 with PEAKS.phase("critic"):

@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
-__all__ = ["WEIGHTS_SUFFIX", "WeightFiles", "Weights", "join_weights", "read_weights", "split_weights", "write_weights"]
+__all__ = ["WEIGHTS_SUFFIX", "WeightFiles", "Weights", "join_weights", "read_weights", "split_weights",
+           "write_weights"]
 
 WEIGHTS_SUFFIX = ".safetensors"
 _WEIGHTS_REF = "__safetensors__"  # {_WEIGHTS_REF: file name} stands in state.pt for a Weights value
