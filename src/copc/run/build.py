@@ -36,7 +36,8 @@ from copc.tools.sandbox import SandboxUnavailable
 from copc.trainer.checkpoint import list_checkpoints
 
 __all__ = [
-    "RUN_ENTRIES", "build_source", "capped_context_limit", "check_prompts_fit", "check_sandbox", "check_writable", "claimed_run_dir",
+    "RUN_ENTRIES", "build_source", "capped_context_limit", "check_prompts_fit", "check_sandbox",
+    "check_writable", "claimed_run_dir",
     "policy_path", "quiet_transformers", "run_dir_holder", "seed_everything",
 ]
 
@@ -61,7 +62,8 @@ def check_sandbox(task: Task, run_dir: Path) -> None:
     config = config_of()
     active = require_protections(config)
     write_protections(run_dir, config)
-    print(f"sandbox: {sum(active.values())} protections in force ({', '.join(k for k, v in active.items() if v)})")
+    print(f"sandbox: {sum(active.values())} protections in force "
+          f"({', '.join(k for k, v in active.items() if v)})")
 
 
 def policy_path(cfg: RunConfig, scratch: Path) -> Path:
@@ -70,7 +72,8 @@ def policy_path(cfg: RunConfig, scratch: Path) -> Path:
         from copc.run.warmstart import build_warmstart, is_complete, run_warmstart, warmstart_dir
 
         try:
-            req = run_warmstart(cfg.task, task_options=cfg.task_options, sft_overrides=cfg.model.warmstart_sft,
+            req = run_warmstart(cfg.task, task_options=cfg.task_options,
+                                sft_overrides=cfg.model.warmstart_sft,
                                 seed=cfg.model.warmstart_seed)
         except ValueError as err:
             raise ConfigError(str(err)) from None
@@ -90,7 +93,8 @@ def policy_path(cfg: RunConfig, scratch: Path) -> Path:
         return out
     path = Path(cfg.model.policy)
     if not path.is_dir():
-        raise ConfigError(f"model.policy: {cfg.model.policy!r} is not 'warmstart', 'tiny' or an existing HF folder")
+        raise ConfigError(f"model.policy: {cfg.model.policy!r} is not 'warmstart', 'tiny' or an existing HF "
+                          f"folder")
     return path
 
 
@@ -101,13 +105,14 @@ def build_critic(cfg: RunConfig, policy: PreTrainedModel, tokenizer: PreTrainedT
         return ValueModel.from_policy(policy)
     path = Path(cfg.model.critic)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model.critic={cfg.model.critic!r}: no HF model folder there (config.json missing); "
-                          "pass a folder written by save_pretrained, or 'policy'")
+        raise ConfigError(f"model.critic={cfg.model.critic!r}: no HF model folder there (config.json "
+                          "missing); pass a folder written by save_pretrained, or 'policy'")
     critic = ValueModel.from_pretrained(path)
     vocab = int(critic.backbone.config.vocab_size)
     if vocab < len(tokenizer):
-        raise ConfigError(f"model.critic={cfg.model.critic!r}: its vocabulary has {vocab} ids but the policy's "
-                          f"tokenizer has {len(tokenizer)}; the critic must share the policy's tokenizer")
+        raise ConfigError(f"model.critic={cfg.model.critic!r}: its vocabulary has {vocab} ids but the "
+                          f"policy's tokenizer has {len(tokenizer)}; the "
+                          "critic must share the policy's tokenizer")
     return critic
 
 
@@ -121,7 +126,8 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
     if cfg.resume and not cfg.run_dir:
         raise ConfigError("resume=true needs run_dir=<the run directory to continue>")
     if cfg.resume and cfg.overwrite:
-        raise ConfigError("resume=true and overwrite=true contradict each other: continue the run or replace it")
+        raise ConfigError("resume=true and overwrite=true contradict each other: continue the run or replace "
+                          "it")
     if cfg.run_dir:
         path = Path(cfg.run_dir)
     else:
@@ -130,20 +136,22 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run_dir {path} is a file, not a directory")
     if cfg.resume and not path.exists():  # a mistyped path must not start a new run where none was asked for
-        raise ConfigError(f"resume=true: no run to resume at {path} (no such directory); check the path, or drop "
-                          "resume=true to start a new run there")
+        raise ConfigError(f"resume=true: no run to resume at {path} (no such directory); check the path, or "
+                          "drop resume=true to start a new run there")
     created = not path.exists()
     foreign = [name for name in RUN_ENTRIES if (path / name).exists()] if not _made_by_copc(path) else []
     if foreign:  # a folder of the user's whose files share names with a run's: nothing is written there
         raise ConfigError(
-            f"run_dir {path} is not a copc run directory (no {LOCK_NAME}, no checkpoint, no copc config.yaml) "
-            f"but holds {', '.join(foreign)}, which a run would write over; choose another run_dir"
+            f"run_dir {path} is not a copc run directory (no {LOCK_NAME}, no checkpoint, no copc "
+            f"config.yaml) but holds {', '.join(foreign)}, which "
+            "a run would write over; choose another run_dir"
         )
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as err:  # a read-only filesystem, no permission: one line, not a traceback
-        raise ConfigError(unwritable(path, err, "run_dir", "give a run_dir on a writable filesystem")) from None
+        raise ConfigError(unwritable(path, err, "run_dir",
+                                     "give a run_dir on a writable filesystem")) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -155,8 +163,8 @@ def claimed_run_dir(cfg: RunConfig) -> Iterator[Path]:
         if existing and not cfg.resume:
             if not cfg.overwrite:
                 raise ConfigError(
-                    f"run_dir {path} already holds a run ({', '.join(existing)}); pass resume=true to continue it, "
-                    "overwrite=true to replace it, or choose another run_dir"
+                    f"run_dir {path} already holds a run ({', '.join(existing)}); pass resume=true to "
+                    "continue it, overwrite=true to replace it, or choose another run_dir"
                 )
             for name in existing:
                 target = path / name
@@ -285,8 +293,8 @@ def run_dir_holder(path: Path) -> int | None:
 
 
 def model_context(model: PreTrainedModel) -> int | None:
-    """The longest sequence the model's positions cover (``max_position_embeddings``, GPT-2's ``n_positions``);
-    None when its config names none."""
+    """The longest sequence the model's positions cover (``max_position_embeddings``, GPT-2's
+    ``n_positions``); None when its config names none."""
     for key in ("max_position_embeddings", "n_positions"):
         value = getattr(model.config, key, None)
         if isinstance(value, int) and value > 0:
@@ -301,8 +309,9 @@ def capped_context_limit(context_limit: int, model: PreTrainedModel) -> int:
     own = model_context(model)
     if own is None or context_limit <= own:
         return context_limit
-    print(f"note: rollout.context_limit={context_limit} is above the model's own context (max_position_embeddings="
-          f"{own}); episodes are limited to {own} tokens", file=sys.stderr, flush=True)
+    print(f"note: rollout.context_limit={context_limit} is above the model's own context "
+          f"(max_position_embeddings={own}); "
+          f"episodes are limited to {own} tokens", file=sys.stderr, flush=True)
     return own
 
 
@@ -319,7 +328,8 @@ def check_prompts_fit(task: Task, tokenizer: PreTrainedTokenizerBase, context_li
     for start in range(0, len(prompts), 256):
         chunk = prompts[start : start + 256]
         encoded = tokenizer([p.text for p in chunk], add_special_tokens=True)["input_ids"]
-        too_long += [(p, len(ids)) for p, ids in zip(chunk, encoded, strict=True) if len(ids) >= context_limit]
+        too_long += [(p, len(ids)) for p, ids in zip(chunk, encoded,
+                                                     strict=True) if len(ids) >= context_limit]
     if too_long:
         prompt, length = too_long[0]
         where = str(prompt.meta.get("where", f"prompt {prompt.id}"))
@@ -328,7 +338,8 @@ def check_prompts_fit(task: Task, tokenizer: PreTrainedTokenizerBase, context_li
                      f"rollout.context_limit={configured} is capped to it)")
             fix = "shorten or remove them, or use a model with a longer context"
         else:
-            limit, fix = f"rollout.context_limit={context_limit}", "shorten or remove them, or raise rollout.context_limit"
+            limit = f"rollout.context_limit={context_limit}"
+            fix = "shorten or remove them, or raise rollout.context_limit"
         raise DataError(
             f"{where}: prompt is {length} tokens, >= {limit} "
             f"({len(too_long)} of {len(prompts)} train prompts are too long); {fix}"
@@ -343,28 +354,34 @@ def seed_everything(seed: int) -> None:
 
 
 def build_source(
-    cfg: RunConfig, *, model_dir: Path, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
+    cfg: RunConfig, *, model_dir: Path, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+    task: Task,
     run_dir: Path, context_limit: int | None = None,
 ) -> SyncSource | AsyncSource:
     """The driver's batch source: in-process generation (sync), worker processes (async) or Ray actors (ray).
-    ``context_limit``: the episodes' limit when it is not ``rollout.context_limit`` (:func:`capped_context_limit`)."""
+    ``context_limit``: the episodes' limit when it is not ``rollout.context_limit``
+    (:func:`capped_context_limit`)."""
     weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
-    rollout = resolve_rollout(cfg)  # the method's dynamic sampling / overlong shaping where rollout leaves them unset
+    # the method's dynamic sampling / overlong shaping where rollout leaves them unset
+    rollout = resolve_rollout(cfg)
     if context_limit is not None:
         rollout = replace(rollout, context_limit=context_limit)
     if cfg.driver.kind == "sync":
         gen_model, _ = load_policy(model_dir)
-        source = SyncSource(RolloutGenerator(gen_model, tokenizer, task, rollout, seed=cfg.seed), cfg.staleness)
+        source = SyncSource(RolloutGenerator(gen_model, tokenizer, task, rollout, seed=cfg.seed),
+                            cfg.staleness)
         source.publish(0, weights)
         return source
     spec = WorkerSpec(
         model_path=str(model_dir), task=cfg.task, task_options=dict(cfg.task_options), rollout=rollout,
-        seed=cfg.seed, partial_chunk_tokens=cfg.driver.partial_chunk_tokens if cfg.driver.partial_rollouts else None,
+        seed=cfg.seed,
+        partial_chunk_tokens=cfg.driver.partial_chunk_tokens if cfg.driver.partial_rollouts else None,
         nice=cfg.driver.worker_nice if cfg.driver.kind == "async" else 0,
     )
     transport: TransportFactory = local_transport
     if cfg.driver.kind == "ray":  # the same driver over Ray actors (ray is imported only when they are built)
-        transport = ray_transport(RayOptions(address=cfg.driver.address, cpus_per_worker=cfg.driver.ray_cpus_per_worker,
+        transport = ray_transport(RayOptions(address=cfg.driver.address,
+                                             cpus_per_worker=cfg.driver.ray_cpus_per_worker,
                                              gpus_per_worker=cfg.driver.ray_gpus_per_worker))
     return AsyncSource(spec, cfg.staleness, weights, num_workers=cfg.driver.num_workers,
                        journal_dir=run_dir / "rollouts", max_restarts=cfg.driver.max_worker_restarts,

@@ -76,13 +76,15 @@ class ModelConfig:
     """Where the policy and the critic come from."""
 
     policy: str = "warmstart"
-    """'warmstart' (the task's cached warm-started tiny policy), 'tiny' (random tiny model), or an HF folder."""
+    """'warmstart' (the task's cached warm-started tiny policy), 'tiny' (random tiny model), or an HF
+    folder."""
     tiny_seed: int = 0
     """Initialisation seed when policy = 'tiny'."""
     warmstart_seed: int = 0
     """Seed of the warm start when policy = 'warmstart' (built once, then cached)."""
     warmstart_sft: dict[str, int | float] = field(default_factory=lambda: {"batch_size": 16, "steps": 3000})
-    """Overrides of the task's default warm-start SFT settings (copc.run.warmstart.SFTConfig), e.g. {steps: 3000}."""
+    """Overrides of the task's default warm-start SFT settings (copc.run.warmstart.SFTConfig), e.g. {steps:
+    3000}."""
     critic: str = "policy"
     """'policy' (the critic's backbone is a copy of the policy's) or an HF folder of a causal LM sharing the
     policy's tokenizer (e.g. a smaller model of the same family: less memory and a cheaper critic step)."""
@@ -108,11 +110,13 @@ class DriverConfig:
     batch_timeout_s: float = 3600.0
     """A worker holding one batch longer than this is restarted (counts as a failure); 0 = no limit."""
     silent_worker_warn_s: float = 30.0
-    """async driver: warn (once, naming it) when a worker holding a batch has used no CPU this long; 0 = never."""
+    """async driver: warn (once, naming it) when a worker holding a batch has used no CPU this long; 0 =
+    never."""
     silent_worker_restart_s: float = 120.0
     """async driver: restart such a silent worker after this long (a failure, like a death); 0 = never."""
     address: str | None = None
-    """ray driver: None = start a local Ray with this machine's CPUs; 'auto' or 'host:port' = join that cluster."""
+    """ray driver: None = start a local Ray with this machine's CPUs; 'auto' or 'host:port' = join that
+    cluster."""
     ray_cpus_per_worker: float = 1.0
     """ray driver: CPUs each rollout actor reserves."""
     ray_gpus_per_worker: float = 0.0
@@ -127,7 +131,8 @@ class DriverConfig:
         check_one_of("driver.kind", self.kind, ("sync", "async", "ray"))
         check_at_least("driver", 1, num_workers=self.num_workers, trainer_threads=self.trainer_threads)
         if not 0 <= self.worker_nice <= 19:
-            raise ValueError(f"driver.worker_nice must be in [0, 19] (0 = the trainer's priority), got {self.worker_nice}")
+            raise ValueError(f"driver.worker_nice must be in [0, 19] (0 = the trainer's priority), got "
+                             f"{self.worker_nice}")
         check_at_least("driver", 0, max_worker_restarts=self.max_worker_restarts)
         if not 0 <= self.batch_timeout_s < float("inf"):
             raise ValueError(f"driver.batch_timeout_s must be >= 0 and finite, got {self.batch_timeout_s!r}")
@@ -138,7 +143,8 @@ class DriverConfig:
         if 0 < self.silent_worker_restart_s <= self.silent_worker_warn_s:
             raise ValueError(
                 f"driver.silent_worker_restart_s={self.silent_worker_restart_s:g} must be above "
-                f"driver.silent_worker_warn_s={self.silent_worker_warn_s:g} (the warning comes first), or 0 (never restart)"
+                f"driver.silent_worker_warn_s={self.silent_worker_warn_s:g} "
+                "(the warning comes first), or 0 (never restart)"
             )
         for key, value in (("ray_cpus_per_worker", self.ray_cpus_per_worker),
                            ("ray_gpus_per_worker", self.ray_gpus_per_worker)):
@@ -147,13 +153,14 @@ class DriverConfig:
         if self.address is not None and not self.address.strip():
             raise ValueError("driver.address must be 'auto', 'host:port' or null (start a local Ray), got ''")
         if self.address is not None and self.kind != "ray":
-            raise ValueError(f"driver.address={self.address!r} is for driver.kind=ray (got driver.kind={self.kind})")
+            raise ValueError(f"driver.address={self.address!r} is for driver.kind=ray (got "
+                             f"driver.kind={self.kind})")
         if self.partial_chunk_tokens < 0:
             raise ValueError(f"driver.partial_chunk_tokens must be >= 0 (0 = turn boundaries only), "
                              f"got {self.partial_chunk_tokens}")
         if self.partial_rollouts and self.kind != "async":
-            raise ValueError("driver.partial_rollouts=true needs driver.kind=async (the sync driver never swaps "
-                             "weights inside a batch)")
+            raise ValueError("driver.partial_rollouts=true needs driver.kind=async (the sync driver never "
+                             "swaps weights inside a batch)")
 
 
 @dataclass(frozen=True)
@@ -163,7 +170,8 @@ class SamplesConfig:
     per_log: int = 4
     """Episodes written each time (the first ones of the batch or of the sampled evaluation); 0 = none."""
     every: int = 25
-    """Write training episodes every this many steps (0 = only evaluation episodes); every evaluation writes too."""
+    """Write training episodes every this many steps (0 = only evaluation episodes); every evaluation writes
+    too."""
 
     def __post_init__(self) -> None:
         check_at_least("samples", 0, per_log=self.per_log, every=self.every)
@@ -175,12 +183,14 @@ class RunConfig:
 
     task: str = "arith_tool"
     """Task name (copc.tasks registry)."""
-    task_options: dict[str, str | int | float | bool | None] = field(default_factory=lambda: task_defaults("arith_tool"))
+    task_options: dict[str, str | int | float | bool | None] = field(
+        default_factory=lambda: task_defaults("arith_tool"))
     """Task config values (e.g. task_options.data=rows.jsonl); task=X resets them to X's defaults."""
     method: str = "copc"
     """Method preset (copc.channels.methods registry)."""
     method_overrides: dict[str, dict[str, str | int | float | bool | None]] = field(default_factory=dict)
-    """Changes to the preset's sections, e.g. method_overrides.policy.mask_high=1.5 (sections: policy, advantage, critic)."""
+    """Changes to the preset's sections, e.g. method_overrides.policy.mask_high=1.5 (sections: policy,
+    advantage, critic)."""
     steps: int = 60
     """Training steps."""
     seed: int = 0
@@ -188,8 +198,9 @@ class RunConfig:
     run_dir: str = ""
     """Run directory ('' = runs/<time>-<method>-<task>)."""
     resume: bool = False
-    """Continue the run in run_dir from its latest checkpoint, configured as run_dir/config.yaml says (command-line
-    overrides on top; one that would change what the run computes is refused); no checkpoint yet: step 0."""
+    """Continue the run in run_dir from its latest checkpoint, configured as run_dir/config.yaml says
+    (command-line overrides on top; one that would change what the run computes is refused); no checkpoint
+    yet: step 0."""
     overwrite: bool = False
     """Replace a run already in run_dir (without it, an existing run there is an error)."""
     checkpoint_every: int = 20
@@ -204,13 +215,14 @@ class RunConfig:
     stall_timeout_s: float = 3600.0
     """A training step or an evaluation that lasts longer than this ends the process (exit 124, every thread's
     stack on stderr; checkpoints kept, continue with resume=true): a grader or env step that hangs cannot hold
-    the run for ever. The async driver's wait for a batch has its own limit (driver.batch_timeout_s; when that is 0 this one bounds the wait). 0 = no limit."""
+    the run for ever. The async driver's wait for a batch has its own limit (driver.batch_timeout_s; when that
+    is 0 this one bounds the wait). 0 = no limit."""
     no_signal_steps: int = 20
     """Say once on stderr when every train reward has been 0 for this many consecutive steps (no learning
     signal: the advantages are all 0); 0 = never. Changes nothing the run computes."""
     wandb: bool = False
-    """Mirror the metrics to Weights & Biases too (pip install 'copc[wandb]'; WANDB_MODE=offline works without a
-    network); metrics.jsonl and TensorBoard are written either way. Changes nothing the run computes."""
+    """Mirror the metrics to Weights & Biases too (pip install 'copc[wandb]'; WANDB_MODE=offline works without
+    a network); metrics.jsonl and TensorBoard are written either way. Changes nothing the run computes."""
     wandb_project: str = "copc"
     """W&B project of the mirrored run (its name is the run directory's)."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -227,13 +239,15 @@ class RunConfig:
         if self.no_signal_steps < 0:
             raise ValueError(f"no_signal_steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
         if not 0 <= self.stall_timeout_s < float("inf"):
-            raise ValueError(f"stall_timeout_s must be finite and >= 0 (0 = no limit), got {self.stall_timeout_s!r}")
+            raise ValueError(f"stall_timeout_s must be finite and >= 0 (0 = no limit), got "
+                             f"{self.stall_timeout_s!r}")
         if self.driver.partial_rollouts and self.staleness.fixed_lag:
-            raise ValueError("driver.partial_rollouts=true needs staleness.mode=bounded (fixed_lag prescribes one "
-                             "version per batch); set staleness.mode=bounded or driver.partial_rollouts=false")
+            raise ValueError("driver.partial_rollouts=true needs staleness.mode=bounded (fixed_lag "
+                             "prescribes one version per batch); set staleness.mode=bounded or "
+                             "driver.partial_rollouts=false")
         if self.staleness.filter == "pace" and self.driver.kind != "async":
-            raise ValueError("staleness.filter=pace filters the async driver's buffer; the sync driver has none: "
-                             "set driver.kind=async or staleness.filter=none")
+            raise ValueError("staleness.filter=pace filters the async driver's buffer; the sync driver has "
+                             "none: set driver.kind=async or staleness.filter=none")
 
 
 def default_config() -> RunConfig:
@@ -335,8 +349,9 @@ def sampling_from_rollout(cfg: RunConfig) -> RunConfig:
         used, given = getattr(cfg.rollout, key), getattr(cfg.trainer, key)
         if given != used and given != getattr(default, key):
             raise ConfigError(
-                f"trainer.{key}={given} but rollout.{key}={used}: the trainer scores tokens under the sampler's "
-                f"transform, so the setting is rollout.{key} (trainer.{key} follows it); set rollout.{key}={given}"
+                f"trainer.{key}={given} but rollout.{key}={used}: the trainer scores tokens under the "
+                f"sampler's transform, so the setting is rollout.{key} "
+                f"(trainer.{key} follows it); set rollout.{key}={given}"
             )
         changes[key] = used
     return replace(cfg, trainer=replace(cfg.trainer, **changes))
@@ -354,7 +369,8 @@ def _load_yaml_run_config(path: str) -> RunConfig:
 
 
 def apply_run_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
-    """``apply_overrides`` one at a time; one that changes ``task`` resets ``task_options`` to its defaults."""
+    """``apply_overrides`` one at a time; one that changes ``task`` resets ``task_options`` to its
+    defaults."""
     for text in overrides:
         before = cfg.task
         cfg = apply_overrides(cfg, [text])
@@ -377,8 +393,8 @@ def validate_names(cfg: RunConfig, *, check_options: bool = True, check_paths: b
         import importlib.util
 
         if importlib.util.find_spec("wandb") is None:
-            raise ConfigError("wandb=true needs the wandb package: pip install 'copc[wandb]' (WANDB_MODE=offline "
-                              "logs without a network), or drop wandb=true")
+            raise ConfigError("wandb=true needs the wandb package: pip install 'copc[wandb]' "
+                              "(WANDB_MODE=offline logs without a network), or drop wandb=true")
     try:
         method = resolve_method(cfg)
     except ConfigError:
@@ -396,7 +412,8 @@ def validate_names(cfg: RunConfig, *, check_options: bool = True, check_paths: b
     if not (check_options or check_paths):
         return
     try:
-        task_cfg: object = from_dict(task_config_class(cfg.task), dict(cfg.task_options), section="task_options")
+        task_cfg: object = from_dict(task_config_class(cfg.task), dict(cfg.task_options),
+                                     section="task_options")
     except ConfigError as err:
         raise ConfigError(f"task {cfg.task!r}: {err}") from None
     if not check_paths:

@@ -37,7 +37,8 @@ __all__ = ["eval_cli", "eval_config"]
 
 
 def eval_cli(argv: Sequence[str]) -> int:
-    """``copc eval --checkpoint DIR|RUN_DIR [--task NAME] [--prompts N] [--samples K] [key.sub=value ...]``."""
+    """``copc eval --checkpoint DIR|RUN_DIR [--task NAME] [--prompts N] [--samples K] [key.sub=value
+    ...]``."""
     parser = CommandParser(prog="copc eval", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
@@ -75,7 +76,8 @@ def eval_cli(argv: Sequence[str]) -> int:
         metrics = evaluate(model, tokenizer, task, rollout, eval_cfg, seed=args.seed, episodes=episodes,
                            progress=report.update)
     if args.samples_out:
-        written = append_samples(args.samples_out, episodes, tokenizer, step=step or 0, limit=args.samples_limit)
+        written = append_samples(args.samples_out, episodes, tokenizer, step=step or 0,
+                                 limit=args.samples_limit)
         print(f"{written} rendered episodes appended to {args.samples_out}")
     from rich.console import Console
     from rich.table import Table

@@ -1,8 +1,9 @@
 """``copc export`` and ``copc convert-gguf``: get a policy out of copc, or a GGUF model into it.
 
-    copc export RUN_DIR OUT [--step N]      # a run's checkpoint -> an HF folder (weights, tokenizer, template)
-    copc convert-gguf DIR FILE.gguf OUT     # a GGUF model -> an HF folder copc train can start from
-    copc make-critic POLICY_DIR OUT --layers K   # the policy's first K layers: a smaller critic (model.critic=OUT)
+    copc export RUN_DIR OUT [--step N]      # a run's checkpoint -> an HF folder (weights, tokenizer,
+    template) copc convert-gguf DIR FILE.gguf OUT     # a GGUF model -> an HF folder copc train can start from
+    copc make-critic POLICY_DIR OUT --layers K   # the policy's first K layers: a smaller critic
+    (model.critic=OUT)
 
 ``export`` writes an ordinary ``save_pretrained`` folder: ``AutoModelForCausalLM.from_pretrained(OUT)`` and
 ``AutoTokenizer.from_pretrained(OUT)`` load it with no copc installed. The chat template the run trained
@@ -48,14 +49,16 @@ def load_run_policy(
     """The policy of run ``run_dir`` at its newest checkpoint that verifies (``step=None``) or at ``step``.
 
     Each checkpoint passed over (damaged: sizes or sha256 do not match) is given to ``on_skip`` with the
-    reason. Fails in one line (ValueError) when the run has no checkpoint, none verifies, or ``step`` has none.
+    reason. Fails in one line (ValueError) when the run has no checkpoint, none verifies, or ``step`` has
+    none.
     """
     if not (run_dir / "config.yaml").is_file():
-        raise ValueError(f"{run_dir} is not a copc run directory (no config.yaml); give the run_dir of a copc train run")
+        raise ValueError(f"{run_dir} is not a copc run directory (no config.yaml); give the run_dir of a "
+                         f"copc train run")
     steps = list_checkpoints(run_dir)
     if not steps:
-        raise ValueError(f"run directory {run_dir} has no checkpoint yet; wait for one (checkpoint_every), or continue "
-                         f"the run with copc train resume=true run_dir={run_dir}")
+        raise ValueError(f"run directory {run_dir} has no checkpoint yet; wait for one (checkpoint_every), "
+                         f"or continue the run with copc train resume=true run_dir={run_dir}")
     if step is None:
         latest = load_latest(run_dir, on_skip=on_skip)
         if latest is None:
@@ -63,7 +66,8 @@ def load_run_policy(
         step, payload = latest
     else:
         if step not in steps:
-            raise ValueError(f"run {run_dir} has no checkpoint of step {step}; it has steps {', '.join(map(str, steps))}")
+            raise ValueError(f"run {run_dir} has no checkpoint of step {step}; it has steps "
+                             f"{', '.join(map(str, steps))}")
         payload = load_checkpoint(checkpoint_root(run_dir) / step_dir_name(step))
     cfg = load_yaml(RunConfig, run_dir / "config.yaml")
     model, tokenizer = load_policy(policy_path(cfg, run_dir))
@@ -116,13 +120,16 @@ def export_cli(argv: Sequence[str]) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a copc train run directory")
     parser.add_argument("out", help="a new (or empty) folder for the HF model")
-    parser.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="the checkpoint's step (default: the newest that verifies)")
     args = parser.parse_args(list(argv))
     quiet_transformers()
     try:
         out, step = export_run(Path(args.run_dir), Path(args.out), step=args.step,
-                               on_skip=lambda reason: print(f"warning: skipped {reason}", file=sys.stderr, flush=True))
-    except (ConfigError, ValueError, OSError, CheckpointError) as err:  # --step N damaged: no fallback asked for
+                               on_skip=lambda reason: print(f"warning: skipped {reason}", file=sys.stderr,
+                                                            flush=True))
+    # --step N damaged: no fallback asked for
+    except (ConfigError, ValueError, OSError, CheckpointError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     print(f"exported the policy of {args.run_dir} at step {step} to {out} "
@@ -145,7 +152,8 @@ def convert_cli(argv: Sequence[str]) -> int:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
     if not (Path(args.folder) / args.gguf_file).is_file():
-        print(f"error: {Path(args.folder) / args.gguf_file} does not exist; give the folder and the file's name in it",
+        print(f"error: {Path(args.folder) / args.gguf_file} does not exist; give the folder and the file's "
+              f"name in it",
               file=sys.stderr)
         return 2
     quiet_transformers()
@@ -169,9 +177,9 @@ def critic_cli(argv: Sequence[str]) -> int:
     """``copc make-critic POLICY_DIR OUT --layers K``: a K-layer critic backbone cut from the policy."""
     parser = CommandParser(
         prog="copc make-critic",
-        description="Save the first K decoder layers of the HF policy in POLICY_DIR (with its embeddings, final "
-        "norm and tokenizer) to OUT, for model.critic=OUT: a critic sharing the policy's tokenizer that costs "
-        "about K/L of the policy's memory and compute (L = the policy's layers).",
+        description="Save the first K decoder layers of the HF policy in POLICY_DIR (with its embeddings, "
+        "final norm and tokenizer) to OUT, for model.critic=OUT: a critic sharing the policy's tokenizer "
+        "that costs about K/L of the policy's memory and compute (L = the policy's layers).",
     )
     parser.add_argument("policy", help="an HF model folder (e.g. the one model.policy names)")
     parser.add_argument("out", help="a new (or empty) folder")
@@ -179,7 +187,8 @@ def critic_cli(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     refusal = _new_folder(Path(args.out))
     if refusal is None and not (Path(args.policy) / "config.json").is_file():
-        refusal = f"{args.policy} is not an HF model folder (no config.json); give the folder model.policy names"
+        refusal = (f"{args.policy} is not an HF model folder (no config.json); give the folder "
+                   "model.policy names")
     if refusal is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2

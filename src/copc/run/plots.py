@@ -4,7 +4,8 @@ Four figures, each a row of panels over training steps:
 
 - ``reward.png``: ``reward/mean``, and ``eval/accuracy`` (avg@k) with ``eval/greedy_accuracy``;
 - ``staleness.png``: realized staleness ``staleness/mean`` and ``staleness/max``;
-- ``ratios.png``: ``policy/mask_frac`` (what the actor loss masked), ``ratio/clip_low_frac``, ``ratio/clip_high_frac``;
+- ``ratios.png``: ``policy/mask_frac`` (what the actor loss masked), ``ratio/clip_low_frac``,
+  ``ratio/clip_high_frac``;
 - ``critic.png``: ``critic/explained_var``.
 
 Several runs are overlaid, one line each. With ``mean_seeds=True`` runs whose directory names differ
@@ -30,7 +31,8 @@ from copc.tracking import read_metrics
 FIGURES: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
     "reward.png": (
         "Reward and eval accuracy",
-        (("mean reward (train batch)", (m.REWARD_MEAN,)), ("held-out accuracy (avg@k sampled, greedy)", (m.EVAL_ACCURACY, m.EVAL_GREEDY_ACCURACY))),
+        (("mean reward (train batch)", (m.REWARD_MEAN,)), ("held-out accuracy (avg@k sampled, greedy)",
+                                                           (m.EVAL_ACCURACY, m.EVAL_GREEDY_ACCURACY))),
     ),
     "staleness.png": (
         "Realized staleness per token [versions]",

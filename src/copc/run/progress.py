@@ -26,7 +26,8 @@ class StepLines:
         if now - self.last < self.every_s and done < self.steps:
             return
         self.last = now
-        print(f"train {done}/{self.steps}  {status.removeprefix(f'step {done}').strip()}  {now - self.started:.0f}s",
+        print(f"train {done}/{self.steps}  {status.removeprefix(f'step {done}').strip()}  "
+              f"{now - self.started:.0f}s",
               flush=True)
 
 
@@ -43,7 +44,8 @@ class NoSignal:
         if self.after and not self.said and self.run >= self.after:
             self.said = True
             print(f"warning: no learning signal: every train reward has been 0 for the last {self.run} steps "
-                  f"(to step {done}); check that the task's answers can be reached within the rollout budgets "
-                  "(rollout.max_new_tokens_per_turn, max_total_tokens, context_limit), the grader (copc eval "
-                  "--samples-out shows episodes and rewards), and the starting policy (a warm start, not an "
-                  "untrained model); no_signal_steps=0 turns this off", file=sys.stderr, flush=True)
+                  f"(to step {done}); check that the task's answers can be reached within the rollout "
+                  "budgets (rollout.max_new_tokens_per_turn, max_total_tokens, context_limit), the grader "
+                  "(copc eval --samples-out shows episodes and rewards), and the starting policy (a warm "
+                  "start, not an untrained model); "
+                  "no_signal_steps=0 turns this off", file=sys.stderr, flush=True)

@@ -66,7 +66,8 @@ def code_commit(package_dir: Path | None = None) -> dict[str, ConfigValue]:
 def _git_state(folder: str) -> tuple[str | None, tuple[str, ...]]:
     """(HEAD's commit, the changed paths under ``folder``), asked once per folder and process."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=GIT_TIMEOUT_S,
+        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True,
+                              timeout=GIT_TIMEOUT_S,
                               check=True).stdout
 
     try:

@@ -23,7 +23,8 @@ __all__ = ["NO_SPACE", "RESUME_MAY_CHANGE", "RESUME_MUST_MATCH", "DiskFullError"
 
 #: Settings a resumed run must share with the checkpoint it continues, since they change what the run
 #: computes (anything else may change: steps, checkpointing, eval, plots, worker count, threads).
-RESUME_MUST_MATCH = ("task", "task_options", "method", "method_overrides", "seed", "model", "rollout", "trainer",
+RESUME_MUST_MATCH = ("task", "task_options", "method", "method_overrides", "seed", "model", "rollout",
+                     "trainer",
                      "staleness", "driver.kind", "driver.partial_rollouts", "driver.partial_chunk_tokens")
 
 
@@ -60,12 +61,12 @@ def check_resume_config(cfg: RunConfig, saved: Mapping[str, object], where: Path
                 source = ("from an override, --config or an edit of its config.yaml; resume=true run_dir=... "
                           "alone continues the run as it was configured, or start a new run_dir")
             else:
-                source = (f"because {run_dir / 'config.yaml'} is missing, this config was built from the embedded "
-                          "default (or --config) and the overrides; restore config.yaml, give the run's settings "
-                          "again, or start a new run_dir")
+                source = (f"because {run_dir / 'config.yaml'} is missing, this config was built from the "
+                          "embedded default (or --config) and the overrides; restore config.yaml, give the "
+                          "run's settings again, or start a new run_dir")
             raise ConfigError(
-                f"resume: {where} was made with {key}={json.dumps(old)}, this config has {json.dumps(new)}, which "
-                f"would change what the run computes: {source}"
+                f"resume: {where} was made with {key}={json.dumps(old)}, this config has {json.dumps(new)}, "
+                f"which would change what the run computes: {source}"
             )
 
 
@@ -101,18 +102,20 @@ def find_checkpoint(cfg: RunConfig, run_dir: Path) -> tuple[int, dict[str, objec
         )
     if found is None and (run_dir / "summary.json").exists():  # trained, then its checkpoints went
         raise CheckpointError(
-            f"{run_dir} holds a trained run (summary.json) but no checkpoint to resume from; starting from step 0 "
-            "would overwrite its metrics and summary: restore its checkpoints/, or start over with overwrite=true"
+            f"{run_dir} holds a trained run (summary.json) but no checkpoint to resume from; starting from "
+            "step 0 would overwrite its metrics and summary: restore "
+            "its checkpoints/, or start over with overwrite=true"
         )
     if found is None:
         print(f"note: {run_dir} has no checkpoint yet; starting from step 0", file=sys.stderr, flush=True)
         return None
     step, payload = found
-    check_resume_config(cfg, payload.get("config", {}), run_dir / "checkpoints" / f"step_{step:08d}",  # type: ignore[arg-type]
-                        run_dir)
+    where = run_dir / "checkpoints" / f"step_{step:08d}"
+    check_resume_config(cfg, payload.get("config", {}), where, run_dir)  # type: ignore[arg-type]
     if cfg.steps < step:
-        raise ConfigError(f"resume: {run_dir} has already trained {step} steps (its checkpoint of step {step}); "
-                          f"steps={cfg.steps} would go back: give steps >= {step} to continue it, or start a new run_dir")
+        raise ConfigError(f"resume: {run_dir} has already trained {step} steps (its checkpoint of step "
+                          f"{step}); steps={cfg.steps} would go back: give steps "
+                          f">= {step} to continue it, or start a new run_dir")
     older = " (an older checkpoint: the newer one is damaged, above)" if skipped else ""
     print(f"resuming {run_dir} from the checkpoint of step {step}{older}, to step {cfg.steps}",
           file=sys.stderr, flush=True)

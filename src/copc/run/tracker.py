@@ -67,7 +67,8 @@ class Tracker:
                     _truncate_from(path, resume_step, keep_evaluation=keep_resume_evaluation)
         self._file: IO[str] | None = self.path.open("a")
         # TensorBoard hides what the steps redone after a resume logged before, as metrics.jsonl drops them
-        # above; the kept final evaluation at resume_step is purged with them and written again from the files.
+        # above; the kept final evaluation at resume_step is purged with them and written again from the
+        # files.
         self._tb: SummaryWriterLike | None = self._open_tensorboard(resume_step) if tensorboard else None
         if resume_step is not None and keep_resume_evaluation:
             self._rewrite_tensorboard(resume_step)
@@ -81,7 +82,8 @@ class Tracker:
         with _naming(self._tb_file()):
             for record in (r for r in read_metrics(self.path) if int(r.get("step", -1)) == step):
                 for name, value in record.items():
-                    if name not in ("step", "time") and isinstance(value, int | float) and math.isfinite(value):
+                    if name not in ("step", "time") and isinstance(value,
+                                                                   int | float) and math.isfinite(value):
                         self._tb.add_scalar(name, float(value), step)
             if self.samples_path.exists():
                 kept = [r for r in read_metrics(self.samples_path) if int(r.get("step", -1)) == step]
@@ -95,7 +97,8 @@ class Tracker:
         except ImportError as err:  # tensorboard is a core dependency, but keep JSONL working without it
             warnings.warn(f"TensorBoard mirror off ({err}); metrics.jsonl is still written", stacklevel=3)
             return None
-        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge_step)  # type: ignore[no-any-return]
+        log_dir = str(self.run_dir / TENSORBOARD_DIR)
+        return SummaryWriter(log_dir=log_dir, purge_step=purge_step)  # type: ignore[no-any-return]
 
     def _check(self, name: str) -> None:
         if is_known(name):
@@ -147,7 +150,8 @@ class Tracker:
 
     def _tb_file(self) -> Path:
         """The TensorBoard event file being written (its directory where the writer hides it)."""
-        name = getattr(getattr(getattr(self._tb, "file_writer", None), "event_writer", None), "_file_name", None)
+        name = getattr(getattr(getattr(self._tb, "file_writer", None), "event_writer", None), "_file_name",
+                       None)
         return Path(name) if isinstance(name, str) else self.run_dir / TENSORBOARD_DIR
 
     def log_samples(self, step: int, source: str, episodes: Sequence[Mapping[str, object]], *,
@@ -243,7 +247,8 @@ def _is_evaluation(record: Mapping[str, object]) -> bool:
 
 def _markdown(episode: Mapping[str, object]) -> str:
     """One rendered episode as TensorBoard markdown: the prompt, each piece (policy / forced) as code."""
-    lines = [f"**{episode.get('prompt_id', '')}**: reward {episode.get('reward')}, stop {episode.get('stop_reason')}",
+    lines = [f"**{episode.get('prompt_id', '')}**: reward {episode.get('reward')}, stop "
+             f"{episode.get('stop_reason')}",
              "", "prompt:", "", "    " + str(episode.get("prompt", "")).replace("\n", "\n    ")]
     for turn in episode.get("turns", []) or []:  # type: ignore[attr-defined]
         lines += ["", f"{turn['source']}:", "", "    " + str(turn["text"]).replace("\n", "\n    ")]

@@ -101,7 +101,8 @@ class TrainResult:
     summary: dict[str, object]
 
 
-def checkpoint_payload(cfg: RunConfig, step: int, trainer: ActorCriticTrainer, source: BatchSource) -> dict[str, object]:
+def checkpoint_payload(cfg: RunConfig, step: int, trainer: ActorCriticTrainer,
+                       source: BatchSource) -> dict[str, object]:
     return {
         "trainer": trainer.state_dict(optimizers=cfg.checkpoint_optimizer),
         "source": source.state_dict(),
@@ -221,8 +222,8 @@ def _assemble(cfg: RunConfig, run_dir: Path, *, show_progress: bool, watchdog: S
     critic = build_critic(cfg, policy, tokenizer) if method.needs_critic else None
     trainer = ActorCriticTrainer(policy, critic, method, replace(cfg.trainer, seed=cfg.seed))
     if trainer.warmup_steps > 0:  # a frozen actor looks like a stuck run: say so once, at the start
-        print(f"note: method {cfg.method!r} trains only the critic for the first {trainer.warmup_steps} steps "
-              "(critic warm-up; the actor is frozen); trainer.critic_warmup_steps=0 turns it off",
+        print(f"note: method {cfg.method!r} trains only the critic for the first {trainer.warmup_steps} "
+              "steps (critic warm-up; the actor is frozen); trainer.critic_warmup_steps=0 turns it off",
               file=sys.stderr, flush=True)
     source = build_source(cfg, model_dir=model_dir, policy=policy, tokenizer=tokenizer, task=task,
                           run_dir=run_dir, context_limit=context_limit)
@@ -258,7 +259,8 @@ def _run(run: _Run, start: _Start) -> tuple[LoopResult, dict[str, float], dict[s
     cfg = run.cfg
     # A resumed run drops the records of the steps it redoes (all of them when no checkpoint was made); the
     # final evaluation of an earlier process that ended at the checkpoint stays when the run goes past it.
-    mirror = WandbMirror(project=cfg.wandb_project, config=to_dict(cfg)).open(run.run_dir) if cfg.wandb else None
+    mirror = WandbMirror(project=cfg.wandb_project,
+                         config=to_dict(cfg)).open(run.run_dir) if cfg.wandb else None
     tracker = Tracker(run.run_dir, resume_step=start.step if cfg.resume else None,
                       keep_resume_evaluation=start.ended_here and start.step < cfg.steps, mirror=mirror)
     signals = StopSignals()
@@ -382,7 +384,8 @@ def batch_wait_bounded(source: BatchSource) -> bool:
 
 
 def _summary(
-    cfg: RunConfig, before: dict[str, float], after: dict[str, float], loop: LoopResult, wall: float, run_dir: Path
+    cfg: RunConfig, before: dict[str, float], after: dict[str, float], loop: LoopResult, wall: float,
+    run_dir: Path
 ) -> dict[str, object]:
     # The run's training rows from its metrics.jsonl, not this process's loop: after a resume the file holds
     # every step of the run once (the tracker drops the redone ones), the loop only those trained now.
@@ -410,7 +413,8 @@ def _summary(
         "task": cfg.task,
         "seed": cfg.seed,
         "train_reward_last": mean(m.REWARD_MEAN),
-        "realized_staleness_mean": mean(m.STALENESS_MEAN, history),  # the whole run's (train_reward_last: the last fifth)
+        # the whole run's (train_reward_last: the last fifth)
+        "realized_staleness_mean": mean(m.STALENESS_MEAN, history),
         "step_seconds_median": float(np.median(times)) if times else None,
         "run_dir": str(run_dir),
         **run_provenance(cfg),  # the code, libraries, resolved method and stated lag (copc.run.provenance)
@@ -432,7 +436,8 @@ def print_summary(summary: Mapping[str, object]) -> None:
             return "-"
         return f"{value:.3f}" if isinstance(value, float) else str(value)
 
-    table.add_row("eval accuracy (avg@k)", fmt(summary["eval_accuracy_before"]), fmt(summary["eval_accuracy_after"]))
+    table.add_row("eval accuracy (avg@k)", fmt(summary["eval_accuracy_before"]),
+                  fmt(summary["eval_accuracy_after"]))
     table.add_row("greedy accuracy", fmt(summary["eval_greedy_accuracy_before"]),
                   fmt(summary["eval_greedy_accuracy_after"]))
     table.add_row("tool-use rate", fmt(summary["eval_tool_use_rate_before"]),
@@ -443,8 +448,8 @@ def print_summary(summary: Mapping[str, object]) -> None:
     console.print(table)
     changed = summary.get("eval_changed_on_resume")
     if isinstance(changed, dict):
-        console.print(f"note: 'before' was evaluated with the run's earlier settings; they changed when it resumed "
-                      f"from step {changed['step']} ({changed['change']})", markup=False)
+        console.print(f"note: 'before' was evaluated with the run's earlier settings; they changed when it "
+                      f"resumed from step {changed['step']} ({changed['change']})", markup=False)
     console.print(f"run directory: [bold]{summary['run_dir']}[/bold]")
 
 
@@ -461,7 +466,8 @@ def train_cli(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     quiet_transformers()
     try:
-        cfg = load_run_config(config_file(args.config, args.overrides), args.overrides, strict=not args.print_config)
+        cfg = load_run_config(config_file(args.config, args.overrides), args.overrides,
+                              strict=not args.print_config)
         if args.print_config:
             from copc.run.describe import format_config
 

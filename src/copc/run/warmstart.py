@@ -285,7 +285,8 @@ def build_warmstart(
     """
     sft = sft or DEFAULT_SFT.get(task_name, SFTConfig())
     task = _sft_task(task_name, task_config or {})
-    path = Path(out_dir) if out_dir is not None else warmstart_dir(task_name, seed=seed, task_config=task_config, sft=sft)
+    path = Path(out_dir) if out_dir is not None else warmstart_dir(task_name, seed=seed,
+                                                                   task_config=task_config, sft=sft)
     if is_complete(path) and not force:
         return path
     from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -318,7 +319,8 @@ def build_warmstart(
     return path
 
 
-def _publish(path: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, marker: dict[str, object]) -> None:
+def _publish(path: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
+             marker: dict[str, object]) -> None:
     """Save into a temporary sibling, write the marker last, then move it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -340,7 +342,8 @@ def load_warmstart(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     """Model (eval mode) and tokenizer of a completed warm start."""
     path = Path(path)
     if not is_complete(path):
-        raise FileNotFoundError(f"{path} is not a completed warm start (no {MARKER}); run `copc sft --task NAME`")
+        raise FileNotFoundError(f"{path} is not a completed warm start (no {MARKER}); run `copc sft --task "
+                                f"NAME`")
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
@@ -364,7 +367,8 @@ class WarmstartRequest:
 
 
 def resolve_sft(task_name: str, overrides: Mapping[str, int | float]) -> SFTConfig:
-    """The task's :data:`DEFAULT_SFT` with ``overrides`` applied; a bad key or value fails naming the valid keys."""
+    """The task's :data:`DEFAULT_SFT` with ``overrides`` applied; a bad key or value fails naming the valid
+    keys."""
     sft = DEFAULT_SFT.get(task_name, SFTConfig())
     try:
         return dataclasses.replace(sft, **overrides)  # type: ignore[arg-type]
@@ -408,7 +412,8 @@ def sft_cli(argv: list[str]) -> int:
     """
     parser = CommandParser(prog="copc sft", description="Warm-start the tiny model on a built-in task.")
     parser.add_argument("--task", required=True, help="built-in task: arith_tool or kv_search")
-    parser.add_argument("--seed", type=int, default=None, help="demonstration / training seed (default: the run's model.warmstart_seed)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="demonstration / training seed (default: the run's model.warmstart_seed)")
     parser.add_argument("--force", action="store_true", help="rebuild even if a completed checkpoint exists")
     parser.add_argument("--out-dir", default=None, help="checkpoint directory (default: the cache)")
     args = parser.parse_args(argv)
@@ -421,7 +426,8 @@ def sft_cli(argv: list[str]) -> int:
         return 2
     info = warmstart_info(path)
     print(f"warm start ready: {path}")
-    print(f"  train_seconds={info['train_seconds']} cpu={info['train_cpu_seconds']} loss_last={info['loss_last']:.4f} mix={info['demo_mix']}")
+    print(f"  train_seconds={info['train_seconds']} cpu={info['train_cpu_seconds']} "
+          f"loss_last={info['loss_last']:.4f} mix={info['demo_mix']}")
     return 0
 
 
@@ -429,7 +435,8 @@ def sft_cli(argv: list[str]) -> int:
 
 
 #: The budgets the warm start is scored with (roomier than the default run's, so a cut turn is rare).
-SCORING_ROLLOUT = RolloutConfig(max_turns=4, max_new_tokens_per_turn=48, max_total_tokens=160, context_limit=1024)
+SCORING_ROLLOUT = RolloutConfig(max_turns=4, max_new_tokens_per_turn=48, max_total_tokens=160,
+                                context_limit=1024)
 
 
 def measure_accuracy(
@@ -447,4 +454,5 @@ def measure_accuracy(
     """
     model, tokenizer = load_warmstart(path)
     task = get_task(task_name, **(task_config or {}))
-    return evaluate(model, tokenizer, task, SCORING_ROLLOUT, EvalConfig(prompts=n, samples=1, greedy=True), seed=seed)
+    return evaluate(model, tokenizer, task, SCORING_ROLLOUT, EvalConfig(prompts=n, samples=1, greedy=True),
+                    seed=seed)
