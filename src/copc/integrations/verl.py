@@ -114,14 +114,17 @@ def _register() -> None:
         existing = core_algos.POLICY_LOSS_REGISTRY.get(name)
         if existing is not None and existing is not loss:
             # verl's register_policy_loss overwrites silently; never replace someone else's loss.
-            raise ValueError(f"verl already has a policy loss named {name!r} ({existing!r}); copc will not overwrite it")
+            raise ValueError(f"verl already has a policy loss named {name!r} ({existing!r}); copc will not "
+                             f"overwrite it")
         core_algos.register_policy_loss(name)(loss)
     for name, stub in _STUBS.items():
         core_algos.register_adv_est(name)(stub)  # verl rejects a different function under the same name
     for name, cls in TRAINERS.items():
         verl_cls = get_trainer_cls(cls.verl_mode)
-        if not issubclass(cls, verl_cls):  # verl renamed or re-registered a mode: copc would run the wrong one
-            raise ValueError(f"verl's trainer mode {cls.verl_mode!r} is {verl_cls.__name__}, not a base of {cls.__name__}")
+        # verl renamed or re-registered a mode: copc would run the wrong one
+        if not issubclass(cls, verl_cls):
+            raise ValueError(f"verl's trainer mode {cls.verl_mode!r} is {verl_cls.__name__}, not a base of "
+                             f"{cls.__name__}")
         register_trainer(name)(cls)
     # Hydra's structured:// source is on every search path, so verl's main_ppo finds it by name.
     ConfigStore.instance().store(name=CONFIG_NAME, node=hydra_config_node())

@@ -4,7 +4,8 @@ The copc trainers read their options from verl's composed config: verl's own fie
 (``algorithm.gamma``, ``algorithm.lam``, the actor's clip and aggregation), and a top-level ``copc``
 section for the rest (``copc.channels``, ``copc.policy.{mask_low, mask_high, weight_mode}``,
 ``copc.advantage.<field>``). The actor's loss picks the reading of COPC: ``policy_loss.loss_mode=copc``
-is R0 (docs/formulas.md#r0, band and PPO clip on the step-start ``old``); ``policy_loss.loss_mode=copc_behaviour`` is
+is R0 (docs/formulas.md#r0, band and PPO clip on the step-start ``old``);
+``policy_loss.loss_mode=copc_behaviour`` is
 R1 (docs/formulas.md#r1): verl's own behaviour-anchored (bypass-mode) loss, whose token rejection
 ``rollout_rs=token_k1`` is R1's band. Every problem fails before any worker starts, with one line
 naming the option to set. :func:`hydra_config_node` is the ``copc_ppo_trainer`` config (verl's
@@ -45,11 +46,13 @@ ESTIMATORS: dict[str, str] = {"copc_clipped_td": "copc", "copc_vtrace": "vtrace"
 
 # One line per missing input, naming the verl option that provides it.
 MISSING_ROLLOUT = (
-    "copc needs the sampler's log-probs (rollout_log_probs): set actor_rollout_ref.rollout.calculate_log_probs=True"
+    "copc needs the sampler's log-probs (rollout_log_probs): set "
+    "actor_rollout_ref.rollout.calculate_log_probs=True"
 )
 MISSING_VALUES = (
     "copc's advantage channel (algorithm.adv_estimator=copc_*) needs a critic: set critic.enable=True, "
-    "or run the COPC policy channel alone on verl's own advantages (copc.channels=policy, algorithm.adv_estimator=grpo)"
+    "or run the COPC policy channel alone on verl's own advantages (copc.channels=policy, "
+    "algorithm.adv_estimator=grpo)"
 )
 MISSING_OLD = (
     "copc needs the recomputed old_log_probs: set algorithm.rollout_correction.bypass_mode=False"
@@ -79,10 +82,11 @@ CHANNELS = ("both", "policy")
 
 
 #: ``actor_rollout_ref.actor.policy_loss.loss_mode`` that makes a copc trainer run COPC's behaviour-anchored
-#: reading R1 (docs/formulas.md#r1): verl's own bypass-mode loss, PPO clip on ``r = exp(cur - mu)`` with the tokens
-#: whose ``r`` leaves the band rejected (``rollout_rs=token_k1``), recomputed at every micro-batch.
+#: reading R1 (docs/formulas.md#r1): verl's own bypass-mode loss, PPO clip on ``r = exp(cur - mu)`` with the
+#: tokens whose ``r`` leaves the band rejected (``rollout_rs=token_k1``), recomputed at every micro-batch.
 BEHAVIOUR_LOSS = "copc_behaviour"
-#: verl's own name of that loss: under a copc trainer it would clip on the recomputed ``old``, so it is refused.
+#: verl's own name of that loss: under a copc trainer it would clip on the recomputed ``old``, so it is
+#: refused.
 VERL_BYPASS_LOSS = "bypass_mode"
 #: Where verl's bypass-mode loss reads its options (not in verl's yaml: set them with Hydra's ``+``).
 ACTOR_CORRECTION = "actor_rollout_ref.actor.policy_loss.rollout_correction"
@@ -97,7 +101,8 @@ class CopcChannels(NamedTuple):
 
     @property
     def behaviour(self) -> bool:
-        """True for R1 (``policy_loss.loss_mode=copc_behaviour``): the actor's ratio and band are centred on mu."""
+        """True for R1 (``policy_loss.loss_mode=copc_behaviour``): the actor's ratio and band are centred on
+        mu."""
         return self.policy.objective == "bypass_ppo"
 
 
@@ -126,8 +131,10 @@ def _plain(section: Any) -> dict[str, Any]:
     return dict(section)
 
 
-def _overrides(section: dict[str, Any], name: str, allowed: tuple[str, ...] | None, elsewhere: dict[str, str]) -> dict[str, Any]:
-    """The ``copc.<name>`` values that were set (null means the preset's value: ``copc_ppo_trainer`` lists them all)."""
+def _overrides(section: dict[str, Any], name: str, allowed: tuple[str, ...] | None,
+               elsewhere: dict[str, str]) -> dict[str, Any]:
+    """The ``copc.<name>`` values that were set (null means the preset's value: ``copc_ppo_trainer`` lists
+    them all)."""
     for key in section:
         if key in elsewhere:
             raise ValueError(f"copc.{name}.{key} is verl's {elsewhere[key]}; set it there instead")
@@ -142,7 +149,8 @@ def _positive(text: str, where: str) -> float:
     except ValueError:
         value = math.nan
     if not value > 0 or math.isinf(value):
-        raise ValueError(f"{where}: {text!r} is not a positive number; R1's band [0.5, 2] is rollout_rs_threshold=0.5_2.0")
+        raise ValueError(f"{where}: {text!r} is not a positive number; R1's band [0.5, 2] is "
+                         f"rollout_rs_threshold=0.5_2.0")
     return value
 
 
@@ -181,9 +189,11 @@ def behaviour_band(config: Any) -> tuple[float, float]:
         lower = 1.0 / upper
     if not lower < upper:
         read_as_number = "" if isinstance(spec, str) else (
-            " (Hydra reads digits around an underscore as one number: 0.5_2 is 0.52; write 0.5_2.0 or quote it)"
+            " (Hydra reads digits around an underscore as one "
+            "number: 0.5_2 is 0.52; write 0.5_2.0 or quote it)"
         )
-        raise ValueError(f"{where}={text}: the band needs lower < upper (lower_upper, e.g. 0.5_2.0){read_as_number}")
+        raise ValueError(f"{where}={text}: the band needs lower < upper (lower_upper, e.g. "
+                         f"0.5_2.0){read_as_number}")
     return 1.0 / upper, 1.0 / lower
 
 
@@ -206,7 +216,8 @@ def channels_from_verl_config(config: Any) -> CopcChannels:
     unknown = sorted(set(section) - {"policy", "advantage", "channels"})
     if unknown:
         raise ValueError(
-            f"unknown copc section(s) {unknown} in verl's config; valid: copc.channels, copc.policy, copc.advantage"
+            f"unknown copc section(s) {unknown} in verl's config; "
+            "valid: copc.channels, copc.policy, copc.advantage"
         )
     which = str(section.get("channels") or "both")
     if which not in CHANNELS:
@@ -216,8 +227,9 @@ def channels_from_verl_config(config: Any) -> CopcChannels:
     loss_mode = str(_get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", ""))
     if loss_mode == VERL_BYPASS_LOSS:
         raise ValueError(
-            f"policy_loss.loss_mode={VERL_BYPASS_LOSS} under a copc trainer would clip on verl's recomputed old: set "
-            f"loss_mode={BEHAVIOUR_LOSS} for COPC R1 (verl's bypass-mode loss on the sampler's log-probs), or copc for R0"
+            f"policy_loss.loss_mode={VERL_BYPASS_LOSS} under a copc trainer would clip on verl's recomputed "
+            f"old: set loss_mode={BEHAVIOUR_LOSS} for COPC R1 (verl's bypass-mode loss on the sampler's "
+            f"log-probs), or copc for R0"
         )
     if loss_mode == BEHAVIOUR_LOSS:
         if policy_over:
@@ -227,15 +239,16 @@ def channels_from_verl_config(config: Any) -> CopcChannels:
             )
         if which == "policy":
             raise ValueError(
-                f"copc.channels=policy with policy_loss.loss_mode={BEHAVIOUR_LOSS} is verl's own bypass mode (async "
-                "PPO 3a + mask): run verl's trainer (trainer.v1.trainer_mode=sync, colocate_async or separate_async) "
-                "with algorithm.rollout_correction.bypass_mode=True (it writes old_log_probs = rollout_log_probs "
-                "itself); or copc.channels=both for COPC R1"
+                f"copc.channels=policy with policy_loss.loss_mode={BEHAVIOUR_LOSS} is verl's own bypass mode "
+                "(async PPO 3a + mask): run verl's trainer (trainer.v1.trainer_mode=sync, colocate_async or "
+                "separate_async) with algorithm.rollout_correction.bypass_mode=True (it writes old_log_probs "
+                "= rollout_log_probs itself); or copc.channels=both for COPC R1"
             )
         if str(_get(config, "actor_rollout_ref.actor.loss_agg_mode", "")) == "seq-mean-token-mean":
             raise ValueError(
-                f"actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean with loss_mode={BEHAVIOUR_LOSS} divides "
-                "each sequence by the tokens the band keeps, not by all its tokens (R1, docs/formulas.md#r1): use token-mean, "
+                f"actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean with loss_mode={BEHAVIOUR_LOSS} "
+                "divides each sequence by the tokens the band keeps, not by all its tokens (R1, "
+                "docs/formulas.md#r1): use token-mean, "
                 "seq-mean-token-sum or seq-mean-token-sum-norm"
             )
         low, high = behaviour_band(config)
@@ -246,23 +259,27 @@ def channels_from_verl_config(config: Any) -> CopcChannels:
         if estimator in ESTIMATORS:
             raise ValueError(
                 f"copc.channels=policy runs the COPC policy channel alone on verl's own advantages: set "
-                f"algorithm.adv_estimator to a verl estimator such as grpo (got {estimator!r}), or copc.channels=both"
+                "algorithm.adv_estimator to a verl estimator such "
+                f"as grpo (got {estimator!r}), or copc.channels=both"
             )
         if adv_over:
-            raise ValueError(f"copc.advantage.{next(iter(adv_over))} is unused with copc.channels=policy: remove it")
+            raise ValueError(f"copc.advantage.{next(iter(adv_over))} is unused with copc.channels=policy: "
+                             f"remove it")
         return CopcChannels(policy, None)
     if estimator not in ESTIMATORS:
         raise ValueError(
             f"copc's trainer runs copc's advantage channel: set algorithm.adv_estimator to one of "
-            f"{', '.join(ESTIMATORS)} (got {estimator!r}), or copc.channels=policy for the COPC policy channel "
-            f"alone on {estimator or 'a verl estimator'}'s advantages"
+            f"{', '.join(ESTIMATORS)} (got {estimator!r}), or copc.channels=policy for the COPC policy "
+            f"channel alone on {estimator or 'a verl estimator'}'s advantages"
         )
     lam = float(_get(config, "algorithm.lam", 1.0))
     defaults = {"gamma": float(_get(config, "algorithm.gamma", 1.0)), "lam_critic": lam, "lam_actor": lam}
     try:
-        advantage = dataclasses.replace(get_method(ESTIMATORS[estimator]).advantage, **{**defaults, **adv_over})
+        advantage = dataclasses.replace(get_method(ESTIMATORS[estimator]).advantage, **{**defaults,
+                                                                                        **adv_over})
     except TypeError as exc:  # an unknown field name
-        raise ValueError(f"copc.advantage: {exc}; see copc.channels.AdvantageChannelConfig for the fields") from None
+        raise ValueError(f"copc.advantage: {exc}; see copc.channels.AdvantageChannelConfig for the "
+                         "fields") from None
     return CopcChannels(policy, advantage)
 
 
@@ -279,7 +296,8 @@ def check_verl_config(config: Any) -> CopcChannels:
     for key in ("rollout_is", "rollout_rs"):
         if _get(correction, key) is not None:
             raise ValueError(
-                f"copc's policy channel replaces verl's rollout correction: set algorithm.rollout_correction.{key}=null"
+                f"copc's policy channel replaces verl's rollout correction: set "
+                f"algorithm.rollout_correction.{key}=null"
             )
     return channels
 
@@ -290,9 +308,11 @@ CONFIG_NAME = "copc_ppo_trainer"
 
 
 def hydra_config_node() -> dict[str, Any]:
-    """``copc_ppo_trainer``: every copc option, null meaning the preset's value (R0's band for ``copc.policy``,
-    the estimator's preset for ``copc.advantage``), so an option set by the user can be told from a default."""
-    advantage = [f.name for f in dataclasses.fields(AdvantageChannelConfig) if f.name not in _ADVANTAGE_ELSEWHERE]
+    """``copc_ppo_trainer``: every copc option, null meaning the preset's value (R0's band for
+    ``copc.policy``, the estimator's preset for ``copc.advantage``), so an option set by the user can be told
+    from a default."""
+    advantage = [f.name for f in dataclasses.fields(AdvantageChannelConfig)
+                 if f.name not in _ADVANTAGE_ELSEWHERE]
     return {
         "defaults": ["ppo_trainer", "_self_"],
         "copc": {

@@ -39,7 +39,8 @@ class CopcStep(NamedTuple):
     advantages: torch.Tensor
     returns: torch.Tensor
     rollout_is_weights: torch.Tensor | None  # R0: omega = M * w (or M), the policy channel's weight; R1: None
-    old_log_probs: torch.Tensor | None  # R1: mu, the actor's trust-region centre from now on; R0: None (unchanged)
+    # R1: mu, the actor's trust-region centre from now on; R0: None (unchanged)
+    old_log_probs: torch.Tensor | None
     metrics: dict[str, torch.Tensor]  # detached scalars, ``copc/...``
 
 
@@ -52,7 +53,8 @@ class CopcPolicyWeight(NamedTuple):
 
 
 def copc_policy_weight(
-    policy: PolicyChannelConfig, *, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
+    policy: PolicyChannelConfig, *, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor
 ) -> CopcPolicyWeight:
     """``omega = M * w`` (``binary``: ``M``), ``w = exp(old - mu)``, ``M = 1[mask_low <= w <= mask_high]``.
 
@@ -63,7 +65,8 @@ def copc_policy_weight(
         mask: ``[B, T]`` bool, True on sampled tokens.
     """
     log_w = log_ratio(old_log_probs.float(), rollout_log_probs.float(), mask)
-    weight, keep = band_weight(log_w, mask, low=policy.mask_low, high=policy.mask_high, mode=policy.weight_mode)
+    weight, keep = band_weight(log_w, mask, low=policy.mask_low, high=policy.mask_high,
+                               mode=policy.weight_mode)
     metrics = {
         "copc/policy/mask_frac": masked_mean((mask & ~keep).float(), mask),
         "copc/policy/weight_mean": masked_mean(weight, mask),
@@ -97,17 +100,20 @@ def copc_advantage_step(
     if old_log_probs is None:
         raise ValueError(MISSING_OLD)
     if channels.advantage is None:
-        raise ValueError("copc.channels=policy has no advantage channel: verl's estimator computes the advantages")
+        raise ValueError("copc.channels=policy has no advantage channel: verl's estimator computes the "
+                         "advantages")
     mask = response_mask.bool()
     policy = copc_policy_weight(
         channels.policy, old_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs, mask=mask
     )
     adv = compute_advantages(
-        channels.advantage, rewards=token_level_rewards.float(), values=values.float(), log_w=policy.log_w, action_mask=mask
+        channels.advantage, rewards=token_level_rewards.float(), values=values.float(), log_w=policy.log_w,
+        action_mask=mask
     )
     metrics = {f"copc/{name}": value for name, value in adv.stats.items()}
     if not channels.behaviour:
-        return CopcStep(adv.advantages, adv.returns, policy.rollout_is_weights, None, metrics | policy.metrics)
+        return CopcStep(adv.advantages, adv.returns, policy.rollout_is_weights, None,
+                        metrics | policy.metrics)
     # R1: the band is tested on r = cur/mu by verl's loss at every micro-batch; at the step start r = old/mu.
     metrics["copc/policy/mask_frac_step_start"] = policy.metrics["copc/policy/mask_frac"]
     # as verl's bypass mode writes it: the sampler's log-probs, verbatim
@@ -152,7 +158,8 @@ def copc_policy_loss(
         ),
     )
     loss = core_algos.agg_loss(
-        loss_mat=out.per_token, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.get("global_batch_info", {})
+        loss_mat=out.per_token, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.get("global_batch_info",
+                                                                                          {})
     )
     return loss, {f"copc/{name}": value for name, value in out.stats.items()}
 

@@ -41,7 +41,8 @@ _log = logging.getLogger("copc.integrations.verl")  # the plugin's one logger (i
 
 #: The verl releases whose private advantage hook copc's trainers override (pyproject's ``verl`` extra).
 SUPPORTED_VERL = ">=0.9.1,<0.10"
-#: ``PPOTrainer._compute_advantage``'s parameters in those releases (verl calls it as ``(batch, metrics=...)``).
+#: ``PPOTrainer._compute_advantage``'s parameters in those releases (verl calls it as ``(batch,
+#: metrics=...)``).
 _HOOK_PARAMS = ("self", "batch", "metrics")
 
 
@@ -64,19 +65,20 @@ def check_verl_version(version: str | None = None) -> None:
     except InvalidVersion:
         supported = False
     if not supported:
-        raise RuntimeError(f"copc's verl trainers support verl{SUPPORTED_VERL}, but verl {found} is installed: "
-                           f"pip install 'verl{SUPPORTED_VERL}' (or copc[verl])")
+        raise RuntimeError(f"copc's verl trainers support verl{SUPPORTED_VERL}, but verl {found} is "
+                           f"installed: pip install 'verl{SUPPORTED_VERL}' (or copc[verl])")
 
 
 def check_verl_hook(verl_trainer: type) -> None:
-    """Fail with one line if verl's ``_compute_advantage`` (the private method copc overrides) moved or changed."""
+    """Fail with one line if verl's ``_compute_advantage`` (the private method copc overrides) moved or
+    changed."""
     hook = getattr(verl_trainer, "_compute_advantage", None)
     params = tuple(inspect.signature(hook).parameters) if callable(hook) else None
     if params != _HOOK_PARAMS:
         found = "has no _compute_advantage" if params is None else f"defines _compute_advantage{params}"
         raise RuntimeError(
-            f"copc's verl trainers override {verl_trainer.__name__}._compute_advantage{_HOOK_PARAMS}, but the "
-            f"installed verl {_verl_version()} {found}; copc supports verl{SUPPORTED_VERL}: "
+            f"copc's verl trainers override {verl_trainer.__name__}._compute_advantage{_HOOK_PARAMS}, but "
+            f"the installed verl {_verl_version()} {found}; copc supports verl{SUPPORTED_VERL}: "
             f"pip install 'verl{SUPPORTED_VERL}'"
         )
 
@@ -125,7 +127,8 @@ class CopcAdvantageMixin:
         the advantages) and only omega is added.
         """
         if self._copc.advantage is None:
-            return self._put_policy_weight(super()._compute_advantage(batch, metrics), metrics)  # type: ignore[misc]
+            computed = super()._compute_advantage(batch, metrics)  # type: ignore[misc]
+            return self._put_policy_weight(computed, metrics)
         use_kl = bool(self.config.algorithm.use_kl_in_reward)
         fields = ["response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "values"]
         if use_kl:
@@ -136,7 +139,8 @@ class CopcAdvantageMixin:
         proto.batch["token_level_scores"] = proto.batch["rm_scores"]
         if use_kl:
             proto, kl_metrics = apply_kl_penalty(
-                proto, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty  # type: ignore[attr-defined]
+                proto, kl_ctrl=self.kl_ctrl_in_reward,  # type: ignore[attr-defined]
+                kl_penalty=self.config.algorithm.kl_penalty,
             )
             metrics.update(kl_metrics)
         else:
@@ -164,7 +168,8 @@ class CopcAdvantageMixin:
         )
 
     def _put_policy_weight(self, batch: Any, metrics: dict[str, Any]) -> Any:
-        """The COPC policy channel alone: omega from the batch's old and rollout log-probs, into TransferQueue."""
+        """The COPC policy channel alone: omega from the batch's old and rollout log-probs, into
+        TransferQueue."""
         fields = ["response_mask", "rollout_log_probs", "old_log_probs"]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         nested_mask = data["response_mask"]
