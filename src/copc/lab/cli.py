@@ -1,4 +1,5 @@
-"""``copc lab sweep``, ``copc lab analyse`` and ``copc lab explain``: the bias/variance lab from the command line.
+"""``copc lab sweep``, ``copc lab analyse`` and ``copc lab explain``: the bias/variance lab from the command
+line.
 
 ``explain`` names its correction with production's vocabulary: ``--policy`` is an objective of
 ``copc.channels.POLICY_OBJECTIVES`` and ``--advantage`` an estimator of ``ADVANTAGE_ESTIMATORS``; the
@@ -76,7 +77,8 @@ ADVANTAGE_OPTIONS: dict[str, float | int] = {
 
 
 def _config_options(
-    parser: argparse.ArgumentParser, owner: str, registry: tuple[str, str, tuple[str, ...], str], options: Mapping[str, object]
+    parser: argparse.ArgumentParser, owner: str, registry: tuple[str, str, tuple[str, ...], str],
+    options: Mapping[str, object]
 ) -> None:
     """One option per config field; ``registry`` = (flag, field, registered names, default) of the name."""
     group = parser.add_argument_group(owner, f"fields of copc.channels.{owner} (checked by the config)")
@@ -92,15 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     d = SweepConfig()
     sw = sub.add_parser("sweep", help="exact bias/variance/MSE over a (mask band x advantage clip) grid")
-    sw.add_argument("--out", type=Path, default=Path("docs/figures"), help="folder for lab_*.png and lab_sweep.json")
+    sw.add_argument("--out", type=Path, default=Path("docs/figures"),
+                    help="folder for lab_*.png and lab_sweep.json")
     sw.add_argument("--tag", default="", help="name files lab_<tag>_<metric>.png and lab_sweep_<tag>.json")
-    sw.add_argument("--families", type=_strs, default=d.families, help="comma list of " + ",".join(REWARD_FAMILIES))
+    sw.add_argument("--families", type=_strs, default=d.families,
+                    help="comma list of " + ",".join(REWARD_FAMILIES))
     sw.add_argument("--seeds", type=_ints, default=d.seeds)
     sw.add_argument("--staleness", type=_floats, default=d.staleness, help="steps (path) or KL targets (kl)")
     sw.add_argument("--staleness-mode", choices=("path", "kl"), default=d.staleness_mode)
     sw.add_argument("--horizon", type=int, default=d.horizon)
     sw.add_argument("--vocab", type=int, default=d.vocab)
-    sw.add_argument("--mask-bands", type=_floats, default=d.mask_bands, help="c values of the band [1/c, c]; inf allowed")
+    sw.add_argument("--mask-bands", type=_floats, default=d.mask_bands,
+                    help="c values of the band [1/c, c]; inf allowed")
     sw.add_argument("--adv-clips", type=_floats, default=d.adv_clips, help="eps_A values; inf allowed")
     sw.add_argument("--batch-size", type=int, default=d.batch_size)
     sw.add_argument("--lam", type=float, default=d.lam)
@@ -165,7 +170,8 @@ def explain_table(d: Decomposition, header: str) -> str:
     ]:
         lines.append(f"  {name:<44}{v:>11.4g}{v / g2:>11.3f}")
     amp = d.var_amp / d.var_amp_unweighted if d.var_amp_unweighted > 0 else math.nan
-    lines.append(f"  squared-weight amplification  amp / amp(w := 1) = {amp:.3f}; E[w²] per token = {d.mean_omega_sq:.3f}")
+    lines.append(f"  squared-weight amplification  amp / amp(w := 1) = {amp:.3f}; E[w²] per token = "
+                 f"{d.mean_omega_sq:.3f}")
     lines.append(
         f"  MSE at N={d.batch_size}: {d.mse:.4g} (relative {s['relative_mse']:.3f}); "
         f"mask rate {d.mask_rate:.3f}; KL(pi||mu) {d.kl:.4f} nats"
@@ -179,20 +185,25 @@ def _explain(args: argparse.Namespace) -> int:
     # the same path as `copc lab sweep` (20 normalised steps of length 0.5) for s <= 20; a larger s needs a
     # longer path, so pi is then further along it than the sweep's
     cfg = SweepConfig()
-    path = gradient_path(mdp, init, steps=max(cfg.path_steps, args.staleness), lr=cfg.step_size, normalize=True)
+    path = gradient_path(mdp, init, steps=max(cfg.path_steps, args.staleness), lr=cfg.step_size,
+                         normalize=True)
     pi = path[-1]
-    mu = behaviour_at_kl(mdp, pi, args.kl, seed=args.seed) if args.kl is not None else path[-1 - args.staleness]
+    mu = behaviour_at_kl(mdp, pi, args.kl,
+                         seed=args.seed) if args.kl is not None else path[-1 - args.staleness]
     corr = Correction(
-        PolicyChannelConfig(objective=args.objective, **{name: getattr(args, name) for name in POLICY_OPTIONS}),
+        PolicyChannelConfig(objective=args.objective, **{name: getattr(args,
+                                                                       name) for name in POLICY_OPTIONS}),
         AdvantageChannelConfig(
-            estimator=args.estimator, whiten=False, **{name: getattr(args, name) for name in ADVANTAGE_OPTIONS}
+            estimator=args.estimator, whiten=False, **{name: getattr(args,
+                                                                     name) for name in ADVANTAGE_OPTIONS}
         ),
     )
     noisy = args.critic_noise > 0
     critic = Critic(base=args.critic, noise_std=args.critic_noise, draws=args.critic_draws if noisy else 1)
     d = decompose(mdp, pi, mu, corr, critic, batch_size=args.batch_size)
     stale = f"KL target {args.kl}" if args.kl is not None else f"s={args.staleness} steps"
-    crit = f"V^{args.critic}" + (f" + N(0, {args.critic_noise:g}²) x {args.critic_draws} draws" if noisy else "")
+    crit = f"V^{args.critic}" + (f" + N(0, {args.critic_noise:g}²) x {args.critic_draws} draws" if noisy
+                                 else "")
     header = (
         f"copc lab explain: {args.family} (seed {args.seed}), H={args.horizon} K={args.vocab}, {stale}\n"
         f"correction: {corr.label()}; critic {crit}"

@@ -8,8 +8,8 @@ vtrace, clipped_td, brace). Nothing here re-implements a formula or compares a n
 :func:`copc.channels.compute_advantages` and the policy weight is differentiated from
 :func:`copc.channels.policy_loss`, the entry points the trainer calls.
 
-Per-token form of the actor update (docs/formulas.md#two-channels): at the start of a step the trainer's policy is the
-proximal one (``cur = old = pi``), so for every objective
+Per-token form of the actor update (docs/formulas.md#two-channels): at the start of a step the trainer's
+policy is the proximal one (``cur = old = pi``), so for every objective
 
     -d l_t / d cur_t = omega_t · Â_t,
 
@@ -50,7 +50,8 @@ def _lab_estimator(name: str) -> bool:
     return entry.needs_critic and not entry.group_normalised
 
 
-LAB_ADVANTAGE_ESTIMATORS: tuple[str, ...] = tuple(n for n in ADVANTAGE_ESTIMATORS.names() if _lab_estimator(n))
+LAB_ADVANTAGE_ESTIMATORS: tuple[str, ...] = tuple(n for n in ADVANTAGE_ESTIMATORS.names()
+                                                  if _lab_estimator(n))
 """Production estimators the lab can decompose (chosen by the registry's flags, not by name)."""
 
 POLICY_LABEL_FIELDS: Mapping[str, tuple[str, ...]] = {
@@ -85,7 +86,8 @@ def _fields_label(name: str, config: object, fields: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class Correction:
-    """A two-channel correction: the policy weight and the advantage estimator, as the trainer configures them."""
+    """A two-channel correction: the policy weight and the advantage estimator, as the trainer configures
+    them."""
 
     policy: PolicyChannelConfig = field(
         default_factory=lambda: PolicyChannelConfig(objective="copc", mask_low=0.5, mask_high=2.0)
@@ -99,12 +101,14 @@ class Correction:
     def __post_init__(self) -> None:
         if not _lab_estimator(self.advantage.estimator):
             raise ValueError(
-                f"advantage.estimator={self.advantage.estimator!r} needs groups or no critic, which the lab's single "
-                f"enumerated trajectories do not have; use one of {', '.join(LAB_ADVANTAGE_ESTIMATORS)}"
+                f"advantage.estimator={self.advantage.estimator!r} needs groups or no critic, which the "
+                f"lab's single enumerated trajectories do not have; use one of "
+                f"{', '.join(LAB_ADVANTAGE_ESTIMATORS)}"
             )
         if self.advantage.whiten:
             raise ValueError(
-                "advantage.whiten=True depends on the batch, so the lab cannot decompose it exactly; set whiten=False"
+                "advantage.whiten=True depends on the batch, so the "
+                "lab cannot decompose it exactly; set whiten=False"
             )
 
     def label(self) -> str:
@@ -196,8 +200,8 @@ CRITIC_TARGET_RATIOS: Mapping[str, CriticTargetRatio] = {
     "clipped_td": lambda cfg, w, mask: ops.clip_ratio(w, mask, low=cfg.ratio_low, high=cfg.ratio_high),
 }
 """Per production estimator, the ``rho`` whose ``pi~ ∝ mu·rho`` has the value a critic regressed on the
-estimator's returns converges to (docs/formulas.md#v-trace, #r0); a test checks every key is in :data:`ADVANTAGE_ESTIMATORS`
-and that ``V^{pi~}`` zeroes the expected weighted TD residual."""
+estimator's returns converges to (docs/formulas.md#v-trace, #r0); a test checks every key is in
+:data:`ADVANTAGE_ESTIMATORS` and that ``V^{pi~}`` zeroes the expected weighted TD residual."""
 
 
 def critic_target_policy(

@@ -1,4 +1,5 @@
-"""Exact bias and variance of a two-channel actor update on an enumerable token MDP (docs/formulas.md#two-channels).
+"""Exact bias and variance of a two-channel actor update on an enumerable token MDP
+(docs/formulas.md#two-channels).
 
 Notation (as :mod:`copc.lab.mdp`): ``H`` tokens, ``K`` symbols, ``M = K**H`` sequences, ``S`` prefix
 states, ``J`` critic-noise draws, ``B = M·J`` enumerated (sequence, draw) rows, row ``b = m·J + j``.
@@ -23,17 +24,18 @@ Bias (every term exact; the four sum to ``E[ĝ] - g*`` by construction, and a te
 
 Variance (trace of ``Cov[ĝ]`` of one trajectory). Each time step owns its own block of parameters
 (the prefix states of length t), so ``X_t = omega_t Â_t grad_t`` of different steps are orthogonal and
-``tr Cov[ĝ] = sum_t tr Cov[X_t]`` exactly (the cross-token covariances of docs/formulas.md#two-channels vanish here, they
-are not omitted). With ``h_t`` = the prefix through ``a_t`` (the token and everything before it), the
-law of total variance splits each step::
+``tr Cov[ĝ] = sum_t tr Cov[X_t]`` exactly (the cross-token covariances of docs/formulas.md#two-channels vanish
+here, they are not omitted). With ``h_t`` = the prefix through ``a_t`` (the token and everything before it),
+the law of total variance splits each step::
 
     amp = sum_t E[ ||grad_t||² · Var(omega_t Â_t | h_t) ]    = E[omega² Var(Â|h) ||grad||²] when omega
                                                                is a function of h_t (every objective but
                                                                bypass_ppo under critic noise)
     tok = sum_t tr Cov( omega_t E[Â_t|h_t] grad_t )          token/weight sampling variance
 
-``amp`` is the squared-weight term of docs/formulas.md#two-channels ("squared policy weights amplify advantage uncertainty");
-``amp_unweighted`` is the same with ``omega := 1``, so ``amp / amp_unweighted`` is the amplification.
+``amp`` is the squared-weight term of docs/formulas.md#two-channels ("squared policy weights amplify advantage
+uncertainty"); ``amp_unweighted`` is the same with ``omega := 1``, so ``amp / amp_unweighted`` is the
+amplification.
 """
 
 from __future__ import annotations
@@ -56,15 +58,16 @@ class Critic:
     """The critic V(s) the advantage channel is given (not :class:`copc.channels.CriticConfig`, which
     configures the value loss that trains a critic: the lab trains none).
 
-    ``base = mu``: exact ``V^mu`` (what regression on behaviour data converges to; docs/formulas.md#async-ppo). ``base = pi``:
-    exact ``V^pi`` (an oracle critic). ``base = fitted``: the exact fixed point of the advantage channel's
-    own critic target (``V`` of ``pi~ ∝ mu·rho``; :func:`copc.lab.corrections.critic_target_policy`), i.e.
-    a critic fully fitted to the same clipped returns, as COPC trains it. ``noise_std > 0``: ``V = V^base + noise_std · xi_j(s)`` with ``J``
-    fixed draws per state (seeded Gaussians, centred over the draws and rescaled by ``sqrt(J/(J-1))``, so
-    that for every state the error has mean exactly 0 and expected square ``noise_std²``); each
-    trajectory sees one draw uniformly at random, independently of the others. The expectation over the
-    critic error is the exact average over the ``J`` draws. Centring makes the noise pure variance: the
-    estimators are linear in V, so with weights that do not depend on Â it leaves E[ĝ] unchanged.
+    ``base = mu``: exact ``V^mu`` (what regression on behaviour data converges to;
+    docs/formulas.md#async-ppo). ``base = pi``: exact ``V^pi`` (an oracle critic). ``base = fitted``: the
+    exact fixed point of the advantage channel's own critic target (``V`` of ``pi~ ∝ mu·rho``;
+    :func:`copc.lab.corrections.critic_target_policy`), i.e. a critic fully fitted to the same clipped
+    returns, as COPC trains it. ``noise_std > 0``: ``V = V^base + noise_std · xi_j(s)`` with ``J`` fixed draws
+    per state (seeded Gaussians, centred over the draws and rescaled by ``sqrt(J/(J-1))``, so that for every
+    state the error has mean exactly 0 and expected square ``noise_std²``); each trajectory sees one draw
+    uniformly at random, independently of the others. The expectation over the critic error is the exact
+    average over the ``J`` draws. Centring makes the noise pure variance: the estimators are linear in V, so
+    with weights that do not depend on Â it leaves E[ĝ] unchanged.
     """
 
     base: str = "mu"
@@ -153,7 +156,8 @@ def batch_terms(
     )
 
 
-def _gather_adv(mdp: TokenMDP, state_v: torch.Tensor, seqs: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+def _gather_adv(mdp: TokenMDP, state_v: torch.Tensor, seqs: torch.Tensor,
+                states: torch.Tensor) -> torch.Tensor:
     """``A(s_t, a_t) = r_t + gamma V(s_{t+1}) - V(s_t)`` from the table of state values."""
     v = state_v[states]
     v_next = torch.zeros_like(v)

@@ -47,7 +47,8 @@ def _panel(ax: Axes, grid: torch.Tensor, cfg: SweepConfig, metric: str) -> AxesI
     data = grid.numpy()
     log_scale = metric != "cosine" and bool((grid > 0).all())
     norm = LogNorm(vmin=float(grid.min()), vmax=float(grid.max())) if log_scale else None
-    image = ax.imshow(data, origin="lower", aspect="auto", cmap="viridis_r" if metric != "cosine" else "viridis", norm=norm)
+    image = ax.imshow(data, origin="lower", aspect="auto",
+                      cmap="viridis_r" if metric != "cosine" else "viridis", norm=norm)
     best = grid.argmax(dim=1) if metric == "cosine" else grid.argmin(dim=1)
     ax.scatter(best.numpy(), range(len(best)), c="white", s=14, edgecolors="black", linewidths=0.5)
     flat = int(grid.argmax() if metric == "cosine" else grid.argmin())
@@ -70,7 +71,8 @@ def draw_heatmaps(
     paths = []
     nrows, ncols = len(cfg.families), len(cfg.staleness)
     swept = cfg.correction(cfg.mask_bands[0], cfg.adv_clips[0])
-    channels = f"{swept.policy.objective}({swept.policy.weight_mode}) x {swept.advantage.estimator}(λ={cfg.lam:g})"
+    channels = (f"{swept.policy.objective}({swept.policy.weight_mode}) x "
+                f"{swept.advantage.estimator}(λ={cfg.lam:g})")
     for metric in METRICS:
         fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.9 * nrows), squeeze=False)
         for r, family in enumerate(cfg.families):
@@ -86,7 +88,8 @@ def draw_heatmaps(
                 if r == nrows - 1:
                     ax.set_xlabel("advantage clip ε_A: [1−ε_A, 1+ε_A]", fontsize=7)
         fig.suptitle(
-            f"{TITLES[metric]}\nstaleness {cfg.staleness_mode}, H={cfg.horizon}, K={cfg.vocab}, N={cfg.batch_size}, seeds {list(cfg.seeds)}; "
+            f"{TITLES[metric]}\nstaleness {cfg.staleness_mode}, H={cfg.horizon}, K={cfg.vocab}, "
+            f"N={cfg.batch_size}, seeds {list(cfg.seeds)}; "
             f"{channels}, critic {_critic_label(cfg)}",
             fontsize=9,
         )

@@ -1,13 +1,14 @@
-"""Joint sweep of the two channels (mask band x advantage clip) at several staleness levels (docs/formulas.md#hyper-parameters).
+"""Joint sweep of the two channels (mask band x advantage clip) at several staleness levels
+(docs/formulas.md#hyper-parameters).
 
 For each reward family, seed and staleness ``s`` the lab builds an exact policy-gradient path
 (normalised steps of length ``step_size`` from random logits), takes ``pi = path[-1]`` and
 ``mu = path[-1 - s]`` (pi as it was s updates earlier; ``staleness_mode = "path"``) or ``mu`` at
-``KL(pi || mu) = s`` along a random logit direction (``staleness_mode = "kl"``), and decomposes the COPC update
-(production's ``copc`` objective, ``weight_mode = masked_is``, with band ``[1/c, c]`` x the
-``clipped_td`` estimator with ratio clip ``[max(0, 1 - eps_A), 1 + eps_A]``) for every grid cell. Figures are relative to the true gradient:
-``relative_mse = E||ĝ_N - g*||² / ||g*||²``, ``relative_bias = ||E ĝ - g*|| / ||g*||``,
-``relative_var = tr Cov[ĝ]/(N ||g*||²)`` and ``cosine = cos(E ĝ, g*)``.
+``KL(pi || mu) = s`` along a random logit direction (``staleness_mode = "kl"``), and decomposes the COPC
+update (production's ``copc`` objective, ``weight_mode = masked_is``, with band ``[1/c, c]`` x the
+``clipped_td`` estimator with ratio clip ``[max(0, 1 - eps_A), 1 + eps_A]``) for every grid cell. Figures are
+relative to the true gradient: ``relative_mse = E||ĝ_N - g*||² / ||g*||²``, ``relative_bias = ||E ĝ - g*|| /
+||g*||``, ``relative_var = tr Cov[ĝ]/(N ||g*||²)`` and ``cosine = cos(E ĝ, g*)``.
 
 ``relative_mse`` rewards a short update: a zero update scores exactly 1, and a tight mask shrinks
 ``E ĝ`` (masked tokens stay in the denominator), so a cell can win by nearly not updating. A trainer
@@ -97,9 +98,11 @@ class SweepConfig:
         if self.staleness_mode == "path" and (
             max(self.staleness) > self.path_steps or any(s != int(s) for s in self.staleness)
         ):
-            raise ValueError(f"path staleness levels must be whole steps in [0, path_steps={self.path_steps}]")
+            raise ValueError("path staleness levels must be whole steps in "
+                             f"[0, path_steps={self.path_steps}]")
         if any(c <= 1 for c in self.mask_bands) or any(e < 0 for e in self.adv_clips):
-            raise ValueError("mask bands need c > 1 (the band [1/c, c] must not be empty) and advantage clips eps_A >= 0")
+            raise ValueError("mask bands need c > 1 (the band [1/c, c] must not be empty) and advantage "
+                             "clips eps_A >= 0")
         if self.batch_size < 1 or self.step_size <= 0:
             raise ValueError("batch_size must be >= 1 and step_size > 0")
         if self.critic_base not in CRITIC_BASES:
@@ -141,10 +144,12 @@ def run_grid(cfg: SweepConfig) -> list[dict[str, float | str | int]]:
             path = gradient_path(mdp, init, steps=cfg.path_steps, lr=cfg.step_size, normalize=True)
             pi = path[-1]
             for s in cfg.staleness:
-                mu = path[-1 - int(s)] if cfg.staleness_mode == "path" else behaviour_at_kl(mdp, pi, s, seed=seed)
+                mu = path[-1 - int(s)] if cfg.staleness_mode == "path" else behaviour_at_kl(mdp, pi, s,
+                                                                                            seed=seed)
                 for band in cfg.mask_bands:
                     for clip in cfg.adv_clips:
-                        d = decompose(mdp, pi, mu, cfg.correction(band, clip), cfg.critic(), batch_size=cfg.batch_size)
+                        d = decompose(mdp, pi, mu, cfg.correction(band, clip), cfg.critic(),
+                                      batch_size=cfg.batch_size)
                         summ = d.summary()
                         g2 = summ["g_star_norm"] ** 2
                         cell: dict[str, float | str | int] = {
@@ -166,7 +171,8 @@ def _as_float(x: float | str | int) -> float:
 
 
 def mean_grid(
-    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: float, metric: str, batch: int
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: float, metric: str,
+    batch: int
 ) -> torch.Tensor:
     """Seed-mean of ``metric`` as a ``[bands, clips]`` grid; ``relative_mse``, ``scaled_mse`` and
     ``relative_var`` at ``batch``."""
@@ -194,7 +200,8 @@ def mean_grid(
     return grid / count.clamp(min=1)
 
 
-def _reversals(grid: torch.Tensor, rows: tuple[float, ...], cols: tuple[float, ...]) -> list[dict[str, object]]:
+def _reversals(grid: torch.Tensor, rows: tuple[float, ...],
+               cols: tuple[float, ...]) -> list[dict[str, object]]:
     """Adjacent column steps that lower ``grid`` in some rows and raise it in others (> REVERSAL_TOL)."""
     found: list[dict[str, object]] = []
     for j in range(len(cols) - 1):
@@ -240,15 +247,19 @@ def _term_shares(cells: list[dict[str, float | str | int]], family: str, s: floa
     chosen = [c for c in cells if c["family"] == family and c["staleness"] == s]
     out: dict[str, float] = {}
     for key in ("state_norm", "policy_norm", "advantage_norm", "cross_norm", "bias_norm"):
-        out[f"mean_{key}_over_g"] = sum(_as_float(c[key]) / _as_float(c["g_star_norm"]) for c in chosen) / len(chosen)
-    out["mean_var_amp_share"] = sum(_as_float(c["var_amp"]) / _as_float(c["var_trace"]) for c in chosen) / len(chosen)
+        out[f"mean_{key}_over_g"] = sum(_as_float(c[key]) / _as_float(c["g_star_norm"])
+                                        for c in chosen) / len(chosen)
+    out["mean_var_amp_share"] = sum(_as_float(c["var_amp"]) / _as_float(c["var_trace"])
+                                    for c in chosen) / len(chosen)
     return out
 
 
 def loss_grid(
-    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: float, criterion: str, batch: int
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, family: str, staleness: float,
+    criterion: str, batch: int
 ) -> torch.Tensor:
-    """Lower-is-better ``[bands, clips]`` grid: ``relative_mse`` or ``scaled_mse`` at ``batch``, or ``1 - cosine``."""
+    """Lower-is-better ``[bands, clips]`` grid: ``relative_mse`` or ``scaled_mse`` at ``batch``, or ``1 -
+    cosine``."""
     if criterion in ("relative_mse", "scaled_mse"):
         return mean_grid(cells, cfg, family, staleness, criterion, batch)
     if criterion == "one_minus_cosine":
@@ -323,7 +334,9 @@ def run_sweep(
     start = time.perf_counter()
     cells = run_grid(cfg)
     elapsed = time.perf_counter() - start
-    config = {k: ([_json_float(x) for x in v] if isinstance(v, tuple) and k in ("mask_bands", "adv_clips") else v) for k, v in asdict(cfg).items()}
+    config = {k: ([_json_float(x) for x in v] if isinstance(v, tuple) and k in ("mask_bands",
+                                                                                "adv_clips") else v) for k,
+                                                                                v in asdict(cfg).items()}
     result: dict[str, object] = {
         "config": config,
         "seconds": elapsed,
@@ -336,7 +349,8 @@ def run_sweep(
 
 
 def analyse(
-    cells: list[dict[str, float | str | int]], cfg: SweepConfig, analysis_batches: tuple[int, ...] = (8, 64, 512)
+    cells: list[dict[str, float | str | int]], cfg: SweepConfig, analysis_batches: tuple[int, ...] = (8, 64,
+                                                                                                      512)
 ) -> dict[str, object]:
     """The analysis block of a sweep: ``relative_mse@N`` and ``scaled_mse@N`` at every batch size, and
     ``one_minus_cosine``."""
@@ -363,12 +377,13 @@ def reanalyse(path: Path) -> dict[str, object]:
 
 
 def read_sweep(path: Path) -> tuple[SweepConfig, list[dict[str, float | str | int]]]:
-    """The config and cells of a ``lab_sweep*.json`` that :func:`run_sweep` wrote (to draw or compare again)."""
+    """The config and cells of a ``lab_sweep*.json`` that :func:`run_sweep` wrote (to draw or compare
+    again)."""
     try:
         text = Path(path).read_text()
     except OSError as err:
-        raise ValueError(f"cannot read the lab sweep {path}: {err.strerror} (run `copc lab sweep` to write it; "
-                         "a relative path is from the working directory)") from None
+        raise ValueError(f"cannot read the lab sweep {path}: {err.strerror} (run `copc lab sweep` to write "
+                         "it; a relative path is from the working directory)") from None
     try:
         data = json.loads(text)
         config = dict(data["config"])
