@@ -34,7 +34,8 @@ from transformers import PreTrainedTokenizerBase
 
 __all__ = ["ChatFormat", "chat_format", "check_chat_template_setting"]
 
-_USER, _ASSISTANT, _OBS, _ASSISTANT_2 = "copc-probe-user", "copc-probe-assistant", "copc-probe-obs", "copc-probe-2"
+_USER, _ASSISTANT = "copc-probe-user", "copc-probe-assistant"
+_OBS, _ASSISTANT_2 = "copc-probe-obs", "copc-probe-2"
 
 
 def check_chat_template_setting(setting: str) -> None:
@@ -45,21 +46,21 @@ def check_chat_template_setting(setting: str) -> None:
     path = Path(setting).expanduser()
     if not path.is_file():
         raise ValueError(
-            f"rollout.chat_template: {setting!r} is not 'auto', 'none' or an existing Jinja template file; "
-            "give one of those"
+            f"rollout.chat_template: {setting!r} is not 'auto', 'none' "
+            "or an existing Jinja template file; give one of those"
         )
     text = path.read_text()
     if not text.strip():
-        raise ValueError(f"rollout.chat_template: {setting} is empty; write a Jinja chat template there, or use "
-                         "'auto' (the tokenizer's) or 'none' (raw text)")
+        raise ValueError(f"rollout.chat_template: {setting} is empty; write a Jinja chat template there, or "
+                         "use 'auto' (the tokenizer's) or 'none' (raw text)")
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:  # the environment transformers renders chat templates in
         ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except TemplateSyntaxError as err:
-        raise ValueError(f"rollout.chat_template: {setting}, line {err.lineno}: Jinja syntax error: {err.message}; "
-                         "fix the template") from None
+        raise ValueError(f"rollout.chat_template: {setting}, line {err.lineno}: Jinja syntax error: "
+                         f"{err.message}; fix the template") from None
 
 
 def chat_format(tokenizer: PreTrainedTokenizerBase, setting: str) -> ChatFormat | None:
@@ -113,7 +114,8 @@ class ChatFormat:
     def render(self, messages: Sequence[dict[str, str]], *, generation_prompt: bool = False) -> str:
         """``apply_chat_template`` of ``messages`` with this template, as text."""
         text = self.tokenizer.apply_chat_template(
-            list(messages), chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+            list(messages), chat_template=self.template, tokenize=False,
+            add_generation_prompt=generation_prompt
         )
         assert isinstance(text, str)
         return text

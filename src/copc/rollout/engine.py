@@ -1,26 +1,26 @@
 """Batched sampling from an HF causal LM with a KV cache, per-token behaviour log-probs and versions.
 
-The loop is written here (not ``model.generate``) so that the log-prob recorded for every sampled
-token is computed from the *exact* distribution the token was drawn from (:mod:`copc.rollout.sampling`):
-with ``top_k = 0`` and ``top_p = 1`` it is the number ``copc.models.token_logprobs(..., temperature=tau)``
-gives in a teacher-forced pass. Each row draws its uniforms from its own seed when ``seeds`` are given,
-so a row's tokens do not depend on which other rows share the batch (up to float rounding).
+The loop is written here (not ``model.generate``) so that the log-prob recorded for every sampled token is
+computed from the *exact* distribution the token was drawn from (:mod:`copc.rollout.sampling`): with ``top_k =
+0`` and ``top_p = 1`` it is the number ``copc.models.token_logprobs(..., temperature=tau)`` gives in a
+teacher-forced pass. Each row draws its uniforms from its own seed when ``seeds`` are given, so a row's tokens
+do not depend on which other rows share the batch (up to float rounding).
 
-Batches are left-padded; ``position_ids`` count real tokens only, so a padded row sees exactly the
-positions and keys it would see alone. Rows that finish are dropped from the KV cache, so the step
-cost follows the number of rows still generating. The cache grows in place (:mod:`copc.rollout.kv_cache`),
-not by a copy per step.
+Batches are left-padded; ``position_ids`` count real tokens only, so a padded row sees exactly the positions
+and keys it would see alone. Rows that finish are dropped from the KV cache, so the step cost follows the
+number of rows still generating. The cache grows in place (:mod:`copc.rollout.kv_cache`), not by a copy per
+step.
 
-A row stops at EOS (the EOS token is kept in its ids, not in its text), at the token that completes one
-of its stop strings in the decoded text of the tokens generated in this call (the stop string is kept;
-that token may carry characters past it, as a BPE piece ``>\n`` after ``</search``:
-:attr:`Generation.text_to_stop` leaves them out), or at its token budget.
+A row stops at EOS (the EOS token is kept in its ids, not in its text), at the token that completes one of its
+stop strings in the decoded text of the tokens generated in this call (the stop string is kept; that token may
+carry characters past it, as a BPE piece ``>\n`` after ``</search``: :attr:`Generation.text_to_stop` leaves
+them out), or at its token budget.
 
-**Interruptible decoding** (partial rollouts): ``refresh`` runs before the prefill and every
-``chunk_tokens`` decode steps; when it loads newer weights (returns True) the running rows continue with
-them, each token stamped with its version (``Generation.versions``), and their keys/values are
-recomputed under the new weights, not kept, so ``logp`` stays ``log pi_v(token | prefix)`` for the
-token's own version ``v`` (docs/algorithms.md, "Partial rollouts", has why and the cost).
+**Interruptible decoding** (partial rollouts): ``refresh`` runs before the prefill and every ``chunk_tokens``
+decode steps; when it loads newer weights (returns True) the running rows continue with them, each token
+stamped with its version (``Generation.versions``), and their keys/values are recomputed under the new
+weights, not kept, so ``logp`` stays ``log pi_v(token | prefix)`` for the token's own version ``v``
+(docs/algorithms.md, "Partial rollouts", has why and the cost).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache
 
 from copc.models.hf import position_ids_from_mask
-from copc.rollout.kv_cache import growing_cache, plain_kv, rows_of, stacked
+from copc.rollout.kv_cache import growing_cache, plain_dynamic_cache, plain_kv, rows_of, stacked
 from copc.rollout.sampling import SamplingConfig, sample_inverse_cdf, truncated_logprobs
 
 
@@ -115,38 +115,30 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
         elif isinstance(source, list | tuple):
             ids.update(int(i) for i in source)
     if not ids:
-        raise ValueError("the tokenizer has no eos_token_id; set one (tokenizer.eos_token = ...) before sampling")
+        raise ValueError("the tokenizer has no eos_token_id; set one (tokenizer.eos_token = ...) before "
+                         "sampling")
     return ids
 
 
-def _plain_dynamic_cache(model: PreTrainedModel) -> bool:
-    """Prefix reuse needs plain growing cache layers (no sliding windows, no recurrent state)."""
-    try:
-        layers = DynamicCache(config=model.config).layers
-    except Exception:  # configs DynamicCache cannot read: no reuse, plain generation still works
-        return False
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
 MAX_ROWS = 128
-"""Default rows decoded together: a ``generate`` call with more runs them in blocks of this many, one
-block after another. Re-measured with the growing cache (2026-12-02): in ``benchmarks/engine_blocks.py``,
-where every row decodes the same number of tokens, one block of 200-400 rows is 1.1-1.3x faster than
-blocks of 128; but a real held-out evaluation of the arith_tool testbed (200 rows that finish at different
-times) took 12.19 s in one block against 11.71 s in blocks of 128 (``benchmarks/eval_blocks.py --repeats
-6``, medians; kv_search 6.73 s against 6.62 s, 2 repeats): each time rows finish, the block's cache is
-compacted (``batch_select_indices`` copies it), and a larger block copies more. So 128 stays, on a CPU;
-other devices use :data:`ACCELERATOR_MAX_ROWS`."""
+"""Default rows decoded together: a ``generate`` call with more runs them in blocks of this many, one block
+after another. Re-measured with the growing cache (2026-12-02): in ``benchmarks/engine_blocks.py``, where
+every row decodes the same number of tokens, one block of 200-400 rows is 1.1-1.3x faster than blocks of 128;
+but a real held-out evaluation of the arith_tool testbed (200 rows that finish at different times) took 12.19
+s in one block against 11.71 s in blocks of 128 (``benchmarks/eval_blocks.py --repeats 6``, medians; kv_search
+6.73 s against 6.62 s, 2 repeats): each time rows finish, the block's cache is compacted
+(``batch_select_indices`` copies it), and a larger block copies more. So 128 stays, on a CPU; other devices
+use :data:`ACCELERATOR_MAX_ROWS`."""
 ACCELERATOR_MAX_ROWS = 256
-"""Default block on any device but the CPU. A GPU's decode step is bound by kernel launches, not by the
-rows: on an H200 a 0.6B model took ~42 ms a step for 64 and for 256 rows, so blocks of 128 ran a 256-row
-batch in two passes at 0.62x HF ``generate``, one block at 1.10x (``benchmarks/engine_bench.py --device
-cuda``, docs/figures/gpu_engine_h200_*). 256 is the largest block measured there; the cap stays because
-the KV cache grows with the rows decoded together."""
+"""Default block on any device but the CPU. A GPU's decode step is bound by kernel launches, not by the rows:
+on an H200 a 0.6B model took ~42 ms a step for 64 and for 256 rows, so blocks of 128 ran a 256-row batch in
+two passes at 0.62x HF ``generate``, one block at 1.10x (``benchmarks/engine_bench.py --device cuda``,
+docs/figures/gpu_engine_h200_*). 256 is the largest block measured there; the cap stays because the KV cache
+grows with the rows decoded together."""
 PREFILL_TOKENS = 8192
-"""Default token budget of one prefill forward (rows x padded width) when the cache is a plain one; a
-longer batch is fed in row chunks (each row's keys/values do not depend on its chunk but for rounding).
-A training batch of the testbeds (32 rows of at most 256 tokens) fits in one."""
+"""Default token budget of one prefill forward (rows x padded width) when the cache is a plain one; a longer
+batch is fed in row chunks (each row's keys/values do not depend on its chunk but for rounding). A training
+batch of the testbeds (32 rows of at most 256 tokens) fits in one."""
 
 
 class Engine:
@@ -170,7 +162,8 @@ class Engine:
         if max_rows is None:  # the device's default
             max_rows = MAX_ROWS if self._device.type == "cpu" else ACCELERATOR_MAX_ROWS
         if max_rows < 0 or prefill_tokens < 0:
-            raise ValueError(f"max_rows ({max_rows}) and prefill_tokens ({prefill_tokens}) must be >= 0 (0 = no limit)")
+            raise ValueError(f"max_rows ({max_rows}) and prefill_tokens ({prefill_tokens}) must be >= 0 (0 = "
+                             f"no limit)")
         self.model = model.eval()
         self.max_rows, self.prefill_tokens = max_rows, prefill_tokens
         self.tokenizer = tokenizer
@@ -180,7 +173,7 @@ class Engine:
         params = inspect.signature(model.forward).parameters
         # transformers >= 5.2x names the KV cache `cache`; older releases and remote code `past_key_values`.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._kv_reusable = _plain_dynamic_cache(model)
+        self._kv_reusable = plain_dynamic_cache(model)
 
     @property
     def version(self) -> int:
@@ -264,10 +257,12 @@ class Engine:
         bad = [i for i, p in enumerate(prompts) if min(p) < 0 or max(p) >= vocab]
         if bad:
             raise ValueError(
-                f"prompts {bad[:5]} hold token ids outside [0, {vocab}): encode them with this engine's tokenizer"
+                f"prompts {bad[:5]} hold token ids outside [0, "
+                f"{vocab}): encode them with this engine's tokenizer"
             )
         if chunk_tokens < 0:
-            raise ValueError(f"chunk_tokens must be >= 0 (0 = refresh only before the prefill), got {chunk_tokens}")
+            raise ValueError(f"chunk_tokens must be >= 0 (0 = refresh only before the prefill), got "
+                             f"{chunk_tokens}")
         uniforms = self._uniforms(n, max(budgets), seeds, generator)
         if refresh is not None:
             refresh()  # a turn boundary: newer weights, if any, sample this whole call
@@ -275,8 +270,9 @@ class Engine:
         # Rows in blocks of max_rows, one after another (one block when weights may change mid-call).
         block = n if refresh is not None or self.max_rows == 0 else self.max_rows
         for lo in range(0, n, block):
-            self._decode_loop(list(range(lo, min(n, lo + block))), prompts, prefixes, config, budgets, stops, uniforms,
-                              rows, return_kv and self._kv_reusable, refresh if chunk_tokens > 0 else None, chunk_tokens)
+            self._decode_loop(list(range(lo, min(n, lo + block))), prompts, prefixes, config, budgets, stops,
+                              uniforms, rows, return_kv and self._kv_reusable,
+                              refresh if chunk_tokens > 0 else None, chunk_tokens)
         return [self._finish_row(rows, i) for i in range(n)]
 
     def _usable_prefixes(
@@ -310,7 +306,8 @@ class Engine:
         if len(seeds) != n:
             raise ValueError(f"seeds has {len(seeds)} values, prompts has {n}")
         return torch.stack(
-            [torch.rand(steps, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64) for s in seeds]
+            [torch.rand(steps, generator=torch.Generator().manual_seed(int(s)),
+                        dtype=torch.float64) for s in seeds]
         )
 
     def _forward(
@@ -320,7 +317,8 @@ class Engine:
             cache = growing_cache()
         kwargs = {self._cache_kw: cache} if cache is not None else {}
         out = self.model(
-            input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
+            input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True, logits_to_keep=1,
+            **kwargs
         )
         new_cache = out["cache"] if "cache" in out else out["past_key_values"]
         return out.logits[:, -1], new_cache
@@ -397,19 +395,22 @@ class Engine:
         """Prefill rows ``members`` as one left-padded batch, then one token per step for the rows still
         active; every ``chunk_tokens`` steps ``refresh`` may swap the weights (the active rows are then
         prefilled again)."""
-        logits, cache, mask, next_pos = self._prefill([prompts[i] for i in members], [prefixes[i] for i in members])
+        logits, cache, mask, next_pos = self._prefill([prompts[i] for i in members],
+                                                      [prefixes[i] for i in members])
         active = list(members)  # original row index of each batch row
         for step in range(max(budgets[i] for i in members)):
             if refresh is not None and step > 0 and step % chunk_tokens == 0 and refresh():
                 # New weights: recompute every running row's keys/values with them (module docstring).
                 fed = [list(prompts[i]) + rows.ids[i] for i in active]
                 logits, cache, mask, next_pos = self._prefill(fed, [None] * len(active))
-            logp = truncated_logprobs(logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+            logp = truncated_logprobs(logits, temperature=config.temperature, top_k=config.top_k,
+                                      top_p=config.top_p)
             u = uniforms[active, step].to(self._device)
             tokens = sample_inverse_cdf(logp, u)
             token_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
             keep = []
-            for b, (i, token, lp) in enumerate(zip(active, tokens.tolist(), token_logp.tolist(), strict=True)):
+            for b, (i, token, lp) in enumerate(zip(active, tokens.tolist(), token_logp.tolist(),
+                                                   strict=True)):
                 rows.ids[i].append(token)
                 rows.logp[i].append(lp)
                 rows.versions[i].append(self._version)
@@ -428,7 +429,8 @@ class Engine:
             logits, cache = self._forward(tokens.unsqueeze(-1), mask, next_pos, cache)
             next_pos = next_pos + 1
 
-    def _row_done(self, rows: _Rows, i: int, budget: int, stops: tuple[str, ...], config: SamplingConfig) -> bool:
+    def _row_done(self, rows: _Rows, i: int, budget: int, stops: tuple[str, ...],
+                  config: SamplingConfig) -> bool:
         """Whether row i is finished after its latest token; records the reason."""
         token_ids = rows.ids[i]
         if token_ids[-1] in self._eos and not config.ignore_eos:

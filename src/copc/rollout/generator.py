@@ -80,7 +80,8 @@ class DynamicSamplingConfig:
 
     def __post_init__(self) -> None:
         if self.max_rounds < 1:
-            raise ValueError(f"rollout.dynamic_sampling.max_rounds must be >= 1 (verl uses 10), got {self.max_rounds}")
+            raise ValueError(f"rollout.dynamic_sampling.max_rounds must be >= 1 (verl uses 10), got "
+                             f"{self.max_rounds}")
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,11 @@ class OverlongShapingConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"rollout.overlong.max_tokens must be >= 1 or null (the rollout budget), got {self.max_tokens}")
+            raise ValueError(f"rollout.overlong.max_tokens must be >= 1 or null (the rollout budget), got "
+                             f"{self.max_tokens}")
         if self.cache_tokens is not None and self.cache_tokens < 1:
-            raise ValueError(f"rollout.overlong.cache_tokens must be >= 1 or null (L_max // 5), got {self.cache_tokens}")
+            raise ValueError(f"rollout.overlong.cache_tokens must be >= 1 or null (L_max // 5), got "
+                             f"{self.cache_tokens}")
         if self.factor < 0:
             raise ValueError(f"rollout.overlong.factor must be >= 0, got {self.factor}")
 
@@ -141,17 +144,18 @@ class RolloutConfig:
     top_k: int = 0
     """Top-k sampling (0 = off)."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    """DAPO dynamic sampling (drop groups with equal rewards, sample more); off unless the method or this turns it on."""
+    """DAPO dynamic sampling (drop groups with equal rewards, sample more); off unless the method or this
+    turns it on."""
     overlong: OverlongShapingConfig = field(default_factory=OverlongShapingConfig)
     """DAPO soft overlong punishment of the reward; off unless the method or this turns it on."""
     chat_template: str = "auto"
     """Chat template: 'auto' (the tokenizer's, if it has one), 'none' (raw text) or a Jinja template file."""
     infra_failures: Literal["keep", "drop"] = "keep"
-    """Episodes whose tool call failed for the machine, not the code: keep (counted in rollout/tool_infra_errors)
-    or drop their whole group (counted in rollout/infra_dropped_groups)."""
+    """Episodes whose tool call failed for the machine, not the code: keep (counted in
+    rollout/tool_infra_errors) or drop their whole group (counted in rollout/infra_dropped_groups)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Sampler weights: float32 (the trainer's) or bfloat16 (cast when loaded, as vLLM beside an fp32 trainer):
-    behaviour log-probs then differ from the trainer's by a real training-inference discrepancy."""
+    """Sampler weights: float32 (the trainer's) or bfloat16 (cast when loaded, as vLLM beside an fp32
+    trainer): behaviour log-probs then differ from the trainer's by a real training-inference discrepancy."""
 
     def __post_init__(self) -> None:
         check_at_least("rollout", 1, prompts_per_batch=self.prompts_per_batch, group_size=self.group_size,
@@ -168,12 +172,14 @@ class RolloutConfig:
         if self.dynamic_sampling.enabled and self.group_size < 2:
             raise ValueError(
                 f"rollout.dynamic_sampling needs group_size >= 2 (a group of 1 never has differing rewards), "
-                f"got {self.group_size}; raise rollout.group_size or set rollout.dynamic_sampling.enabled=false"
+                f"got {self.group_size}; raise rollout.group_size or set "
+                f"rollout.dynamic_sampling.enabled=false"
             )
         max_len, cache_len = self.overlong_lengths
         if cache_len > max_len:
             raise ValueError(
-                f"rollout.overlong.cache_tokens ({cache_len}) must be <= L_max ({max_len}); lower it or raise max_tokens"
+                f"rollout.overlong.cache_tokens ({cache_len}) must be "
+                f"<= L_max ({max_len}); lower it or raise max_tokens"
             )
 
     @property
@@ -212,7 +218,8 @@ def batch_seed(seed: int, batch_index: int) -> int:
 
 
 def batch_prompts(pool: Sequence[Prompt], seed: int, batch_index: int, count: int) -> list[Prompt]:
-    """``count`` distinct prompts of batch ``j``, drawn from ``pool`` by a generator seeded with ``(seed, j)``."""
+    """``count`` distinct prompts of batch ``j``, drawn from ``pool`` by a generator seeded with ``(seed,
+    j)``."""
     if count > len(pool):
         raise ValueError(f"a batch needs {count} distinct prompts but the train split has {len(pool)}")
     rng = random.Random(batch_seed(seed, batch_index) ^ 0x5EED)
@@ -223,7 +230,8 @@ def round_seed(seed: int, batch_index: int, round_index: int) -> int:
     """Sampling seed of dynamic-sampling round ``r`` of batch ``j``; round 0 is :func:`batch_seed`."""
     if round_index == 0:
         return batch_seed(seed, batch_index)
-    digest = hashlib.blake2b(f"copc-round:{seed}:{batch_index}:{round_index}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"copc-round:{seed}:{batch_index}:{round_index}".encode(),
+                             digest_size=8).digest()
     return int.from_bytes(digest, "little") % (2**63 - 1)
 
 
@@ -340,9 +348,11 @@ class RolloutGenerator:
         if self.config.overlong.enabled:
             trajectories, mean_penalty = self._shape_overlong(trajectories)
             info[m.ROLLOUT_OVERLONG_PENALTY] = mean_penalty
-        return GeneratedBatch(batch_index, first_version, trajectories, time.perf_counter() - start, info, rejected)
+        return GeneratedBatch(batch_index, first_version, trajectories, time.perf_counter() - start, info,
+                              rejected)
 
-    def _run_round(self, prompts: Sequence[Prompt], batch_index: int, round_index: int) -> list[list[Trajectory]]:
+    def _run_round(self, prompts: Sequence[Prompt], batch_index: int,
+                   round_index: int) -> list[list[Trajectory]]:
         """One group of ``group_size`` episodes per prompt, sampled with the round's seed."""
         group = self.config.group_size
         envs = [self.task.make_env(p) for p in prompts for _ in range(group)]
@@ -402,7 +412,8 @@ class RolloutGenerator:
         shaped, total = [], 0.0
         for traj in trajectories:
             penalty = overlong_penalty(
-                traj.num_action_tokens, max_len=max_len, cache_len=cache_len, factor=self.config.overlong.factor
+                traj.num_action_tokens, max_len=max_len, cache_len=cache_len,
+                factor=self.config.overlong.factor
             )
             total += penalty
             if penalty == 0.0:

@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-__all__ = ["GrowingLayer", "growing_cache", "plain_kv", "rows_of", "stacked"]
+__all__ = ["GrowingLayer", "growing_cache", "plain_dynamic_cache", "plain_kv", "rows_of", "stacked"]
 
 MIN_ROOM = 64
 """Tokens of room a new buffer gets at least beyond what it holds (a testbed turn's 48 fit in it)."""
@@ -140,3 +141,12 @@ def stacked(parts: Sequence[Cache]) -> Cache:
     """Plain caches of the same length stacked along the batch: one growing cache for the whole batch."""
     layers = zip(*(plain_kv(part) for part in parts), strict=True)
     return Cache(layers=[GrowingLayer([k for k, _ in group], [v for _, v in group]) for group in layers])
+
+
+def plain_dynamic_cache(model: PreTrainedModel) -> bool:
+    """Prefix reuse needs plain growing cache layers (no sliding windows, no recurrent state)."""
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # configs DynamicCache cannot read: no reuse, plain generation still works
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)

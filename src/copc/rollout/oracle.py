@@ -82,7 +82,8 @@ def mc_oracle(
         rows = [(i, k, m) for i, k in jobs for m in range(samples)]
         played = continue_episodes(
             engine, [make_env(trajectories[i]) for i, _, _ in rows], [trajectories[i] for i, _, _ in rows],
-            [k for _, k, _ in rows], indices=[(i * 1024 + k) * 1024 + m for i, k, m in rows], sampling=sampling,
+            [k for _, k, _ in rows], indices=[(i * 1024 + k) * 1024 + m for i, k, m in rows],
+            sampling=sampling,
             seed=seed, chat=chat, env_workers=env_workers, **budgets,
         )
     except ReplayError:
@@ -93,7 +94,8 @@ def mc_oracle(
             try:
                 got = continue_episodes(
                     engine, [make_env(trajectories[i]) for _ in range(samples)], [trajectories[i]] * samples,
-                    [k] * samples, indices=[(i * 1024 + k) * 1024 + m for m in range(samples)], sampling=sampling,
+                    [k] * samples, indices=[(i * 1024 + k) * 1024 + m for m in range(samples)],
+                    sampling=sampling,
                     seed=seed, chat=chat, env_workers=env_workers, **budgets,
                 )
                 played_rows += got
@@ -119,7 +121,8 @@ def mc_oracle(
         var = (per.var(dim=1, unbiased=True) / samples).float() if samples > 1 else torch.zeros(k_n)
         ids = chunk_ids_of(bounds[i], traj.num_tokens)
         adv = chunk_advantages(
-            traj.token_rewards[None].float(), ids[None], traj.action_mask[None], values[None], torch.tensor([k_n])
+            traj.token_rewards[None].float(), ids[None], traj.action_mask[None], values[None],
+            torch.tensor([k_n])
         )[0]
         out.append(OracleEstimate(ids, values, var, adv))
     return out

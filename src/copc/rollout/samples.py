@@ -20,7 +20,8 @@ __all__ = ["append_samples", "render_episode"]
 
 
 def render_episode(traj: Trajectory, tokenizer: PreTrainedTokenizerBase) -> dict[str, object]:
-    """``{prompt_id, prompt, turns: [{source: policy|forced, text}], reward, stop_reason, truncated, info}``."""
+    """``{prompt_id, prompt, turns: [{source: policy|forced, text}], reward, stop_reason, truncated,
+    info}``."""
     ids, mask = traj.token_ids.tolist(), traj.action_mask.tolist()
     pieces: list[tuple[bool, list[int]]] = []
     for token, sampled in zip(ids[traj.prompt_len :], mask[traj.prompt_len :], strict=True):
@@ -35,7 +36,8 @@ def render_episode(traj: Trajectory, tokenizer: PreTrainedTokenizerBase) -> dict
     return {
         "prompt_id": traj.prompt_id,
         "prompt": text(ids[: traj.prompt_len]),
-        "turns": [{"source": "policy" if sampled else "forced", "text": text(tokens)} for sampled, tokens in pieces],
+        "turns": [{"source": "policy" if sampled else "forced", "text": text(tokens)} for sampled,
+                  tokens in pieces],
         "reward": traj.reward,
         "stop_reason": traj.stop_reason.value,
         "truncated": traj.truncated,
@@ -44,7 +46,8 @@ def render_episode(traj: Trajectory, tokenizer: PreTrainedTokenizerBase) -> dict
 
 
 def append_samples(
-    path: str | Path, trajectories: Sequence[Trajectory], tokenizer: PreTrainedTokenizerBase, *, step: int, limit: int
+    path: str | Path, trajectories: Sequence[Trajectory], tokenizer: PreTrainedTokenizerBase, *, step: int,
+    limit: int
 ) -> int:
     """Append the first ``limit`` episodes, rendered, as JSON lines tagged with ``step``; returns how many."""
     path = Path(path)

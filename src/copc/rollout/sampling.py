@@ -1,5 +1,5 @@
-"""The distribution a token is drawn from, and the log-prob recorded for it (:class:`~copc.rollout.engine.Engine`
-records exactly this number for every sampled token):
+"""The distribution a token is drawn from, and the log-prob recorded for it
+(:class:`~copc.rollout.engine.Engine` records exactly this number for every sampled token):
 
     l = logits(prefix) / tau                                  (float32, tau = temperature > 0)
     keep_k(v) = l[v] >= (k-th largest l)      if top_k > 0    (ties at the threshold are kept)

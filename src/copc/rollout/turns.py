@@ -50,12 +50,14 @@ def turn_end(engine: Engine, ids: list[int], mask: list[bool], start: int, stops
     end = start
     while end < len(ids) and mask[end]:
         end += 1
-        if ids[end - 1] in engine.eos_token_ids or engine.completed_stop(ids[start:end], tuple(stops)) is not None:
+        if ids[end - 1] in engine.eos_token_ids or engine.completed_stop(ids[start:end],
+                                                                         tuple(stops)) is not None:
             return end
     return end
 
 
-def recorded_turn(engine: Engine, tokens: list[int], prefix: Trajectory, start: int, stops: Sequence[str]) -> Generation:
+def recorded_turn(engine: Engine, tokens: list[int], prefix: Trajectory, start: int,
+                  stops: Sequence[str]) -> Generation:
     """The :class:`Generation` that sampled ``tokens`` (recorded log-probs and versions, its stop)."""
     eos = bool(tokens) and tokens[-1] in engine.eos_token_ids
     text = str(engine.tokenizer.decode(tokens[:-1] if eos else tokens, skip_special_tokens=False))
