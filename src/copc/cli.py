@@ -1,9 +1,10 @@
-"""The ``copc`` command line: ``copc train | eval | export | convert-gguf | make-critic | sft | lab | testbed | sweep | plot | bench``.
+"""The ``copc`` command line: ``copc train | eval | export | convert-gguf | make-critic | sft | lab | testbed
+| sweep | plot | bench``.
 
     copc train [--config FILE.yaml] [key.sub=value ...]   train (no arguments: the embedded default)
     copc eval --checkpoint RUN_DIR|HF_DIR [--task NAME]   avg@k, unbiased pass@k, greedy accuracy
-    copc export RUN_DIR OUT [--step N]                    a run's policy as an HF folder (transformers loads it)
-    copc convert-gguf DIR FILE.gguf OUT                   a GGUF model as an HF folder (model.policy=OUT)
+    copc export RUN_DIR OUT [--step N]                    a run's policy as an HF folder (transformers loads
+    it) copc convert-gguf DIR FILE.gguf OUT                   a GGUF model as an HF folder (model.policy=OUT)
     copc make-critic POLICY OUT --layers K                a smaller critic: the policy's first K layers
     copc sft --task NAME                                  build the warm-started tiny policy
     copc lab explain|sweep|analyse ...                    exact bias/variance lab on small MDPs
@@ -38,9 +39,12 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
         "train a policy: copc train [--config FILE.yaml] [key.sub=value ...]",
     ),
     "eval": ("copc.run.eval", "eval_cli", "evaluate a checkpoint: avg@k, unbiased pass@k, greedy accuracy"),
-    "export": ("copc.run.export", "export_cli", "write a run's policy to an HF folder: copc export RUN_DIR OUT [--step N]"),
-    "convert-gguf": ("copc.run.export", "convert_cli", "GGUF model -> HF folder: copc convert-gguf DIR FILE.gguf OUT"),
-    "make-critic": ("copc.run.export", "critic_cli", "a K-layer critic cut from the policy: copc make-critic POLICY OUT --layers K"),
+    "export": ("copc.run.export", "export_cli",
+               "write a run's policy to an HF folder: copc export RUN_DIR OUT [--step N]"),
+    "convert-gguf": ("copc.run.export", "convert_cli",
+                     "GGUF model -> HF folder: copc convert-gguf DIR FILE.gguf OUT"),
+    "make-critic": ("copc.run.export", "critic_cli",
+                    "a K-layer critic cut from the policy: copc make-critic POLICY OUT --layers K"),
     "sft": ("copc.run.warmstart", "sft_cli", "build the warm-started tiny policy for a built-in task"),
     "lab": ("copc.lab.cli", "lab_cli", "exact bias/variance decomposition on small MDPs"),
     "testbed": (
@@ -48,7 +52,8 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
         "testbed_cli",
         "does staleness hurt here? sync PPO vs uncorrected async PPO at fixed lag, several seeds",
     ),
-    "sweep": ("copc.experiments.sweep_cli", "sweep_cli", "run a grid of copc train runs from a YAML, one record each"),
+    "sweep": ("copc.experiments.sweep_cli", "sweep_cli",
+              "run a grid of copc train runs from a YAML, one record each"),
 }
 LOCAL = {
     "plot": "redraw a run's plots, or overlay several runs: copc plot RUN_DIR... [--out DIR]",
@@ -62,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training with Coupled Off-Policy Correction.",
         epilog="\n".join(f"  {name:<6} {text}" for name, text in _help_lines()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="copc [--version] {train,eval,export,convert-gguf,make-critic,sft,lab,testbed,sweep,plot,bench} ...",
+        usage="copc [--version] "
+              "{train,eval,export,convert-gguf,make-critic,sft,lab,testbed,sweep,plot,bench} ...",
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     return parser
@@ -99,7 +105,8 @@ def plot_cli(argv: Sequence[str]) -> int:
         print(f"copc plot: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # e.g. --out names a file
-        print(f"copc plot: error: {err.filename or out}: {err.strerror or err}; --out takes a folder", file=sys.stderr)
+        print(f"copc plot: error: {err.filename or out}: {err.strerror or err}; --out takes a folder",
+              file=sys.stderr)
         return 2
     for path in written:
         print(path)

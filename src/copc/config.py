@@ -53,7 +53,8 @@ class CommandParser(argparse.ArgumentParser):
     the error (every copc command's parser, sub-parsers included)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; {self.prog} --help lists the arguments\n")
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; {self.prog} --help lists the "
+                     f"arguments\n")
 
 
 def _join(section: str, key: str) -> str:
@@ -183,7 +184,8 @@ def _coerce_scalar(value: object, tp: object, where: str) -> object:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "infinity", "-infinity"):
+        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "infinity",
+                                                                "-infinity"):
             return float(value.strip().lower().replace("infinity", "inf"))
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if tp is str:
@@ -254,7 +256,8 @@ def _plain_dataclass_types(tp: object) -> tuple[type, ...]:
 
 
 def _replace(cfg: T, changes: Mapping[str, object], section: str) -> T:
-    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}  # type: ignore[arg-type]
+    fields = [f for f in dataclasses.fields(cfg) if f.init]  # type: ignore[arg-type]
+    kwargs = {f.name: getattr(cfg, f.name) for f in fields}
     kwargs.update(changes)
     return _construct(type(cfg), kwargs, section)
 
@@ -342,12 +345,13 @@ def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}); save it as UTF-8 YAML") from None
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}); "
+                          "save it as UTF-8 YAML") from None
     try:
         data = yaml.load(text, Loader=ConfigLoader)  # a SafeLoader subclass: no arbitrary objects
     except _DuplicateKey as err:
-        raise ConfigError(f"config file {path}, line {err.line}: key '{err.key}' is given twice (first on line "
-                          f"{err.first}); keep one") from None
+        raise ConfigError(f"config file {path}, line {err.line}: key '{err.key}' is given twice (first on "
+                          f"line {err.first}); keep one") from None
     except yaml.YAMLError as err:
         first = " ".join(str(err).split())
         raise ConfigError(f"config file {path} is not valid YAML: {first}") from None

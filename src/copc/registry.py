@@ -1,7 +1,7 @@
 """A small typed name -> entry registry (verl ``core_algos`` style, with duplicate checks).
 
-Every registry holds entries of ONE type (CONTRIBUTING.md#registries), so every entry is called the same way and
-callers never compare names. A misspelt name fails with the list of valid names and, when one is
+Every registry holds entries of ONE type (CONTRIBUTING.md#registries), so every entry is called the same way
+and callers never compare names. A misspelt name fails with the list of valid names and, when one is
 close, a "did you mean" hint::
 
     LOSSES: Registry[Callable[[int], int]] = Registry("loss")

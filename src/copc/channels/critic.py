@@ -29,7 +29,8 @@ class ValueInputs(NamedTuple):
 
     #: float V(s_t) of the critic being trained, carries the gradient.
     values: torch.Tensor
-    #: float pre-update V(s_t), detached: the value clip's centre (may be None only when ``clip_eps`` is None).
+    #: float pre-update V(s_t), detached: the value clip's centre (may be None only when ``clip_eps`` is
+    #: None).
     values_old: torch.Tensor | None
     #: float critic targets.
     returns: torch.Tensor

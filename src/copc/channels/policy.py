@@ -105,7 +105,8 @@ class PolicyChannelConfig:
     mask_source: Literal["step_start", "current"] = "step_start"
     """copc/icepop: band tested on old/mu (step start) or cur/mu (recomputed every minibatch)."""
     weight_cap: float = 5.0
-    """decoupled: cap on w = old/mu (AReaL 5, the default); tis: the truncation C (TIS uses 2: set it, the default is 5)."""
+    """decoupled: cap on w = old/mu (AReaL 5, the default); tis: the truncation C (TIS uses 2: set it, the
+    default is 5)."""
     cap_mode: Literal["mask", "clip"] = "mask"
     """decoupled: tokens with w > cap are masked (AReaL) or w is clipped to the cap."""
     loss_agg: LossAgg = "token-mean"
@@ -127,10 +128,12 @@ class PolicyChannelConfig:
             raise ValueError(f"policy.dual_clip_c must be > 1 (verl 3.0) or None, got {self.dual_clip_c}")
         if not 0.0 <= self.mask_low < self.mask_high:
             raise ValueError(
-                f"policy.mask_low/mask_high need 0 <= low < high (inf allowed), got {self.mask_low}, {self.mask_high}"
+                "policy.mask_low/mask_high need 0 <= low < high (inf "
+                f"allowed), got {self.mask_low}, {self.mask_high}"
             )
         if not self.weight_cap > 0:
-            raise ValueError(f"policy.weight_cap must be > 0 (AReaL 5, TIS 2; inf = no cap), got {self.weight_cap}")
+            raise ValueError(f"policy.weight_cap must be > 0 (AReaL 5, TIS 2; inf = no cap), got "
+                             f"{self.weight_cap}")
         check_one_of("policy.weight_mode", self.weight_mode, ("masked_is", "binary"))
         check_one_of("policy.mask_source", self.mask_source, ("step_start", "current"))
         check_one_of("policy.cap_mode", self.cap_mode, ("mask", "clip"))
@@ -163,17 +166,20 @@ def _clip(cfg: PolicyChannelConfig) -> ClipSpec:
 
 def _req(x: torch.Tensor | None, name: str, objective: str) -> torch.Tensor:
     if x is None:
-        raise ValueError(f"policy objective {objective!r} needs {name}; compute it (see needs_old_forward) and pass it")
+        raise ValueError(f"policy objective {objective!r} needs {name}; compute it (see needs_old_forward) "
+                         f"and pass it")
     return x
 
 
 def _corrected(x: PolicyInputs, objective: str) -> CorrectedInputs:
-    """``x`` as a behaviour-corrected loss's inputs; ``logp_old`` and ``logp_behav`` required (in that order)."""
+    """``x`` as a behaviour-corrected loss's inputs; ``logp_old`` and ``logp_behav`` required (in that
+    order)."""
     old, mu = _req(x.logp_old, "logp_old", objective), _req(x.logp_behav, "logp_behav", objective)
     return CorrectedInputs(x.logp, old, mu, x.advantages, x.action_mask)
 
 
-def _objective(name: str, *, needs_old: bool, doc: str, current_mask: Callable[[PolicyChannelConfig], bool] | None = None) -> Callable[
+def _objective(name: str, *, needs_old: bool, doc: str,
+               current_mask: Callable[[PolicyChannelConfig], bool] | None = None) -> Callable[
     [Callable[[PolicyChannelConfig, PolicyInputs], PolicyLossOutput]],
     Callable[[PolicyChannelConfig, PolicyInputs], PolicyLossOutput],
 ]:
@@ -198,34 +204,40 @@ def _band_is_finite(cfg: PolicyChannelConfig) -> bool:
 
 @_objective(
     "bypass_ppo", needs_old=False, current_mask=_band_is_finite,
-    doc="PPO clip on r = exp(cur - mu), tokens with r outside the band masked (no band: async PPO 3a; band: COPC R1)",
+    doc="PPO clip on r = exp(cur - mu), tokens with r outside the band masked (no band: async PPO 3a; band: "
+        "COPC R1)",
 )
 def _bypass(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     mu = _req(x.logp_behav, "logp_behav", "bypass_ppo")
     return behaviour_ppo_loss(
-        x.logp, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high, clip=_clip(cfg),
+        x.logp, mu, x.advantages, x.action_mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high,
+        clip=_clip(cfg),
         agg=_agg(cfg, x), denominator=cfg.denominator,
     )
 
 
-@_objective("decoupled", needs_old=True, doc="AReaL: w = old/mu (masked above weight_cap) times PPO clip on cur/old")
+@_objective("decoupled", needs_old=True,
+            doc="AReaL: w = old/mu (masked above weight_cap) times PPO clip on cur/old")
 def _decoupled(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     return decoupled_ppo_loss(
-        _corrected(x, "decoupled"), cap=cfg.weight_cap, cap_mode=cfg.cap_mode, clip=_clip(cfg), agg=_agg(cfg, x),
+        _corrected(x, "decoupled"), cap=cfg.weight_cap, cap_mode=cfg.cap_mode, clip=_clip(cfg), agg=_agg(cfg,
+                                                                                                         x),
         denominator=cfg.denominator,
     )
 
 
 @_objective("tis", needs_old=True, doc="min(old/mu, weight_cap) times PPO clip on cur/old (TIS)")
 def _tis(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
-    return decoupled_ppo_loss(_corrected(x, "tis"), cap=cfg.weight_cap, cap_mode="clip", clip=_clip(cfg), agg=_agg(cfg, x))
+    return decoupled_ppo_loss(_corrected(x, "tis"), cap=cfg.weight_cap, cap_mode="clip", clip=_clip(cfg),
+                              agg=_agg(cfg, x))
 
 
 def _moves_with_source(cfg: PolicyChannelConfig) -> bool:
     return cfg.mask_source == "current"
 
 
-@_objective("icepop", needs_old=True, current_mask=_moves_with_source, doc="masked IS k = old/mu, band on old/mu or cur/mu (mask_source), times PPO clip")
+@_objective("icepop", needs_old=True, current_mask=_moves_with_source,
+            doc="masked IS k = old/mu, band on old/mu or cur/mu (mask_source), times PPO clip")
 def _icepop(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     return copc_policy_loss(
         _corrected(x, "icepop"), mask_low=cfg.mask_low, mask_high=cfg.mask_high, weight_mode="masked_is",
@@ -233,7 +245,8 @@ def _icepop(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     )
 
 
-@_objective("copc", needs_old=True, current_mask=_moves_with_source, doc="COPC: omega = M*w (or M), M = band on old/mu, times PPO clip on cur/old")
+@_objective("copc", needs_old=True, current_mask=_moves_with_source,
+            doc="COPC: omega = M*w (or M), M = band on old/mu, times PPO clip on cur/old")
 def _copc(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     return copc_policy_loss(
         _corrected(x, "copc"), mask_low=cfg.mask_low, mask_high=cfg.mask_high, weight_mode=cfg.weight_mode,
@@ -241,7 +254,8 @@ def _copc(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     )
 
 
-@_objective("dis", needs_old=False, current_mask=lambda cfg: True, doc="SAO DIS: -M r A with r = cur/mu, M = strict band, no PPO clip")
+@_objective("dis", needs_old=False, current_mask=lambda cfg: True,
+            doc="SAO DIS: -M r A with r = cur/mu, M = strict band, no PPO clip")
 def _dis(cfg: PolicyChannelConfig, x: PolicyInputs) -> PolicyLossOutput:
     mu = _req(x.logp_behav, "logp_behav", "dis")
     return dis_loss(

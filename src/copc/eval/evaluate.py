@@ -97,16 +97,18 @@ def evaluate(
     undecided = sum(t.info.get("grade_failures", 0.0) > 0 for t in played)
     out[m.EVAL_GRADE_FAILURE_FRAC] = undecided / len(played)
     if failed:
-        print(f"warning: {failed} of {len(played)} evaluation episodes had a tool call fail for the machine (the "
-              f"sandbox, not the code) and are graded wrong ({m.EVAL_TOOL_INFRA_FRAC}); the sandbox's failure kinds "
-              "are in docs/sandbox.md", file=sys.stderr, flush=True)
+        print(f"warning: {failed} of {len(played)} evaluation episodes had a tool call fail for the machine "
+              f"(the sandbox, not the code) and are graded wrong ({m.EVAL_TOOL_INFRA_FRAC}); the sandbox's "
+              "failure kinds are in docs/sandbox.md", file=sys.stderr, flush=True)
     if raised:
-        print(f"warning: {raised} of {len(played)} evaluation episodes ended because the environment raised (a bug "
-              f"in the task or its tool; the log has the traceback) and are graded wrong ({m.EVAL_ENV_ERROR_FRAC})",
+        print(f"warning: {raised} of {len(played)} evaluation episodes ended because the environment raised "
+              f"(a bug in the task or its tool; the log has the traceback) and are graded wrong "
+              f"({m.EVAL_ENV_ERROR_FRAC})",
               file=sys.stderr, flush=True)
     if undecided:
-        print(f"warning: {undecided} of {len(played)} evaluation episodes were not graded because the grader timed out "
-              f"or raised (e.g. math-verify on a pathological answer) and count as wrong ({m.EVAL_GRADE_FAILURE_FRAC})",
+        print(f"warning: {undecided} of {len(played)} evaluation episodes were not graded because the grader "
+              f"timed out or raised (e.g. math-verify on a pathological answer) and count as wrong "
+              f"({m.EVAL_GRADE_FAILURE_FRAC})",
               file=sys.stderr, flush=True)
     return out
 

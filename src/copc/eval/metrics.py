@@ -95,8 +95,8 @@ def summarize(
         raise ValueError("summarize needs sampled and/or greedy correctness")
     counts = {len(row) for row in sampled} if sampled else set()
     if len(counts) > 1:  # avg@k names one k; a mean over mixed counts would be labelled with the smallest
-        raise ValueError(f"summarize: problems have {min(counts)} to {max(counts)} samples; give every problem the "
-                         "same number (avg@k and pass@k are per k)")
+        raise ValueError(f"summarize: problems have {min(counts)} to {max(counts)} samples; give every "
+                         "problem the same number (avg@k and pass@k are per k)")
     n_min = min(counts) if counts else 0
     return BenchmarkResult(
         name=name,

@@ -97,7 +97,8 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, **size_overrides: int) -> Qw
     """
     unknown = set(size_overrides) - set(DEFAULT_SIZE)
     if unknown:
-        raise ValueError(f"unknown tiny-model size keys {sorted(unknown)}; valid keys: {sorted(DEFAULT_SIZE)}")
+        raise ValueError(f"unknown tiny-model size keys {sorted(unknown)}; "
+                         f"valid keys: {sorted(DEFAULT_SIZE)}")
     size = {**DEFAULT_SIZE, **size_overrides}
     if size["hidden_size"] % size["num_attention_heads"]:
         raise ValueError(
@@ -120,7 +121,8 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, **size_overrides: int) -> Qw
     )
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, **size_overrides: int) -> PreTrainedModel:
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0,
+                     **size_overrides: int) -> PreTrainedModel:
     """A freshly initialised tiny ``Qwen3ForCausalLM`` (float32, eval mode), deterministic in ``seed``.
 
     The global torch RNG is left as it was: initialisation runs under ``torch.random.fork_rng``.

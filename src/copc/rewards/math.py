@@ -9,6 +9,12 @@ sympy can hang on degenerate answers (``9^{9^{9^{9}}}`` never finishes). math-ve
 off and the check runs in a persistent worker *process* instead (a fresh interpreter, never a fork of
 the trainer): the caller waits on a socket pair with a timeout and, when it passes, kills the worker
 and starts a fresh one.
+
+Whose fault a check that does not end is: the limit is ``timeout_s`` of the worker's *CPU*. A check
+that used it all was sent into a loop by the answer (``9^{9^{9^{9}}}``, a megabyte of digits): the
+answer's cost, graded 0 as ``too_costly``, not a grader failure, so a policy cannot make its wrong
+answers look undecided. A check that reaches ``WALL_FACTOR * timeout_s`` of wall time without using its
+CPU (a starved or stalled worker: the machine's fault) is a ``timeout``, the grader's failure.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ from typing import Literal
 
 from copc.rewards.qa import answer_tag_span
 
-RewardReason = Literal["correct", "wrong", "no_answer", "timeout", "error"]
+RewardReason = Literal["correct", "wrong", "no_answer", "too_costly", "timeout", "error"]
+
+#: A check gets ``timeout_s`` of CPU within ``WALL_FACTOR * timeout_s`` of wall time (module docstring).
+WALL_FACTOR = 3.0
 
 _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
 # Test hook: a gold answer equal to this makes the worker sleep (only when the verifier allows it),
@@ -42,7 +51,8 @@ class RewardResult:
     """The reward of one response and why it got it."""
 
     reward: float
-    #: "correct" | "wrong" | "no_answer" | "timeout" | "error"
+    #: "correct" | "wrong" | "no_answer" | "too_costly" (the check used its CPU: the answer's cost) |
+    #: "timeout" (the worker got no CPU in time: the grader's failure) | "error"
     reason: RewardReason
     #: The final answer found in the response (None when there is none).
     extracted: str | None
@@ -216,12 +226,14 @@ class MathVerifier:
     """Scores responses against gold answers with math-verify in a killable worker process.
 
     One persistent worker (started lazily, a fresh interpreter: the trainer is never forked) serves the
-    calls one at a time; concurrent callers queue on a lock. A check that runs past ``timeout_s`` gets
-    reward 0 with reason ``"timeout"``; the worker is killed and the next call starts a fresh one.
+    calls one at a time; concurrent callers queue on a lock. A check that uses ``timeout_s`` of CPU gets
+    reward 0 with reason ``"too_costly"``, one starved of CPU for ``WALL_FACTOR * timeout_s`` reason
+    ``"timeout"`` (module docstring); the worker is killed and the next call starts a fresh one.
     Picklable (only the settings travel; each copy starts its own worker).
     """
 
-    def __init__(self, timeout_s: float = 5.0, *, start_timeout_s: float = 120.0, allow_test_hooks: bool = False):
+    def __init__(self, timeout_s: float = 5.0, *, start_timeout_s: float = 120.0,
+                 allow_test_hooks: bool = False):
         if not 0 < timeout_s <= 600:
             raise ValueError(f"MathVerifier: timeout_s={timeout_s} must be in (0, 600] seconds")
         if start_timeout_s <= 0:
@@ -260,11 +272,12 @@ class MathVerifier:
                 self._stop_worker()
                 conn = self._ensure_worker()
                 conn.send((extracted, gold))
-            if not conn.poll(self.timeout_s):
+            ended = self._wait(conn)
+            if ended is not None:
                 self.num_timeouts += 1
                 self._stop_worker()
                 self._spawn_worker()  # the replacement warms up while the caller goes on
-                return RewardResult(0.0, "timeout", extracted)
+                return RewardResult(0.0, ended, extracted)
             try:
                 kind, value = conn.recv()
             except (EOFError, OSError):  # the worker died (out of memory, killed): replace it next call
@@ -273,6 +286,36 @@ class MathVerifier:
         if kind != "ok":
             return RewardResult(0.0, "error", extracted)
         return RewardResult(1.0, "correct", extracted) if value else RewardResult(0.0, "wrong", extracted)
+
+    def _wait(self, conn: Connection) -> RewardReason | None:
+        """Wait for the worker's reply: None once it is there, ``"too_costly"`` when the check used
+        ``timeout_s`` of CPU, ``"timeout"`` when ``WALL_FACTOR * timeout_s`` of wall time passed first (module
+        docstring). Without ``/proc`` the CPU is not known and the limit is ``timeout_s`` of wall time."""
+        start, cpu_before = time.monotonic(), self._cpu_s()
+        if cpu_before is None:
+            return None if conn.poll(self.timeout_s) else "timeout"
+        while True:
+            cpu = self._cpu_s()
+            cpu_left = self.timeout_s - (cpu - cpu_before) if cpu is not None else 0.0
+            wall_left = WALL_FACTOR * self.timeout_s - (time.monotonic() - start)
+            if cpu_left <= 0:
+                return "too_costly"
+            if wall_left <= 0:
+                return "timeout"
+            # CPU accrues no faster than wall time, so waiting cpu_left cannot overshoot the CPU limit.
+            if conn.poll(max(0.01, min(cpu_left, wall_left))):
+                return None
+
+    def _cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the worker has used, from ``/proc``; None where it cannot be read."""
+        if self._proc is None:
+            return None
+        try:
+            with open(f"/proc/{self._proc.pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
 
     def start(self) -> None:
         """Start the worker now and wait until it is ready (otherwise the first ``score`` does it)."""
@@ -289,13 +332,15 @@ class MathVerifier:
         command = [
             sys.executable,
             "-c",
-            "import sys; from copc.rewards.math import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2] == '1')",
+            "import sys; from copc.rewards.math import _worker_main; "
+            "_worker_main(int(sys.argv[1]), sys.argv[2] == '1')",
             str(child_sock.fileno()),
             "1" if self.allow_test_hooks else "0",
         ]
         try:
             self._proc = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, pass_fds=(child_sock.fileno(),), env=env, start_new_session=True
+                command, stdin=subprocess.DEVNULL, pass_fds=(child_sock.fileno(),), env=env,
+                start_new_session=True
             )
         finally:
             child_sock.close()

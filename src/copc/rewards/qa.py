@@ -32,7 +32,8 @@ def normalize_answer(text: str) -> str:
 def _as_golds(golds: str | Sequence[str]) -> list[str]:
     gold_list = [golds] if isinstance(golds, str) else list(golds)
     if not gold_list:
-        raise ValueError("QA reward: the list of gold answers is empty; give at least one gold answer per question")
+        raise ValueError("QA reward: the list of gold answers is empty; give at least one gold answer per "
+                         "question")
     return gold_list
 
 

@@ -31,7 +31,8 @@ def overlong_penalty(length: int, *, max_len: int, cache_len: int, factor: float
         factor: scale of the penalty (>= 0); the penalty reaches ``-factor`` at ``L_max``.
     """
     if max_len < 1 or not 1 <= cache_len <= max_len:
-        raise ValueError(f"overlong_penalty needs 1 <= cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+        raise ValueError(f"overlong_penalty needs 1 <= cache_len <= max_len, got cache_len={cache_len}, "
+                         f"max_len={max_len}")
     if factor < 0:
         raise ValueError(f"overlong_penalty factor must be >= 0, got {factor}")
     if length < 0:

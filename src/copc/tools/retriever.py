@@ -45,7 +45,8 @@ class Hit:
 def _check_row(row: object, where: str) -> tuple[str, str]:
     """(id, contents) of a corpus row, or a ValueError that names the row and the fix."""
     if not isinstance(row, Mapping):
-        raise ValueError(f"corpus {where}: expected a JSON object with 'id' and 'contents', got {type(row).__name__}")
+        raise ValueError(f"corpus {where}: expected a JSON object with 'id' and 'contents', got "
+                         f"{type(row).__name__}")
     missing = [key for key in ("id", "contents") if key not in row]
     if missing:
         raise ValueError(
@@ -84,7 +85,8 @@ class BM25Retriever:
         self._bm25.index(corpus_tokens, show_progress=False)
 
     @classmethod
-    def from_rows(cls, rows: Iterable[Mapping[str, object]], *, k1: float = 1.5, b: float = 0.75) -> BM25Retriever:
+    def from_rows(cls, rows: Iterable[Mapping[str, object]], *, k1: float = 1.5,
+                  b: float = 0.75) -> BM25Retriever:
         """Index rows that each have ``id`` and ``contents``."""
         pairs = [_check_row(row, f"row {i}") for i, row in enumerate(rows)]
         return cls([p[0] for p in pairs], [p[1] for p in pairs], k1=k1, b=b)
@@ -100,7 +102,8 @@ class BM25Retriever:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"corpus {path} line {line_no}: not valid JSON ({exc.msg}); fix the line") from exc
+                    raise ValueError(f"corpus {path} line {line_no}: not valid JSON ({exc.msg}); "
+                                     "fix the line") from exc
                 pairs.append(_check_row(row, f"{path} line {line_no}"))
         return cls([p[0] for p in pairs], [p[1] for p in pairs], k1=k1, b=b)
 
@@ -184,5 +187,6 @@ class BM25Retriever:
         self._tokenizer.load_stopwords(str(src))
         self._bm25 = bm25s.BM25.load(str(src), show_progress=False)
         if len(self.ids) != meta["num_docs"]:
-            raise ValueError(f"BM25Retriever.load: {src} is incomplete ({len(self.ids)} of {meta['num_docs']} docs)")
+            raise ValueError(f"BM25Retriever.load: {src} is incomplete ({len(self.ids)} of "
+                             f"{meta['num_docs']} docs)")
         return self

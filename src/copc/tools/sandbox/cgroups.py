@@ -213,7 +213,8 @@ def _weigh_like_caller(version: str, path: str) -> None:
 
 
 def reap_stale_pools() -> list[str]:
-    """Remove pool directories whose uid lease nobody holds (their caller is gone); returns what was removed."""
+    """Remove pool directories whose uid lease nobody holds (their caller is gone); returns what was
+    removed."""
     removed: list[str] = []
     try:
         mounts, own = _mounts(), _own_paths()

@@ -25,13 +25,16 @@ PROTECTIONS: dict[str, str] = {
     "minimal_filesystem": "the code sees only the interpreter, its standard library and system libraries, "
     "read-only, and its own scratch dir (no checkout, datasets, home, host /tmp)",
     "network_namespace": "no network at all: a network namespace with only a downed loopback",
-    "pid_namespace": "each run is its own PID namespace: it sees no other process, and all of it dies with it",
+    "pid_namespace": "each run is its own PID namespace: it sees no other process, and all of it dies with "
+                     "it",
     "private_scratch": "each run gets a fresh tmpfs for /tmp and /dev/shm, capped in bytes and files",
-    "unprivileged_uid": "the code runs as a uid leased machine-wide to this run only (never root, never shared)",
+    "unprivileged_uid": "the code runs as a uid leased machine-wide to this run only (never root, never "
+                        "shared)",
     "no_capabilities": "the code holds no capabilities (dropped, bounding set cleared, no_new_privs)",
     "seccomp": "a seccomp filter refuses new namespaces, mounts, ptrace, bpf, kernel modules, keyrings",
     "cgroup_memory": "memory (scratch tmpfs included) is capped for the run's whole process tree by a cgroup",
-    "cgroup_pids": "the number of processes and threads is capped for the run's whole process tree by a cgroup",
+    "cgroup_pids": "the number of processes and threads is capped for the run's whole process tree by a "
+                   "cgroup",
     "rlimits": "per-process limits: CPU seconds, address space, file size, open files, no core dumps",
     "clean_environment": "no environment variable of the caller reaches the code",
 }
@@ -56,11 +59,13 @@ class SandboxConfig:
     """Limits for one run of model-written code, and which protections may be missing."""
 
     timeout_s: float = 5.0
-    """Wall-clock cap of one run in seconds; ``run()`` returns by ``timeout_s + 1`` after its slot came free."""
+    """Wall-clock cap of one run in seconds; ``run()`` returns by ``timeout_s + 1`` after its slot came
+    free."""
     cpu_s: int | None = None
     """CPU budget of the code in whole seconds (RLIMIT_CPU per process); None = ceil(timeout_s)."""
     memory_mb: int = 512
-    """Memory of the whole run (all processes, plus its scratch tmpfs) in MiB; also each process's RLIMIT_AS."""
+    """Memory of the whole run (all processes, plus its scratch tmpfs) in MiB; also each process's
+    RLIMIT_AS."""
     max_output_bytes: int = 4096
     """Bytes kept from each of stdout and stderr; the rest is discarded with a marker."""
     max_file_bytes: int = 16 * 1024 * 1024
@@ -76,9 +81,11 @@ class SandboxConfig:
     network: bool = False
     """Allow network access (shares the caller's network); False gives a network namespace."""
     allow_missing: tuple[str, ...] = ()
-    """Protections (names of ``PROTECTIONS``) that may be missing here; any other missing one refuses to start."""
+    """Protections (names of ``PROTECTIONS``) that may be missing here; any other missing one refuses to
+    start."""
     max_concurrent: int = 16
-    """Runs in flight at once per sandbox; each holds one leased uid. More callers wait (up to ``timeout_s``)."""
+    """Runs in flight at once per sandbox; each holds one leased uid. More callers wait (up to
+    ``timeout_s``)."""
     uid_base: int = 200_000
     """First uid of the private range (``uid_base + [0, 65536)``); must not belong to real users."""
     python_executable: str = ""
@@ -94,16 +101,19 @@ class SandboxConfig:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         checks: list[tuple[bool, str]] = [
             (0 < self.timeout_s <= 3600, f"timeout_s={self.timeout_s} must be in (0, 3600] seconds"),
-            (self.cpu_s is None or 1 <= self.cpu_s <= 3600, f"cpu_s={self.cpu_s} must be None or an integer in [1, 3600]"),
+            (self.cpu_s is None or 1 <= self.cpu_s <= 3600,
+             f"cpu_s={self.cpu_s} must be None or an integer in [1, 3600]"),
             (32 <= self.memory_mb <= 1 << 20, f"memory_mb={self.memory_mb} must be in [32, 1048576]"),
             (self.max_output_bytes >= 64, f"max_output_bytes={self.max_output_bytes} must be >= 64"),
             (self.max_file_bytes >= 1024, f"max_file_bytes={self.max_file_bytes} must be >= 1024"),
             (2 <= self.max_procs <= 4096, f"max_procs={self.max_procs} must be in [2, 4096]"),
-            (16 <= self.max_open_files <= 65536, f"max_open_files={self.max_open_files} must be in [16, 65536]"),
+            (16 <= self.max_open_files <= 65536,
+             f"max_open_files={self.max_open_files} must be in [16, 65536]"),
             (1 <= self.disk_mb <= 65536, f"disk_mb={self.disk_mb} must be in [1, 65536]"),
             (16 <= self.max_files <= 10**7, f"max_files={self.max_files} must be in [16, 10**7]"),
             (1 <= self.max_concurrent <= 1024, f"max_concurrent={self.max_concurrent} must be in [1, 1024]"),
-            (1000 <= self.uid_base <= 2**31 - 65536, f"uid_base={self.uid_base} must be in [1000, 2**31-65536]"),
+            (1000 <= self.uid_base <= 2**31 - 65536,
+             f"uid_base={self.uid_base} must be in [1000, 2**31-65536]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -111,7 +121,8 @@ class SandboxConfig:
         unknown = sorted(set(self.allow_missing) - set(PROTECTIONS))
         if unknown:
             raise ValueError(
-                f"SandboxConfig: allow_missing names unknown protections {unknown}; valid: {sorted(PROTECTIONS)}"
+                "SandboxConfig: allow_missing names unknown "
+                f"protections {unknown}; valid: {sorted(PROTECTIONS)}"
             )
         if self.python_executable and not os.path.isfile(self.python_executable):
             raise ValueError(

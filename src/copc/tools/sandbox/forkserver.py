@@ -61,7 +61,8 @@ class CapHeader(ctypes.Structure):
 
 
 class CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable",
+                                                                                 ctypes.c_uint32)]
 
 
 def check(ret: int, what: str) -> None:
@@ -72,7 +73,8 @@ def check(ret: int, what: str) -> None:
 
 def mount(source: str, target: str, fstype: str | None, flags: int, options: str | None) -> None:
     check(
-        libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, ctypes.c_ulong(flags),
+        libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None,
+                   ctypes.c_ulong(flags),
                    options.encode() if options else None),
         f"mount {fstype or 'bind'} on {target}",
     )
@@ -155,7 +157,8 @@ def run_code(source: bytes) -> int:
     return status
 
 
-def code_process(req: dict, code_fd: int, out_fd: int, err_fd: int, status_fd: int, seccomp_bpf: bytes) -> None:
+def code_process(req: dict, code_fd: int, out_fd: int, err_fd: int, status_fd: int,
+                 seccomp_bpf: bytes) -> None:
     """Set up C, then say so on the status pipe (``code_started``) and close it, then run the code.
 
     The line tells the host which stage the run reached: whatever happens after it (a limit, a signal,
@@ -233,7 +236,8 @@ def init_process(req: dict, fds: list[int], seccomp_bpf: bytes) -> None:
             cpu, wait = tree_usage()
             os.kill(-1, signal.SIGKILL)  # as pid 1: every other process of this namespace
             os.waitpid(pid, 0)
-            report(status_fd, {"timeout": True, "cpu_s": cpu, "wait_s": wait, "wall_s": time.monotonic() - start})
+            report(status_fd, {"timeout": True, "cpu_s": cpu, "wait_s": wait,
+                               "wall_s": time.monotonic() - start})
             os._exit(0)
         if select.select([pidfd], [], [], min(left, 0.1))[0]:
             break

@@ -63,7 +63,8 @@ class UidLeases:
             self._fds[uid] = fd
         if len(self._fds) < count:
             self.release()
-            raise OSError(f"only {len(self._fds)} of {count} sandbox uids are free in [{uid_base}, +{UID_RANGE})")
+            raise OSError(f"only {len(self._fds)} of {count} sandbox uids are free in [{uid_base}, "
+                          f"+{UID_RANGE})")
 
     @property
     def uids(self) -> list[int]:

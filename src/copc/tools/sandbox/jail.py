@@ -103,8 +103,10 @@ def find_interpreter(python_executable: str) -> Interpreter:
         library_dirs.append(stdlib)
     site_dirs = [os.path.join(lib, version, "site-packages")] if version else []
     if not python_executable:
-        site_dirs += [p for p in sysconfig.get_paths().values() if p.endswith(("site-packages", "dist-packages"))]
-    return Interpreter(executable, tuple(library_dirs), tuple(sorted({d for d in site_dirs if os.path.isdir(d)})))
+        site_dirs += [p for p in sysconfig.get_paths().values() if p.endswith(("site-packages",
+                                                                               "dist-packages"))]
+    return Interpreter(executable, tuple(library_dirs),
+                       tuple(sorted({d for d in site_dirs if os.path.isdir(d)})))
 
 
 def bwrap_command(
@@ -125,7 +127,8 @@ def bwrap_command(
     """
     argv = [bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     argv += [] if network else ["--unshare-net"]
-    argv += ["--cap-add", "ALL"] if as_root else ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL"]
+    argv += ["--cap-add",
+             "ALL"] if as_root else ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL"]
     argv += ["--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin"]
     # Parents bwrap creates itself get mode 0700; the code's uid must traverse /usr to reach the libraries.
     argv += ["--perms", "0755", "--dir", "/usr"]

@@ -33,7 +33,8 @@ DoneCallback = Callable[[str | None], None]
 class ForkServer:
     """One jailed fork server. Thread-safe; :meth:`alive` turns False if it dies (then make a new one)."""
 
-    def __init__(self, prefix: list[str], python: str, params: dict[str, object], start_timeout_s: float) -> None:
+    def __init__(self, prefix: list[str], python: str, params: dict[str, object],
+                 start_timeout_s: float) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = parent
         self._send_lock = threading.Lock()
@@ -45,7 +46,8 @@ class ForkServer:
                 json.dumps(params | {"control_fd": child.fileno()})]
         try:
             self._proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, pass_fds=(child.fileno(),),
+                argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, pass_fds=(child.fileno(),
+                                                                                              ),
                 start_new_session=True, env={"PATH": "/usr/bin:/bin"}, cwd="/",
             )
         except OSError as exc:

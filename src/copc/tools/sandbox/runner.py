@@ -7,8 +7,8 @@ Per sandbox (lazily, and again if it dies): machine-wide uid leases (one per con
 per uid slot, and the fork server under ``bwrap``. Per run: a slot (bounded wait: its uid and its
 cgroup, empty since the slot's previous run's namespace emptied), a memfd with
 the code and three pipes, handed to the server; the caller's thread reads the pipes until the run's
-status arrives or ``timeout_s + 0.5`` s pass after the launch, then returns. Everything else (the kill of a run that
-overran, waiting for its namespace to empty, releasing its slot) happens on the
+status arrives or ``timeout_s + 0.5`` s pass after the launch, then returns. Everything else (the kill of a
+run that overran, waiting for its namespace to empty, releasing its slot) happens on the
 listener thread or in the kernel, off the caller's path. ``docs/sandbox.md`` has the threat model.
 """
 
@@ -93,7 +93,8 @@ def on_owner_thread(call: Callable[[], T], timeout_s: float = 2 * SERVER_START_T
 
 
 class Runner:
-    """Runs code under the limits of a :class:`SandboxConfig`, with whatever protections it gets. Thread-safe."""
+    """Runs code under the limits of a :class:`SandboxConfig`, with whatever protections it gets.
+    Thread-safe."""
 
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
@@ -112,7 +113,8 @@ class Runner:
                 return _infra(f"sandbox could not start: {exc}", start)
             got, uid = parts.slots.acquire(max(0.0, start + self.config.timeout_s - time.monotonic()))
             if not got:
-                return _infra(f"machine overloaded: no free sandbox slot within {self.config.timeout_s}s", start)
+                return _infra(f"machine overloaded: no free sandbox slot within {self.config.timeout_s}s",
+                              start)
             run_id = next(_RUN_IDS)
             before = parts.cgroups.limit_events(_group(uid)) if parts.cgroups else {}
             try:
@@ -124,11 +126,13 @@ class Runner:
                 return _infra(f"sandbox setup failed: {type(exc).__name__}: {exc}", start)
             after = parts.cgroups.limit_events(_group(uid)) if parts.cgroups else {}
             hits = {name: after[name] - before.get(name, 0) for name in after}
-            return describe(ended, self.config, hits.get("oom_kill", 0), time.monotonic() - start, limit_hits=hits)
+            return describe(ended, self.config, hits.get("oom_kill", 0), time.monotonic() - start,
+                            limit_hits=hits)
         raise AssertionError("unreachable")
 
     def uids(self) -> list[int]:
-        """The uids this sandbox holds leases on (empty before its first run, or when uids are not dropped)."""
+        """The uids this sandbox holds leases on (empty before its first run, or when uids are not
+        dropped)."""
         parts = self._parts
         return parts.leases.uids if parts is not None and parts.leases is not None else []
 
@@ -138,7 +142,8 @@ class Runner:
         return parts.cgroups_reason if parts is not None else ""
 
     def server_cpu_s(self) -> float:
-        """CPU seconds the fork server's process tree (every run so far included) has used; 0 before it starts."""
+        """CPU seconds the fork server's process tree (every run so far included) has used; 0 before it
+        starts."""
         parts = self._parts
         return parts.server.cpu_s() if parts is not None else 0.0
 
@@ -232,8 +237,10 @@ class _Parts:
             self.cgroups = pool
             if pool is not None:
                 for uid in self.leases.uids:
-                    # + 2: the run's own R and I (the sandbox's) are in the cgroup beside the code's processes.
-                    pool.create_group(_group(uid), memory_bytes=config.memory_mb << 20, max_procs=config.max_procs + 2)
+                    # + 2: the run's own R and I (the sandbox's) are in the cgroup beside the code's
+                    # processes.
+                    pool.create_group(_group(uid), memory_bytes=config.memory_mb << 20,
+                                      max_procs=config.max_procs + 2)
         interpreter = find_interpreter(config.python_executable)
         seccomp = seccomp_program()
         cgroup_dirs = {path: name for name, path in (self.cgroups.dirs.items() if self.cgroups else [])}
@@ -331,7 +338,8 @@ def classify(ended: Ended, config: SandboxConfig, oom_kills: int,
     if "signal" in status:
         sig = int(status["signal"])  # type: ignore[call-overload]
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= config.cpu_limit_s):
-            return None, False, f"killed by signal {sig} ({_signal_name(sig)}) (cpu time limit {config.cpu_limit_s}s)", "code"
+            why = f"killed by signal {sig} ({_signal_name(sig)}) (cpu time limit {config.cpu_limit_s}s)"
+            return None, False, why, "code"
         if sig == signal.SIGXFSZ:
             return None, False, f"file size limit ({config.max_file_bytes} bytes)", "code"
         return None, False, f"killed by signal {sig} ({_signal_name(sig)}){procs}", "code"
