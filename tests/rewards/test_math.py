@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from copc.rewards.math import SLEEP_HOOK_PREFIX, MathVerifier, RewardResult, extract_answer, numeric_equal
+from copc.rewards.math import (
+    SLEEP_HOOK_PREFIX,
+    WALL_FACTOR,
+    MathVerifier,
+    RewardResult,
+    extract_answer,
+    numeric_equal,
+)
 
 TIMEOUT_S = 2.0
 # Killing the worker and launching its replacement (not waiting for it) happen after the timeout; one
@@ -193,13 +200,14 @@ def test_math_verifier_golden(
     assert patient_verifier.score(response, gold) == expected
 
 
-def test_pathological_answer_times_out_and_worker_is_replaced(verifier: MathVerifier) -> None:
-    """sympy never finishes 9^(9^(9^9)) (checked: > 60 s with math-verify's own timeout off)."""
+def test_pathological_answer_is_too_costly_and_worker_is_replaced(verifier: MathVerifier) -> None:
+    """sympy never finishes 9^(9^(9^9)) (checked: > 60 s with math-verify's own timeout off): the check
+    uses its whole CPU budget, so it is the answer's cost (graded 0), not the grader's failure."""
     start = time.monotonic()
     result = verifier.score(r"\boxed{9^{9^{9^{9}}}}", "10")
     elapsed = time.monotonic() - start
-    assert result == RewardResult(0.0, "timeout", "9^{9^{9^{9}}}")
-    assert elapsed < TIMEOUT_S + SLACK_S, elapsed
+    assert result == RewardResult(0.0, "too_costly", "9^{9^{9^{9}}}")
+    assert TIMEOUT_S <= elapsed < WALL_FACTOR * TIMEOUT_S + SLACK_S, elapsed
     assert verifier.score(r"\boxed{7}", "7").reason == "correct"  # a fresh worker answers
 
 
@@ -228,7 +236,8 @@ def test_sleep_hook_times_out_deterministically(verifier: MathVerifier) -> None:
     before = verifier.num_timeouts
     start = time.monotonic()
     result = verifier.score(r"\boxed{1}", f"{SLEEP_HOOK_PREFIX}30")
-    assert result.reason == "timeout" and time.monotonic() - start < TIMEOUT_S + SLACK_S
+    # a check that uses no CPU (a stalled worker) is the grader's timeout, after WALL_FACTOR * timeout_s
+    assert result.reason == "timeout" and time.monotonic() - start < WALL_FACTOR * TIMEOUT_S + SLACK_S
     assert verifier.num_timeouts == before + 1
     assert verifier.score(r"\boxed{3}", "3").reward == 1.0
 
@@ -266,9 +275,12 @@ def test_bad_timeout_says_how_to_fix() -> None:
         MathVerifier(timeout_s=0)
 
 
-def test_a_grader_timeout_is_a_failed_grade_the_episode_counts() -> None:
-    """math-verify that times out gives reward 0 like a wrong answer; the grader says it failed and the
-    episode's info counts it (``grade_failures``), so training and evaluation can report it."""
+def test_a_grader_timeout_is_a_failed_grade_the_episode_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """math-verify that times out for want of CPU (here: a worker that sleeps) gives reward 0 like a wrong
+    answer; the grader says it failed and the episode's info counts it (``grade_failures``), so training
+    and evaluation can report it. An answer that uses the whole CPU budget is the answer's cost: graded 0,
+    not a failure."""
+    from copc.tasks import graders
     from copc.tasks.envs import PYTHON_FENCES, Grade, ToolEnv
     from copc.tasks.graders import MathVerifyGrader
 
@@ -276,9 +288,19 @@ def test_a_grader_timeout_is_a_failed_grade_the_episode_counts() -> None:
         def call(self, code: str) -> tuple[str, bool]:
             raise AssertionError("no tool call in this episode")
 
-    grader = MathVerifyGrader("10", timeout_s=TIMEOUT_S)
-    assert grader.grade(r"\boxed{9^{9^{9^{9}}}}") == Grade(0.0, failed=True)
-    assert grader.grade(r"\boxed{10}") == Grade(1.0, failed=False) and grader.grade(r"\boxed{3}") == Grade(0.0, failed=False)
-    env = ToolEnv("q", syntax=PYTHON_FENCES, tool=NoTool(), grader=grader, max_tool_calls=1)  # type: ignore[arg-type]
-    step = env.step(r"so \boxed{9^{9^{9^{9}}}}")
-    assert step.done and step.reward == 0.0 and step.info["grade_failures"] == 1.0 and step.info["correct"] == 0.0
+    stalled = MathVerifier(timeout_s=TIMEOUT_S, allow_test_hooks=True)
+    monkeypatch.setitem(graders._VERIFIERS, TIMEOUT_S, stalled)
+    try:
+        grader = MathVerifyGrader(f"{SLEEP_HOOK_PREFIX}30", timeout_s=TIMEOUT_S)
+        assert grader.grade(r"\boxed{10}") == Grade(0.0, failed=True)
+        env = ToolEnv("q", syntax=PYTHON_FENCES, tool=NoTool(), grader=grader,  # type: ignore[arg-type]
+                      max_tool_calls=1)
+        step = env.step(r"so \boxed{10}")
+        assert step.done and step.reward == 0.0
+        assert step.info["grade_failures"] == 1.0 and step.info["correct"] == 0.0
+        costly = MathVerifyGrader("10", timeout_s=TIMEOUT_S)
+        assert costly.grade(r"\boxed{9^{9^{9^{9}}}}") == Grade(0.0, failed=False)
+        assert costly.grade(r"\boxed{10}") == Grade(1.0, failed=False)
+        assert costly.grade(r"\boxed{3}") == Grade(0.0, failed=False)
+    finally:
+        stalled.close()

@@ -10,9 +10,12 @@ policy generated up to (and including) a stop string, or up to end-of-sequence. 
   calls left) return an error text as the observation and count ``tool_errors``; they never crash;
 - a **final answer** (``<answer>...</answer>``; for tasks without an answer tag, any turn that is not a
   tool call): graded, ``done=True``, reward 1.0 or 0.0;
+- what is graded is the policy's *prose* (:meth:`CallSyntax.prose`): tool calls and observation blocks
+  the policy wrote itself are cut out first, so an answer inside code, a query or an imitated
+  observation is no answer;
 - a **void turn** (neither a complete tool call nor an answer, e.g. free text that ended with EOS):
   with answer tags the episode ends with reward 0; without them (``math_tool``: a final turn with no
-  ``answer_marker``, ``\\boxed{``) it is still graded on the whole response. Either way
+  ``answer_marker``, ``\\boxed{``) it is still graded on the whole response (its prose). Either way
   ``info["void_turn"] = 1``, so a trainer can drop it (SimpleTIR's stabiliser, ``trainer.void_turns =
   mask``) or keep it as a plain failure.
 
@@ -46,7 +49,8 @@ class Grader(Protocol):
     grader itself failed (reward 0 then, counted in ``info["grade_failures"]``)."""
 
     def grade(self, answer_text: str) -> float | Grade:
-        """``answer_text``: the content of the answer tag, or the whole response for tag-free syntaxes."""
+        """``answer_text``: the content of the answer tag, or the whole response's prose for tag-free
+        syntaxes."""
         ...
 
 
@@ -103,6 +107,24 @@ class CallSyntax:
             return None
         return stripped[start + len(self.call_open) : end]
 
+    def prose(self, text: str) -> str:
+        """``text`` without its tool calls and the observation blocks it wrote itself (each span from its
+        open tag to its close, or to the end when unclosed): what the policy states. An answer tag or a
+        ``\\boxed{}`` inside code, a query or an imitated observation is not an answer."""
+        spans = ((self.call_open, self.call_close), (self.obs_open, self.obs_close))
+        kept, at = [], 0
+        while True:
+            found = [(text.find(o, at), o, c) for o, c in spans if o and text.find(o, at) >= 0]
+            if not found:
+                kept.append(text[at:])
+                return "".join(kept)
+            start, opened, close = min(found)
+            kept.append(text[at:start])
+            end = text.find(close, start + len(opened))
+            if end < 0:
+                return "".join(kept)
+            at = end + len(close)
+
     def answer(self, text: str) -> str | None:
         """Content of the last complete answer span in ``text`` (None without one or without tags)."""
         if not self.answer_open:
@@ -153,7 +175,8 @@ class ToolEnv:
         self._grader = grader
         self._max_tool_calls = max_tool_calls
         self._response: list[str] = []
-        self._counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_infra_errors": 0.0, "grade_failures": 0.0,
+        self._counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_infra_errors": 0.0,
+                        "grade_failures": 0.0,
                         "void_turn": 0.0, "correct": 0.0, "turns": 0.0}
         self._done = False
 
@@ -172,13 +195,14 @@ class ToolEnv:
         call = self._syntax.trailing_call(action_text)
         if call is not None:
             return EnvStep(observation=self._observe(call), done=False, info=dict(self._counts))
-        answer = self._syntax.answer(action_text)
+        stated = self._syntax.prose(action_text)
+        answer = self._syntax.answer(stated)
         if answer is None and self._syntax.answer_open:
             self._counts["void_turn"] = 1.0
             return self._end(0.0)
-        if not self._syntax.answer_open and self._syntax.answer_marker not in action_text:
+        if not self._syntax.answer_open and self._syntax.answer_marker not in stated:
             self._counts["void_turn"] = 1.0  # graded on the whole response all the same (module docstring)
-        graded = answer if answer is not None else "".join(self._response)
+        graded = answer if answer is not None else "".join(self._syntax.prose(t) for t in self._response)
         grade = self._grader.grade(graded)
         if isinstance(grade, Grade):
             self._counts["grade_failures"] = float(grade.failed)
