@@ -8,8 +8,9 @@ import time
 from collections.abc import Mapping
 
 from copc import tracking as m
+from copc.run.provenance import lag_text
 
-__all__ = ["NoSignal", "StepLines"]
+__all__ = ["NoSignal", "StepLines", "print_summary"]
 
 
 class StepLines:
@@ -49,3 +50,36 @@ class NoSignal:
                   "(copc eval --samples-out shows episodes and rewards), and the starting policy (a warm "
                   "start, not an untrained model); "
                   "no_signal_steps=0 turns this off", file=sys.stderr, flush=True)
+
+
+def print_summary(summary: Mapping[str, object]) -> None:
+    """The end-of-run table of ``copc train`` (summary.json's evaluations, steps and wall time)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"copc train: {summary['method']} on {summary['task']} ({summary['driver']}, "
+                        f"{lag_text(summary['lag'])})")  # type: ignore[arg-type]
+    table.add_column("metric")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+
+    def fmt(value: object) -> str:
+        if value is None:  # eval.prompts=0: not evaluated
+            return "-"
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    table.add_row("eval accuracy (avg@k)", fmt(summary["eval_accuracy_before"]),
+                  fmt(summary["eval_accuracy_after"]))
+    table.add_row("greedy accuracy", fmt(summary["eval_greedy_accuracy_before"]),
+                  fmt(summary["eval_greedy_accuracy_after"]))
+    table.add_row("tool-use rate", fmt(summary["eval_tool_use_rate_before"]),
+                  fmt(summary["eval_tool_use_rate_after"]))
+    table.add_row("steps", "", str(summary["steps"]))
+    table.add_row("wall time (s)", "", f"{float(summary['wall_seconds']):.0f}")  # type: ignore[arg-type]
+    console = Console()
+    console.print(table)
+    changed = summary.get("eval_changed_on_resume")
+    if isinstance(changed, dict):
+        console.print(f"note: 'before' was evaluated with the run's earlier settings; they changed when it "
+                      f"resumed from step {changed['step']} ({changed['change']})", markup=False)
+    console.print(f"run directory: [bold]{summary['run_dir']}[/bold]")

@@ -29,7 +29,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -61,8 +61,8 @@ from copc.run.config import (
     sampling_from_rollout,
 )
 from copc.run.plots import plot_run
-from copc.run.progress import NoSignal, StepLines
-from copc.run.provenance import lag_text, run_provenance
+from copc.run.progress import NoSignal, StepLines, print_summary
+from copc.run.provenance import run_provenance
 from copc.run.resume import (
     NO_SPACE,
     DiskFullError,
@@ -419,38 +419,6 @@ def _summary(
         "run_dir": str(run_dir),
         **run_provenance(cfg),  # the code, libraries, resolved method and stated lag (copc.run.provenance)
     }
-
-
-def print_summary(summary: Mapping[str, object]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"copc train: {summary['method']} on {summary['task']} ({summary['driver']}, "
-                        f"{lag_text(summary['lag'])})")  # type: ignore[arg-type]
-    table.add_column("metric")
-    table.add_column("before", justify="right")
-    table.add_column("after", justify="right")
-
-    def fmt(value: object) -> str:
-        if value is None:  # eval.prompts=0: not evaluated
-            return "-"
-        return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-    table.add_row("eval accuracy (avg@k)", fmt(summary["eval_accuracy_before"]),
-                  fmt(summary["eval_accuracy_after"]))
-    table.add_row("greedy accuracy", fmt(summary["eval_greedy_accuracy_before"]),
-                  fmt(summary["eval_greedy_accuracy_after"]))
-    table.add_row("tool-use rate", fmt(summary["eval_tool_use_rate_before"]),
-                  fmt(summary["eval_tool_use_rate_after"]))
-    table.add_row("steps", "", str(summary["steps"]))
-    table.add_row("wall time (s)", "", f"{float(summary['wall_seconds']):.0f}")  # type: ignore[arg-type]
-    console = Console()
-    console.print(table)
-    changed = summary.get("eval_changed_on_resume")
-    if isinstance(changed, dict):
-        console.print(f"note: 'before' was evaluated with the run's earlier settings; they changed when it "
-                      f"resumed from step {changed['step']} ({changed['change']})", markup=False)
-    console.print(f"run directory: [bold]{summary['run_dir']}[/bold]")
 
 
 # ---------------------------------------------------------------------------------------- CLI
