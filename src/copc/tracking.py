@@ -14,6 +14,7 @@ is :class:`copc.run.tracker.Tracker`.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -132,6 +133,17 @@ PROXIMAL_SNAPSHOT_VERSIONS = "proximal/snapshot_versions"
 PROXIMAL_VERSION_FORWARDS = "proximal/version_forwards"
 PROXIMAL_REUSED_ROWS_FRAC = "proximal/reused_rows_frac"
 MEMORY_PEAK = "memory/peak"
+ORACLE_FAILED_FRAC = "oracle/failed_frac"
+ORACLE_SECONDS = "oracle/seconds"
+ORACLE_CHUNKS = "oracle/chunks"
+ORACLE_NOISE_VAR = "oracle/noise_var"
+ORACLE_VALUE_PROMPT = "oracle/value_prompt"
+OFFPOLICY_SUM_ABS_LOG_W = "offpolicy/sum_abs_log_w"
+OFFPOLICY_SUM_ABS_LOG_W_P90 = "offpolicy/sum_abs_log_w_p90"
+OFFPOLICY_TRACE_CLIP_MEDIAN = "offpolicy/trace_clip_median"
+OFFPOLICY_TRACE_CLIP_P10 = "offpolicy/trace_clip_p10"
+OFFPOLICY_TRACE_VTRACE_MEDIAN = "offpolicy/trace_vtrace_median"
+OFFPOLICY_ADV_CLIP_FRAC = "offpolicy/adv_clip_frac"
 
 #: Every metric name with its one-line meaning (units in brackets). Tokens are sampled (policy) tokens;
 #: the trainer's statistics are over its loss tokens, which leave out truncated rows under
@@ -266,6 +278,21 @@ METRICS: dict[str, str] = {
     PROXIMAL_SNAPSHOT_VERSIONS: "trainer.proximal=snapshot: policy versions the snapshot store holds after the step",
     PROXIMAL_VERSION_FORWARDS: "trainer.proximal=snapshot: distinct behaviour versions of the batch (one old forward each)",
     PROXIMAL_REUSED_ROWS_FRAC: "fraction of rows whose old log-probs came from their first actor forward (trainer.old_forward_reuse)",
+    ORACLE_FAILED_FRAC: "fraction of the batch's trajectories the Monte-Carlo oracle could not replay (mc_oracle "
+                        "arms: they get advantage 0)",
+    ORACLE_SECONDS: "time spent sampling the oracle's continuations this step (diagnostic and estimator) [s]",
+    ORACLE_CHUNKS: "turn chunks the diagnostic compared with the oracle this step",
+    ORACLE_NOISE_VAR: "mean variance of the oracle's own chunk advantages from its finite continuations (part of "
+                      "every estimator's oracle/*_mse)",
+    ORACLE_VALUE_PROMPT: "mean oracle value of the prompt (the current policy's success rate on the scored prompts)",
+    OFFPOLICY_SUM_ABS_LOG_W: "median over trajectories of sum_t |log(cur/mu)| over the policy tokens (whole batch, "
+                             "at diagnostic steps)",
+    OFFPOLICY_SUM_ABS_LOG_W_P90: "90th percentile over trajectories of sum_t |log(cur/mu)|",
+    OFFPOLICY_TRACE_CLIP_MEDIAN: "median over trajectories of prod_t clip(cur/mu, ratio_low, ratio_high) (COPC's "
+                                 "clipped weights, 0.8 and 1.2 of R1) over the policy tokens",
+    OFFPOLICY_TRACE_CLIP_P10: "10th percentile over trajectories of that clipped trace product",
+    OFFPOLICY_TRACE_VTRACE_MEDIAN: "median over trajectories of prod_t min(1, cur/mu) (V-trace's traces, c_bar = 1)",
+    OFFPOLICY_ADV_CLIP_FRAC: "fraction of policy tokens whose cur/mu leaves [0.8, 1.2], where COPC's advantage clip bites",
     MEMORY_PEAK: "peak resident memory of the training process over the step, start-up and evaluations since the "
                  "last step included (the largest memory/peak_<phase>; Linux) [GiB]",
 }
@@ -278,6 +305,9 @@ PREFIXES: dict[str, str] = {
     "memory/peak_": "peak resident memory of the training process in the named phase of the step (batch, prepare, "
                     "critic, actor, publish; other: start-up, evaluation, checkpoints since the last step) [GiB]",
     "rollout/": "task-specific rollout counters (means over the batch)",
+    "oracle/": "advantage estimates against the Monte-Carlo oracle at diagnostic steps: oracle/<estimator>_<bias|mse|"
+               "corr> (gae, clipped_td, vtrace on the batch's stale trajectories; lag0_<estimator>_* on fresh ones "
+               "sampled by the current weights), oracle/critic_value_<mse|corr> (critic vs oracle values)",
 }
 
 
@@ -287,12 +317,13 @@ def is_known(name: str) -> bool:
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, float]]:
-    """All records of a ``metrics.jsonl`` (a ``RUN_DIR`` is accepted too); a torn last line is skipped."""
+    """All records of a ``metrics.jsonl`` (a ``RUN_DIR`` is accepted too); a torn last line is skipped, and
+    so is any line that is not a JSON object with a numeric ``step`` (bytes that are not UTF-8, a hand edit)."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
     records = []
-    with path.open() as handle:
+    with path.open(errors="replace") as handle:
         for line in handle:
             line = line.strip()
             if not line:
@@ -301,7 +332,8 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, float]]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a crash: the step is simply re-logged after resume
-            if isinstance(record, dict):
+            step = record.get("step", 0) if isinstance(record, dict) else None
+            if isinstance(step, int | float) and not isinstance(step, bool) and math.isfinite(step):
                 records.append(record)
     return records
 

@@ -76,7 +76,7 @@ def test_configs_validate_names_at_construction() -> None:
     with pytest.raises(RegistryError, match=r"critic\.loss"):
         CriticConfig(loss="l2")
     assert set(POLICY_OBJECTIVES.names()) == {"ppo", "bypass_ppo", "decoupled", "tis", "icepop", "copc", "dis", "pg"}
-    assert set(ADVANTAGE_ESTIMATORS.names()) == {"gae", "vtrace", "clipped_td", "brace", "group"}
+    assert set(ADVANTAGE_ESTIMATORS.names()) == {"gae", "vtrace", "clipped_td", "brace", "group", "mc_oracle"}
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from reference.batches import step_batch
 
 PRESETS = (
     "ppo", "async_ppo", "async_ppo_recompute", "vtrace", "dapo", "sao", "areal", "areal_critic", "icepop", "brace",
-    "copc", "copc_proximal", "copc_behaviour", "async_ppo_mask", "async_ppo_advantage",
+    "copc", "copc_proximal", "copc_behaviour", "async_ppo_mask", "async_ppo_advantage", "async_ppo_oracle",
 )
 
 

@@ -25,6 +25,7 @@ from copc.ops import (
     broadcast_to_tokens,
     check_mask,
     clipped_td,
+    discounted_reverse_cumsum,
     fold_rewards,
     gae,
     group_advantages,
@@ -57,6 +58,7 @@ class AdvantageInputs(NamedTuple):
     scores: torch.Tensor | None  # [B] sequence scores (group estimators)
     group_ids: torch.Tensor | None  # [B] integer prompt ids
     bootstrap_value: torch.Tensor | None  # [B] V(s_{T+1}) of truncated rows
+    oracle: torch.Tensor | None = None  # the Monte-Carlo oracle's chunk advantages (copc.rollout.oracle)
 
 
 class AdvantageResult(NamedTuple):
@@ -89,6 +91,8 @@ class AdvantageEstimator:
     needs_log_w: bool
     group_normalised: bool
     doc: str
+    #: Reads the oracle's advantages, which the run computes for every batch before the step.
+    needs_oracle: bool = False
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
@@ -100,7 +104,7 @@ class AdvantageChannelConfig:
     """Advantage / critic-target estimator and its parameters (spec 2, 4, 5, 9.3, 9.4, 10.2)."""
 
     estimator: str = "gae"
-    """Registered estimator: gae, vtrace, clipped_td (COPC), brace, group."""
+    """Registered estimator: gae, vtrace, clipped_td (COPC), brace, group, mc_oracle (Monte-Carlo oracle)."""
     gamma: float = 1.0
     """Discount over policy tokens."""
     lam_critic: float = 1.0
@@ -196,12 +200,17 @@ class AdvantageChannelConfig:
         """True if the estimator reads the behaviour ratio ``log_w = old - mu``."""
         return ADVANTAGE_ESTIMATORS.get(self.estimator).needs_log_w
 
+    @property
+    def needs_oracle(self) -> bool:
+        """True if the estimator reads the Monte-Carlo oracle's advantages (given with every batch)."""
+        return ADVANTAGE_ESTIMATORS.get(self.estimator).needs_oracle
+
 
 def _estimator(
-    name: str, *, needs_critic: bool, needs_log_w: bool, group: bool = False, doc: str
+    name: str, *, needs_critic: bool, needs_log_w: bool, group: bool = False, oracle: bool = False, doc: str
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     def decorate(fn: EstimatorFn) -> EstimatorFn:
-        ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(fn, needs_critic, needs_log_w, group, doc))
+        ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(fn, needs_critic, needs_log_w, group, doc, oracle))
         return fn
 
     return decorate
@@ -265,6 +274,16 @@ def _group(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     return Estimate(broadcast_to_tokens(per_seq, x.action_mask), broadcast_to_tokens(x.scores.float(), x.action_mask))
 
 
+@_estimator("mc_oracle", needs_critic=False, needs_log_w=False, oracle=True,
+            doc="the current policy's chunk advantages from Monte-Carlo continuations (copc.rollout.oracle)")
+def _mc_oracle(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
+    if x.oracle is None:
+        raise ValueError("advantage.estimator='mc_oracle' needs the oracle's advantages with the batch; the run "
+                         "computes them when the method's estimator is mc_oracle (oracle.samples >= 1)")
+    returns = torch.where(x.action_mask, discounted_reverse_cumsum(x.rewards, 1.0), 0.0)  # reward-to-go
+    return Estimate(torch.where(x.action_mask, x.oracle.float(), 0.0), returns)
+
+
 def compute_advantages(
     cfg: AdvantageChannelConfig,
     *,
@@ -276,6 +295,7 @@ def compute_advantages(
     group_ids: torch.Tensor | None = None,
     bootstrap_value: torch.Tensor | None = None,
     stats_mask: torch.Tensor | None = None,
+    oracle: torch.Tensor | None = None,
 ) -> AdvantageResult:
     """Advantages and critic targets for the whole step's batch, computed once before the update.
 
@@ -286,6 +306,7 @@ def compute_advantages(
         action_mask: ``[B, T] bool``.
         scores, group_ids: ``[B]`` sequence scores and integer prompt ids (group estimator).
         bootstrap_value: ``[B]`` V(s_{T+1}) for ``truncation = bootstrap`` rows (0 = terminal).
+        oracle: ``[B, T] float32`` the Monte-Carlo oracle's chunk advantages (``mc_oracle`` only).
         stats_mask: ``[B, T] bool``, the action tokens that enter the losses (default: all of
             ``action_mask``; ``truncation = mask`` drops truncated rows): the normalisation statistics
             and the diagnostics are taken over them, and advantages are 0 elsewhere.
@@ -302,7 +323,7 @@ def compute_advantages(
     if entry.needs_log_w and log_w is None:
         raise ValueError(f"advantage estimator {cfg.estimator!r} needs log_w = logp_old - logp_behav")
     folded = fold_rewards(rewards.float(), action_mask)
-    inputs = AdvantageInputs(folded, values, log_w, action_mask, scores, group_ids, bootstrap_value)
+    inputs = AdvantageInputs(folded, values, log_w, action_mask, scores, group_ids, bootstrap_value, oracle)
     est = entry.fn(cfg, inputs)
     counted = action_mask if stats_mask is None else action_mask & stats_mask
     raw = est.advantages if est.is_weight is None else est.is_weight * est.advantages

@@ -292,6 +292,18 @@ def _async_ppo_advantage() -> MethodConfig:
     )
 
 
+@METHODS.register("async_ppo_oracle")
+def _async_ppo_oracle() -> MethodConfig:
+    return MethodConfig(
+        "async_ppo_oracle",
+        _ppo_policy("bypass_ppo"),
+        AdvantageChannelConfig(estimator="mc_oracle", whiten=True),
+        None,
+        "Async PPO 3a's actor on the current policy's Monte-Carlo oracle advantages (chunk advantages from "
+        "oracle.samples continuations per turn boundary; no critic): what no advantage-side correction can beat.",
+    )
+
+
 #: The reading the name ``copc`` stands for. R0 (fidelity to spec 9.3) until a pre-registered confirmation
 #: on fresh seeds shows another reading beats async PPO 3a (docs/results.md, docs/algorithms.md).
 COPC_READING = "copc_proximal"

@@ -31,6 +31,7 @@ from copc.config import (
 )
 from copc.eval.evaluate import EvalConfig
 from copc.rollout.generator import RolloutConfig
+from copc.run.oracle import OracleConfig
 from copc.runtime.staleness import StalenessConfig
 from copc.tasks.kv_chain import ROLLOUT_DEFAULTS as KV_CHAIN_ROLLOUT
 from copc.trainer.config import TrainerConfig
@@ -232,6 +233,7 @@ class RunConfig:
     driver: DriverConfig = field(default_factory=DriverConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(every=20))
     samples: SamplesConfig = field(default_factory=SamplesConfig)
+    oracle: OracleConfig = field(default_factory=OracleConfig)
 
     def __post_init__(self) -> None:
         check_at_least("", 0, steps=self.steps, checkpoint_every=self.checkpoint_every)

@@ -41,6 +41,7 @@ from copc import tracking as m
 from copc.config import CommandParser, ConfigError, dump_yaml, to_dict
 from copc.eval.evaluate import evaluate
 from copc.models.hf import load_policy
+from copc.rollout.chat import chat_format
 from copc.rollout.generator import GeneratedBatch, RolloutConfig
 from copc.rollout.samples import render_episode
 from copc.run.build import (
@@ -60,6 +61,7 @@ from copc.run.config import (
     resolve_method,
     sampling_from_rollout,
 )
+from copc.run.oracle import OracleScorer
 from copc.run.plots import plot_run
 from copc.run.progress import NoSignal, StepLines, print_summary
 from copc.run.provenance import run_provenance
@@ -369,11 +371,14 @@ def _run_with_progress(run: _Run, tracker: Tracker, signals: StopSignals, start_
             lines.step(done, status)
         no_signal.step(done, metrics)
 
+    oracle = OracleScorer(cfg.oracle, trainer=run.trainer, task=run.task, rollout=run.rollout,
+                          tokenizer=run.tokenizer, chat=chat_format(run.tokenizer, run.rollout.chat_template),
+                          seed=cfg.seed, estimator=resolve_method(cfg).advantage)
     with progress:
         return run_loop(run.trainer, run.source, start_step=start_step, steps=cfg.steps,
                         pad_id=int(run.tokenizer.pad_token_id),  # type: ignore[arg-type]
                         on_step=on_step, signals=signals, watchdog=run.watchdog,
-                        wait_bounded=batch_wait_bounded(run.source))
+                        wait_bounded=batch_wait_bounded(run.source), before_step=oracle if oracle.needed else None)
 
 
 def batch_wait_bounded(source: BatchSource) -> bool:

@@ -28,7 +28,7 @@ from copc.rollout.episode import truncation_stats
 from copc.rollout.generator import GeneratedBatch
 from copc.runtime.staleness import realized_staleness
 from copc.runtime.stall import StallWatchdog
-from copc.trainer.batching import collate
+from copc.trainer.batching import TrainBatch, collate
 from copc.trainer.memory import PEAKS
 from copc.trainer.trainer import ActorCriticTrainer
 
@@ -97,6 +97,10 @@ class StopSignals:
             self._in_step = False
         if self.received is not None:
             raise Interrupted(self.received, clean=True)
+
+
+#: ``(step, batch, collated) -> (collated, metrics)``, called before each step (copc.run.oracle).
+BeforeStep = Callable[[int, GeneratedBatch, TrainBatch], tuple[TrainBatch, dict[str, float]]]
 
 
 class BatchSource(Protocol):
@@ -192,6 +196,7 @@ def run_loop(
     signals: StopSignals | None = None,
     watchdog: StallWatchdog | None = None,
     wait_bounded: bool = False,
+    before_step: BeforeStep | None = None,
 ) -> LoopResult:
     """Steps ``start_step .. steps-1``: get batch ``step``, train on it, publish version ``step + 1``.
 
@@ -206,7 +211,8 @@ def run_loop(
     watchdog = watchdog or StallWatchdog(0)
     for step in range(start_step, steps):
         with watchdog.phase(f"step {step}"):
-            _one_step(trainer, source, step, pad_id, on_step, signals, watchdog, wait_bounded, history)
+            _one_step(trainer, source, step, pad_id, on_step, signals, watchdog, wait_bounded, history,
+                      before_step)
     return LoopResult(steps=steps, history=history)
 
 
@@ -220,6 +226,7 @@ def _one_step(
     watchdog: StallWatchdog,
     wait_bounded: bool,
     history: list[dict[str, float]],
+    before_step: BeforeStep | None = None,
 ) -> None:
     start = time.perf_counter()
     with watchdog.paused() if wait_bounded else nullcontext(), PEAKS.phase("batch"):
@@ -235,6 +242,9 @@ def _one_step(
             )
         train_batch = collate(batch.trajectories, pad_id=pad_id)
         metrics = rollout_metrics(batch, trainer.version)
+        if before_step is not None:  # e.g. the Monte-Carlo oracle, under the weights about to be trained
+            train_batch, extra = before_step(step, batch, train_batch)
+            metrics.update(extra)
         metrics.update(trainer.step(train_batch))
         published = time.perf_counter()
         with PEAKS.phase("publish"):

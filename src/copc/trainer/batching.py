@@ -43,6 +43,8 @@ class TrainBatch:
         group_ids: ``[B] int64``, prompt group of each row (group-normalised baselines).
         void: ``[B] bool``, True when the episode had a void turn (``info["void_turn"]``: neither a tool
             call nor an answer; ``trainer.void_turns = mask`` leaves such rows out of the losses).
+        oracle_advantages: ``[B, T] float32``, the Monte-Carlo oracle's chunk advantages under the weights
+            being trained (``mc_oracle`` estimator; copc.rollout.oracle), None when not computed.
     """
 
     input_ids: torch.Tensor
@@ -55,6 +57,7 @@ class TrainBatch:
     truncated: torch.Tensor
     group_ids: torch.Tensor
     void: torch.Tensor
+    oracle_advantages: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
@@ -66,6 +69,9 @@ class TrainBatch:
         for name in ("scores", "truncated", "group_ids", "void"):
             if tuple(getattr(self, name).shape) != (shape[0],):
                 raise ValueError(f"TrainBatch.{name} must be [B] = ({shape[0]},)")
+        if self.oracle_advantages is not None and tuple(self.oracle_advantages.shape) != shape:
+            raise ValueError(f"TrainBatch.oracle_advantages has shape {tuple(self.oracle_advantages.shape)}, "
+                             f"expected {shape}")
         for name in ("attention_mask", "action_mask", "truncated", "void"):
             if getattr(self, name).dtype != torch.bool:
                 raise TypeError(f"TrainBatch.{name} must be torch.bool")
@@ -80,7 +86,8 @@ class TrainBatch:
 
     def rows(self, index: torch.Tensor) -> TrainBatch:
         """The rows ``index`` (``[b] int64``) of every field, in that order (same ``T``)."""
-        return TrainBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        picked = {f.name: None if (v := getattr(self, f.name)) is None else v[index] for f in fields(self)}
+        return TrainBatch(**picked)  # type: ignore[arg-type]  # only oracle_advantages may be None
 
 
 def collate(trajectories: Sequence[Trajectory], *, pad_id: int) -> TrainBatch:

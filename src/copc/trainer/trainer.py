@@ -257,6 +257,7 @@ class ActorCriticTrainer:
             group_ids=batch.group_ids,
             bootstrap_value=bootstrap,
             stats_mask=loss_mask,
+            oracle=batch.oracle_advantages,
         )
         return StepTensors(
             logp_old=logp_old.detach(),

@@ -1,0 +1,70 @@
+"""The oracle inside a run: the mc_oracle arm trains on oracle advantages; the diagnostic is logged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from copc.channels import compute_advantages, get_method
+from copc.run.oracle import offpolicy_stats
+from copc.run.train import train_cli
+
+TINY = [
+    "task=kv_chain", "model.policy=tiny", "steps=2", "checkpoint_every=0", "rollout.prompts_per_batch=2",
+    "rollout.group_size=2", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=6", "rollout.max_total_tokens=18",
+    "eval.prompts=0", "driver.kind=sync", "trainer.critic_warmup_steps=0", "plots=false", "oracle.samples=2",
+    "rollout.temperature=3.0",  # the random tiny model then ends turns at its stop strings often enough
+]
+
+
+def _rows(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_oracle_arm_trains_on_oracle_advantages(tmp_path: Path) -> None:
+    run_dir = tmp_path / "oracle"
+    assert train_cli(["--no-progress", f"run_dir={run_dir}", *TINY, "method=async_ppo_oracle"]) == 0
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["oracle/failed_frac"] == 0.0 and r["oracle/seconds"] > 0 for r in rows)
+    assert all("loss/value" not in r for r in rows)  # no critic
+
+
+def test_the_diagnostic_compares_each_estimator_with_the_oracle(tmp_path: Path) -> None:
+    run_dir = tmp_path / "diag"
+    assert train_cli(["--no-progress", f"run_dir={run_dir}", *TINY, "method=async_ppo", "oracle.every=1",
+                      "oracle.trajectories=2", "staleness.mode=fixed_lag", "staleness.staleness=1"]) == 0
+    rows = _rows(run_dir)
+    for r in rows:
+        for name in ("gae", "clipped_td", "vtrace", "lag0_gae"):
+            assert f"oracle/{name}_mse" in r and r[f"oracle/{name}_mse"] >= 0
+        assert r["offpolicy/trace_clip_median"] > 0
+
+
+def test_mc_oracle_estimator_passes_the_oracle_through_and_needs_it() -> None:
+    cfg = get_method("async_ppo_oracle").advantage
+    assert cfg.needs_oracle and not cfg.needs_critic
+    mask = torch.tensor([[False, True, True, False]])
+    oracle = torch.tensor([[5.0, 0.5, -0.25, 9.0]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    raw = compute_advantages(get_method("async_ppo_oracle").advantage.__class__(estimator="mc_oracle", whiten=False),
+                             rewards=rewards, values=None, log_w=None, action_mask=mask, oracle=oracle)
+    assert torch.equal(raw.advantages, torch.tensor([[0.0, 0.5, -0.25, 0.0]]))
+    assert torch.equal(raw.returns, torch.tensor([[0.0, 1.0, 1.0, 0.0]]))  # the Monte-Carlo reward-to-go
+    with pytest.raises(ValueError, match="needs the oracle's advantages"):
+        compute_advantages(cfg, rewards=rewards, values=None, log_w=None, action_mask=mask)
+
+
+def test_offpolicy_stats_golden() -> None:
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    log_w = torch.log(torch.tensor([[1.5, 0.5, 9.0], [1.1, 1.0, 1.0]]))
+    out = offpolicy_stats(log_w, mask)
+    # row 0: |log 1.5| + |log 0.5| = 1.0986; row 1: log 1.1 = 0.0953; median of two = the lower (torch)
+    assert out["offpolicy/sum_abs_log_w"] == pytest.approx(0.0953, abs=1e-4)
+    # clipped products: 1.2 * 0.8 = 0.96 and 1.1; V-trace: min(1, w): 0.5 and 1
+    assert out["offpolicy/trace_clip_median"] == pytest.approx(0.96, abs=1e-5)
+    assert out["offpolicy/trace_vtrace_median"] == pytest.approx(0.5, abs=1e-6)
+    assert out["offpolicy/adv_clip_frac"] == pytest.approx(2 / 3)
