@@ -32,7 +32,7 @@ def test_misspelt_name_lists_valid_ones_with_a_hint() -> None:
 def test_spec_defaults_per_preset() -> None:
     # spec section 2: dual clip 3 only in the verl-based baselines, and in the arms built on async PPO
     # 3a's actor (spec 9.7: R1 and the one-channel arms differ from 3a only in their two channels).
-    on_3a = ("copc_behaviour", "async_ppo_mask", "async_ppo_advantage")
+    on_3a = ("copc_behaviour", "async_ppo_mask", "async_ppo_advantage", "async_ppo_oracle")
     for name in PRESETS:
         want = 3.0 if name in ("ppo", "async_ppo", "async_ppo_recompute", "dapo", *on_3a) else None
         assert get_method(name).policy.dual_clip_c == want, name
@@ -60,8 +60,8 @@ def test_spec_defaults_per_preset() -> None:
 
 
 def test_needs_old_forward_and_critic() -> None:
-    no_old = {"async_ppo", "sao", "async_ppo_mask"}
-    no_critic = {"dapo", "icepop", "areal"}
+    no_old = {"async_ppo", "sao", "async_ppo_mask", "async_ppo_oracle"}
+    no_critic = {"dapo", "icepop", "areal", "async_ppo_oracle"}
     for name in PRESETS:
         m = get_method(name)
         assert m.needs_old_forward == (name not in no_old), name
@@ -113,9 +113,10 @@ def test_each_preset_runs_a_step_on_a_random_batch(name: str) -> None:
     logp_old = d["logp_old"] if m.needs_old_forward else None
     log_w = None if logp_old is None else logp_old - d["logp_behav"]
     values = d["values"] if m.needs_critic else None
+    oracle = torch.randn(d["rewards"].shape, generator=torch.Generator().manual_seed(3))  # given by the run
     adv = compute_advantages(
         m.advantage, rewards=d["rewards"], values=values, log_w=log_w, action_mask=d["action_mask"],
-        scores=d["scores"], group_ids=d["group_ids"],
+        scores=d["scores"], group_ids=d["group_ids"], oracle=oracle if m.advantage.needs_oracle else None,
     )
     logp = d["logp"].clone().requires_grad_(True)
     out = policy_loss(m.policy, PolicyInputs(
