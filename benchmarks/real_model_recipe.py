@@ -1,9 +1,10 @@
 """The real-model learning recipe: ``copc train`` / ``copc eval`` overrides shared by the benchmarks.
 
 SmolLM2-135M-Instruct on the shipped word problems (:mod:`copc.tasks.word_problems`) with ``math_tool``,
-the worked-example template, temperature 0.5 (at 1.0 the 135M model's replies are mostly incoherent),
-budgets sized to the short answers (128 new tokens a turn, 384 in all, 2 code runs), async PPO (3a) on the
-async driver, checkpoints every 2 steps (so an interrupted run resumes with ``copc train run_dir=R
+the worked-example template sent as raw text (``rollout.chat_template=none``: the model continues the
+example's pattern; inside its chat template it seldom runs code or boxes an answer), temperature 0.5 (at
+1.0 the 135M model's replies are mostly incoherent), budgets sized to the short answers (128 new tokens a
+turn, 384 in all, 2 code runs), async PPO (3a) on the async driver, checkpoints every 2 steps (so an interrupted run resumes with ``copc train run_dir=R
 resume=true``). ``python benchmarks/real_model_recipe.py`` prints the overrides one a line.
 """
 
@@ -20,7 +21,7 @@ RECIPE = [
     "task=math_tool", f"task_options.data={TRAIN}", f"task_options.eval_data={EVAL}",
     f"task_options.template={json.dumps(TEMPLATE)}", "task_options.max_tool_calls=2",
     "rollout.temperature=0.5", "rollout.max_new_tokens_per_turn=128", "rollout.max_total_tokens=384",
-    "rollout.context_limit=2048",
+    "rollout.context_limit=2048", "rollout.chat_template=none",
 ]
 
 #: The training run on top of :data:`RECIPE` (``model.policy=`` and ``run_dir=`` are added by the caller).
