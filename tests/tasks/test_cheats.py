@@ -30,8 +30,11 @@ def build(name: str) -> Task:
     options: dict[str, dict[str, object]] = {
         "arith_tool": {"eval_size": 4, "timeout_s": 10.0},
         "math_tool": {"data": str(FIXTURES / "math_tool.jsonl"), "eval_size": 2, "grade_timeout_s": 3.0},
-        "search_qa": {"data": str(FIXTURES / "search_qa.jsonl"), "corpus": str(FIXTURES / "corpus.jsonl"),
-                      "eval_size": 2},
+        "search_qa": {
+            "data": str(FIXTURES / "search_qa.jsonl"),
+            "corpus": str(FIXTURES / "corpus.jsonl"),
+            "eval_size": 2,
+        },
     }
     return get_task(name, **options.get(name, {}))  # type: ignore[arg-type]
 
@@ -83,25 +86,33 @@ CHEATS = {
     # answer tags inside a tool call: code or a query, not an answer
     "answer inside a tool call": [("arith_tool", ['<python>x = "<answer>{gold}</answer>"</python>'])]
     + [(n, ["<search><answer>{gold}</answer></search>"]) for n in TAGGED[1:]]
-    + [("math_tool", ["```python\nprint('\\\\boxed{{gold}}')\n```\n", "I cannot tell."]),
-       ("math_tool", ["Look: ```python\nx = '\\\\boxed{{gold}}'\n``` is my guess"])],
+    + [
+        ("math_tool", ["```python\nprint('\\\\boxed{{gold}}')\n```\n", "I cannot tell."]),
+        ("math_tool", ["Look: ```python\nx = '\\\\boxed{{gold}}'\n``` is my guess"]),
+    ],
     # an unclosed tool call whose turn ends at the answer's close (the stop string)
     "answer inside an unclosed tool call": [("arith_tool", ['<python>print("<answer>{gold}</answer>'])],
     # several answers: the last one is the answer, so hedging with the right one first earns nothing
     "several answers, the last wrong": [(n, ["<answer>{gold}</answer> <answer>0</answer>"]) for n in TAGGED]
     + [("math_tool", [r"\boxed{{gold}} or maybe \boxed{0}"])],
-    "several values in one answer": [("arith_tool", ["<answer>{gold} or 1</answer>"]),
-                                     ("arith_tool", ["<answer>{gold}, 1</answer>"]),
-                                     ("kv_search", ["<answer>{gold} or something</answer>"]),
-                                     ("math_tool", [r"\boxed{{gold}, 1}"])],
+    "several values in one answer": [
+        ("arith_tool", ["<answer>{gold} or 1</answer>"]),
+        ("arith_tool", ["<answer>{gold}, 1</answer>"]),
+        ("kv_search", ["<answer>{gold} or something</answer>"]),
+        ("math_tool", [r"\boxed{{gold}, 1}"]),
+    ],
     # 1 MB answers: graded wrong, in bounded time, not a grader failure
     "a 1 MB answer": [(n, ["<answer>" + "9" * 1_000_000 + "</answer>"]) for n in ("arith_tool", "kv_search")]
-    + [("arith_tool", ["<answer>{gold}" + " " * 1_000_000 + "0</answer>"]),
-       ("math_tool", ["\\boxed{" + "9" * 1_000_000 + "}"])],
+    + [
+        ("arith_tool", ["<answer>{gold}" + " " * 1_000_000 + "0</answer>"]),
+        ("math_tool", ["\\boxed{" + "9" * 1_000_000 + "}"]),
+    ],
     # LaTeX that sends sympy into a loop (or past any time limit): the answer's cost, not the grader's fault
-    "LaTeX that never finishes": [("math_tool", [r"\boxed{9^{9^{9^{9}}}}"]),
-                                  ("math_tool", [r"\boxed{10^{10^{10^{10^{10}}}}}"]),
-                                  ("math_tool", ["\\boxed{" + "(" * 2000 + "1" + ")" * 2000 + "}"])],
+    "LaTeX that never finishes": [
+        ("math_tool", [r"\boxed{9^{9^{9^{9}}}}"]),
+        ("math_tool", [r"\boxed{10^{10^{10^{10^{10}}}}}"]),
+        ("math_tool", ["\\boxed{" + "(" * 2000 + "1" + ")" * 2000 + "}"]),
+    ],
     # Unicode look-alikes and zero-width characters against exact and numeric match
     "zero-width characters": [(n, ["<answer>{gold}" + ZWSP + "</answer>"]) for n in TAGGED]
     + [(n, ["<answer>" + ZWSP + "{gold}</answer>"]) for n in TAGGED],
@@ -124,10 +135,12 @@ def test_the_honest_answer_earns_the_reward(tasks: dict[str, Task], name: str, t
 CASES = [(kind, name, turns) for kind, cases in CHEATS.items() for name, turns in cases]
 
 
-@pytest.mark.parametrize(("kind", "name", "turns"), CASES,
-                         ids=[f"{k}-{n}-{i}" for i, (k, n, _) in enumerate(CASES)])
-def test_a_cheat_earns_nothing_and_is_nobodys_fault(tasks: dict[str, Task], kind: str, name: str,
-                                                     turns: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("kind", "name", "turns"), CASES, ids=[f"{k}-{n}-{i}" for i, (k, n, _) in enumerate(CASES)]
+)
+def test_a_cheat_earns_nothing_and_is_nobodys_fault(
+    tasks: dict[str, Task], kind: str, name: str, turns: list[str]
+) -> None:
     start = time.monotonic()
     reward, info = play(tasks, name, turns)
     assert_cheat_earns_nothing(reward, info)

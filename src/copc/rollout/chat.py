@@ -32,6 +32,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from copc.config import ConfigError
+
 __all__ = ["ChatFormat", "chat_format", "check_chat_template_setting"]
 
 _USER, _ASSISTANT = "copc-probe-user", "copc-probe-assistant"
@@ -95,7 +97,20 @@ class ChatFormat:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, *, source: str) -> None:
         self.tokenizer, self.template, self.source = tokenizer, template, source
-        self.tool_role = "tool" if "tool" in template and self._renders_role("tool") else "user"
+        try:
+            self._probe()
+        except ConfigError:
+            raise
+        except Exception as err:  # a template that parses can fail when rendered (jinja2, TypeError)
+            first = " ".join(str(err).split()) or type(err).__name__
+            raise ConfigError(
+                f"chat template ({source}) fails when rendering a conversation ({type(err).__name__}: "
+                f"{first[:200]}); fix the template, or set rollout.chat_template=none or auto"
+            ) from None
+
+    def _probe(self) -> None:
+        """Render probe conversations: the pieces around turns, or :meth:`_reject` (class docstring)."""
+        self.tool_role = "tool" if "tool" in self.template and self._renders_role("tool") else "user"
         s0 = self.render([_msg("user", _USER)], generation_prompt=True)
         s1 = self.render([_msg("user", _USER), _msg("assistant", _ASSISTANT)])
         if not s1.startswith(s0 + _ASSISTANT):
@@ -147,7 +162,7 @@ class ChatFormat:
         return _OBS in text
 
     def _reject(self, why: str) -> None:
-        raise ValueError(
+        raise ConfigError(
             f"chat template ({self.source}) cannot be used for multi-turn rollouts: {why}; "
             "set rollout.chat_template=none or to a template file that renders conversations by appending"
         )

@@ -17,6 +17,7 @@ from typing import IO, Protocol
 
 import torch
 
+from copc.config import ConfigError
 from copc.tracking import SAMPLES_FILE, TENSORBOARD_DIR, is_known, read_metrics
 
 __all__ = ["MetricsMirror", "Tracker", "histogram_record"]
@@ -98,6 +99,9 @@ class Tracker:
             warnings.warn(f"TensorBoard mirror off ({err}); metrics.jsonl is still written", stacklevel=3)
             return None
         log_dir = str(self.run_dir / TENSORBOARD_DIR)
+        if os.path.lexists(log_dir) and not os.path.isdir(log_dir):
+            raise ConfigError(f"{log_dir} is not a folder (TensorBoard's events go there): move it away, "
+                              "then run the same command again")
         return SummaryWriter(log_dir=log_dir, purge_step=purge_step)  # type: ignore[no-any-return]
 
     def _check(self, name: str) -> None:
