@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     parser.add_argument("--pair", default=None, help="an earlier --out of the same prompts")
+    parser.add_argument("--chunk", type=int, default=50, help="prompts played at once (memory: the KV caches "
+                        "of every episode in flight; 200 at once took 10 GB with SmolLM2)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     import torch
@@ -84,22 +86,52 @@ def main() -> None:
     model, tokenizer, step = _load_model(path)
     task = get_task(cfg.task, **cfg.task_options)
     rollout = replace(cfg.rollout, context_limit=capped_context_limit(cfg.rollout.context_limit, model))
-    episodes: list[Trajectory] = []
     start = time.perf_counter()
-    metrics = evaluate(model, tokenizer, task, rollout, EvalConfig(prompts=args.prompts, samples=args.samples,
-                       greedy=False), seed=args.seed, episodes=episodes)
-    seconds = time.perf_counter() - start
-    correct = [t.info.get("correct", float(t.reward > 0)) > 0 for t in episodes]
-    shares = per_prompt_accuracy(correct, len(episodes) // args.samples, args.samples)
+    shares: list[float] = []
+    ids: list[str] = []
+    metrics: list[dict[str, float]] = []
+    for first in range(0, args.prompts, args.chunk):
+        episodes: list[Trajectory] = []
+        part = Slice(task, first)
+        metrics.append(evaluate(model, tokenizer, part, rollout, EvalConfig(  # type: ignore[arg-type]
+            prompts=min(args.chunk, args.prompts - first), samples=args.samples, greedy=False),
+            seed=args.seed + first, episodes=episodes))
+        correct = [t.info.get("correct", float(t.reward > 0)) > 0 for t in episodes]
+        shares += per_prompt_accuracy(correct, len(episodes) // args.samples, args.samples)
+        ids += [episodes[i * args.samples].prompt_id for i in range(len(episodes) // args.samples)]
+        _write(args, path, step, shares, ids, metrics, time.perf_counter() - start)
+    print(json.dumps({k: v for k, v in json.loads(Path(args.out).read_text()).items()
+                      if k not in ("per_prompt", "prompt_ids", "metrics")}))
+
+
+class Slice:
+    """The task with its eval prompts from index ``first`` on (ids kept), so a long evaluation runs in
+    chunks: chunk c's sampling seed is ``seed + first``, whatever the chunk size before it."""
+
+    def __init__(self, task: object, first: int) -> None:
+        self.task, self.first = task, first
+        self.name = task.name  # type: ignore[attr-defined]
+
+    def prompts(self, split: str, n: int | None = None) -> list[object]:
+        pool = self.task.prompts(split)  # type: ignore[attr-defined]
+        return pool[self.first: None if n is None else self.first + n]  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.task, name)
+
+
+def _write(args: argparse.Namespace, path: Path, step: int | None, shares: list[float], ids: list[str],
+           metrics: list[dict[str, float]], seconds: float) -> None:
+    """The figures so far (after each chunk, so a stopped evaluation keeps what it measured)."""
     out: dict[str, object] = {"checkpoint": str(path), "step": step, "prompts": len(shares), "samples": args.samples,
-                              "seed": args.seed, "eval_seconds": seconds, **summarise(shares),
-                              "metrics": metrics, "per_prompt": shares,
-                              "prompt_ids": [episodes[i * args.samples].prompt_id for i in range(len(shares))]}
+                              "seed": args.seed, "chunk": args.chunk, "eval_seconds": seconds, **summarise(shares),
+                              "metrics": metrics, "per_prompt": shares, "prompt_ids": ids,
+                              "complete": len(shares) == args.prompts}
     if args.pair:
         before = json.loads(Path(args.pair).read_text())
-        if before["prompt_ids"] != out["prompt_ids"]:
+        if before["prompt_ids"][: len(ids)] != ids:
             raise SystemExit(f"--pair {args.pair} was measured on other prompts; evaluate the same ones")
-        out.update(paired_gain(before["per_prompt"], shares))
+        out.update(paired_gain(before["per_prompt"][: len(shares)], shares))
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k not in ("per_prompt", "prompt_ids", "metrics")}))
 
