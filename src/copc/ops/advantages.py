@@ -61,7 +61,8 @@ class VTraceOutput(NamedTuple):
     vs: torch.Tensor  # [B, T] float32 value targets, 0 off action tokens
     pg_advantages: torch.Tensor  # [B, T] float32 A^pg = pg_rho * pg_td, 0 off action tokens
     pg_rho: torch.Tensor  # [B, T] float32 rho^pg_s = min(pg_rho_bar, w_s), 0 off action tokens
-    pg_td: torch.Tensor  # [B, T] float32 r_s + gamma v_{s+1} - V(s_s) (A^pg before rho^pg), 0 off action tokens
+    # [B, T] float32 r_s + gamma v_{s+1} - V(s_s) (A^pg before rho^pg), 0 off action tokens
+    pg_td: torch.Tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def gae(
     lam: float,
     bootstrap_value: torch.Tensor | None = None,
 ) -> GAEOutput:
-    """Generalised advantage estimation over action tokens, bridging tool spans (spec section 2).
+    """Generalised advantage estimation over action tokens, bridging tool spans (docs/formulas.md#ppo).
 
     ::
 
@@ -114,7 +115,7 @@ def vtrace(
     pg_rho_bar: float,
     bootstrap_value: torch.Tensor | None = None,
 ) -> VTraceOutput:
-    """V-trace targets and policy-gradient advantages (IMPALA, arXiv 1802.01561; spec section 4).
+    """V-trace targets and policy-gradient advantages (IMPALA, arXiv 1802.01561; docs/formulas.md#v-trace).
 
     ::
 
@@ -145,7 +146,7 @@ def vtrace(
 
 
 def fold_rewards(token_rewards: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """Move every reward onto an action token (spec section 0). ``[B, T] float32`` in and out.
+    """Move every reward onto an action token (docs/formulas.md#notation). ``[B, T] float32`` in and out.
 
     A reward on a non-action token is added to the nearest *preceding* action token; one before the
     first action token goes to the first action token; a row without action tokens drops its rewards.
@@ -186,7 +187,8 @@ def group_advantages(
         raise ValueError(f"scores must be [B], got shape {tuple(scores.shape)}")
     check_float32("scores", scores)
     if group_ids.shape != scores.shape or group_ids.is_floating_point():
-        raise ValueError(f"group_ids must be an integer [B] tensor like scores, got {group_ids.dtype} {tuple(group_ids.shape)}")
+        raise ValueError(f"group_ids must be an integer [B] tensor like scores, got {group_ids.dtype} "
+                         f"{tuple(group_ids.shape)}")
     if mode not in ("grpo", "drgrpo", "rloo"):
         raise ValueError(f"unknown group advantage mode {mode!r}; valid: grpo, drgrpo, rloo")
     uniq, inverse = torch.unique(group_ids, return_inverse=True)

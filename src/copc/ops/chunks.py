@@ -28,7 +28,8 @@ __all__ = ["ChunkErrors", "chunk_advantages", "chunk_errors", "chunk_means"]
 
 def _check_chunks(chunk_ids: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(chunk_ids.shape) != shape or chunk_ids.dtype != torch.long:
-        raise ValueError(f"chunk_ids must be [B, T] int64 like the tokens {shape}, got {tuple(chunk_ids.shape)} "
+        raise ValueError(
+            f"chunk_ids must be [B, T] int64 like the tokens {shape}, got {tuple(chunk_ids.shape)} "
                          f"{chunk_ids.dtype}")
 
 
@@ -77,7 +78,8 @@ def chunk_means(
     counted = action_mask & (chunk_ids >= 0)
     index = chunk_ids.clamp(min=0)
     b = x.shape[0]
-    sums = torch.zeros(b, num_chunks, dtype=torch.float32).scatter_add_(1, index, torch.where(counted, x.float(), 0.0))
+    sums = torch.zeros(b, num_chunks, dtype=torch.float32).scatter_add_(1, index, torch.where(counted,
+                                                                                              x.float(), 0.0))
     counts = torch.zeros(b, num_chunks, dtype=torch.long).scatter_add_(1, index, counted.long())
     return torch.where(counts > 0, sums / counts.clamp(min=1), 0.0), counts
 

@@ -74,7 +74,7 @@ def clipped_td(
     weight_own_residual: bool = False,
     bootstrap_value: torch.Tensor | None = None,
 ) -> ClippedTDOutput:
-    """COPC's two-sided clipped-ratio weighted TD sums (spec 9.3, variants 9.4). [RECONSTRUCTED]
+    """COPC's two-sided clipped-ratio weighted TD sums (docs/formulas.md#r0, variants 9.4). [RECONSTRUCTED]
 
     ::
 
@@ -103,8 +103,10 @@ def clipped_td(
         raise ValueError(f"unknown trace {trace!r}; valid: none, vtrace, brace")
     if trace == "none" and low == high == 1.0:
         # rho~ = 1 everywhere: D and E are GAE (the window only moves weight-(rho~ - 1) = 0 terms), so the
-        # estimator IS async PPO's; computing it with gae() makes the degenerate check of spec 9.7 exact.
-        critic_gae = gae(rewards, values, action_mask, gamma=gamma, lam=lam_critic, bootstrap_value=bootstrap_value)
+        # estimator IS async PPO's; computing it with gae() makes the degenerate check of docs/formulas.md#r1
+        # exact.
+        critic_gae = gae(rewards, values, action_mask, gamma=gamma, lam=lam_critic,
+                         bootstrap_value=bootstrap_value)
         actor_gae = critic_gae if lam_actor == lam_critic else gae(
             rewards, values, action_mask, gamma=gamma, lam=lam_actor, bootstrap_value=bootstrap_value
         )
@@ -114,15 +116,18 @@ def clipped_td(
     if trace == "none" and advantage_window is None:  # token layout, no compaction when gamma * lam == 1
         weighted = log_w.exp_().clamp_(min=low, max=high).mul_(delta)  # rho~ delta, 0 off action tokens
         need_after = not weight_own_residual
-        d_sums = action_sums(weighted, action_mask, gamma * lam_critic, after=need_after and lam_actor == lam_critic)
-        e_sums = d_sums if lam_actor == lam_critic else action_sums(weighted, action_mask, gamma * lam_actor, after=need_after)
+        d_sums = action_sums(weighted, action_mask, gamma * lam_critic,
+                             after=need_after and lam_actor == lam_critic)
+        e_sums = d_sums if lam_actor == lam_critic else action_sums(weighted, action_mask, gamma * lam_actor,
+                                                                    after=need_after)
         del log_w, weighted  # fewer live [B, T] temporaries: see benchmarks/ops_bench.py on the allocator
         adv = e_sums.here if e_sums.after is None else e_sums.after.mul_(gamma * lam_actor).add_(delta)
         advantages = on_actions(action_mask, adv)  # before d_sums.here (maybe adv) is updated in place
         del delta, e_sums, adv
         return ClippedTDOutput(advantages, on_actions(action_mask, d_sums.here.add_(values)))
     pk = pack_td(delta, log_w, action_mask)
-    d_c, e_c = _clipped_compact(pk, gamma, lam_critic, lam_actor, low, high, trace, trace_low, trace_high, advantage_window)
+    d_c, e_c = _clipped_compact(pk, gamma, lam_critic, lam_actor, low, high, trace, trace_low, trace_high,
+                                advantage_window)
     adv_c = e_c if weight_own_residual else shift_left(e_c).mul_(gamma * lam_actor).add_(pk.delta)
     return ClippedTDOutput(unpack(adv_c, pk.cp), on_actions(action_mask, unpack(d_c, pk.cp) + values))
 
@@ -146,13 +151,14 @@ def _clipped_compact(
         d_c = discounted_reverse_cumsum(pk.delta, gamma * lam_c) + _windowed(extra, gamma * lam_c, window)
         if lam_a == lam_c:
             return d_c, d_c
-        return d_c, discounted_reverse_cumsum(pk.delta, gamma * lam_a) + _windowed(extra, gamma * lam_a, window)
+        return d_c, discounted_reverse_cumsum(pk.delta, gamma * lam_a) + _windowed(extra, gamma * lam_a,
+                                                                                   window)
     if trace_low is None or trace_high is None:
         raise ValueError(f"trace={trace!r} needs trace_low and trace_high (bounds on the ratio)")
     if not (trace_low <= low and trace_high <= high):
         warnings.warn(
             f"trace bounds [{trace_low}, {trace_high}] are not inside the advantage clip [{low}, {high}]: "
-            "c_t can exceed rho~_t (spec 9.4 asks trace_low <= low and trace_high <= high)",
+            "c_t can exceed rho~_t (docs/formulas.md#variants asks trace_low <= low and trace_high <= high)",
             stacklevel=3,
         )
     c = pk.weight.clamp(min=trace_low, max=trace_high)
@@ -167,7 +173,7 @@ def _clipped_compact(
 
 
 def _brace_excess(pk: PackedTD, rho: torch.Tensor, trace: torch.Tensor, gamma: float, k: int) -> torch.Tensor:
-    """BRACE ``V_targ(s_s) - V(s_s)`` on compact arrays (spec 10.2), ``j = min(s + k, T)``::
+    """BRACE ``V_targ(s_s) - V(s_s)`` on compact arrays (docs/formulas.md#brace), ``j = min(s + k, T)``::
 
         sum_{t=s}^{j-1} gamma^(t-s) P(s,t) rho_t delta_t + P(s,j) sum_{t=j}^{T} gamma^(t-s) delta_t
 
@@ -210,7 +216,7 @@ def brace(
     k: int,
     bootstrap_value: torch.Tensor | None = None,
 ) -> BraceOutput:
-    """BRACE capped, Monte-Carlo-anchored targets (arXiv 2609.09783; spec 10.2).
+    """BRACE capped, Monte-Carlo-anchored targets (arXiv 2609.09783; docs/formulas.md#brace).
 
     ::
 

@@ -93,12 +93,14 @@ def _ratio_of_clean(log_r: torch.Tensor) -> torch.Tensor:
 
 
 def _log_behaviour_ratio(x: CorrectedInputs, logp: torch.Tensor) -> torch.Tensor:
-    """``log(pi / mu)`` for ``logp`` = old_t (the behaviour ratio ``w``) or cur_t (``r``): detached, clamped."""
+    """``log(pi / mu)`` for ``logp`` = old_t (the behaviour ratio ``w``) or cur_t (``r``): detached,
+    clamped."""
     return log_ratio(at_least_float32(logp.detach()), at_least_float32(x.logp_behav.detach()), x.action_mask)
 
 
 def _band(
-    w: torch.Tensor, s: torch.Tensor, action_mask: torch.Tensor, *, low: float, high: float, mode: WeightMode, strict: bool
+    w: torch.Tensor, s: torch.Tensor, action_mask: torch.Tensor, *, low: float, high: float, mode: WeightMode,
+    strict: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`band_weight` from the ratios themselves (``w`` weight, ``s`` selection ratio, detached)."""
     keep = band_mask(s, action_mask, low=low, high=high)
@@ -117,11 +119,11 @@ def decoupled_ppo_loss(
     agg: AggSpec = TOKEN_MEAN,
     denominator: Denominator = "all",
 ) -> PolicyLossOutput:
-    """AReaL's decoupled objective (spec section 7): ``l_t = omega_t * PPOclip(exp(cur - old), A)``.
+    """AReaL's decoupled objective (docs/formulas.md#areal): ``l_t = omega_t * PPOclip(exp(cur - old), A)``.
 
     ``w_t = exp(old_t - mu_t)`` (detached). ``cap_mode="mask"`` (AReaL default): ``omega = w`` if
     ``w <= cap`` else 0 (masked tokens stay in the ``"all"`` denominator). ``cap_mode="clip"``:
-    ``omega = min(w, cap)``, truncated IS (TIS, Yao et al. 2025; spec section 8, ``cap`` = C = 2).
+    ``omega = min(w, cap)``, truncated IS (TIS, Yao et al. 2025; docs/formulas.md#masks, ``cap`` = C = 2).
     ``cap = inf``: the weight without a cap.
     """
     if cap <= 0:
@@ -132,7 +134,8 @@ def decoupled_ppo_loss(
         w = _ratio_of_clean(log_w)
         weight, keep = _band(w, w, x.action_mask, low=0.0, high=cap, mode="masked_is", strict=False)
     elif cap_mode == "clip":
-        weight = zero_where_not(x.action_mask, truncated_is(ratio_from_log(log_w, x.action_mask), x.action_mask, cap=cap))
+        weight = zero_where_not(x.action_mask, truncated_is(ratio_from_log(log_w, x.action_mask),
+                                                            x.action_mask, cap=cap))
         keep = x.action_mask
     else:
         raise ValueError(f"cap_mode must be 'mask' (AReaL) or 'clip' (TIS), got {cap_mode!r}")
@@ -153,7 +156,8 @@ def copc_policy_loss(
     agg: AggSpec = TOKEN_MEAN,
     denominator: Denominator = "all",
 ) -> PolicyLossOutput:
-    """COPC's token-level ratio masking on the clipped surrogate (spec 9.3, 9.4) [RECONSTRUCTED].
+    """COPC's token-level ratio masking on the clipped surrogate (docs/formulas.md#r0, #variants)
+    [RECONSTRUCTED].
 
     ``w_t = exp(old_t - mu_t)``; ``M_t = 1[mask_low <= s_t <= mask_high]`` with ``s_t = w_t``
     (``mask_source="step_start"``) or ``exp(cur_t - mu_t)`` detached (``"current"``, recomputed per
@@ -161,19 +165,22 @@ def copc_policy_loss(
     ``l_t = omega_t * max(-A*u, -A*clip(u, 1-eps_low, 1+eps_high))``, ``u = exp(cur - old)``.
     With ``current`` and ``masked_is``: ``omega_t * u_t = M_t * exp(cur_t - mu_t)``.
 
-    IcePop / masked IS (Ring-1T; spec section 8) is this loss with ``masked_is`` and the band
+    IcePop / masked IS (Ring-1T; docs/formulas.md#masks) is this loss with ``masked_is`` and the band
     ``[alpha, beta] = [0.5, 5]``, aggregated seq-mean-token-mean: its weight is ``k_t = w_t`` and its
     mask tests ``w_t`` (``step_start``, Ring-1T) or ``exp(cur_t - mu_t)`` (``current``, BRACE's IcePop
     baseline).
     """
     check_loss_inputs(x.action_mask, logp=x.logp, logp_old=x.logp_old, logp_behav=x.logp_behav)
     if mask_source not in ("step_start", "current"):
-        raise ValueError(f"mask_source must be 'step_start' (old/mu) or 'current' (cur/mu), got {mask_source!r}")
+        raise ValueError(
+            f"mask_source must be 'step_start' (old/mu) or 'current' (cur/mu), got {mask_source!r}")
     if weight_mode not in ("masked_is", "binary"):
-        raise ValueError(f"weight_mode must be 'masked_is' (omega = M*w) or 'binary' (omega = M), got {weight_mode!r}")
+        raise ValueError(
+            f"weight_mode must be 'masked_is' (omega = M*w) or 'binary' (omega = M), got {weight_mode!r}")
     w = _ratio_of_clean(_log_behaviour_ratio(x, x.logp_old))
     select = w if mask_source == "step_start" else _ratio_of_clean(_log_behaviour_ratio(x, x.logp))
-    weight, keep = _band(w, select, x.action_mask, low=mask_low, high=mask_high, mode=weight_mode, strict=False)
+    weight, keep = _band(w, select, x.action_mask, low=mask_low, high=mask_high, mode=weight_mode,
+                         strict=False)
     return weighted_ppo_loss(
         x.logp, x.logp_old, x.advantages, x.action_mask, weight=weight, keep=keep, clip=clip, agg=agg,
         denominator=denominator,
@@ -192,21 +199,24 @@ def behaviour_ppo_loss(
     agg: AggSpec = TOKEN_MEAN,
     denominator: Denominator = "all",
 ) -> PolicyLossOutput:
-    """PPO anchored on the behaviour policy, with a band mask on the same ratio (spec 3a, 9.7).
+    """PPO anchored on the behaviour policy, with a band mask on the same ratio (docs/formulas.md#async-ppo,
+    #r1).
 
     ``r_t = exp(cur_t - mu_t)``; ``M_t = 1[mask_low <= r_t <= mask_high]`` (detached, recomputed at
     every call, so it moves with ``cur`` during the update);
     ``l_t = M_t * max(-A*r, -A*clip(r, 1-eps_low, 1+eps_high))`` (dual clip as in :func:`clipped_surrogate`).
     The band ``[0, inf]`` keeps every action token and is async PPO 3a (verl bypass mode) bit for bit;
-    a finite band is COPC's behaviour-anchored policy channel R1 [RECONSTRUCTED, spec 9.7]. No
+    a finite band is COPC's behaviour-anchored policy channel R1 [RECONSTRUCTED, docs/formulas.md#r1]. No
     ``logp_old``: the trust region and the mask are both centred on mu.
     """
     check_loss_inputs(action_mask, logp=logp, logp_behav=logp_behav, advantages=advantages)
     if not 0.0 <= mask_low < mask_high:
-        raise ValueError(f"mask_low/mask_high need 0 <= low < high (inf allowed), got {mask_low}, {mask_high}")
+        raise ValueError(
+            f"mask_low/mask_high need 0 <= low < high (inf allowed), got {mask_low}, {mask_high}")
     keep = None
     if mask_low > 0.0 or mask_high < float("inf"):
-        r = _ratio_of_clean(log_ratio(at_least_float32(logp.detach()), at_least_float32(logp_behav.detach()), action_mask))
+        r = _ratio_of_clean(log_ratio(at_least_float32(logp.detach()), at_least_float32(logp_behav.detach()),
+                                      action_mask))
         keep = band_mask(r, action_mask, low=mask_low, high=mask_high)
     return weighted_ppo_loss(
         logp, logp_behav, advantages, action_mask, keep=keep, clip=clip, agg=agg, denominator=denominator
@@ -224,12 +234,12 @@ def dis_loss(
     agg: AggSpec = TOKEN_MEAN,
     denominator: Denominator = "all",
 ) -> PolicyLossOutput:
-    """SAO's direct double-sided IS (spec section 6): ``l_t = -M_t * r_t(theta) * A_t``, no PPO clip.
+    """SAO's direct double-sided IS (docs/formulas.md#sao): ``l_t = -M_t * r_t(theta) * A_t``, no PPO clip.
 
     ``r_t = exp(cur_t - mu_t)``; ``M_t = 1[mask_low < r_t < mask_high]`` (strict, detached). The
     gradient ``-M_t r_t A_t grad(cur_t)`` equals that of the paper's ``f(r) A log pi`` with ``f(r)``
-    read as a stop-gradient coefficient [interpretation, spec 13.7]. Defaults: band (0.7, 6.0). No
-    ``logp_old`` (so no :class:`CorrectedInputs`): the ratio is taken against mu alone.
+    read as a stop-gradient coefficient [interpretation, docs/formulas.md#disagreements]. Defaults: band (0.7,
+    6.0). No ``logp_old`` (so no :class:`CorrectedInputs`): the ratio is taken against mu alone.
     """
     check_loss_inputs(action_mask, logp=logp, logp_behav=logp_behav, advantages=advantages)
     log_r = log_ratio(at_least_float32(logp), at_least_float32(logp_behav.detach()), action_mask)

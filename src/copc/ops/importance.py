@@ -3,7 +3,8 @@
 Notation: ``B`` sequences, ``T`` tokens. ``action_mask: [B, T] bool`` is True on tokens the policy
 sampled. A log-ratio ``log_r = logp_other - logp_sample`` defines the ratio ``r = pi_other / pi_sample``
 of a policy ``pi_other`` (e.g. the proximal policy ``old``) to the policy that sampled the token
-(e.g. the behaviour policy ``mu``), so that ``E_sample[r] = 1`` (spec sections 0, 8, 9.5).
+(e.g. the behaviour policy ``mu``), so that ``E_sample[r] = 1`` (docs/formulas.md#notation, #masks,
+#one-step).
 
 All ratios are computed in float32 from a log-ratio clamped to +-``LOG_RATIO_CLAMP`` (verl clamps to
 +-20), so ``exp`` never overflows; outputs are 0 (log-ratio) or 1 (ratio) at positions outside
@@ -59,7 +60,8 @@ def log_ratio(
     return torch.where(action_mask, diff, torch.zeros_like(diff))
 
 
-def ratio_from_log(log_r: torch.Tensor, action_mask: torch.Tensor, *, clamp: float = LOG_RATIO_CLAMP) -> torch.Tensor:
+def ratio_from_log(log_r: torch.Tensor, action_mask: torch.Tensor, *,
+                   clamp: float = LOG_RATIO_CLAMP) -> torch.Tensor:
     """``exp(clamp(log_r))`` on action tokens, exactly 1 elsewhere. ``[B, T] float32``."""
     check_mask("action_mask", action_mask, log_r)
     log_r = at_least_float32(log_r)
@@ -88,8 +90,8 @@ def clip_ratio(ratio: torch.Tensor, action_mask: torch.Tensor, *, low: float, hi
 def band_mask(ratio: torch.Tensor, action_mask: torch.Tensor, *, low: float, high: float) -> torch.Tensor:
     """Token mask ``M_t = 1[low <= w_t <= high]`` (inclusive bounds, inf allowed) on action tokens.
 
-    Returns ``[B, T] bool``: True where the token is an action token inside the band (spec 9.3 ``M_t``);
-    False on non-action tokens. A NaN ratio is outside every band.
+    Returns ``[B, T] bool``: True where the token is an action token inside the band (docs/formulas.md#r0
+    ``M_t``); False on non-action tokens. A NaN ratio is outside every band.
     """
     check_bt("ratio", ratio)
     check_mask("action_mask", action_mask, ratio)
@@ -115,7 +117,7 @@ def sequence_band_mask(
     """Sequence mask from the geometric mean ``g_i = exp(mean_t log w_it)`` over action tokens (Geo-RS).
 
     Returns ``[B] bool``: True where ``low <= g_i <= high``. The geometric mean is length-invariant,
-    unlike the product (spec section 8). A row without action tokens is kept (True: nothing to
+    unlike the product (docs/formulas.md#masks). A row without action tokens is kept (True: nothing to
     reject). Broadcast to tokens with ``action_mask & keep[:, None]``.
     """
     _check_bounds(low, high, "sequence_band_mask")
@@ -206,7 +208,8 @@ def clip_fractions(
     _check_bounds(low, high, "clip_fractions")
     w = ratio.detach()
     count = action_mask.sum()
-    return ClipFractions(low=_fraction(w < low, action_mask, count), high=_fraction(w > high, action_mask, count))
+    return ClipFractions(low=_fraction(w < low, action_mask, count), high=_fraction(w > high, action_mask,
+                                                                                    count))
 
 
 def mean_abs_log_ratio(log_r: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
@@ -277,7 +280,8 @@ def importance_diagnostics(
     clip_high: float,
     keep_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """All ratio diagnostics of spec 9.5 step 6 as detached 0-d float32 tensors, keyed by metric name.
+    """All ratio diagnostics of docs/formulas.md#one-step step 6 as detached 0-d float32 tensors, keyed by
+    metric name.
 
     Args:
         log_r: ``[B, T] float32`` log-ratio ``log(pi_other / pi_sample)`` (e.g. ``old - mu``).

@@ -55,7 +55,8 @@ class AggSpec(NamedTuple):
     def reduce(self, loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """:func:`agg_loss` of ``loss`` over ``mask`` with this spec."""
         return agg_loss(
-            loss, mask, self.mode, num_tokens=self.num_tokens, num_seqs=self.num_seqs, norm_length=self.norm_length
+            loss, mask, self.mode, num_tokens=self.num_tokens, num_seqs=self.num_seqs,
+            norm_length=self.norm_length
         )
 
 
@@ -123,7 +124,7 @@ def masked_whiten(
 
     That is ``(x - m) / max(sqrt(v + eps), std_floor)``: with a floor, a batch whose advantages barely
     vary (every reward equal, only critic noise left) is not blown up to unit scale. Statistics come
-    from every masked-in token of the tensor (the whole step's batch: spec 9.3); the result is 0 at
+    from every masked-in token of the tensor (the whole step's batch: docs/formulas.md#r0); the result is 0 at
     masked-out positions. ``shift_mean=False`` only rescales. ``std_floor = 0``: plain whitening.
     """
     check_mask("mask", mask, values)
@@ -137,7 +138,8 @@ def masked_whiten(
 
 
 def normalize_advantages(
-    values: torch.Tensor, mask: torch.Tensor, *, mode: AdvantageNorm, std_floor: float = 0.0, eps: float = 1e-8
+    values: torch.Tensor, mask: torch.Tensor, *, mode: AdvantageNorm, std_floor: float = 0.0,
+    eps: float = 1e-8
 ) -> torch.Tensor:
     """Advantage normalisation over the masked-in tokens (the step's batch). ``[B, T]`` in and out.
 
@@ -170,7 +172,7 @@ def agg_loss(
     num_seqs: float | torch.Tensor | None = None,
     norm_length: float | None = None,
 ) -> torch.Tensor:
-    """The one loss aggregator (verl ``agg_loss``; spec section 0).
+    """The one loss aggregator (verl ``agg_loss``; docs/formulas.md#notation).
 
     Args:
         loss: ``[B, T] float32`` per-token loss.

@@ -1,6 +1,6 @@
 """Actor (policy-channel) losses without a behaviour correction, and the one PPO formula they all share.
 
-Notation (spec/algorithms.md section 0): ``B`` sequences, ``T`` tokens; all tensors ``[B, T]``.
+Notation (docs/formulas.md#notation): ``B`` sequences, ``T`` tokens; all tensors ``[B, T]``.
 ``logp`` = cur_t (pi_theta, carries the gradient), ``logp_old`` = old_t (trainer forward at the step
 start), ``logp_behav`` = mu_t (the sampler's log-probs), ``advantages`` = A_t (constants),
 ``action_mask: bool`` True on the tokens the policy sampled. Ratios::
@@ -132,7 +132,7 @@ def _check_clip(clip: ClipSpec) -> None:
 def clipped_surrogate(
     log_u: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor, *, clip: ClipSpec
 ) -> SurrogateTerms:
-    """PPO's clipped term with clip-higher and optional dual clip (spec section 2; verl).
+    """PPO's clipped term with clip-higher and optional dual clip (docs/formulas.md#ppo; verl).
 
     ``l = max(-A*u, -A*clip(u, 1-eps_low, 1+eps_high))``; for ``A < 0`` with ``c_dual`` set,
     ``l = min(l, -A*c_dual)`` (Ye et al. 2020 dual clip). ``u = exp(clamp(log_u, +-20))``.
@@ -187,9 +187,11 @@ def policy_stats(
 
 
 def aggregate_policy_loss(
-    per_token: torch.Tensor, action_mask: torch.Tensor, keep: torch.Tensor, *, agg: AggSpec, denominator: Denominator
+    per_token: torch.Tensor, action_mask: torch.Tensor, keep: torch.Tensor, *, agg: AggSpec,
+    denominator: Denominator
 ) -> torch.Tensor:
-    """:func:`~copc.ops.masked.agg_loss` over the denominator's tokens: all action tokens, or the kept ones."""
+    """:func:`~copc.ops.masked.agg_loss` over the denominator's tokens: all action tokens, or the kept
+    ones."""
     if denominator not in ("all", "kept"):
         raise ValueError(f"denominator must be 'all' (AReaL) or 'kept' (verl/slime), got {denominator!r}")
     return agg.reduce(per_token, action_mask if denominator == "all" else keep)
@@ -221,7 +223,8 @@ def weighted_ppo_loss(
         agg: the aggregation and the GLOBAL counts of the minibatch (:class:`~copc.ops.masked.AggSpec`).
         denominator: ``"all"`` action tokens (default) or only ``"kept"`` ones.
     """
-    check_loss_inputs(action_mask, logp=logp, logp_old=logp_old, advantages=advantages, weight=weight, keep=keep)
+    check_loss_inputs(action_mask, logp=logp, logp_old=logp_old, advantages=advantages, weight=weight,
+                      keep=keep)
     _check_clip(clip)
     keep_ = action_mask if keep is None else action_mask & keep
     log_u = log_ratio(at_least_float32(logp), at_least_float32(logp_old.detach()), action_mask)
@@ -244,7 +247,7 @@ def ppo_clip_loss(
     clip: ClipSpec = PPO_CLIP,
     agg: AggSpec = TOKEN_MEAN,
 ) -> PolicyLossOutput:
-    """PPO clip (spec section 2; async PPO 3b when ``logp_old`` is recomputed on stale data).
+    """PPO clip (docs/formulas.md#ppo; async PPO 3b when ``logp_old`` is recomputed on stale data).
 
     ``l_t = max(-A*u, -A*clip(u, 1-eps_low, 1+eps_high))``, ``u = exp(cur - old)``; dual clip
     ``min(l, -A*c_dual)`` for ``A < 0``. Arguments as in :func:`weighted_ppo_loss`. Async PPO 3a
@@ -259,7 +262,7 @@ def pg_loss(
 ) -> PolicyLossOutput:
     """Plain policy gradient with a detached coefficient: ``l_t = -sg(A_t) * cur_t``.
 
-    For V-trace (spec section 4) ``A_t`` is ``pg_advantage = rho^pg_t (r_t + gamma v_{t+1} - V_t)``,
+    For V-trace (docs/formulas.md#v-trace) ``A_t`` is ``pg_advantage = rho^pg_t (r_t + gamma v_{t+1} - V_t)``,
     the truncated IS weight already inside it.
     """
     check_loss_inputs(action_mask, logp=logp, advantages=advantages)
@@ -268,4 +271,5 @@ def pg_loss(
     per_token = zero_where_not(action_mask, -adv * cur)
     loss = agg.reduce(per_token, action_mask)
     ones = zero_where_not(action_mask, torch.ones_like(adv))
-    return PolicyLossOutput(loss, per_token, policy_stats(None, None, ones, action_mask, action_mask), action_mask)
+    return PolicyLossOutput(loss, per_token, policy_stats(None, None, ones, action_mask, action_mask),
+                            action_mask)

@@ -125,7 +125,8 @@ def reverse_linear_scan(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
 
 def check_float32(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32 (cast with .float() before the advantage channel), got {tensor.dtype}")
+        raise TypeError(
+            f"{name} must be float32 (cast with .float() before the advantage channel), got {tensor.dtype}")
 
 
 def on_actions(action_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -133,8 +134,10 @@ def on_actions(action_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(action_mask, x, 0.0)
 
 
-def next_action_values(values: torch.Tensor, action_mask: torch.Tensor, terminal: torch.Tensor) -> torch.Tensor:
-    """``V(s_next(t))`` on action tokens: ``values`` at the first action token after ``t``, else ``terminal[b]``.
+def next_action_values(values: torch.Tensor, action_mask: torch.Tensor,
+                       terminal: torch.Tensor) -> torch.Tensor:
+    """``V(s_next(t))`` on action tokens: ``values`` at the first action token after ``t``, else
+    ``terminal[b]``.
 
     No compaction. Flip time (flipped position ``q`` is time ``T - 1 - q``) and shift by one: the latest
     True at or before ``q`` is then the first action token after ``t``, found as the running arg-max of
@@ -181,7 +184,8 @@ def td_residuals(
         terminal = values.new_zeros(values.shape[0])
     else:
         if bootstrap_value.shape != rewards.shape[:1]:
-            raise ValueError(f"bootstrap_value must be [B] = {tuple(rewards.shape[:1])}, got {tuple(bootstrap_value.shape)}")
+            raise ValueError(f"bootstrap_value must be [B] = {tuple(rewards.shape[:1])}, got "
+                             f"{tuple(bootstrap_value.shape)}")
         check_float32("bootstrap_value", bootstrap_value)
         terminal = bootstrap_value
     value_next = next_action_values(values, action_mask, terminal)
@@ -200,7 +204,8 @@ class ActionSums(NamedTuple):
     after: torch.Tensor | None  # [B, T] y at the next action token after t (0 after the last), if asked
 
 
-def action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float, *, after: bool = False) -> ActionSums:
+def action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float, *,
+                after: bool = False) -> ActionSums:
     """Discounted reverse sums over action tokens: ``y_t = x_t + discount * y_{next(t)}``, token layout.
 
     ``x: [B, T]`` must be exactly 0 off action tokens. ``discount == 1``: a zero changes no sum, so
@@ -213,7 +218,8 @@ def action_sums(x: torch.Tensor, action_mask: torch.Tensor, discount: float, *, 
         prefix = torch.cumsum(x, dim=1)
         total = prefix[:, -1:].clone()
         here = torch.sub(x, prefix).add_(total)
-        return ActionSums(here, prefix.neg_().add_(total) if after else None)  # own temporary: sum_{u > t} x_u
+        # own temporary: sum_{u > t} x_u
+        return ActionSums(here, prefix.neg_().add_(total) if after else None)
     # A lean :func:`compact_actions` (entries off action tokens are unspecified here): only the int32
     # running count stays alive across the scan, to keep the heap small.
     length = x.shape[1]
@@ -252,7 +258,8 @@ def compact_actions(action_mask: torch.Tensor) -> tuple[Compaction, torch.Tensor
     dest = torch.where(action_mask, cum - 1, length).long()
     pos = cum.sub_(1).clamp_(min=0).long()  # own temporary (count is read below: a separate copy)
     slots = torch.arange(length, device=action_mask.device, dtype=torch.int32)[None, :]
-    return Compaction(pos, slots < n_actions, slots == n_actions - 1, ~action_mask, n_actions[:, 0].long()), dest
+    return Compaction(pos, slots < n_actions, slots == n_actions - 1, ~action_mask,
+                      n_actions[:, 0].long()), dest
 
 
 def pack(x: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
@@ -282,7 +289,8 @@ def pack_td(delta: torch.Tensor, log_w: torch.Tensor, action_mask: torch.Tensor)
     return PackedTD(cp, pack(delta, dest), pack(log_w, dest).exp_())
 
 
-def truncated_traces(pk: PackedTD, *, lam: float, rho_bar: float, c_bar: float) -> tuple[torch.Tensor, torch.Tensor]:
+def truncated_traces(pk: PackedTD, *, lam: float, rho_bar: float,
+                     c_bar: float) -> tuple[torch.Tensor, torch.Tensor]:
     """IMPALA's truncated weights on the compact ratios (V-trace, BRACE): ``(rho, c)`` with
     ``rho_j = min(rho_bar, w_j)`` and the trace ``c_j = lam * min(c_bar, w_j)``."""
     return pk.weight.clamp(max=rho_bar), lam * pk.weight.clamp(max=c_bar)

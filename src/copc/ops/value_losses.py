@@ -3,7 +3,7 @@
 Notation: ``B`` sequences, ``T`` tokens; ``values = V_phi(s_t)`` (with gradient), ``values_old`` =
 the pre-update values the targets were built from (V_old), ``returns = G_t`` (critic target,
 constants), ``action_mask: [B, T] bool`` (policy tokens; the critic is never masked by a policy-channel
-correction, spec 9.3). Spec section 2 / verl ``compute_value_loss``::
+correction, docs/formulas.md#r0). docs/formulas.md#ppo / verl ``compute_value_loss``::
 
     V_clip = V_old + clip(V_phi - V_old, -eps_v, +eps_v)
     l_t    = max(f(V_phi - G), f(V_clip - G))         (value clipping; eps_v = None -> l_t = f(V_phi - G))
@@ -12,7 +12,8 @@ correction, spec 9.3). Spec section 2 / verl ``compute_value_loss``::
 
 Aggregated with :func:`copc.ops.masked.agg_loss` through an :class:`~copc.ops.masked.AggSpec`
 (token-mean over all policy tokens by default; give the GLOBAL minibatch count under gradient
-accumulation). :func:`explained_variance` is the one definition of the critic's explained variance. Pure: no ``.item()``, no in-place writes.
+accumulation). :func:`explained_variance` is the one definition of the critic's explained variance. Pure: no
+``.item()``, no in-place writes.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class ValueLossOutput(NamedTuple):
     stats: dict[str, torch.Tensor]
 
 
-def value_penalty(diff: torch.Tensor, *, kind: ValuePenalty = "mse", huber_delta: float = 1.0) -> torch.Tensor:
+def value_penalty(diff: torch.Tensor, *, kind: ValuePenalty = "mse",
+                  huber_delta: float = 1.0) -> torch.Tensor:
     """Elementwise ``f(d)``: ``d^2/2`` (``mse``) or the Huber loss with threshold ``huber_delta``."""
     if kind == "mse":
         return 0.5 * diff * diff
@@ -72,7 +74,8 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.
     check_mask("mask", mask, returns)
     g = returns.detach().to(torch.float32)
     var_g = masked_var(g, mask)
-    explained = 1.0 - masked_var(g - values.detach().to(torch.float32), mask) / var_g.clamp(min=EXPLAINED_VAR_MIN_VAR)
+    explained = 1.0 - masked_var(g - values.detach().to(torch.float32),
+                                 mask) / var_g.clamp(min=EXPLAINED_VAR_MIN_VAR)
     return torch.where(var_g > EXPLAINED_VAR_MIN_VAR, explained, torch.zeros_like(explained))
 
 
@@ -134,7 +137,7 @@ def clipped_value_loss(
 def mse_value_loss(
     values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor, *, agg: AggSpec = TOKEN_MEAN
 ) -> ValueLossOutput:
-    """Unclipped ``1/2 agg((V - G)^2)`` (IMPALA's baseline loss, spec section 4)."""
+    """Unclipped ``1/2 agg((V - G)^2)`` (IMPALA's baseline loss, docs/formulas.md#v-trace)."""
     return clipped_value_loss(values, None, returns, action_mask, clip_eps=None, agg=agg)
 
 
@@ -147,4 +150,5 @@ def huber_value_loss(
     agg: AggSpec = TOKEN_MEAN,
 ) -> ValueLossOutput:
     """Unclipped Huber loss ``agg(huber_delta(V - G))``."""
-    return clipped_value_loss(values, None, returns, action_mask, clip_eps=None, kind="huber", huber_delta=huber_delta, agg=agg)
+    return clipped_value_loss(values, None, returns, action_mask, clip_eps=None, kind="huber",
+                              huber_delta=huber_delta, agg=agg)
