@@ -3,8 +3,9 @@
 :class:`AdvantageChannelConfig` names a registered estimator (gae, vtrace, clipped_td, brace, group)
 and its parameters; :func:`compute_advantages` folds rewards onto action tokens, runs the estimator
 once per step on the whole batch, normalises the advantages as configured (whiten | scale | center |
-none, with an optional std floor) and returns them with the critic targets and diagnostics. The config, the registry and its entries live together here, so
-building a config always validates against the full registry. Re-exported by :mod:`copc.channels`.
+none, with an optional std floor) and returns them with the critic targets and diagnostics. The config, the
+registry and its entries live together here, so building a config always validates against the full registry.
+Re-exported by :mod:`copc.channels`.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ _TRACES = ("none", "vtrace", "brace")
 
 @dataclass(frozen=True)
 class AdvantageChannelConfig:
-    """Advantage / critic-target estimator and its parameters (spec 2, 4, 5, 9.3, 9.4, 10.2)."""
+    """Advantage / critic-target estimator and its parameters (docs/formulas.md#ppo, #v-trace, #dapo, #r0,
+    #variants, #brace)."""
 
     estimator: str = "gae"
     """Registered estimator: gae, vtrace, clipped_td (COPC), brace, group, mc_oracle (Monte-Carlo oracle)."""
@@ -164,11 +166,13 @@ class AdvantageChannelConfig:
                 f"got {self.trace_low}, {self.trace_high}"
             )
         if self.trace == "vtrace" and self.advantage_window is not None:
-            raise ValueError("advantage.advantage_window needs trace='none' or 'brace'; set it to None for trace='vtrace'")
+            raise ValueError(
+                "advantage.advantage_window needs trace='none' or 'brace'; set it to None for trace='vtrace'")
         if self.trace == "brace" and self.advantage_window is None:
             raise ValueError("advantage.trace='brace' needs advantage_window = k (e.g. 100)")
         if self.advantage_window is not None and self.advantage_window < 0:
-            raise ValueError(f"advantage.advantage_window must be >= 0 or None (infinite), got {self.advantage_window}")
+            raise ValueError(
+                f"advantage.advantage_window must be >= 0 or None (infinite), got {self.advantage_window}")
         for name in ("rho_bar", "c_bar", "pg_rho_bar"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"advantage.{name} must be > 0, got {getattr(self, name)}")
@@ -177,12 +181,14 @@ class AdvantageChannelConfig:
         check_one_of("advantage.group_mode", self.group_mode, ("grpo", "drgrpo", "rloo"))
         check_one_of("advantage.normalize", self.normalize, ADVANTAGE_NORMS)
         if not self.std_floor >= 0:
-            raise ValueError(f"advantage.std_floor must be >= 0 (0 = no floor, e.g. 0.1), got {self.std_floor}")
+            raise ValueError(
+                f"advantage.std_floor must be >= 0 (0 = no floor, e.g. 0.1), got {self.std_floor}")
         if not self.group_eps > 0:
             raise ValueError(f"advantage.group_eps must be > 0, got {self.group_eps}")
         if self.whiten and ADVANTAGE_ESTIMATORS.get(self.estimator).group_normalised:
             raise ValueError(
-                f"advantage.estimator={self.estimator!r} is already group-normalised; set advantage.whiten=False"
+                f"advantage.estimator={self.estimator!r} is already "
+                "group-normalised; set advantage.whiten=False"
             )
 
     @property
@@ -223,13 +229,15 @@ def _off_policy(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return x.rewards, x.values, x.log_w, x.action_mask
 
 
-@_estimator("gae", needs_critic=True, needs_log_w=False, doc="GAE(gamma, lambda), decoupled lambda_c / lambda_a")
+@_estimator("gae", needs_critic=True, needs_log_w=False,
+            doc="GAE(gamma, lambda), decoupled lambda_c / lambda_a")
 def _gae(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     values = x.values
     assert values is not None
 
     def run(lam: float) -> GAEOutput:
-        return gae(x.rewards, values, x.action_mask, gamma=cfg.gamma, lam=lam, bootstrap_value=x.bootstrap_value)
+        return gae(x.rewards, values, x.action_mask, gamma=cfg.gamma, lam=lam,
+                   bootstrap_value=x.bootstrap_value)
 
     critic = run(cfg.lam_critic)
     if cfg.lam_actor == cfg.lam_critic:
@@ -237,7 +245,8 @@ def _gae(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     return Estimate(run(cfg.lam_actor).advantages, critic.returns)
 
 
-@_estimator("vtrace", needs_critic=True, needs_log_w=True, doc="V-trace targets vs and pg advantages (pi = old)")
+@_estimator("vtrace", needs_critic=True, needs_log_w=True,
+            doc="V-trace targets vs and pg advantages (pi = old)")
 def _vtrace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     out = vtrace(
         *_off_policy(x), gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar, c_bar=cfg.c_bar,
@@ -246,10 +255,12 @@ def _vtrace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     return Estimate(out.pg_td, out.vs, out.pg_rho)
 
 
-@_estimator("clipped_td", needs_critic=True, needs_log_w=True, doc="COPC two-sided clipped-ratio weighted TD sums")
+@_estimator("clipped_td", needs_critic=True, needs_log_w=True,
+            doc="COPC two-sided clipped-ratio weighted TD sums")
 def _clipped_td(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     out = clipped_td(
-        *_off_policy(x), gamma=cfg.gamma, lam_critic=cfg.lam_critic, lam_actor=cfg.lam_actor, low=cfg.ratio_low,
+        *_off_policy(x), gamma=cfg.gamma, lam_critic=cfg.lam_critic, lam_actor=cfg.lam_actor,
+        low=cfg.ratio_low,
         high=cfg.ratio_high, trace=cfg.trace, trace_low=cfg.trace_low, trace_high=cfg.trace_high,
         advantage_window=cfg.advantage_window, weight_own_residual=cfg.weight_own_residual,
         bootstrap_value=x.bootstrap_value,
@@ -260,25 +271,29 @@ def _clipped_td(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
 @_estimator("brace", needs_critic=True, needs_log_w=True, doc="BRACE k-capped, Monte-Carlo-anchored targets")
 def _brace(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     out = brace(
-        *_off_policy(x), gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar, c_bar=cfg.c_bar, k=cfg.brace_k,
+        *_off_policy(x), gamma=cfg.gamma, lam=cfg.lam_critic, rho_bar=cfg.rho_bar, c_bar=cfg.c_bar,
+        k=cfg.brace_k,
         bootstrap_value=x.bootstrap_value,
     )
     return Estimate(out.advantages, out.returns)
 
 
-@_estimator("group", needs_critic=False, needs_log_w=False, group=True, doc="group-relative sequence advantages (GRPO/Dr.GRPO/RLOO)")
+@_estimator("group", needs_critic=False, needs_log_w=False, group=True,
+            doc="group-relative sequence advantages (GRPO/Dr.GRPO/RLOO)")
 def _group(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     if x.scores is None or x.group_ids is None:
         raise ValueError("advantage.estimator='group' needs scores [B] and group_ids [B]; pass both")
     per_seq = group_advantages(x.scores, x.group_ids, mode=cfg.group_mode, eps=cfg.group_eps)
-    return Estimate(broadcast_to_tokens(per_seq, x.action_mask), broadcast_to_tokens(x.scores.float(), x.action_mask))
+    return Estimate(broadcast_to_tokens(per_seq, x.action_mask), broadcast_to_tokens(x.scores.float(),
+                                                                                     x.action_mask))
 
 
 @_estimator("mc_oracle", needs_critic=False, needs_log_w=False, oracle=True,
             doc="the current policy's chunk advantages from Monte-Carlo continuations (copc.rollout.oracle)")
 def _mc_oracle(cfg: AdvantageChannelConfig, x: AdvantageInputs) -> Estimate:
     if x.oracle is None:
-        raise ValueError("advantage.estimator='mc_oracle' needs the oracle's advantages with the batch; the run "
+        raise ValueError(
+            "advantage.estimator='mc_oracle' needs the oracle's advantages with the batch; the run "
                          "computes them when the method's estimator is mc_oracle (oracle.samples >= 1)")
     returns = torch.where(x.action_mask, discounted_reverse_cumsum(x.rewards, 1.0), 0.0)  # reward-to-go
     return Estimate(torch.where(x.action_mask, x.oracle.float(), 0.0), returns)
@@ -300,7 +315,7 @@ def compute_advantages(
     """Advantages and critic targets for the whole step's batch, computed once before the update.
 
     Args:
-        rewards: ``[B, T] float32`` token rewards; folded onto action tokens here (spec section 0).
+        rewards: ``[B, T] float32`` token rewards; folded onto action tokens here (docs/formulas.md#notation).
         values: ``[B, T] float32`` pre-update V(s_t) (None only for estimators without a critic).
         log_w: ``[B, T] float32`` ``old - mu`` (None only for estimators that do not read it).
         action_mask: ``[B, T] bool``.
@@ -334,7 +349,8 @@ def compute_advantages(
     }
     if log_w is not None:
         stats |= importance_diagnostics(log_w, counted, clip_low=cfg.ratio_low, clip_high=cfg.ratio_high)
-    advantages = normalize_advantages(est.advantages, counted, mode=cfg.normalization, std_floor=cfg.std_floor)
+    advantages = normalize_advantages(est.advantages, counted, mode=cfg.normalization,
+                                      std_floor=cfg.std_floor)
     if est.is_weight is not None:
         advantages = est.is_weight * advantages
     return AdvantageResult(advantages.detach(), est.returns.detach(), stats)

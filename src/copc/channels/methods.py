@@ -1,6 +1,6 @@
 """Named method presets: each is a policy channel + an advantage channel + an optional critic.
 
-Presets are plain frozen configs (spec/algorithms.md sections 2-10, table 9.6; docs/algorithms.md has
+Presets are plain frozen configs (docs/formulas.md, table 9.6; docs/algorithms.md has
 the formulas as implemented). Get one by name and override any field with ``dataclasses.replace``::
 
     from dataclasses import replace
@@ -46,9 +46,11 @@ class MethodConfig:
     doc: str = ""
     """One paragraph: what the preset reproduces and from where."""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling on the rollout side (copc.rollout.generator); ``rollout.dynamic_sampling.enabled`` wins when set."""
+    """DAPO dynamic sampling on the rollout side (copc.rollout.generator);
+    ``rollout.dynamic_sampling.enabled`` wins when set."""
     overlong_shaping: bool = False
-    """DAPO soft overlong punishment of the reward (copc.rewards.shaping); ``rollout.overlong.enabled`` wins when set."""
+    """DAPO soft overlong punishment of the reward (copc.rewards.shaping); ``rollout.overlong.enabled`` wins
+    when set."""
 
     def __post_init__(self) -> None:
         if self.advantage.needs_critic and self.critic is None:
@@ -58,13 +60,14 @@ class MethodConfig:
             )
         if not self.advantage.needs_critic and self.critic is not None:
             raise ValueError(
-                f"method {self.name!r}: advantage.estimator={self.advantage.estimator!r} does not use a critic; "
-                "set critic=None"
+                f"method {self.name!r}: advantage.estimator={self.advantage.estimator!r} "
+                "does not use a critic; set critic=None"
             )
 
     @property
     def needs_old_forward(self) -> bool:
-        """True if the step needs ``logp_old`` (one no-grad actor forward): for the loss or the ratio ``w``."""
+        """True if the step needs ``logp_old`` (one no-grad actor forward): for the loss or the ratio
+        ``w``."""
         return self.policy.needs_old_forward or self.advantage.needs_old_forward
 
     @property
@@ -96,7 +99,8 @@ _CRITIC = CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=1, warmup_step
 def _ppo_policy(objective: str) -> PolicyChannelConfig:
     """The PPO policy channel of ppo / async_ppo / async_ppo_recompute: clip-higher 0.2 / 0.28, dual clip 3,
     4 minibatches; they differ only in what the ratio is taken against (``objective``)."""
-    return PolicyChannelConfig(objective=objective, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, minibatches=4)
+    return PolicyChannelConfig(objective=objective, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0,
+                               minibatches=4)
 
 
 
@@ -107,7 +111,8 @@ def _ppo() -> MethodConfig:
         _ppo_policy("ppo"),
         _GAE,
         _CRITIC,
-        "Synchronous PPO + GAE with a value model (spec 2; verl compute_policy_loss_vanilla, dual clip 3).",
+        "Synchronous PPO + GAE with a value model (docs/formulas.md#ppo; "
+        "verl compute_policy_loss_vanilla, dual clip 3).",
     )
 
 
@@ -118,7 +123,8 @@ def _async_ppo() -> MethodConfig:
         _ppo_policy("bypass_ppo"),
         _GAE,
         _CRITIC,
-        "Async PPO 3a: clip on exp(cur - mu), no old forward, GAE on stale data (spec 3a; verl bypass).",
+        "Async PPO 3a: clip on exp(cur - mu), no old forward, GAE "
+        "on stale data (docs/formulas.md#async-ppo; verl bypass).",
     )
 
 
@@ -129,7 +135,8 @@ def _async_ppo_recompute() -> MethodConfig:
         _ppo_policy("ppo"),
         _GAE,
         _CRITIC,
-        "Async PPO 3b: old recomputed at the step start, clip on exp(cur - old), mu never used (spec 3b).",
+        "Async PPO 3b: old recomputed at the step start, clip on exp(cur - old), mu never used "
+        "(docs/formulas.md#async-ppo).",
     )
 
 
@@ -140,7 +147,8 @@ def _vtrace() -> MethodConfig:
         PolicyChannelConfig(objective="pg", minibatches=1),
         AdvantageChannelConfig(estimator="vtrace", rho_bar=1.0, c_bar=1.0, pg_rho_bar=1.0, whiten=True),
         CriticConfig(loss="mse", clip_eps=None, updates_per_step=1, warmup_steps=5),
-        "IMPALA V-trace with pi = old: -sg(A_pg) log pi, critic 1/2 (vs - V)^2, one minibatch (spec 4).",
+        "IMPALA V-trace with pi = old: -sg(A_pg) log pi, critic 1/2 (vs - V)^2, one minibatch "
+        "(docs/formulas.md#v-trace).",
     )
 
 
@@ -154,7 +162,8 @@ def _dapo() -> MethodConfig:
         dynamic_sampling=True,
         overlong_shaping=True,
         doc="DAPO: clip-higher 0.2/0.28, group z-scores, token-mean, 16 minibatches, dynamic sampling (equal-"
-        "reward groups dropped and resampled) and the soft overlong penalty (spec 5; verl adds dual clip 3).",
+        "reward groups dropped and resampled) and the soft overlong "
+        "penalty (docs/formulas.md#dapo; verl adds dual clip 3).",
     )
 
 
@@ -165,8 +174,8 @@ def _sao() -> MethodConfig:
         PolicyChannelConfig(objective="dis", mask_low=0.7, mask_high=6.0, minibatches=4),
         _GAE,
         CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=2, warmup_steps=10),
-        "SAO: DIS -M r A with r = cur/mu in (0.7, 6) strict, skip-observation GAE, K_critic = 2 (spec 6). "
-        "Length-adaptive lambda_actor is not implemented (lambda_a = 1).",
+        "SAO: DIS -M r A with r = cur/mu in (0.7, 6) strict, skip-observation GAE, K_critic = 2 "
+        "(docs/formulas.md#sao). Length-adaptive lambda_actor is not implemented (lambda_a = 1).",
     )
 
 
@@ -183,7 +192,8 @@ def _areal() -> MethodConfig:
         _GROUP,
         None,
         doc="AReaL paper: decoupled objective exp(old - mu) (masked above 5) times PPO clip 0.2 on cur/old, "
-        "4 minibatches, critic-free group-normalised advantages, gamma = lambda = 1 (spec 7). Not AReaL-code's "
+        "4 minibatches, critic-free group-normalised advantages, gamma = lambda = 1 "
+        "(docs/formulas.md#areal). Not AReaL-code's "
         "rejection_sampling=None (no weight).",
     )
 
@@ -195,8 +205,10 @@ def _areal_critic() -> MethodConfig:
         _AREAL_POLICY,
         _GAE,
         _CRITIC,
-        doc="AReaL's decoupled objective (as areal) with a value model and GAE (gamma = lambda = 1, value clip "
-        "0.5) instead of group advantages: AReaL's code supports a critic; its paper ran without one (spec 7).",
+        doc="AReaL's decoupled objective (as areal) with a value model and GAE (gamma = lambda = 1, value "
+            "clip "
+        "0.5) instead of group advantages: AReaL's code supports a critic; its paper ran without one "
+        "(docs/formulas.md#areal).",
     )
 
 
@@ -205,12 +217,13 @@ def _icepop() -> MethodConfig:
     return MethodConfig(
         "icepop",
         PolicyChannelConfig(
-            objective="icepop", mask_low=0.5, mask_high=5.0, mask_source="step_start", loss_agg="seq-mean-token-mean", minibatches=4
+            objective="icepop", mask_low=0.5, mask_high=5.0, mask_source="step_start",
+            loss_agg="seq-mean-token-mean", minibatches=4
         ),
         _GROUP,
         None,
         "IcePop (Ring-1T): k = old/mu kept in [0.5, 5] times PPO clip, group advantages, "
-        "seq-mean-token-mean (spec 8); mask_source='current' gives BRACE's cur/mu baseline.",
+        "seq-mean-token-mean (docs/formulas.md#masks); mask_source='current' gives BRACE's cur/mu baseline.",
     )
 
 
@@ -222,12 +235,12 @@ def _brace() -> MethodConfig:
         AdvantageChannelConfig(estimator="brace", rho_bar=1.2, c_bar=1.1, brace_k=100, whiten=True),
         CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=1, warmup_steps=5),
         "BRACE: k = 100 capped, MC-anchored critic targets (rho_bar 1.2, c_bar 1.1), PPO clip 0.2/0.28, "
-        "1 minibatch, value clip 0.5 (spec 10.2).",
+        "1 minibatch, value clip 0.5 (docs/formulas.md#brace).",
     )
 
 
-# COPC, two readings of "token-level ratio masking" (spec 9.3 vs 9.7). Both keep the same advantage channel
-# (two-sided clipped-ratio weighted TD residuals, clip(old/mu, 0.8, 1.2), k_A = inf) and critic.
+# COPC, two readings of "token-level ratio masking" (docs/formulas.md#r0 vs 9.7). Both keep the same advantage
+# channel (two-sided clipped-ratio weighted TD residuals, clip(old/mu, 0.8, 1.2), k_A = inf) and critic.
 _COPC_ADVANTAGE = AdvantageChannelConfig(
     estimator="clipped_td", ratio_low=0.8, ratio_high=1.2, trace="none", advantage_window=None, whiten=True
 )
@@ -248,8 +261,9 @@ def _copc_proximal() -> MethodConfig:
         ),
         _COPC_ADVANTAGE,
         _CRITIC,
-        "COPC, proximal reading R0 [RECONSTRUCTED, spec 9.3]: omega = M w with M = 1[0.5 <= old/mu <= 2] on PPO "
-        "clip 0.2/0.28 centred on old; advantages and targets from TD residuals weighted by clip(old/mu, 0.8, 1.2).",
+        "COPC, proximal reading R0 [RECONSTRUCTED, docs/formulas.md#r0]: omega = M w with M = 1[0.5 <= "
+        "old/mu <= 2] on PPO clip 0.2/0.28 centred on old; advantages and targets from TD residuals weighted "
+        "by clip(old/mu, 0.8, 1.2).",
     )
 
 
@@ -261,9 +275,11 @@ def _copc_behaviour() -> MethodConfig:
         _R1_POLICY,
         _COPC_ADVANTAGE,
         _CRITIC,
-        f"COPC, behaviour-anchored reading R1 [RECONSTRUCTED, spec 9.7]: async PPO 3a's actor (clip 0.2/0.28 and "
-        f"dual clip 3 on r = cur/mu, 4 minibatches) with tokens whose r leaves [{low:g}, {high:g}] masked; advantages "
-        "and targets as copc_proximal. DIS form: method_overrides.policy.objective=dis (strict band, no PPO clip).",
+        "COPC, behaviour-anchored reading R1 [RECONSTRUCTED, docs/formulas.md#r1]: async PPO 3a's actor "
+        f"(clip 0.2/0.28 and dual clip 3 on r = cur/mu, 4 minibatches) with tokens whose r leaves [{low:g}, "
+        f"{high:g}] masked; advantages and targets as copc_proximal. DIS form: "
+        "method_overrides.policy.objective=dis "
+        "(strict band, no PPO clip).",
     )
 
 
@@ -275,8 +291,8 @@ def _async_ppo_mask() -> MethodConfig:
         _R1_POLICY,
         _GAE,
         _CRITIC,
-        f"COPC R1's policy channel alone (spec 9.7, eps_A = 0): async PPO 3a with tokens whose r = cur/mu leaves "
-        f"[{low:g}, {high:g}] masked; plain GAE on stale data.",
+        "COPC R1's policy channel alone (docs/formulas.md#r1, eps_A = 0): async PPO 3a with tokens whose r "
+        f"= cur/mu leaves [{low:g}, {high:g}] masked; plain GAE on stale data.",
     )
 
 
@@ -287,8 +303,8 @@ def _async_ppo_advantage() -> MethodConfig:
         _ppo_policy("bypass_ppo"),
         _COPC_ADVANTAGE,
         _CRITIC,
-        "COPC's advantage channel alone (spec 9.7, eps_P = inf): async PPO 3a's actor with advantages and critic "
-        "targets from TD residuals weighted by clip(old/mu, 0.8, 1.2).",
+        "COPC's advantage channel alone (docs/formulas.md#r1, eps_P = inf): async PPO 3a's actor with "
+        "advantages and critic targets from TD residuals weighted by clip(old/mu, 0.8, 1.2).",
     )
 
 
@@ -300,12 +316,13 @@ def _async_ppo_oracle() -> MethodConfig:
         AdvantageChannelConfig(estimator="mc_oracle", whiten=True),
         None,
         "Async PPO 3a's actor on the current policy's Monte-Carlo oracle advantages (chunk advantages from "
-        "oracle.samples continuations per turn boundary; no critic): what no advantage-side correction can beat.",
+        "oracle.samples continuations per turn boundary; no "
+        "critic): what no advantage-side correction can beat.",
     )
 
 
-#: The reading the name ``copc`` stands for. R0 (fidelity to spec 9.3) until a pre-registered confirmation
-#: on fresh seeds shows another reading beats async PPO 3a (docs/results.md, docs/algorithms.md).
+#: The reading the name ``copc`` stands for. R0 (fidelity to docs/formulas.md#r0) until a pre-registered
+#: confirmation on fresh seeds shows another reading beats async PPO 3a (docs/results.md, docs/algorithms.md).
 COPC_READING = "copc_proximal"
 
 
