@@ -80,7 +80,8 @@ class ArithToolConfig:
 
     def __post_init__(self) -> None:
         if self.difficulty not in FORMS:
-            raise ValueError(f"ArithToolConfig.difficulty must be one of {sorted(FORMS)}, got {self.difficulty}")
+            raise ValueError(
+                f"ArithToolConfig.difficulty must be one of {sorted(FORMS)}, got {self.difficulty}")
         check_positive("ArithToolConfig", eval_size=self.eval_size, train_size=self.train_size)
         check_positive("ArithToolConfig", timeout_s=self.timeout_s)
         if self.max_output_chars < 64:
@@ -190,7 +191,8 @@ class ArithToolTask:
                 self._cache["eval"] = generate_problems(self.config, "eval", self.config.eval_size)
             else:
                 exclude = frozenset(p.expression for p in self.problems("eval"))
-                self._cache["train"] = generate_problems(self.config, "train", self.config.train_size, exclude)
+                self._cache["train"] = generate_problems(self.config, "train", self.config.train_size,
+                                                         exclude)
         return self._cache[split]
 
     def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
@@ -210,7 +212,8 @@ class ArithToolTask:
         return sandbox_config(self.config.timeout_s)
 
     def make_env(self, prompt: Prompt) -> Env:
-        return python_tool_env(prompt, self.config, syntax=PYTHON_TAGS, grader=NumericGrader(prompt.answers[0]))
+        return python_tool_env(prompt, self.config, syntax=PYTHON_TAGS,
+                               grader=NumericGrader(prompt.answers[0]))
 
     def sft_demos(self, n: int, seed: int) -> list[Demo]:
         """Warm-start demonstrations: tool use (some with copy slips) and direct guesses, in a seeded mix."""

@@ -150,5 +150,6 @@ def take(items: list[_T], n: int | None, what: str) -> list[_T]:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if n > len(items):
-        raise ValueError(f"asked for {n} {what} but only {len(items)} exist; raise the size in the task config")
+        raise ValueError(
+            f"asked for {n} {what} but only {len(items)} exist; raise the size in the task config")
     return items[:n]

@@ -39,7 +39,8 @@ class SourceRow:
 def load_rows(source: str, *, hf_split: str = "train") -> list[SourceRow]:
     """All rows of ``source`` (see the module docstring), in file order; a file without rows is an error."""
     if source.startswith("hf:"):
-        rows = [SourceRow(f"{source}, row {i + 1}", i + 1, r) for i, r in enumerate(_load_hf(source[3:], hf_split))]
+        rows = [SourceRow(f"{source}, row {i + 1}", i + 1, r) for i, r in enumerate(_load_hf(source[3:],
+                                                                                             hf_split))]
     else:
         rows = _load_file(Path(source).expanduser())
     if not rows:
@@ -49,19 +50,23 @@ def load_rows(source: str, *, hf_split: str = "train") -> list[SourceRow]:
 
 def _load_file(path: Path) -> list[SourceRow]:
     if not path.exists():
-        raise FileNotFoundError(f"data file {path} does not exist; pass a .jsonl/.json/.parquet path or hf:NAME")
+        raise FileNotFoundError(
+            f"data file {path} does not exist; pass a .jsonl/.json/.parquet path or hf:NAME")
     if path.suffix == ".parquet":
         return [SourceRow(f"{path}, row {i + 1}", i + 1, r) for i, r in enumerate(_load_parquet(path))]
     if path.suffix == ".json":
         try:
             data = json.loads(_utf8(path.read_bytes(), path, 0))
         except json.JSONDecodeError as error:
-            raise DataError(f"{path}, line {error.lineno}: not valid JSON ({error.msg}); fix the file") from None
+            raise DataError(
+                f"{path}, line {error.lineno}: not valid JSON ({error.msg}); fix the file") from None
         if not isinstance(data, list):
-            raise DataError(f"{path}: a .json data file must hold a list of objects; use .jsonl for one per line")
+            raise DataError(
+                f"{path}: a .json data file must hold a list of objects; use .jsonl for one per line")
         return [_as_row(item, f"{path}, row {i + 1}", i + 1) for i, item in enumerate(data)]
     if path.suffix != ".jsonl":
-        raise DataError(f"{path}: unknown data format {path.suffix!r}; use .jsonl, .json, .parquet or hf:NAME")
+        raise DataError(
+            f"{path}: unknown data format {path.suffix!r}; use .jsonl, .json, .parquet or hf:NAME")
     rows: list[SourceRow] = []
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):

@@ -48,7 +48,8 @@ class ExactMatchGrader:
 
 
 class MathVerifyGrader:
-    """Reward from :class:`copc.rewards.math.MathVerifier` on the whole response (it extracts ``\\boxed{}``)."""
+    """Reward from :class:`copc.rewards.math.MathVerifier` on the whole response (it extracts
+    ``\\boxed{}``)."""
 
     def __init__(self, gold: str, *, timeout_s: float) -> None:
         self.gold = gold

@@ -85,19 +85,22 @@ class KVChainConfig:
     """Warm-start mix: fraction of search demonstrations with a mistake (key typo, miscount, copy slip)."""
 
     def __post_init__(self) -> None:
-        check_positive("KVChainConfig", entities=self.entities, min_hops=self.min_hops, eval_size=self.eval_size)
+        check_positive("KVChainConfig", entities=self.entities, min_hops=self.min_hops,
+                       eval_size=self.eval_size)
         check_positive("KVChainConfig", max_obs_chars=self.max_obs_chars)
         check_fraction("KVChainConfig", lookalike_frac=self.lookalike_frac, sft_tool_frac=self.sft_tool_frac,
                        sft_error_frac=self.sft_error_frac)
         if self.max_hops < self.min_hops:
-            raise ValueError(f"KVChainConfig.max_hops={self.max_hops} is below min_hops={self.min_hops}; raise it")
+            raise ValueError(
+                f"KVChainConfig.max_hops={self.max_hops} is below min_hops={self.min_hops}; raise it")
         if self.extra_tool_calls < 0:
             raise ValueError(f"KVChainConfig.extra_tool_calls must be >= 0, got {self.extra_tool_calls}")
         if self.entities < 4:
             raise ValueError(f"KVChainConfig.entities must be >= 4, got {self.entities}")
         pool = self.entities * (self.max_hops - self.min_hops + 1)
         if self.eval_size > pool // 2:
-            raise ValueError(f"KVChainConfig.eval_size={self.eval_size} is over half the question pool ({pool}); lower it")
+            raise ValueError(
+                f"KVChainConfig.eval_size={self.eval_size} is over half the question pool ({pool}); lower it")
 
     @property
     def max_tool_calls(self) -> int:
@@ -214,7 +217,8 @@ class KVChainTask:
         questions = pool[: self.config.eval_size] if split == "eval" else pool[self.config.eval_size :]
         questions = take(questions, n, f"{split} questions")
         return [
-            Prompt(id=f"kv_chain/{split}/{i}", text=q.text(), answers=(q.answer(world),), meta={"hops": q.hops})
+            Prompt(id=f"kv_chain/{split}/{i}", text=q.text(), answers=(q.answer(world),),
+                   meta={"hops": q.hops})
             for i, q in enumerate(questions)
         ]
 
@@ -264,7 +268,8 @@ def _read_value(text: str, fallback: str) -> str:
     return value.strip() if sep and "_" in head else fallback
 
 
-def _demo(rng: random.Random, config: KVChainConfig, world: ChainWorld, tool: RetrieverTool, q: ChainQuestion) -> Demo:
+def _demo(rng: random.Random, config: KVChainConfig, world: ChainWorld, tool: RetrieverTool,
+          q: ChainQuestion) -> Demo:
     """One demonstration: a correct chain, a direct guess, or a chain with one mistake.
 
     Mistakes: ``key_typo`` (one hop searches a name one digit off and follows what comes back, or guesses

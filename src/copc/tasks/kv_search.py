@@ -73,11 +73,13 @@ class KVSearchConfig:
     sft_tool_frac: float = 0.55
     """Warm-start mix: fraction of demonstrations that search (the rest guess directly)."""
     sft_error_frac: float = 0.3
-    """Warm-start mix: fraction of search demonstrations with a mistake (query typo, copy slip, early stop)."""
+    """Warm-start mix: fraction of search demonstrations with a mistake (query typo, copy slip, early
+    stop)."""
 
     def __post_init__(self) -> None:
         if self.difficulty not in LEVELS:
-            raise ValueError(f"KVSearchConfig.difficulty must be one of {sorted(LEVELS)}, got {self.difficulty}")
+            raise ValueError(
+                f"KVSearchConfig.difficulty must be one of {sorted(LEVELS)}, got {self.difficulty}")
         check_positive("KVSearchConfig", eval_size=self.eval_size, top_k=self.top_k)
         check_positive("KVSearchConfig", max_obs_chars=self.max_obs_chars, max_tool_calls=self.max_tool_calls)
         check_fraction("KVSearchConfig", sft_tool_frac=self.sft_tool_frac, sft_error_frac=self.sft_error_frac)
@@ -294,7 +296,8 @@ class _KBLoader:
 
 
 def _search_tool(config: KVSearchConfig, stream: str) -> RetrieverTool:
-    return RetrieverTool(_KBLoader(config.level, stream), top_k=config.effective_top_k, max_chars=config.max_obs_chars)
+    return RetrieverTool(_KBLoader(config.level, stream), top_k=config.effective_top_k,
+                         max_chars=config.max_obs_chars)
 
 
 def _search(tool: RetrieverTool, query: str) -> tuple[Segment, Segment]:
@@ -321,7 +324,8 @@ def _demo(
         return Demo(tuple(segments), kind="direct")
     kind = "tool"
     if rng.random() < config.sft_error_frac:
-        kind = rng.choice(("query_typo", "copy_error", "early_stop") if q.hops == 2 else ("query_typo", "copy_error"))
+        kind = rng.choice(("query_typo", "copy_error", "early_stop") if q.hops == 2 else ("query_typo",
+                                                                                          "copy_error"))
     entity = q.entity
     if q.hops == 2:
         segments.extend(_search(tool, f"partner of {entity}"))

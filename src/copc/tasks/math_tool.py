@@ -54,7 +54,8 @@ def check_readable_file(option: str, source: str, what: str) -> None:
         with path.open("rb"):
             pass
     except OSError as err:
-        raise FileNotFoundError(f"{option}={source} cannot be read ({err.strerror}); fix its permissions") from None
+        raise FileNotFoundError(
+            f"{option}={source} cannot be read ({err.strerror}); fix its permissions") from None
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ class DatasetSplits:
     def row_prompts(
         self, task: str, split: Split, n: int | None, read: Callable[[SourceRow], tuple[str, tuple[str, ...]]]
     ) -> list[Prompt]:
-        """Prompts ``task/split/i`` from the first ``n`` rows of ``split``; ``read(row)`` = (text, gold answers)."""
+        """Prompts ``task/split/i`` from the first ``n`` rows of ``split``; ``read(row)`` = (text, gold
+        answers)."""
         source, rows = self.rows(split)
         prompts = []
         for i, row in enumerate(take(rows, n, f"{split} rows")):
@@ -124,8 +126,8 @@ def warn_split_overlap(task: str, train: list[Prompt], evals: list[Prompt]) -> i
     both = sum(p.text in seen for p in evals)
     if both:
         print(f"warning: {task}: {both} of {len(evals)} eval prompts are also train prompts (the same text; "
-              "held-out accuracy is then partly train accuracy): remove them from the train rows or choose "
-              "eval_data without them", file=sys.stderr, flush=True)
+              "held-out accuracy is then partly train accuracy): remove "
+              "them from the train rows or choose eval_data without them", file=sys.stderr, flush=True)
     return both
 
 

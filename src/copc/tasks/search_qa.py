@@ -73,7 +73,8 @@ class SearchQAConfig(DatasetSplits):
         super().check_paths()
         index = Path(self.index_dir).expanduser() if self.index_dir else None
         if index is not None and index.exists() and not index.is_dir():
-            raise FileNotFoundError(f"index_dir={self.index_dir} is a file; set index_dir to a folder (or empty)")
+            raise FileNotFoundError(
+                f"index_dir={self.index_dir} is a file; set index_dir to a folder (or empty)")
         if index is None or not index.exists():
             check_readable_file("corpus", self.corpus, "a JSONL file of {id, contents} rows")
 
@@ -91,7 +92,8 @@ class CorpusLoader:
         if self.index_dir and Path(self.index_dir).exists():
             return BM25Retriever.load(self.index_dir)
         if not Path(self.corpus).exists():
-            raise FileNotFoundError(f"corpus {self.corpus} does not exist; set corpus=<JSONL of id, contents>")
+            raise FileNotFoundError(
+                f"corpus {self.corpus} does not exist; set corpus=<JSONL of id, contents>")
         retriever = BM25Retriever.from_jsonl(self.corpus)
         if self.index_dir:
             retriever.save(self.index_dir)
@@ -130,9 +132,9 @@ class SearchQATask:
         graded = tuple(g for g in golds if normalize_answer(g))
         if not graded:
             raise DataError(
-                f"{row.where}: every answer in column {self.config.answer_key!r} ({list(golds)}) is empty after SQuAD "
-                "normalisation (lowercase, no punctuation, no articles), so an empty answer would be graded right; "
-                "fix the row's answers or drop the row"
+                f"{row.where}: every answer in column {self.config.answer_key!r} ({list(golds)}) is empty "
+                "after SQuAD normalisation (lowercase, no punctuation, no articles), so an empty answer "
+                "would be graded right; fix the row's answers or drop the row"
             )
         return self.config.template.format(question=question), graded
 

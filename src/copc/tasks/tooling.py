@@ -91,10 +91,12 @@ class PythonToolOptions(Protocol):
     def max_tool_calls(self) -> int: ...
 
 
-def python_tool_env(prompt: Prompt, options: PythonToolOptions, *, syntax: CallSyntax, grader: Grader) -> ToolEnv:
+def python_tool_env(prompt: Prompt, options: PythonToolOptions, *, syntax: CallSyntax,
+                    grader: Grader) -> ToolEnv:
     """An episode whose tool runs the model's code in the sandbox, with the task's limits."""
     tool = SandboxTool(timeout_s=options.timeout_s, max_output_chars=options.max_output_chars)
-    return ToolEnv(prompt.text, syntax=syntax, tool=tool, grader=grader, max_tool_calls=options.max_tool_calls)
+    return ToolEnv(prompt.text, syntax=syntax, tool=tool, grader=grader,
+                   max_tool_calls=options.max_tool_calls)
 
 
 def search_env(prompt: Prompt, tool: RetrieverTool, *, max_tool_calls: int) -> ToolEnv:

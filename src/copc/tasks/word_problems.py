@@ -40,7 +40,8 @@ ITEMS = ("marbles", "apples", "stickers", "pencils", "cards", "shells", "stamps"
 #: (bigger unit, smaller unit, smaller units in one bigger unit)
 UNITS = (("meters", "centimeters", 100), ("kilometers", "meters", 1000), ("hours", "minutes", 60),
          ("minutes", "seconds", 60), ("kilograms", "grams", 1000), ("days", "hours", 24),
-         ("weeks", "days", 7), ("feet", "inches", 12), ("liters", "milliliters", 1000), ("dozens", "eggs", 12))
+         ("weeks", "days", 7), ("feet", "inches", 12), ("liters", "milliliters", 1000), ("dozens", "eggs",
+                                                                                         12))
 
 Row = dict[str, str]
 
@@ -115,8 +116,8 @@ def problem(kind: str, rng: random.Random) -> Row:
 
 
 def _draw(rng: random.Random, n: int, taken: set[str]) -> list[Row]:
-    """``n`` rows of distinct texts not in ``taken`` (each of a kind drawn at random, so each kind is about 1/6 of them until its texts run out);
-    the texts drawn are added to ``taken``."""
+    """``n`` rows of distinct texts not in ``taken`` (each of a kind drawn at random, so each kind is about
+    1/6 of them until its texts run out); the texts drawn are added to ``taken``."""
     kinds = list(KINDS)
     rows: list[Row] = []
     tries = 0
@@ -158,7 +159,8 @@ def check_splits(train: Sequence[Row], evals: Sequence[Row]) -> None:
         raise ValueError(f"{len(both)} problems are in both splits, e.g. {sorted(both)[0]!r}")
 
 
-def write_splits(folder: str | Path, *, train: int = 2000, eval: int = 300, seed: int = 0) -> tuple[Path, Path]:
+def write_splits(folder: str | Path, *, train: int = 2000, eval: int = 300,
+                 seed: int = 0) -> tuple[Path, Path]:
     """Write ``folder/train.jsonl`` and ``folder/eval.jsonl`` (:func:`make_splits`); return their paths."""
     rows = make_splits(train=train, eval=eval, seed=seed)
     check_splits(*rows)
@@ -178,7 +180,8 @@ def shipped_paths() -> tuple[Path, Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="folder to write train.jsonl and eval.jsonl to")
     parser.add_argument("--train", type=int, default=2000)
     parser.add_argument("--eval", type=int, default=300)
