@@ -14,7 +14,8 @@ bare name is not enough (a level that is not an identifier, or one shared by sev
 must select exactly one grid point of the sweep (checked against its file, not against the records so
 far); a claim whose groups are not all recorded yet gets no verdict. The expression may add and subtract
 terms, multiply them by a number (a number is never added: ``16`` or ``0.8-1.2`` as a level is written
-``'s=16'``) and take ``max``/``min`` of terms; it is evaluated seed by seed on the seeds every term has (the seeds are
+``'s=16'``) and take ``max``/``min`` of terms; it is evaluated seed by seed on the seeds every term has (the
+seeds are
 paired: one warm start and one prompt stream per seed), and the mean of those values gets the Student-t
 interval over seeds (copc.experiments.stats.t_interval).
 
@@ -50,7 +51,8 @@ from copc.experiments.stats import Interval, t_interval
 from copc.experiments.sweep_spec import SpecError, read_yaml_file
 from copc.experiments.tables import by_group, group_text, same_start, start_keys
 
-__all__ = ["Claim", "ContrastSet", "Verdict", "check_terms", "contrasts_text", "evaluate", "load_contrasts", "parse_claim"]
+__all__ = ["Claim", "ContrastSet", "Verdict", "check_terms", "contrasts_text", "evaluate", "load_contrasts",
+           "parse_claim"]
 
 HELD, NOT_HELD, NOT_RESOLVED, NO_VERDICT = "held", "not held", "not resolved at this scale", "no verdict yet"
 _OPS = {ast.Gt: ">", ast.Lt: "<", ast.NotEq: "!="}
@@ -72,7 +74,8 @@ class Verdict:
     interval: Interval | None
     seeds: tuple[int, ...]
     verdict: str
-    unpaired: tuple[int, ...] = ()  # seeds every term has, left out: their records start from different policies
+    # seeds every term has, left out: their records start from different policies
+    unpaired: tuple[int, ...] = ()
     values: tuple[float, ...] = ()  # the claim's paired value at each of ``seeds``
 
 
@@ -91,8 +94,10 @@ def _check_tree(node: ast.AST, text: str) -> None:
         if isinstance(node.op, ast.Mult) and not any(_is_number(n) for n in (node.left, node.right)):
             raise SpecError(bad + "a product needs a number on one side (e.g. 0.5 * (a + b))")
         if isinstance(node.op, ast.Add | ast.Sub) and any(_is_number(n) for n in (node.left, node.right)):
-            raise SpecError(bad + "a number is added or subtracted; numbers only multiply (0.5 * (a + b)), and a "
-                            "level that is not a name (0.8-1.2, 16) is written as a quoted 'axis=level' selector")
+            raise SpecError(
+                bad + "a number is added or subtracted; numbers only multiply (0.5 * (a + b)), and a "
+                            "level that is not a name (0.8-1.2, 16) is "
+                            "written as a quoted 'axis=level' selector")
         _check_tree(node.left, text)
         _check_tree(node.right, text)
     elif isinstance(node, ast.UnaryOp):
@@ -100,7 +105,8 @@ def _check_tree(node: ast.AST, text: str) -> None:
             raise SpecError(bad + "only a leading - or + is allowed")
         _check_tree(node.operand, text)
     elif isinstance(node, ast.Call):
-        if not (isinstance(node.func, ast.Name) and node.func.id in ("max", "min")) or len(node.args) < 2 or node.keywords:
+        if not (isinstance(node.func, ast.Name) and node.func.id in ("max", "min")) or len(
+            node.args) < 2 or node.keywords:
             raise SpecError(bad + "the only functions are max(a, b, ...) and min(a, b, ...)")
         for arg in node.args:
             _check_tree(arg, text)
@@ -114,7 +120,8 @@ def _check_tree(node: ast.AST, text: str) -> None:
 
 
 def _is_number(node: ast.AST) -> bool:
-    return isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool)
+    return isinstance(node, ast.Constant) and isinstance(node.value,
+                                                         int | float) and not isinstance(node.value, bool)
 
 
 def parse_claim(text: str) -> Claim:
@@ -122,7 +129,8 @@ def parse_claim(text: str) -> Claim:
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
-        raise SpecError(f"contrast {text!r}: not an expression; write e.g. 'copc_behaviour - async_ppo > 0'") from None
+        raise SpecError(
+            f"contrast {text!r}: not an expression; write e.g. 'copc_behaviour - async_ppo > 0'") from None
     if not (isinstance(tree, ast.Compare) and len(tree.ops) == 1 and type(tree.ops[0]) in _OPS
             and _is_number(tree.comparators[0]) and tree.comparators[0].value == 0):  # type: ignore[attr-defined]
         raise SpecError(f"contrast {text!r}: a claim compares an expression with 0 by >, < or != "
@@ -139,12 +147,14 @@ def _select(term: str, groups: Sequence[_Key], where: str) -> _Key | None:
     else:
         hits = [k for k in groups if any(level == term for _, level in k)]
     if len(hits) > 1:
-        raise SpecError(f"{where}: term {term!r} selects {len(hits)} groups ({'; '.join(group_text(k) for k in hits)}); "
+        raise SpecError(
+            f"{where}: term {term!r} selects {len(hits)} groups ({'; '.join(group_text(k) for k in hits)}); "
                         "name one with 'axis=level[,axis=level]'")
     return hits[0] if hits else None
 
 
-def check_terms(contrasts: ContrastSet, axes: Mapping[str, Mapping[str, object]], groups: Sequence[_Key]) -> None:
+def check_terms(contrasts: ContrastSet, axes: Mapping[str, Mapping[str, object]],
+                groups: Sequence[_Key]) -> None:
     """SpecError for a term that names no level of the sweep's ``axes`` (a typo, not a cell still to run),
     or that does not select exactly one of the sweep's ``groups`` (every grid point's levels): a term is
     resolved against the whole grid, so its meaning cannot change as cells are recorded."""
@@ -160,7 +170,8 @@ def check_terms(contrasts: ContrastSet, axes: Mapping[str, Mapping[str, object]]
                     listed = "; ".join(f"{a}: {', '.join(map(str, levels))}" for a, levels in axes.items())
                     raise SpecError(f"{where}: {term!r} is no level of this sweep ({listed})")
                 if _select(term, groups, where) is None:
-                    raise SpecError(f"{where}: term {term!r} selects no grid point of this sweep (its levels are "
+                    raise SpecError(
+                        f"{where}: term {term!r} selects no grid point of this sweep (its levels are "
                                     "never crossed); name one with 'axis=level[,axis=level]'")
 
 
@@ -207,7 +218,8 @@ def evaluate(claim: Claim, records: Sequence[Mapping[str, object]], metric: str,
              confidence: float = 0.95) -> Verdict:
     """The claim's per-seed values over the seeds all its terms share, their t interval and the verdict."""
     groups = by_group(records, metric)
-    selected = {term: _select(term, list(groups), f"contrast {claim.text!r}") for term in _terms(claim.expression)}
+    selected = {term: _select(term, list(groups),
+                              f"contrast {claim.text!r}") for term in _terms(claim.expression)}
     keys = {term: key for term, key in selected.items() if key is not None}
     complete = bool(keys) and len(keys) == len(selected)
     common = sorted(set.intersection(*(set(groups[k]) for k in keys.values()))) if complete else []
@@ -235,13 +247,15 @@ def load_contrasts(path: str | Path) -> ContrastSet:
     """Read a contrasts file (module docstring); SpecError naming the file and the entry."""
     where = str(path)
     data = read_yaml_file(path, "contrasts file")
-    if not isinstance(data, dict) or not isinstance(data.get("metric"), str) or not isinstance(data.get("contrasts"), list):
+    if not isinstance(data, dict) or not isinstance(data.get("metric"),
+                                                    str) or not isinstance(data.get("contrasts"), list):
         raise SpecError(f"{where}: expected a mapping with 'metric: NAME' and a 'contrasts:' list")
     if not known_metric(data["metric"]):
         raise SpecError(f"{where}: metric {data['metric']!r} unknown; valid: {metric_names()}")
     unknown = set(data) - {"metric", "seeds", "contrasts"}
     if unknown:
-        raise SpecError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; the keys are metric, seeds, contrasts")
+        raise SpecError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))}; the keys are metric, seeds, contrasts")
     seeds = data.get("seeds", 0)
     if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 0:
         raise SpecError(f"{where}: 'seeds' must be a whole number >= 0 (the pre-registered seed count)")
@@ -250,12 +264,15 @@ def load_contrasts(path: str | Path) -> ContrastSet:
         ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and (
             isinstance(entry.get("claim"), str) != isinstance(entry.get("all"), list))
         if not ok or set(entry) - {"name", "claim", "all"}:
-            raise SpecError(f"{where}: contrasts[{i}]: expected 'name:' with either 'claim: TEXT' or 'all: [TEXT, ...]'")
+            raise SpecError(
+                f"{where}: contrasts[{i}]: expected 'name:' with either 'claim: TEXT' or 'all: [TEXT, ...]'")
         texts = [entry["claim"]] if "claim" in entry else entry["all"]
         if not texts or not all(isinstance(t, str) for t in texts):
-            raise SpecError(f"{where}: contrasts[{i}] ({entry['name']}): 'all' needs one or more claims as text")
+            raise SpecError(
+                f"{where}: contrasts[{i}] ({entry['name']}): 'all' needs one or more claims as text")
         if any(name == entry["name"] for name, _, _ in entries):
-            raise SpecError(f"{where}: contrasts[{i}]: the name {entry['name']!r} is given twice; name each contrast once")
+            raise SpecError(f"{where}: contrasts[{i}]: the name {entry['name']!r} is given twice; name each "
+                            "contrast once")
         entries.append((entry["name"], tuple(parse_claim(t) for t in texts), "all" in entry))
     if not entries:
         raise SpecError(f"{where}: 'contrasts:' is empty; list at least one pre-registered contrast")
@@ -263,7 +280,8 @@ def load_contrasts(path: str | Path) -> ContrastSet:
 
 
 def _unpaired_text(r: Verdict) -> str:
-    return f" (left out, not paired: different step-0 evaluations: {_seed_text(r.unpaired)})" if r.unpaired else ""
+    return (f" (left out, not paired: different step-0 evaluations: {_seed_text(r.unpaired)})" if r.unpaired
+            else "")
 
 
 def _seed_text(seeds: Sequence[int]) -> str:
@@ -274,16 +292,18 @@ def _seed_text(seeds: Sequence[int]) -> str:
     return "seeds " + ",".join(map(str, seeds))
 
 
-def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object]], confidence: float = 0.95, *,
+def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object]], confidence: float = 0.95,
+                   *,
                    markdown: bool = False) -> str:
     """One block per contrast: each claim's paired mean [t interval] (n, seeds), the verdict and the paired
     value seed by seed; ``markdown``: one Markdown table, a row per claim, the contrast's verdict on its
     first row."""
     pct = f"{100 * confidence:g}%"
-    lines = [f"pre-registered contrasts on {contrasts.metric} (per-seed paired values, mean [{pct} t interval]; "
-             f"verdicts need {contrasts.seeds or 2} seeds)"]
+    lines = [f"pre-registered contrasts on {contrasts.metric} (per-seed paired values, mean [{pct} t "
+             f"interval]; verdicts need {contrasts.seeds or 2} seeds)"]
     if markdown:
-        lines += ["", f"| contrast: verdict | claim | paired mean [{pct} t interval] | n | seeds | claim's verdict |",
+        lines += ["", f"| contrast: verdict | claim | paired mean [{pct} t interval] | n | seeds | claim's "
+                      "verdict |",
                   "| --- | --- | --- | --- | --- | --- |"]
     for name, claims, is_all in contrasts.entries:
         results = [evaluate(c, records, contrasts.metric, seeds_needed=contrasts.seeds, confidence=confidence)
@@ -291,7 +311,8 @@ def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object
         overall = _combine([r.verdict for r in results]) if is_all else results[0].verdict
         if markdown:
             for i, r in enumerate(results):
-                numbers = "no seed has every term" if r.interval is None else r.interval.text().rsplit(" (n=", 1)[0]
+                numbers = "no seed has every term" if r.interval is None else r.interval.text().rsplit(" (n=",
+                                                                                                       1)[0]
                 head = f"{name}: **{overall}**" if i == 0 else ""
                 lines.append(f"| {head} | `{r.text}` | {numbers} | {r.interval.n if r.interval else 0} | "
                              f"{_seed_text(r.seeds)}{_unpaired_text(r)} | {r.verdict} |")
@@ -300,10 +321,12 @@ def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object
         for r in results:
             numbers = r.interval.text() if r.interval is not None else "no seed has every term"
             seeds = _seed_text(r.seeds)
-            lines.append(f"  {r.text}:  {numbers}  {seeds}{_unpaired_text(r)}" + (f"  -> {r.verdict}" if is_all else ""))
+            lines.append(f"  {r.text}:  {numbers}  {seeds}{_unpaired_text(r)}" + (
+                f"  -> {r.verdict}" if is_all else ""))
             if r.values:
                 above, below = sum(v > 0 for v in r.values), sum(v < 0 for v in r.values)
-                lines.append("    by seed: " + ", ".join(f"{seed} {_per_seed(v)}" for seed, v in zip(r.seeds, r.values, strict=True))
+                lines.append("    by seed: " + ", ".join(f"{seed} {_per_seed(v)}" for seed,
+                                                         v in zip(r.seeds, r.values, strict=True))
                              + f" ({above} above 0, {below} below)")
     return "\n".join(lines)
 

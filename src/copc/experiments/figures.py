@@ -20,7 +20,8 @@ from copc.experiments.interaction import Panel
 from copc.experiments.stats import t_interval
 from copc.experiments.tables import by_group, group_key, group_text
 
-__all__ = ["diagnostic_curves", "eval_curves", "plot_curves", "plot_diagnostics", "plot_heatmaps", "plot_summary"]
+__all__ = ["diagnostic_curves", "eval_curves", "plot_curves", "plot_diagnostics", "plot_heatmaps",
+           "plot_summary"]
 
 Curve = dict[int, list[float]]  # evaluation step -> one value per seed
 
@@ -46,7 +47,8 @@ def diagnostic_curves(records: Sequence[Mapping[str, object]], name: str) -> dic
         points = curves.get(name) if isinstance(curves, dict) else None
         for step, value in points if isinstance(points, list) else []:
             if value is not None:
-                out.setdefault(group_text(group_key(record)), {}).setdefault(int(step), []).append(float(value))
+                out.setdefault(group_text(group_key(record)), {}).setdefault(int(step),
+                                                                             []).append(float(value))
     return out
 
 
@@ -80,7 +82,8 @@ def _save(plt, fig, out: Path, title: str) -> Path:  # type: ignore[no-untyped-d
     return out
 
 
-def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *, title: str) -> Path:
+def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *,
+                title: str) -> Path:
     """Seed-mean evaluation curves (band: min to max over seeds), one panel per metric; returns the PNG."""
     plt = _pyplot()
     fig, axes = _panels(plt, len(metrics), 5.5, 4.2)
@@ -88,7 +91,8 @@ def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str],
         for name, curve in sorted(eval_curves(records, metric).items()):
             steps = sorted(curve)
             mean = [sum(curve[s]) / len(curve[s]) for s in steps]
-            line = ax.plot(steps, mean, marker="o", markersize=3, label=f"{name} (n={max(map(len, curve.values()))})")
+            line = ax.plot(steps, mean, marker="o", markersize=3,
+                           label=f"{name} (n={max(map(len, curve.values()))})")
             ax.fill_between(steps, [min(curve[s]) for s in steps], [max(curve[s]) for s in steps],
                             color=line[0].get_color(), alpha=0.12, linewidth=0)
         ax.set_xlabel("training step")
@@ -99,7 +103,8 @@ def plot_curves(records: Sequence[Mapping[str, object]], metrics: Sequence[str],
     return _save(plt, fig, out, title)
 
 
-def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *, title: str) -> Path:
+def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str], out: Path, *,
+                 title: str) -> Path:
     """Per summary metric: each group's seed mean with its 95% t interval over seeds, seeds as dots."""
     plt = _pyplot()
     fig, axes = _panels(plt, len(metrics), 5.5, 4.2)

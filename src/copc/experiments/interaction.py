@@ -122,7 +122,8 @@ class TwoWay:
         found = []
         for i, a in enumerate(self.steps):
             for b in self.steps[i + 1:]:
-                if (a.axis, a.src, a.dst) != (b.axis, b.src, b.dst) or None in (a.interval.low, b.interval.low):
+                if (a.axis, a.src, a.dst) != (b.axis, b.src, b.dst) or None in (a.interval.low,
+                                                                                b.interval.low):
                     continue
                 up, down = (a, b) if a.interval.mean > b.interval.mean else (b, a)
                 if up.interval.low > 0 and down.interval.high < 0:  # type: ignore[operator]
@@ -158,7 +159,8 @@ def two_way(values: Values, rows: Sequence[str], cols: Sequence[str], *, row_axi
                          "the analysis needs the full grid")
     bad = [(r, c) for r in rows for c in cols if not all(math.isfinite(v) for v in values[(r, c)].values())]
     if bad:
-        raise ValueError(f"cell {row_axis}={bad[0][0]} {col_axis}={bad[0][1]} has a non-finite value; fix its record")
+        raise ValueError(
+            f"cell {row_axis}={bad[0][0]} {col_axis}={bad[0][1]} has a non-finite value; fix its record")
     seeds = sorted(set.intersection(*(set(values[(r, c)]) for r in rows for c in cols)))
     if not seeds:
         raise ValueError("no seed is recorded in every cell of the grid")
@@ -194,7 +196,8 @@ def two_way(values: Values, rows: Sequence[str], cols: Sequence[str], *, row_axi
         """``diff`` with its interval, simultaneous over ``family`` such intervals (Bonferroni)."""
         if ms_err is None:
             return Interval(diff, None, None, n)
-        half = student_t_quantile(1.0 - (1.0 - confidence) / (2.0 * family), df_err) * math.sqrt(var_factor * ms_err / n)
+        half = student_t_quantile(1.0 - (1.0 - confidence) / (2.0 * family),
+                                  df_err) * math.sqrt(var_factor * ms_err / n)
         return Interval(diff, diff - half, diff + half, n)
 
     steps = [Step(col_axis, cols[j], cols[j + 1], row_axis, rows[i],
@@ -206,7 +209,8 @@ def two_way(values: Values, rows: Sequence[str], cols: Sequence[str], *, row_axi
     contrasts = [Contrast(cols[j], cols[j + 1], rows[i], rows[i + 1], interval(float(
         means[i + 1, j + 1] - means[i, j + 1] - means[i + 1, j] + means[i, j]), 4.0, max(df_int, 1)))
         for i in range(n_rows - 1) for j in range(n_cols - 1)]
-    return TwoWay(row_axis, col_axis, tuple(rows), tuple(cols), tuple(seeds), means, share, f, (df_int, df_err), p,
+    return TwoWay(row_axis, col_axis, tuple(rows), tuple(cols), tuple(seeds), means, share, f, (df_int,
+                                                                                                df_err), p,
                   tuple(steps), tuple(contrasts), note, confidence)
 
 
@@ -234,19 +238,23 @@ def two_way_text(result: TwoWay, metric: str, title: str = "") -> str:
         return "\n".join(lines)
     pct = f"{100 * result.confidence:g}%"
     lines.append(f"interaction F({result.df[0]}, {result.df[1]}) = {result.f:.3f}, p = {result.p:.3g}")
-    lines.append(f"interaction contrasts (step of {result.col_axis} under the next {result.row_axis} minus under "
+    lines.append(
+        f"interaction contrasts (step of {result.col_axis} under the next {result.row_axis} minus under "
                  f"this one; {pct} intervals simultaneous over the {len(result.contrasts)}):")
     for c in result.contrasts:
         mark = " *" if c.interval.excludes_zero() else ""
-        lines.append(f"  {result.col_axis} {c.col_src} -> {c.col_dst}, {result.row_axis} {c.row_src} -> {c.row_dst}: "
+        lines.append(
+            f"  {result.col_axis} {c.col_src} -> {c.col_dst}, {result.row_axis} {c.row_src} -> {c.row_dst}: "
                      f"{c.interval.text()}{mark}")
     reversals = result.reversals()
     simultaneous = f"{pct} intervals simultaneous over the panel's {len(result.steps)} steps"
     if not reversals:
-        lines.append(f"reversals: none held ({simultaneous}: no step is held above 0 at one level of the other knob "
+        lines.append(
+            f"reversals: none held ({simultaneous}: no step is held above 0 at one level of the other knob "
                      "and below 0 at another)")
     for up, down in reversals:
-        lines.append(f"reversal ({simultaneous}): {up.axis} {up.src} -> {up.dst} gives {up.interval.text()} at "
+        lines.append(
+            f"reversal ({simultaneous}): {up.axis} {up.src} -> {up.dst} gives {up.interval.text()} at "
                      f"{up.at_axis}={up.at} and {down.interval.text()} at {down.at_axis}={down.at}")
     return "\n".join(lines)
 
@@ -261,12 +269,15 @@ def lab_prediction(path: Path, rows: Mapping[str, float], cols: Mapping[str, flo
 
     cfg, cells = lab if lab is not None else read_sweep(path)
     if float(staleness) not in cfg.staleness:
-        raise ValueError(f"{path} has no staleness {staleness}; it has {', '.join(f'{s:g}' for s in cfg.staleness)}")
-    for name, mapping, known in (("mask band", rows, cfg.mask_bands), ("advantage clip", cols, cfg.adv_clips)):
+        raise ValueError(
+            f"{path} has no staleness {staleness}; it has {', '.join(f'{s:g}' for s in cfg.staleness)}")
+    for name, mapping, known in (("mask band", rows, cfg.mask_bands), ("advantage clip", cols,
+                                                                       cfg.adv_clips)):
         bad = [v for v in mapping.values() if float(v) not in known]
         if bad:
             raise ValueError(f"{path} has no {name} {bad[0]}; it has {', '.join(f'{k:g}' for k in known)}")
-    grids = [mean_grid(cells, cfg, family, float(staleness), "relative_mse", batch).numpy() for family in cfg.families]
+    grids = [mean_grid(cells, cfg, family, float(staleness), "relative_mse",
+                       batch).numpy() for family in cfg.families]
     grid = np.mean(grids, axis=0)
     r_index = [cfg.mask_bands.index(float(v)) for v in rows.values()]
     c_index = [cfg.adv_clips.index(float(v)) for v in cols.values()]
@@ -306,7 +317,8 @@ class Panel:
 
 
 def heatmap_panels(records: Sequence[Mapping[str, object]], spec: SweepSpec, metric: str) -> list[Panel]:
-    """The ``heatmap:`` analysis of ``spec`` for ``metric``, one :class:`Panel` per level of its panel axis."""
+    """The ``heatmap:`` analysis of ``spec`` for ``metric``, one :class:`Panel` per level of its panel
+    axis."""
     heat = spec.heatmap
     if heat is None:
         raise ValueError(f"sweep {spec.experiment} has no heatmap: section")
@@ -328,7 +340,8 @@ def heatmap_panels(records: Sequence[Mapping[str, object]], spec: SweepSpec, met
         lab = rho = None
         if lab_sweep is not None and heat.lab_json and heat.lab_rows and heat.lab_cols:
             lab = lab_prediction(Path(heat.lab_json), {lv: heat.lab_rows[lv] for lv in rows},
-                                 {lv: heat.lab_cols[lv] for lv in cols}, float(level), heat.lab_batch, lab=lab_sweep)
+                                 {lv: heat.lab_cols[lv] for lv in cols}, float(level), heat.lab_batch,
+                                 lab=lab_sweep)
             rho = rank_correlation(result.means, -lab) if result is not None else None
         out.append(Panel(level, metric, result, missing, lab, rho))
     return out
@@ -359,8 +372,9 @@ def heatmap_text(records: Sequence[Mapping[str, object]], spec: SweepSpec) -> st
                 lines.append("(secondary metric: p unadjusted, for description)")
             if panel.lab is not None:
                 best = np.unravel_index(int(np.argmin(panel.lab)), panel.lab.shape)
-                lines.append(f"lab, analogous cells (exact relative MSE at N={heat.lab_batch} on tiny MDPs, lower is "
+                lines.append(
+                    f"lab, analogous cells (exact relative MSE at N={heat.lab_batch} on tiny MDPs, lower is "
                              f"better): best {heat.rows}={panel.result.rows[best[0]]} "
-                             f"{heat.cols}={panel.result.cols[best[1]]}; Spearman of the loop's means with the lab's "
-                             f"-MSE {panel.rho:.2f} (descriptive)")
+                             f"{heat.cols}={panel.result.cols[best[1]]}; Spearman of the loop's means with "
+                             f"the lab's -MSE {panel.rho:.2f} (descriptive)")
     return "\n".join(lines).lstrip("\n")

@@ -39,7 +39,8 @@ def code_text(records: Sequence[Mapping[str, object]]) -> str:
         commit = record.get("commit")
         name = f"{str(commit)[:12]}{'+dirty' if record.get('commit_dirty') else ''}" if commit else "unknown"
         counts[name] = counts.get(name, 0) + 1
-    return "code: " + ", ".join(f"{name} ({n} record{'s' if n != 1 else ''})" for name, n in sorted(counts.items()))
+    return "code: " + ", ".join(f"{name} ({n} record{'s' if n != 1 else ''})" for name,
+                                n in sorted(counts.items()))
 
 
 def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseline: Mapping[str, str] | None,
@@ -54,7 +55,8 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
         evals = [e for r in records for e in record_evals(r)]
         held = sorted({str(k) for e in evals for k in e if k != "step"})
         if not any(collapse[0] in e for e in evals):
-            raise ValueError(f"--collapse: no record's evaluations hold {collapse[0]!r}; they hold: {', '.join(held)}")
+            raise ValueError(
+                f"--collapse: no record's evaluations hold {collapse[0]!r}; they hold: {', '.join(held)}")
     print(f"experiment {spec.experiment}: {len(records)} of {len(cells)} cells recorded")
     if records:
         print(code_text(records))
@@ -77,10 +79,12 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
     from copc.experiments.figures import plot_curves, plot_diagnostics, plot_heatmaps, plot_summary
 
     title = f"{spec.experiment}: seed mean (band: min-max over seeds)"
-    drawn = [plot_curves(records, ["accuracy", "greedy_accuracy"], plot_dir / f"{spec.experiment}_curves.png", title=title),
+    drawn = [plot_curves(records, ["accuracy", "greedy_accuracy"], plot_dir / f"{spec.experiment}_curves.png",
+                         title=title),
              plot_summary(records, list(spec.report), plot_dir / f"{spec.experiment}_summary.png",
                           title=f"{spec.experiment}: seed mean, 95% t interval over seeds")]
-    diagnostics = plot_diagnostics(records, DIAGNOSTIC_PANELS, plot_dir / f"{spec.experiment}_diagnostics.png",
+    diagnostics = plot_diagnostics(records, DIAGNOSTIC_PANELS,
+                                   plot_dir / f"{spec.experiment}_diagnostics.png",
                                    title=f"{spec.experiment}: diagnostic curves, seed mean per bin")
     if diagnostics is not None:
         drawn.append(diagnostics)
@@ -91,6 +95,7 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
         if any(p.result is not None for p in panels):
             drawn.append(plot_heatmaps(panels, spec.heatmap.rows, spec.heatmap.cols, spec.heatmap.panels,
                                        plot_dir / f"{spec.experiment}_heatmaps.png",
-                                       title=f"{spec.experiment}: seed means of the loop beside the lab's prediction"))
+                                       title=f"{spec.experiment}: seed means of the loop beside the lab's "
+                                             "prediction"))
     for path in drawn:
         print(f"wrote {path}")

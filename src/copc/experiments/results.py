@@ -1,9 +1,10 @@
-"""The results store of ``copc sweep``: one small JSON record per finished run (the tables: copc.experiments.tables).
+"""The results store of ``copc sweep``: one small JSON record per finished run (the tables:
+copc.experiments.tables).
 
 A record (``results/<experiment>/<cell-id>.json``, a few KB) keeps what a comparison needs once the run
 directory is gone: the resolved config and its hash, the cell's levels and seed, every held-out
-evaluation, the train-reward curve and the :data:`DIAGNOSTIC_CURVES` averaged into at most :data:`CURVE_POINTS` bins,
-the summary figures,
+evaluation, the train-reward curve and the :data:`DIAGNOSTIC_CURVES` averaged into at most
+:data:`CURVE_POINTS` bins, the summary figures,
 step times, wall seconds, the machine, and the provenance (copc.run.provenance: ``commit`` and
 ``commit_dirty``, library ``versions``, ``method_resolved``, the preset's every field, and ``lag``, the lag
 the configuration states beside the one measured). Records made before the provenance lack those keys;
@@ -21,10 +22,10 @@ Summary figures of one run (``record["summary"]``):
   the held-out curve, per evaluation interval);
 - ``train_reward_last``: mean train reward over the last 20% of the steps.
 
-Across seeds, :func:`~copc.experiments.stats.t_interval` gives the mean with its Student-t interval, and ``paired_differences``
-pairs each cell's seeds with the baseline's (same seed = same prompts and warm start) and gives the mean
-difference with its interval (both in copc.experiments.tables). Both are exact for normal data; with 3
-seeds the intervals are wide, which is the honest width.
+Across seeds, :func:`~copc.experiments.stats.t_interval` gives the mean with its Student-t interval, and
+``paired_differences`` pairs each cell's seeds with the baseline's (same seed = same prompts and warm start)
+and gives the mean difference with its interval (both in copc.experiments.tables). Both are exact for normal
+data; with 3 seeds the intervals are wide, which is the honest width.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ DIAGNOSTIC_CURVES: dict[str, str] = {
 }
 #: The per-run figures a report can tabulate (record["summary"] keys).
 SUMMARY_METRICS = (
-    "eval_last_half", "eval_final", "greedy_last_half", "greedy_final", "eval_after_start", "greedy_after_start",
+    "eval_last_half", "eval_final", "greedy_last_half", "greedy_final", "eval_after_start",
+    "greedy_after_start",
     "train_reward_last",
 )
 
@@ -135,8 +137,10 @@ def machine_info() -> dict[str, object]:
             "torch": torch.__version__, "platform": platform.platform()}
 
 
-def subsample_curve(steps: Sequence[int], values: Sequence[float], points: int = CURVE_POINTS) -> list[list[float]]:
-    """``[[last step of the bin, mean of the bin], ...]``: the curve cut into at most ``points`` equal bins."""
+def subsample_curve(steps: Sequence[int], values: Sequence[float],
+                    points: int = CURVE_POINTS) -> list[list[float]]:
+    """``[[last step of the bin, mean of the bin], ...]``: the curve cut into at most ``points`` equal
+    bins."""
     if len(steps) != len(values):
         raise ValueError(f"subsample_curve: {len(steps)} steps but {len(values)} values")
     if not steps:
@@ -166,7 +170,8 @@ def curve_mean(record: Mapping[str, object], name: str) -> float | None:
     counts = _bin_counts([int(step) for step, _ in points])
     if counts is None:
         return None
-    pairs = [(float(v), c) for (_, v), c in zip(points, counts, strict=True) if v is not None and math.isfinite(float(v))]
+    pairs = [(float(v), c) for (_, v), c in zip(points, counts,
+                                                strict=True) if v is not None and math.isfinite(float(v))]
     weight = sum(c for _, c in pairs)
     return sum(v * c for v, c in pairs) / weight if weight else None
 
@@ -270,7 +275,8 @@ def build_record(
                 point["alone"] = 1.0  # an evaluation row of its own (step 0, the end, or a kept end)
             evals.append(point)
     every = int(cast(Mapping[str, object], config.get("eval", {})).get("every", 0) or 0)  # type: ignore[call-overload]
-    initial = bool(evals) and evals[0]["step"] == 0 and "alone" in evals[0]  # the evaluation before any update
+    # the evaluation before any update
+    initial = bool(evals) and evals[0]["step"] == 0 and "alone" in evals[0]
     evals, kept_off, extended_from = _as_a_direct_run(evals, int(summary["steps"]), every)
     train = [r for r in rows if m.REWARD_MEAN in r]
     reward_steps = [int(r["step"]) for r in train]
@@ -333,7 +339,8 @@ def _provenance(summary: Mapping[str, object], config: Mapping[str, object], tra
 
             out = {**code_commit(), "versions": library_versions(), "method_resolved": None, "lag": None}
         out["provenance_from"] = "record writer"
-    means = [r[m.STALENESS_MEAN] for r in train if m.STALENESS_MEAN in r and math.isfinite(r[m.STALENESS_MEAN])]
+    means = [r[m.STALENESS_MEAN] for r in train if m.STALENESS_MEAN in r and math.isfinite(
+        r[m.STALENESS_MEAN])]
     maxima = [r[m.STALENESS_MAX] for r in train if m.STALENESS_MAX in r and math.isfinite(r[m.STALENESS_MAX])]
     if isinstance(out.get("lag"), Mapping):
         out["lag"] = {**cast(Mapping[str, object], out["lag"]),
@@ -360,9 +367,11 @@ def read_record(path: Path) -> dict[str, object]:
     try:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a readable sweep record ({err}); delete it to re-run the cell") from None
+        raise ValueError(
+            f"{path}: not a readable sweep record ({err}); delete it to re-run the cell") from None
     if not isinstance(record, dict) or int(record.get("version", 0)) > RECORD_VERSION:
-        raise ValueError(f"{path}: record version {record.get('version') if isinstance(record, dict) else '?'} "
+        raise ValueError(
+            f"{path}: record version {record.get('version') if isinstance(record, dict) else '?'} "
                          f"is newer than this copc reads ({RECORD_VERSION}); update copc")
     return record
 
@@ -383,7 +392,8 @@ def commit_alone(files: Sequence[Path], message: str, log: Callable[[str], None]
         return False
 
     def git(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["git", *args], cwd=os.path.dirname(existing[0]), capture_output=True, text=True,
+        return subprocess.run(["git", *args], cwd=os.path.dirname(existing[0]), capture_output=True,
+                              text=True,
                               timeout=60, check=True)
 
     try:
@@ -393,8 +403,8 @@ def commit_alone(files: Sequence[Path], message: str, log: Callable[[str], None]
         git("commit", "-q", "-m", message, "--", *existing)
     except (OSError, subprocess.SubprocessError) as err:
         detail = (getattr(err, "stderr", "") or str(err)).strip()
-        log(f"[sweep] warning: records not committed ({detail.splitlines()[-1] if detail else err}); they are "
-            "on disk: the next record's commit takes them, or commit them by hand")
+        log(f"[sweep] warning: records not committed ({detail.splitlines()[-1] if detail else err}); they "
+            "are on disk: the next record's commit takes them, or commit them by hand")
         return False
     log(f"[sweep] committed: {message}")
     return True

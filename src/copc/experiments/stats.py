@@ -43,7 +43,8 @@ def _betai(a: float, b: float, x: float) -> float:
         return 0.0
     if x >= 1.0:
         return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(
+        -x))
     if x < (a + 1.0) / (a + b + 2.0):
         return front * _betacf(a, b, x) / a
     return 1.0 - front * _betacf(b, a, 1.0 - x) / b
@@ -55,7 +56,8 @@ def _t_cdf(t: float, df: float) -> float:
 
 
 def f_survival(f: float, df1: float, df2: float) -> float:
-    """``P(F > f)`` for Fisher's F with ``(df1, df2)`` degrees of freedom: ``I_{df2/(df2 + df1 f)}(df2/2, df1/2)``."""
+    """``P(F > f)`` for Fisher's F with ``(df1, df2)`` degrees of freedom: ``I_{df2/(df2 + df1 f)}(df2/2,
+    df1/2)``."""
     if df1 <= 0 or df2 <= 0:
         raise ValueError(f"f_survival needs df1 > 0 and df2 > 0, got {df1}, {df2}")
     if f <= 0.0:
@@ -110,5 +112,6 @@ def t_interval(values: Iterable[float], confidence: float = 0.95) -> Interval:
     mean = float(data.mean())
     if data.size < 2:
         return Interval(mean, None, None, 1)
-    half = student_t_quantile(0.5 + confidence / 2.0, data.size - 1) * float(data.std(ddof=1)) / math.sqrt(data.size)
+    half = student_t_quantile(0.5 + confidence / 2.0,
+                              data.size - 1) * float(data.std(ddof=1)) / math.sqrt(data.size)
     return Interval(mean, mean - half, mean + half, int(data.size))

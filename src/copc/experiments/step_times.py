@@ -17,7 +17,8 @@ STEP_TIMES = "step_times.json"
 
 def timing_key(cfg: RunConfig) -> str:
     """What a step's cost depends on: task setting, rollout and eval sizes, method and driver."""
-    size = json.dumps([cfg.task_options, to_dict(cfg.rollout), cfg.eval.prompts, cfg.eval.samples, cfg.eval.greedy],
+    size = json.dumps([cfg.task_options, to_dict(cfg.rollout), cfg.eval.prompts, cfg.eval.samples,
+                       cfg.eval.greedy],
                       sort_keys=True, default=str)
     return f"{cfg.task}/{hashlib.sha256(size.encode()).hexdigest()[:8]}/{cfg.method}/{cfg.driver.kind}"
 
@@ -57,7 +58,8 @@ def timing_from_record(record: Mapping[str, object], cfg: RunConfig) -> dict[str
 
 
 def episodes(cfg: RunConfig) -> dict[str, int]:
-    """Episodes of one training batch and of one evaluation (sampled and greedy): what the costs scale with."""
+    """Episodes of one training batch and of one evaluation (sampled and greedy): what the costs scale
+    with."""
     per_prompt = cfg.eval.samples + (1 if cfg.eval.greedy else 0)
     return {"batch_episodes": cfg.rollout.prompts_per_batch * cfg.rollout.group_size,
             "eval_episodes": cfg.eval.prompts * per_prompt}

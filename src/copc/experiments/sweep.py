@@ -25,7 +25,8 @@ The YAML file (``experiments/*.yaml`` are the committed ones)::
     heatmap:                             # optional, a joint sweep (copc.experiments.interaction)
       rows: method                       # two axes crossed in every panel, one panel per level of
       cols: s                            # `panels` (optional); `lab:` (optional) sets the lab's exact
-                                         # prediction beside it: {json, rows: {level: c}, cols: {level: eps_A}}
+                                         # prediction beside it: {json, rows: {level: c}, cols: {level:
+                                         eps_A}}
 
 A cell is one grid point and one seed, its id ``axis=level__axis=level__seedN``; it runs as
 ``nice -n 10 python -m copc.cli train`` with one torch thread into ``runs/sweep/<experiment>/<cell-id>``
@@ -140,7 +141,8 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path,
             return "recorded", f"accepted: made by config {accepted[0]} ({accepted[1]})"
         shorter = recorded is not None and _same_except_steps(recorded, config)
         if not (shorter and int(record["steps"]) < steps and saved is not None and checkpoints):  # type: ignore[call-overload]
-            return "conflict", (f"{record_path} was made by config {record.get('config_hash')}, the file now gives "
+            return "conflict", (
+                f"{record_path} was made by config {record.get('config_hash')}, the file now gives "
                                 f"{want}; move the record away to re-run the cell")
     if saved is None:
         return "fresh", ""
@@ -158,11 +160,13 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path,
     return "fresh", "restart (no checkpoint)"
 
 
-def report_records(spec: SweepSpec, cells: Sequence[Cell], paths: Paths) -> tuple[list[dict[str, object]], list[str]]:
+def report_records(spec: SweepSpec, cells: Sequence[Cell],
+                   paths: Paths) -> tuple[list[dict[str, object]], list[str]]:
     """``(records, left out)``: the records of ``cells`` that are the cells' own (state ``recorded``:
     made by the config the file gives now, or accepted by its ``accepted_records``), and one line for
     every record file of the experiment that is not: made by another config, shorter than the file's
-    ``steps`` (being extended), unreadable, or no cell's (e.g. an arm since removed, or outside ``--only``)."""
+    ``steps`` (being extended), unreadable, or no cell's (e.g. an arm since removed, or outside
+    ``--only``)."""
     folder = paths.results / spec.experiment
     records: list[dict[str, object]] = []
     left_out: list[str] = []
@@ -173,22 +177,27 @@ def report_records(spec: SweepSpec, cells: Sequence[Cell], paths: Paths) -> tupl
         if not path.is_file():
             continue
         run_dir = paths.run_dir(cell)
-        state, detail = cell_state(to_dict(resolve(cell, run_dir)), run_dir, path, spec.accepted.get(cell.cell_id))
+        state, detail = cell_state(to_dict(resolve(cell, run_dir)), run_dir, path,
+                                   spec.accepted.get(cell.cell_id))
         if state != "recorded":
-            reason = detail if state == "conflict" else f"the record is shorter than the file's steps ({state} {detail})"
+            reason = (detail if state == "conflict"
+                      else f"the record is shorter than the file's steps ({state} {detail})")
             left_out.append(f"left out: {cell.cell_id}: {reason}")
             continue
         records.append(read_record(path))
     if folder.is_dir():
-        others = sorted(p.name for p in folder.glob("*.json") if not p.name.startswith(".") and p.name not in mine)
+        others = sorted(p.name for p in folder.glob("*.json") if not p.name.startswith(
+            ".") and p.name not in mine)
         if others:
             shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-            left_out.append(f"left out: {len(others)} record(s) of no cell {'selected' if len(cells) < len(expand(spec)) else 'of the file'}: {shown}")
+            left_out.append(f"left out: {len(others)} record(s) of no cell "
+                            f"{'selected' if len(cells) < len(expand(spec)) else 'of the file'}: {shown}")
     return records, left_out
 
 
 # ---------------------------------------------------------------------------------------- step times
-_PROBE = "import time\nt=time.perf_counter()\nx=0\nfor i in range(3_000_000): x+=i*i\nprint(time.perf_counter()-t)"
+_PROBE = ("import time\nt=time.perf_counter()\nx=0\nfor i in range(3_000_000): "
+          "x+=i*i\nprint(time.perf_counter()-t)")
 
 
 def measure_capacity(max_jobs: int | None = None) -> int:
@@ -201,7 +210,8 @@ def measure_capacity(max_jobs: int | None = None) -> int:
     limit = max(1, min(max_jobs or os.cpu_count() or 1, os.cpu_count() or 1))
     throughput, best = [], 1
     for k in range(1, limit + 1):
-        procs = [subprocess.Popen([sys.executable, "-c", _PROBE], stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        procs = [subprocess.Popen([sys.executable, "-c", _PROBE], stdout=subprocess.PIPE,
+                                  text=True) for _ in range(k)]
         seconds = [float(p.communicate(timeout=120)[0]) for p in procs]
         throughput.append(k / max(seconds))
         if k > 1 and throughput[-1] < throughput[-2] + PROBE_MIN_GAIN * throughput[0]:
@@ -262,10 +272,12 @@ def _add_wall(run_dir: Path, seconds: float) -> float:
     return total
 
 
-def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, object], *, commit: bool = False,
+def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, object], *,
+                commit: bool = False,
                 log: Callable[[str], None] = print) -> Path:
     """Write the record of the cell's finished run directory; its path. ``commit``: then commit the
-    experiment's records and the step-time table to git, alone (:func:`~copc.experiments.results.commit_alone`)."""
+    experiment's records and the step-time table to git, alone
+    (:func:`~copc.experiments.results.commit_alone`)."""
     run_dir = paths.run_dir(cell)
     try:
         wall: float | None = float(json.loads((run_dir / "sweep_wall.json").read_text())["wall_seconds"])
@@ -280,7 +292,8 @@ def finish_cell(spec: SweepSpec, cell: Cell, paths: Paths, config: Mapping[str, 
         store_step_time(paths.results, timing_key(cfg), timing)
     if commit:
         count = len(list(path.parent.glob("*.json")))
-        commit_alone([path.parent, paths.results / STEP_TIMES], f"results: {spec.experiment} records ({count} so far)", log)
+        commit_alone([path.parent, paths.results / STEP_TIMES],
+                     f"results: {spec.experiment} records ({count} so far)", log)
     return path
 
 
@@ -336,7 +349,8 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
                     log(f"[sweep] done  {cell.cell_id} in {took / 60:.1f} min: {record}")
                 else:
                     failures.append(cell.cell_id)
-                    log(f"[sweep] FAILED {cell.cell_id} (exit {proc.returncode}); see {paths.runs / cell.cell_id}.log")
+                    log(f"[sweep] FAILED {cell.cell_id} (exit {proc.returncode}); see "
+                        f"{paths.runs / cell.cell_id}.log")
     finally:
         for _, _, proc, _ in running:  # interrupted: stop our children, keep their checkpoints
             proc.terminate()
@@ -346,8 +360,8 @@ def run_cells(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, jobs: int
             except subprocess.TimeoutExpired:  # stuck where no signal handler runs (a C call holding the GIL)
                 proc.kill()
                 proc.wait()
-                log(f"[sweep] {cell.cell_id}: still running {STOP_GRACE_SECONDS:.0f} s after SIGTERM, killed; "
-                    "it resumes from its last checkpoint")
+                log(f"[sweep] {cell.cell_id}: still running {STOP_GRACE_SECONDS:.0f} s after SIGTERM, "
+                    "killed; it resumes from its last checkpoint")
             _add_wall(paths.run_dir(cell), time.perf_counter() - start)
         if on_main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
@@ -364,13 +378,15 @@ def _launch_state(spec: SweepSpec, cell: Cell, paths: Paths, *, commit: bool, lo
         log(f"[sweep] {cell.cell_id}: skipped, pid {holder} is training in {run_dir}")
         return None
     config: dict[str, object] = dict(to_dict(resolve(cell, run_dir)))
-    state, detail = cell_state(config, run_dir, paths.record(spec.experiment, cell), spec.accepted.get(cell.cell_id))
+    state, detail = cell_state(config, run_dir, paths.record(spec.experiment, cell),
+                               spec.accepted.get(cell.cell_id))
     if state == "conflict":
         raise SpecError(f"cell {cell.cell_id}: {detail}")
     if state == "recorded":
         return None
     if state == "finished":
-        log(f"[sweep] {cell.cell_id}: finished run, record {finish_cell(spec, cell, paths, config, commit=commit, log=log)}")
+        log(f"[sweep] {cell.cell_id}: finished run, record "
+            f"{finish_cell(spec, cell, paths, config, commit=commit, log=log)}")
         return None
     if state == "fresh" and run_dir.exists():
         shutil.rmtree(run_dir)  # no checkpoint: nothing to resume, and a half metrics.jsonl would mix in
@@ -378,7 +394,8 @@ def _launch_state(spec: SweepSpec, cell: Cell, paths: Paths, *, commit: bool, lo
 
 
 def prepare_warmstarts(cells: Sequence[Cell], paths: Paths, log: Callable[[str], None] = print) -> None:
-    """Build (or find) every warm start the cells need once, before cells start, pinned in ``<results>/warmstarts``."""
+    """Build (or find) every warm start the cells need once, before cells start, pinned in
+    ``<results>/warmstarts``."""
     from copc.run.build import policy_path
     from copc.run.warmstart import PINNED_ENV, pin_warmstart
     # This sweep's results folder, not one an earlier sweep in this process set; its cells inherit it.
@@ -450,7 +467,8 @@ def plan_text(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, jobs: int) -
                                    spec.accepted.get(cell.cell_id))
         counts[state] = counts.get(state, 0) + 1
         start = max(list_checkpoints(run_dir), default=0) if state == "resume" else 0
-        seconds, note = (0.0, "") if state in ("recorded", "finished") else estimate_seconds(cfg, table, start)
+        seconds, note = (0.0, "") if state in ("recorded", "finished") else estimate_seconds(cfg, table,
+                                                                                             start)
         if seconds is None:
             unknown += 1
         else:
@@ -470,6 +488,8 @@ def plan_text(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, jobs: int) -
         else:
             lines.append(f"  {key}: {note}")
     lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
-    lines.append(f"estimated {total / 3600:.1f} machine-hours of one process; {total / 3600 / jobs:.1f} h of wall "
-                 f"at {jobs} at a time" + (f"; {unknown} cells without an estimate (--measure)" if unknown else ""))
+    lines.append(
+        f"estimated {total / 3600:.1f} machine-hours of one process; {total / 3600 / jobs:.1f} h of wall "
+                 f"at {jobs} at a time" + (
+                     f"; {unknown} cells without an estimate (--measure)" if unknown else ""))
     return "\n".join(lines)

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="copc sweep", description=sweep.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="sweep YAML (experiments/*.yaml)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and its estimated hours; run nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan and its estimated hours; run nothing")
     parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
                         help="with --dry-run: probe each unmeasured task/method/driver for STEPS steps first")
     parser.add_argument("--report", action="store_true", help="print the table of the finished records")
@@ -42,27 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --report: count each group's collapses (E4: greedy_accuracy,0.1,3 = three "
                              "evaluations in a row more than 0.1 below the run's best so far)")
     parser.add_argument("--plot", default=None, metavar="DIR",
-                        help="with --report: also draw <experiment>_curves.png and <experiment>_summary.png into DIR")
+                        help="with --report: also draw <experiment>_curves.png and <experiment>_summary.png "
+                             "into DIR")
     parser.add_argument("--metrics", default=None, metavar="NAME[,NAME]",
-                        help="with --report: tabulate these instead of the file's report list (a summary figure, "
-                             "or mean:<curve> for a diagnostic curve's run mean, e.g. mean:drift)")
+                        help="with --report: tabulate these instead of the file's report list (a summary "
+                             "figure, or mean:<curve> for a diagnostic curve's run mean, e.g. mean:drift)")
     parser.add_argument("--contrasts", default=None, metavar="FILE",
-                        help="with --report: the pre-registered contrasts in FILE, each with its paired interval "
-                             "and verdict (copc.experiments.contrasts says the format)")
+                        help="with --report: the pre-registered contrasts in FILE, each with its paired "
+                             "interval and verdict (copc.experiments.contrasts says the format)")
     parser.add_argument("--markdown", action="store_true",
-                        help="with --report: the tables and contrasts as Markdown tables (what docs/results.md quotes)")
+                        help="with --report: the tables and contrasts as Markdown tables (what "
+                             "docs/results.md quotes)")
     parser.add_argument("--baseline", default=None, metavar="AXIS=LEVEL[,AXIS=LEVEL]",
                         help="the cells --report pairs the others with (default: the file's baseline)")
-    parser.add_argument("--jobs", type=int, default=0, help="cells at a time (default: the measured capacity)")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="cells at a time (default: the measured capacity)")
     parser.add_argument("--nice", type=int, default=10, help="niceness of the train processes (0: none)")
-    parser.add_argument("--results", default="results", help="results folder (records under <results>/<experiment>)")
+    parser.add_argument("--results", default="results",
+                        help="results folder (records under <results>/<experiment>)")
     parser.add_argument("--runs", default=None, help="run directories (default runs/sweep/<experiment>)")
     parser.add_argument("--steps", type=int, default=0, help="train every cell for this many steps instead "
                         "(a later run with more steps extends the runs from their checkpoints)")
-    parser.add_argument("--commit", action="store_true", help="git-commit each record as it is written, alone")
-    parser.add_argument("--experiment", default=None, help="records and runs under this name (the grid again, apart)")
+    parser.add_argument("--commit", action="store_true",
+                        help="git-commit each record as it is written, alone")
+    parser.add_argument("--experiment", default=None,
+                        help="records and runs under this name (the grid again, apart)")
     parser.add_argument("--only", default=None, metavar="SUBSTRING[,SUBSTRING]",
-                        help="only the cells whose id contains one of these (e.g. method=copc,method=async_ppo)")
+                        help="only the cells whose id contains one of these (e.g. "
+                             "method=copc,method=async_ppo)")
     return parser
 
 
@@ -74,9 +82,11 @@ def _collapse_rule(text: str) -> tuple[str, float, int]:
         margin = float(parts[1]) if len(parts) > 1 else 0.1
         patience = int(parts[2]) if len(parts) > 2 else 3
     except ValueError:
-        raise SpecError(f"--collapse {text!r}: expected METRIC[,MARGIN[,PATIENCE]], e.g. greedy_accuracy,0.1,3") from None
+        raise SpecError(
+            f"--collapse {text!r}: expected METRIC[,MARGIN[,PATIENCE]], e.g. greedy_accuracy,0.1,3") from None
     if len(parts) > 3 or not metric or margin <= 0 or patience < 1:
-        raise SpecError(f"--collapse {text!r}: expected METRIC[,MARGIN[,PATIENCE]] with MARGIN > 0 and PATIENCE >= 1, "
+        raise SpecError(
+            f"--collapse {text!r}: expected METRIC[,MARGIN[,PATIENCE]] with MARGIN > 0 and PATIENCE >= 1, "
                         "e.g. greedy_accuracy,0.1,3")
     return metric, margin, patience
 
@@ -103,9 +113,11 @@ def sweep_cli(argv: Sequence[str]) -> int:
         return 2
     report_only = [flag for flag, given in (("--collapse", args.collapse), ("--plot", args.plot),
                                             ("--metrics", args.metrics), ("--contrasts", args.contrasts),
-                                            ("--markdown", args.markdown), ("--baseline", args.baseline)) if given]
+                                            ("--markdown", args.markdown), ("--baseline",
+                                                                            args.baseline)) if given]
     if report_only and not args.report:
-        print(f"copc sweep: error: {', '.join(report_only)} only apply to --report; add --report", file=sys.stderr)
+        print(f"copc sweep: error: {', '.join(report_only)} only apply to --report; add --report",
+              file=sys.stderr)
         return 2
     collapse = _collapse_rule(args.collapse) if args.collapse else None
     spec = load_spec(args.file)
@@ -114,8 +126,8 @@ def sweep_cli(argv: Sequence[str]) -> int:
         metrics = tuple(x for x in args.metrics.split(",") if x)
         unknown = [x for x in metrics if not known_metric(x)]
         if unknown or not metrics:
-            raise SpecError(f"--metrics {args.metrics!r}: {repr(unknown[0]) if unknown else 'nothing'} is no report metric; "
-                            f"valid: {metric_names()}")
+            raise SpecError(f"--metrics {args.metrics!r}: {repr(unknown[0]) if unknown else 'nothing'} is no "
+                            f"report metric; valid: {metric_names()}")
         spec = replace(spec, report=metrics)
     cells = expand(spec)
     if args.steps:
@@ -124,16 +136,20 @@ def sweep_cli(argv: Sequence[str]) -> int:
         wanted = [w for w in args.only.split(",") if w]
         cells = [c for c in cells if any(w in c.cell_id for w in wanted)]
         if not cells:
-            print(f"copc sweep: error: no cell id contains any of {', '.join(map(repr, wanted))}", file=sys.stderr)
+            print(f"copc sweep: error: no cell id contains any of {', '.join(map(repr, wanted))}",
+                  file=sys.stderr)
             return 2
-    paths = Paths(Path(args.results), Path(args.runs) if args.runs else Path("runs") / "sweep" / spec.experiment)
+    paths = Paths(Path(args.results),
+                  Path(args.runs) if args.runs else Path("runs") / "sweep" / spec.experiment)
     if args.report:
         try:
             contrasts = load_contrasts(args.contrasts) if args.contrasts else None
             print_report(spec, cells, paths, baseline=_baseline(args.baseline, spec),
-                         collapse=collapse, plot_dir=Path(args.plot) if args.plot else None, contrasts=contrasts,
+                         collapse=collapse, plot_dir=Path(args.plot) if args.plot else None,
+                         contrasts=contrasts,
                          markdown=args.markdown)
-        except ValueError as err:  # e.g. the heatmap's lab JSON missing (its path is relative to the working dir)
+        # e.g. the heatmap's lab JSON missing (its path is relative to the working dir)
+        except ValueError as err:
             print(f"copc sweep: error: {err}", file=sys.stderr)
             return 2
         except OSError as err:  # e.g. --plot names a file, not a folder
@@ -163,7 +179,8 @@ def sweep_cli(argv: Sequence[str]) -> int:
     failures = run_cells(spec, cells, paths, jobs=jobs, nice=args.nice, log=lambda s: print(s, flush=True),
                          commit=args.commit)
     if failures:
-        print(f"copc sweep: error: cells failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)
+        print(f"copc sweep: error: cells failed: {', '.join(failures)}; re-run to resume them",
+              file=sys.stderr)
         return 1
     records, left_out = report_records(spec, cells, paths)
     print("\n".join([*left_out, report_text(records, spec.report, spec.baseline or None)]))

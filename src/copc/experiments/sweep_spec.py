@@ -105,7 +105,8 @@ def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepS
              "accepted_records"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise SpecError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+        raise SpecError(
+            f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
     if "experiment" not in data or "axes" not in data:
         raise SpecError(f"{source}: needs 'experiment' (a name) and 'axes' (axis -> level -> overrides)")
     experiment = _name(data["experiment"], f"{source}: experiment")
@@ -119,7 +120,8 @@ def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepS
     axes_value = data["axes"]
     if not isinstance(axes_value, Mapping) or not axes_value:
         raise SpecError(f"{source}: axes must map axis names to their levels")
-    axes = {_name(a, f"{source}: axes"): _parse_axis(str(a), v, f"{source}: axes.{a}") for a, v in axes_value.items()}
+    axes = {_name(a, f"{source}: axes"): _parse_axis(str(a), v, f"{source}: axes.{a}") for a,
+            v in axes_value.items()}
     grids_value = data.get("grids") or [{a: "all" for a in axes}]
     if not isinstance(grids_value, list):
         raise SpecError(f"{source}: grids must be a list of {{axis: [levels] | all}}")
@@ -132,10 +134,12 @@ def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepS
         for axis, levels in grid.items():
             if axis not in axes:
                 raise SpecError(f"{where}: unknown axis {axis!r}; axes: {', '.join(axes)}")
-            chosen = list(axes[axis]) if levels == "all" else [str(v) for v in (levels if isinstance(levels, list) else [levels])]
+            chosen = list(axes[axis]) if levels == "all" else [str(v) for v in (levels if isinstance(
+                levels, list) else [levels])]
             missing = [lv for lv in chosen if lv not in axes[axis]]
             if missing:
-                raise SpecError(f"{where}: axis {axis!r} has no level {missing[0]!r}; levels: {', '.join(axes[axis])}")
+                raise SpecError(
+                    f"{where}: axis {axis!r} has no level {missing[0]!r}; levels: {', '.join(axes[axis])}")
             parsed[axis] = tuple(chosen)
         grids.append(parsed)
     baseline_value = data.get("baseline") or {}
@@ -159,7 +163,8 @@ def parse_spec(data: Mapping[str, object], source: str = "sweep file") -> SweepS
                      shared=shared, axes=axes,
                      grids=tuple(grids), baseline=baseline, report=report, heatmap=heatmap)
     if data.get("accepted_records"):
-        spec = replace(spec, accepted=_parse_accepted(data["accepted_records"], spec, f"{source}: accepted_records"))
+        spec = replace(spec, accepted=_parse_accepted(data["accepted_records"], spec,
+                                                      f"{source}: accepted_records"))
     return spec
 
 
@@ -185,7 +190,8 @@ def _check_keys(shared: Sequence[str], axes: Mapping[str, Mapping[str, tuple[str
                     for lb in grid[b]:
                         both = _keys(axes[a][la]) & _keys(axes[b][lb])
                         if both:
-                            raise SpecError(f"{source}: axes {a}={la} and {b}={lb} both set {sorted(both)[0]}; "
+                            raise SpecError(
+                                f"{source}: axes {a}={la} and {b}={lb} both set {sorted(both)[0]}; "
                                             "a cell would run the later one: set it in one axis")
 
 
@@ -202,40 +208,49 @@ def _parse_accepted(value: object, spec: SweepSpec, where: str) -> dict[str, tup
     accepted = {}
     for cell_id, entry in value.items():
         if str(cell_id) not in cells:
-            raise SpecError(f"{where}: {cell_id!r} is no cell of this file (cell ids: axis=level__...__seedN)")
+            raise SpecError(
+                f"{where}: {cell_id!r} is no cell of this file (cell ids: axis=level__...__seedN)")
         if not isinstance(entry, Mapping) or set(entry) != {"config_hash", "why"}:
             raise SpecError(f"{where}.{cell_id}: expected {form}")
         digest, why = str(entry["config_hash"]), " ".join(str(entry["why"]).split())
         if not _HASH.match(digest) or not why:
-            raise SpecError(f"{where}.{cell_id}: config_hash must be the record's 16 hex digits and why a reason; "
+            raise SpecError(
+                f"{where}.{cell_id}: config_hash must be the record's 16 hex digits and why a reason; "
                             f"got {digest!r}, {why!r}")
         accepted[str(cell_id)] = (digest, why)
     return accepted
 
 
 def _parse_heatmap(value: object, axes: Mapping[str, Mapping[str, object]], where: str) -> Heatmap:
-    if not isinstance(value, Mapping) or not {"rows", "cols"} <= set(value) or not set(value) <= {"rows", "cols", "panels", "lab"}:
-        raise SpecError(f"{where}: expected {{rows: AXIS, cols: AXIS, panels: AXIS, lab: {{...}}}} (panels, lab optional)")
+    if not isinstance(value, Mapping) or not {"rows", "cols"} <= set(value) or not set(
+        value) <= {"rows", "cols", "panels", "lab"}:
+        raise SpecError(f"{where}: expected {{rows: AXIS, cols: AXIS, panels: AXIS, lab: {{...}}}} (panels, "
+                        "lab optional)")
     names = {key: str(value[key]) for key in ("rows", "cols", "panels") if value.get(key) is not None}
     for key, axis in names.items():
         if axis not in axes:
             raise SpecError(f"{where}.{key}: unknown axis {axis!r}; axes: {', '.join(axes)}")
     lab = value.get("lab")
     if lab is not None and "panels" not in names:
-        raise SpecError(f"{where}: a lab: section needs panels: the axis whose levels are the lab's staleness")
+        raise SpecError(
+            f"{where}: a lab: section needs panels: the axis whose levels are the lab's staleness")
     others = [a for a in axes if a not in names.values()]
     if others:  # a cell of the grid would hold several groups, and the analysis would keep one of them
-        raise SpecError(f"{where}: axis {others[0]!r} is neither rows, cols nor panels; each heatmap cell must be "
+        raise SpecError(
+            f"{where}: axis {others[0]!r} is neither rows, cols nor panels; each heatmap cell must be "
                         "one group: make it the panels axis, or run the other levels as another sweep file")
     if lab is None:
         return Heatmap(names["rows"], names["cols"], names.get("panels"))
-    if not isinstance(lab, Mapping) or set(lab) - {"json", "rows", "cols", "batch"} or not {"json", "rows", "cols"} <= set(lab):
-        raise SpecError(f"{where}.lab: expected {{json: PATH, rows: {{level: mask band c}}, cols: {{level: eps_A}}, batch: N}}")
+    if not isinstance(lab, Mapping) or set(lab) - {"json", "rows", "cols",
+                                                   "batch"} or not {"json", "rows", "cols"} <= set(lab):
+        raise SpecError(f"{where}.lab: expected "
+                        f"{{json: PATH, rows: {{level: mask band c}}, cols: {{level: eps_A}}, batch: N}}")
     maps = {}
     for key in ("rows", "cols"):
         levels, mapping = axes[names[key]], lab[key]
         if not isinstance(mapping, Mapping) or {str(k) for k in mapping} != set(levels):
-            raise SpecError(f"{where}.lab.{key}: map every level of axis {names[key]!r} ({', '.join(levels)}) to a number")
+            raise SpecError(f"{where}.lab.{key}: map every level of axis {names[key]!r} "
+                            f"({', '.join(levels)}) to a number")
         try:
             maps[key] = {str(k): float(mapping[k]) for k in mapping}
         except (TypeError, ValueError):
@@ -243,7 +258,8 @@ def _parse_heatmap(value: object, axes: Mapping[str, Mapping[str, object]], wher
     batch = lab.get("batch", 64)
     if not isinstance(batch, int) or batch < 1:
         raise SpecError(f"{where}.lab.batch: the lab's batch size N must be an integer >= 1, got {batch!r}")
-    return Heatmap(names["rows"], names["cols"], names.get("panels"), str(lab["json"]), maps["rows"], maps["cols"], batch)
+    return Heatmap(names["rows"], names["cols"], names.get("panels"), str(lab["json"]), maps["rows"],
+                   maps["cols"], batch)
 
 
 def read_yaml_file(path: str | os.PathLike[str], what: str) -> object:
@@ -258,7 +274,8 @@ def read_yaml_file(path: str | os.PathLike[str], what: str) -> object:
     except OSError as err:
         raise SpecError(f"cannot read {what} {path}: {err.strerror}") from None
     except UnicodeDecodeError as err:
-        raise SpecError(f"{what} {path} is not UTF-8 text (byte {err.start}); save it as UTF-8 YAML") from None
+        raise SpecError(
+            f"{what} {path} is not UTF-8 text (byte {err.start}); save it as UTF-8 YAML") from None
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
 
@@ -271,7 +288,8 @@ def load_spec(path: str | os.PathLike[str]) -> SweepSpec:
 
 
 def expand(spec: SweepSpec) -> list[Cell]:
-    """Every cell of every grid, seed outermost (a partial sweep holds complete seed pairs); duplicates once."""
+    """Every cell of every grid, seed outermost (a partial sweep holds complete seed pairs); duplicates
+    once."""
     cells: dict[str, Cell] = {}
     for seed in spec.seeds:
         for grid in spec.grids:

@@ -26,7 +26,8 @@ _EPS = 1e-9
 
 
 def record_evals(record: Mapping[str, object]) -> list[Mapping[str, Any]]:
-    """The record's evaluations (``record["evals"]``: one mapping per evaluation, ``step`` and each metric)."""
+    """The record's evaluations (``record["evals"]``: one mapping per evaluation, ``step`` and each
+    metric)."""
     evals = record.get("evals")
     return [e for e in evals if isinstance(e, Mapping)] if isinstance(evals, list) else []
 
@@ -55,14 +56,16 @@ def collapse_step(record: Mapping[str, object], metric: str = "greedy_accuracy",
     return None
 
 
-def collapse_text(records: Sequence[Mapping[str, object]], metric: str = "greedy_accuracy", *, margin: float = 0.1,
+def collapse_text(records: Sequence[Mapping[str, object]], metric: str = "greedy_accuracy", *,
+                  margin: float = 0.1,
                   patience: int = 3) -> str:
     """E4's count: per group, how many of its runs collapse (:func:`collapse_step`) and where."""
     groups: dict[tuple[tuple[str, str], ...], list[tuple[int, int | None]]] = {}
     for record in records:
         step = collapse_step(record, metric, margin=margin, patience=patience)
         groups.setdefault(group_key(record), []).append((int(record["seed"]), step))  # type: ignore[call-overload]
-    lines = [f"collapses ({patience} consecutive evaluations more than {margin:g} below the run's best {metric}):"]
+    lines = [f"collapses ({patience} consecutive evaluations more than {margin:g} below the run's best "
+             f"{metric}):"]
     width = max((len(group_text(k)) for k in groups), default=0)
     for key, runs in groups.items():
         hits = sorted((seed, step) for seed, step in runs if step is not None)
@@ -90,7 +93,8 @@ def _metric(record: Mapping[str, object], metric: str) -> float | None:
     return float(value) if value is not None else None
 
 
-def by_group(records: Sequence[Mapping[str, object]], metric: str) -> dict[tuple[tuple[str, str], ...], dict[int, float]]:
+def by_group(records: Sequence[Mapping[str, object]],
+             metric: str) -> dict[tuple[tuple[str, str], ...], dict[int, float]]:
     """``{levels: {seed: value}}`` for the records that have ``metric``."""
     groups: dict[tuple[tuple[str, str], ...], dict[int, float]] = {}
     for record in records:
@@ -101,7 +105,8 @@ def by_group(records: Sequence[Mapping[str, object]], metric: str) -> dict[tuple
 
 
 def paired_differences(
-    records: Sequence[Mapping[str, object]], metric: str, baseline: Mapping[str, str], confidence: float = 0.95
+    records: Sequence[Mapping[str, object]], metric: str, baseline: Mapping[str, str],
+    confidence: float = 0.95
 ) -> dict[tuple[tuple[str, str], ...], tuple[Interval, list[int]]]:
     """For each group other than the baseline: the t interval of ``group - baseline`` over shared seeds.
 
@@ -137,7 +142,8 @@ def start_key(record: Mapping[str, object]) -> tuple[float, float] | None:
     first = next((e for e in evals if e.get("step") == 0), None)
     if first is None:
         return None
-    return round(float(first.get("accuracy", math.nan)), 6), round(float(first.get("greedy_accuracy", math.nan)), 6)
+    return round(float(first.get("accuracy", math.nan)), 6), round(float(first.get("greedy_accuracy",
+                                                                                   math.nan)), 6)
 
 
 # What a run's step-0 evaluation is a function of: the warm start (task, its options, the policy's model
@@ -168,7 +174,8 @@ def _start_config(raw: str) -> str:
         if section in config:
             value = config[section]
             drop = _NOT_START.get(section, ())
-            part[section] = {k: v for k, v in value.items() if k not in drop} if isinstance(value, Mapping) else value
+            part[section] = {k: v for k,
+                             v in value.items() if k not in drop} if isinstance(value, Mapping) else value
     rollout = cast(Mapping[str, object], config.get("rollout", {}) or {})
     part["rollout"] = {k: rollout[k] for k in _START_ROLLOUT if k in rollout}
     return json.dumps(part, sort_keys=True, default=str)
@@ -211,7 +218,8 @@ def start_mismatches(records: Sequence[Mapping[str, object]]) -> list[str]:
     return [f"{tasks[config] + ' ' if tasks[config] else ''}seed {seed}: "
             + "; ".join(f"step-0 accuracy {a:g} / greedy {g:g}: {', '.join(sorted(cells))}"
                         for (a, g), cells in sorted(by.items()))
-            for (config, seed), by in sorted(starts.items(), key=lambda kv: (tasks[kv[0][0]], kv[0][1], kv[0][0]))
+            for (config, seed), by in sorted(starts.items(), key=lambda kv: (tasks[kv[0][0]], kv[0][1],
+                                                                             kv[0][0]))
             if len(by) > 1]
 
 
@@ -230,12 +238,14 @@ def report_text(
         return "no finished records"
     pct = f"{100 * confidence:g}%"
     lines = [f"warning: records of one seed start from different policies, so they are not paired (each such "
-             f"pair is left out of the paired differences and contrasts): {line}" for line in start_mismatches(records)]
+             f"pair is left out of the paired differences and contrasts): {line}"
+             for line in start_mismatches(records)]
     lines.append(f"{len(records)} records; mean [{pct} t interval over seeds] (n = seeds)")
     for metric in metrics:
         groups = by_group(records, metric)
         if not groups:  # said, not skipped: a metric asked for by name that prints nothing reads as a typo
-            lines.append(f"\n{metric}: no record holds it (a curve this method does not log, or a record from "
+            lines.append(
+                f"\n{metric}: no record holds it (a curve this method does not log, or a record from "
                          "before it was kept)")
             continue
         diffs = paired_differences(records, metric, baseline, confidence) if baseline else {}
@@ -263,7 +273,8 @@ def _markdown_table(metric: str, groups: Mapping[tuple[tuple[str, str], ...], Ma
     """One metric of :func:`report_text` as a Markdown table (bold where the paired interval excludes 0)."""
     pct = f"{100 * confidence:g}%"
     base = group_text(tuple(baseline.items())) if baseline else ""
-    head = f"| {metric} | mean [{pct} t interval] | n |" + (f" minus {base} [{pct} t interval] | n |" if baseline else "")
+    head = f"| {metric} | mean [{pct} t interval] | n |" + (
+        f" minus {base} [{pct} t interval] | n |" if baseline else "")
     rule = "| --- | --- | --- |" + (" --- | --- |" if baseline else "")
     lines = ["", head, rule]
     for key, values in groups.items():

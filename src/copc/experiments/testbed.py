@@ -89,7 +89,8 @@ def arms_for(staleness: int) -> tuple[Arm, Arm]:
     lagged = Arm(
         f"async_ppo_s{staleness}",
         f"async PPO, fixed lag {staleness} (uncorrected)",
-        ("method=async_ppo", "driver.kind=sync", "staleness.mode=fixed_lag", f"staleness.staleness={staleness}"),
+        ("method=async_ppo", "driver.kind=sync", "staleness.mode=fixed_lag",
+         f"staleness.staleness={staleness}"),
     )
     return sync, lagged
 
@@ -165,13 +166,15 @@ def prepare_warmstart(overrides: Sequence[str]) -> Path:
     return policy_path(cfg, Path(cfg.run_dir or "."))
 
 
-def pending_jobs(jobs: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str],
+def pending_jobs(jobs: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int,
+                 extra: Sequence[str],
                  base: Sequence[str] = BASE_OVERRIDES) -> list[tuple[Arm, int]]:
     """The jobs still to train; every run directory is checked (:func:`run_state`) before any run starts."""
     pending = []
     for arm, seed in jobs:
         run_dir = run_dir_for(root, arm, seed)
-        if run_state(run_overrides(arm, seed, run_dir, steps, eval_every, extra, base), run_dir) == "finished":
+        if run_state(run_overrides(arm, seed, run_dir, steps, eval_every, extra, base),
+                     run_dir) == "finished":
             print(f"[testbed] {run_dir}: finished, skipped", flush=True)
         else:
             pending.append((arm, seed))
@@ -179,10 +182,12 @@ def pending_jobs(jobs: list[tuple[Arm, int]], root: Path, *, steps: int, eval_ev
 
 
 def run_all(
-    pending: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str], parallel: int,
+    pending: list[tuple[Arm, int]], root: Path, *, steps: int, eval_every: int, extra: Sequence[str],
+    parallel: int,
     base: Sequence[str] = BASE_OVERRIDES,
 ) -> list[str]:
-    """Run ``pending`` (:func:`pending_jobs`), ``parallel`` at a time (one torch thread each); returns failures."""
+    """Run ``pending`` (:func:`pending_jobs`), ``parallel`` at a time (one torch thread each); returns
+    failures."""
     pending = list(pending)
     running: list[tuple[str, subprocess.Popen[bytes], float]] = []
     failures: list[str] = []
@@ -195,7 +200,8 @@ def run_all(
             log = (root / f"{run_dir.name}.log").open("ab")
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             print(f"[testbed] start {run_dir.name}: {' '.join(command[3:])}", flush=True)
-            running.append((run_dir.name, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env),
+            running.append((run_dir.name, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                           env=env),
                             time.perf_counter()))
             log.close()
         time.sleep(2.0)
@@ -209,7 +215,8 @@ def run_all(
                 print(f"[testbed] done  {name} in {took:.0f} s", flush=True)
             else:
                 failures.append(name)
-                print(f"[testbed] FAILED {name} (exit {proc.returncode}); see {root / (name + '.log')}", flush=True)
+                print(f"[testbed] FAILED {name} (exit {proc.returncode}); see {root / (name + '.log')}",
+                      flush=True)
     return failures
 
 
@@ -258,7 +265,8 @@ def _describe(values: np.ndarray) -> dict[str, float]:
 def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_window: int = 20,
             layout: str = "testbed") -> dict[str, object]:
     """Curves and the paired comparison of the first arm (sync) with each other arm, seed by seed."""
-    runs = {f"{arm.name}_seed{s}": read_metrics(run_dir_for(root, arm, s, layout)) for arm in arms for s in seeds}
+    runs = {f"{arm.name}_seed{s}": read_metrics(run_dir_for(root, arm, s,
+                                                            layout)) for arm in arms for s in seeds}
     report: dict[str, object] = {"seeds": list(seeds), "reward_window": reward_window, "arms": {}}
     arm_reports: dict[str, dict[str, object]] = {}
     for arm in arms:
@@ -295,11 +303,13 @@ def analyse(root: Path, arms: Sequence[Arm], seeds: Sequence[int], *, reward_win
         r_steps, ra = _seed_stack(runs, a_names, m.REWARD_MEAN)
         r_steps_b, rb = _seed_stack(runs, b_names, m.REWARD_MEAN)
         r_shared = np.intersect1d(r_steps, r_steps_b)
-        reward_gap = (ra[:, np.searchsorted(r_steps, r_shared)] - rb[:, np.searchsorted(r_steps_b, r_shared)]).mean(1)
+        reward_gap = (ra[:, np.searchsorted(r_steps, r_shared)] - rb[:, np.searchsorted(r_steps_b,
+                                                                                        r_shared)]).mean(1)
         gaps[other.name] = {
             "eval_steps": after_start.tolist(),
             "eval_accuracy_gap_per_seed": per_seed.tolist(),
-            "eval_accuracy_gap_sampling_se_per_seed": sampling_se.tolist() if sampling_se is not None else None,
+            "eval_accuracy_gap_sampling_se_per_seed": sampling_se.tolist(
+                ) if sampling_se is not None else None,
             "eval_accuracy_gap": _describe(per_seed),
             "eval_accuracy_gap_by_step": [_describe(a[:, i] - b[:, j]) for i, j in zip(ia, ib, strict=True)],
             "train_reward_gap_per_seed": reward_gap.tolist(),
@@ -324,7 +334,8 @@ def draw(root: Path, arms: Sequence[Arm], seeds: Sequence[int], out: Path, *, re
             for arm in arms for s in seeds}
     figures = {
         f"{prefix}_curves.png": (
-            f"Sync PPO vs uncorrected async PPO ({task} hard; {len(seeds)} seed{'s' if len(seeds) > 1 else ''}: "
+            f"Sync PPO vs uncorrected async PPO ({task} hard; {len(seeds)} "
+            f"seed{'s' if len(seeds) > 1 else ''}: "
             "mean and min-max)",
             (("held-out accuracy, avg@1 sampled", m.EVAL_ACCURACY, 1),
              ("held-out accuracy, greedy", m.EVAL_GREEDY_ACCURACY, 1),
@@ -368,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="copc testbed",
         description="Sync PPO vs uncorrected async PPO at fixed lag S on the hard task, several seeds.",
     )
-    parser.add_argument("--task", default="arith_tool", choices=sorted(TASK_SETTINGS), help="the task's hard setting")
+    parser.add_argument("--task", default="arith_tool", choices=sorted(TASK_SETTINGS),
+                        help="the task's hard setting")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (0 .. N-1)")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--staleness", type=int, default=16, help="fixed lag S of the async arm")
@@ -387,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
 def testbed_cli(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     if args.seeds < 1 or args.steps < 1 or args.parallel < 1 or args.eval_every < 1:
-        print("copc testbed: error: --seeds, --steps, --parallel and --eval-every must be >= 1", file=sys.stderr)
+        print("copc testbed: error: --seeds, --steps, --parallel and --eval-every must be >= 1",
+              file=sys.stderr)
         return 2
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
@@ -403,12 +416,14 @@ def testbed_cli(argv: Sequence[str]) -> int:
     root, out, seeds = Path(args.runs or f"runs/{prefix}"), Path(args.out), list(range(args.seeds))
     root.mkdir(parents=True, exist_ok=True)
     if args.layout == "sweep" and not args.analyse_only:
-        print("copc testbed: error: --layout sweep reads runs of copc sweep; add --analyse-only", file=sys.stderr)
+        print("copc testbed: error: --layout sweep reads runs of copc sweep; add --analyse-only",
+              file=sys.stderr)
         return 2
     if not args.analyse_only:
         jobs = [(arm, seed) for seed in seeds for arm in arms]
         try:  # before the warm start is built
-            pending = pending_jobs(jobs, root, steps=args.steps, eval_every=args.eval_every, extra=args.overrides,
+            pending = pending_jobs(jobs, root, steps=args.steps, eval_every=args.eval_every,
+                                   extra=args.overrides,
                                    base=base)
         except ValueError as err:
             print(f"copc testbed: error: {err}", file=sys.stderr)
@@ -417,22 +432,27 @@ def testbed_cli(argv: Sequence[str]) -> int:
         failures = run_all(pending, root, steps=args.steps, eval_every=args.eval_every, extra=args.overrides,
                            parallel=args.parallel, base=base)
         if failures:
-            print(f"copc testbed: error: runs failed: {', '.join(failures)}; re-run to resume them", file=sys.stderr)
+            print(f"copc testbed: error: runs failed: {', '.join(failures)}; re-run to resume them",
+                  file=sys.stderr)
             return 1
     missing = [str(run_dir_for(root, a, s, args.layout)) for a in arms for s in seeds
                if not (run_dir_for(root, a, s, args.layout) / "metrics.jsonl").is_file()]
     if missing:
-        print(f"copc testbed: error: no metrics in {', '.join(missing)}; run without --analyse-only", file=sys.stderr)
+        print(f"copc testbed: error: no metrics in {', '.join(missing)}; run without --analyse-only",
+              file=sys.stderr)
         return 2
     report = analyse(root, arms, seeds, layout=args.layout)
     report["command"] = {"steps": args.steps, "staleness": args.staleness, "eval_every": args.eval_every,
-                         "task": args.task, "overrides": [*base, *args.overrides], "analyse_only": args.analyse_only}
+                         "task": args.task, "overrides": [*base, *args.overrides],
+                         "analyse_only": args.analyse_only}
     report["provenance"] = run_commits([run_dir_for(root, a, s, args.layout) for a in arms for s in seeds])
     if args.analyse_only:  # the runs were made elsewhere: the figures are of what they trained, said here
-        trained = {str(run_dir_for(root, a, s, args.layout)): _trained_steps(run_dir_for(root, a, s, args.layout))
+        trained = {str(run_dir_for(root, a, s, args.layout)): _trained_steps(run_dir_for(root, a, s,
+                                                                                         args.layout))
                    for a in arms for s in seeds}
         report["trained_steps"] = trained
-        other = sorted({"unfinished runs" if v is None else f"{v} steps" for v in trained.values() if v != args.steps})
+        other = sorted({"unfinished runs" if v is None else f"{v} steps" for v in trained.values(
+            ) if v != args.steps})
         if other:
             print(f"warning: --steps {args.steps}, but the runs analysed are {', '.join(other)} "
                   "(testbed.json's trained_steps names each)", file=sys.stderr)
@@ -465,7 +485,9 @@ def summary_text(report: dict[str, object]) -> str:
         se = gap["eval_accuracy_gap_sampling_se_per_seed"]
         se_text = f"; sampling s.e. per seed {', '.join(f'{x:.3f}' for x in se)}" if se else ""
         lines.append(
-            f"sync - {name}: eval accuracy {g['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['eval_accuracy_gap_per_seed'])}{se_text}), "
-            f"train reward {r['mean']:+.3f} (seeds {', '.join(f'{x:+.3f}' for x in gap['train_reward_gap_per_seed'])})"
+            f"sync - {name}: eval accuracy {g['mean']:+.3f} (seeds "
+            f"{', '.join(f'{x:+.3f}' for x in gap['eval_accuracy_gap_per_seed'])}{se_text}), "
+            f"train reward {r['mean']:+.3f} (seeds "
+            f"{', '.join(f'{x:+.3f}' for x in gap['train_reward_gap_per_seed'])})"
         )
     return "\n".join(lines)
