@@ -1,6 +1,6 @@
 """One metrics namespace, defined once, and the reader of a run's ``metrics.jsonl``.
 
-Every metric a run logs is named here, with a one-line doc (STYLE.md, point 12). Code logs with the
+Every metric a run logs is named here, with a one-line doc (CONTRIBUTING.md#metrics). Code logs with the
 constants (``tracking.LOSS_POLICY``), never with string literals, so a renamed metric is a one-line
 change and a typo is an ``AttributeError``. Families whose members are only known at run time
 (``buffer/dropped_<reason>``, ``eval/accuracy/<task>``) are declared by prefix in :data:`PREFIXES`.
@@ -149,30 +149,36 @@ OFFPOLICY_ADV_CLIP_FRAC = "offpolicy/adv_clip_frac"
 #: the trainer's statistics are over its loss tokens, which leave out truncated rows under
 #: ``trainer.truncation = mask``.
 METRICS: dict[str, str] = {
-    LOSS_POLICY: "actor loss: the policy channel's surrogate, token-mean over the minibatch's global count, plus "
-                 "kl_coef * KL - entropy_coef * H when those are set; mean over the step's optimizer steps",
-    LOSS_VALUE: "critic loss 1/2 max((V-G)^2, (clip(V)-G)^2), token-mean; mean over the step's optimizer steps",
+    LOSS_POLICY: "actor loss: the policy channel's surrogate, token-mean over the minibatch's global count, "
+                 "plus kl_coef * KL - entropy_coef * H when those "
+                 "are set; mean over the step's optimizer steps",
+    LOSS_VALUE: "critic loss 1/2 max((V-G)^2, (clip(V)-G)^2), token-mean; mean over the step's optimizer "
+                "steps",
     LOSS_ENTROPY: "mean policy entropy over sampled tokens [nats] (only with trainer.entropy_coef != 0)",
-    ROLLOUT_ENTROPY_MC: "Monte-Carlo per-token entropy of the behaviour policy: mean -log mu over sampled tokens [nats]",
+    ROLLOUT_ENTROPY_MC: "Monte-Carlo per-token entropy of the behaviour policy: mean -log mu over sampled "
+                        "tokens [nats]",
     LOSS_KL: "KL to the reference policy, token-mean",
     RATIO_MASK_FRAC: "fraction of sampled tokens outside the behaviour-ratio mask band (M_t = 0)",
-    RATIO_CLIP_FRAC_LOW: "fraction of tokens whose behaviour ratio w is below advantage.ratio_low (clipped-TD's "
-                         "clip 1 - eps_A^-; for an estimator without that clip, where it would bite)",
-    RATIO_CLIP_FRAC_HIGH: "fraction of tokens whose behaviour ratio w is above advantage.ratio_high (clipped-TD's "
-                          "clip 1 + eps_A^+; for an estimator without that clip, where it would bite)",
-    RATIO_ESS_TOKEN: "token ESS of the behaviour ratio w, (sum w)^2 / (N sum w^2) in (0, 1], per actor minibatch "
-                     "(mean over the step's minibatches; the first only for methods without an old forward)",
+    RATIO_CLIP_FRAC_LOW: "fraction of tokens whose behaviour ratio w is below advantage.ratio_low "
+                         "(clipped-TD's clip 1 - eps_A^-; for an estimator "
+                         "without that clip, where it would bite)",
+    RATIO_CLIP_FRAC_HIGH: "fraction of tokens whose behaviour ratio w is above advantage.ratio_high "
+                          "(clipped-TD's clip 1 + eps_A^+; for an estimator "
+                          "without that clip, where it would bite)",
+    RATIO_ESS_TOKEN: "token ESS of the behaviour ratio w, (sum w)^2 / (N sum w^2) in (0, 1], per actor "
+                     "minibatch (mean over the step's minibatches; the "
+                     "first only for methods without an old forward)",
     RATIO_ESS_SEQ: "sequence ESS of W_i = exp(sum_t log w_it), normalised to (0, 1], per actor minibatch "
                    "(mean over the step's minibatches; the first only for methods without an old forward)",
-    RATIO_ESS_SEQ_SNIS: "normalised ESS 1 / (n sum W_i^2) of the self-normalised sequence weights of the value-bias "
-                        "estimate (left out without a step-start old, as the bias is)",
+    RATIO_ESS_SEQ_SNIS: "normalised ESS 1 / (n sum W_i^2) of the self-normalised sequence weights of the "
+                        "value-bias estimate (left out without a step-start old, as the bias is)",
     RATIO_MEAN_ABS_LOG_W: "mean |log w| = |old - mu| over sampled tokens (ratio/*: of the step-start policy; "
                           "absent on a step where a method without an old forward does not train its actor)",
     RATIO_KL_K1: "KL(mu || pi_old) estimate k1 = -log w, token mean",
     RATIO_KL_K2: "KL estimate k2 = (log w)^2 / 2, token mean",
     RATIO_KL_K3: "KL estimate k3 = w - 1 - log w, token mean",
-    POLICY_MASK_FRAC: "fraction of sampled tokens the actor loss masks out (policy channel; policy/* and value/* "
-                      "are token fractions and means over the whole step's updates)",
+    POLICY_MASK_FRAC: "fraction of sampled tokens the actor loss masks out (policy channel; policy/* and "
+                      "value/* are token fractions and means over the whole step's updates)",
     POLICY_WEIGHT_MEAN: "mean per-token weight omega_t multiplying the actor term",
     POLICY_CLIP_FRAC_LOW: "fraction of tokens where the PPO clip is active at 1 - eps_low",
     POLICY_CLIP_FRAC_HIGH: "fraction of tokens where the PPO clip is active at 1 + eps_high",
@@ -180,32 +186,36 @@ METRICS: dict[str, str] = {
     POLICY_APPROX_KL: "approximate KL(pi_old || pi_theta) during the actor update",
     VALUE_CLIP_FRAC: "fraction of tokens where value clipping is active",
     VALUE_MEAN_ABS_ERR: "mean |V - G| over sampled tokens in the critic update",
-    VALUE_EXPLAINED_VAR: "explained variance 1 - Var(G - V) / Var(G) of the values the critic update's forwards "
-                         "gave, over the step's loss tokens",
+    VALUE_EXPLAINED_VAR: "explained variance 1 - Var(G - V) / Var(G) of the values the critic update's "
+                         "forwards gave, over the step's loss tokens",
     STALENESS_MEAN: "mean per-token staleness n - v_t of the consumed batch [versions]",
     STALENESS_MAX: "max per-token staleness of the consumed batch [versions]",
     STALENESS_SEQ_MAX_MEAN: "mean over trajectories of s_max = n - min_t v_t [versions]",
-    STALENESS_GENERATION_MEAN: "mean over trajectories of generation staleness s_gen = max_t v_t - min_t v_t [versions]",
+    STALENESS_GENERATION_MEAN: "mean over trajectories of generation staleness s_gen = max_t v_t - min_t v_t "
+                               "[versions]",
     STALENESS_GENERATION_MAX: "max over the batch's trajectories of s_gen = max_t v_t - min_t v_t [versions]",
     STALENESS_WAITING_MEAN: "mean over trajectories of waiting staleness s_wait = n - max_t v_t [versions]",
     STALENESS_WAITING_MAX: "max over the batch's trajectories of s_wait = n - max_t v_t [versions]",
     STALENESS_PACE_REJECTED: "trajectories the PACE filter rejected (cumulative; also in buffer/dropped_pace)",
     STALENESS_PACE_REJECT_RATE: "fraction of this step's batch the PACE filter rejected",
     STALENESS_PACE_BUDGET: "PACE rejection budget of this step [trajectories] (from pool occupancy)",
-    STALENESS_PACE_POOL: "completed trajectories in the pool when this step's batch was taken (PACE occupancy)",
-    STALENESS_PACE_SCORE_MEAN: "mean PACE effective-staleness score of this step's batch before filtering [versions]",
+    STALENESS_PACE_POOL: "completed trajectories in the pool when this step's batch was taken (PACE "
+                         "occupancy)",
+    STALENESS_PACE_SCORE_MEAN: "mean PACE effective-staleness score of this step's batch before filtering "
+                               "[versions]",
     STALENESS_HIST: "per-token staleness (TensorBoard histogram; JSONL keeps {counts: [c_0, c_1, ...]})",
-    CRITIC_EXPLAINED_VAR: "1 - Var(G - V) / Var(G) over sampled tokens, pre-update values (critic/*: only with a "
-                          "critic, except value_bias and returns_mean)",
-    CRITIC_VALUE_BIAS_GAP: "g_pi = |mean V(s_1) - E_pi[R]| (BRACE eq. 7, self-normalised IS; left out without a "
-                           "step-start old, where log w = 0 by construction)",
-    CRITIC_VALUE_BIAS: "b = E_pi[R] - E_mu[R] (BRACE eq. 7; left out without a step-start old, where it would read 0)",
+    CRITIC_EXPLAINED_VAR: "1 - Var(G - V) / Var(G) over sampled tokens, pre-update values (critic/*: only "
+                          "with a critic, except value_bias and returns_mean)",
+    CRITIC_VALUE_BIAS_GAP: "g_pi = |mean V(s_1) - E_pi[R]| (BRACE eq. 7, self-normalised IS; left out "
+                           "without a step-start old, where log w = 0 by construction)",
+    CRITIC_VALUE_BIAS: "b = E_pi[R] - E_mu[R] (BRACE eq. 7; left out without a step-start old, where it "
+                       "would read 0)",
     CRITIC_VALUES_MEAN: "mean pre-update critic value over sampled tokens",
     CRITIC_RETURNS_MEAN: "mean critic target G over sampled tokens",
     ADV_MEAN: "mean advantage fed to the actor loss (after whitening, if any)",
     ADV_STD: "std of advantages fed to the actor loss",
-    ADV_RAW_MEAN: "mean advantage before whitening (m of spec 9.5), over sampled tokens",
-    ADV_RAW_STD: "std of advantages before whitening (sqrt v of spec 9.5)",
+    ADV_RAW_MEAN: "mean advantage before whitening (m of docs/formulas.md#one-step), over sampled tokens",
+    ADV_RAW_STD: "std of advantages before whitening (sqrt v of docs/formulas.md#one-step)",
     RETURNS_MEAN: "mean critic target G over sampled tokens (advantage channel output)",
     GRAD_ACTOR_NORM: "actor gradient norm before clipping",
     GRAD_CRITIC_NORM: "critic gradient norm before clipping",
@@ -214,13 +224,15 @@ METRICS: dict[str, str] = {
     TIME_GENERATE: "seconds spent generating the consumed batch (in whichever process) [s]",
     TIME_WAIT: "seconds the trainer waited for its batch [s]",
     TIME_TRAIN: "seconds of the training update (forward, backward, optimizer) [s]",
-    TIME_TRAIN_CPU: "CPU seconds the training thread ran during the update; below time/train it was off a CPU "
-                    "(waiting for a core, the GIL or I/O; with trainer_threads > 1 torch's pool threads are not counted) [s]",
+    TIME_TRAIN_CPU: "CPU seconds the training thread ran during the update; below time/train it was off a "
+                    "CPU (waiting for a core, the GIL or I/O; with trainer_threads "
+                    "> 1 torch's pool threads are not counted) [s]",
     TIME_STEP: "wall seconds of the whole step [s]",
-    TIME_PUBLISH: "seconds from the end of the update to the new weights being published (finiteness check, copy, hand-over) [s]",
+    TIME_PUBLISH: "seconds from the end of the update to the new weights being published (finiteness check, "
+                  "copy, hand-over) [s]",
     TIME_EVAL: "wall seconds of the held-out evaluation made after this step (not in time/step) [s]",
-    REWARD_MEAN: "mean episode reward of the consumed batch (after the method's dynamic sampling and overlong "
-                 "shaping, DAPO's: then not comparable with other methods' raw rewards)",
+    REWARD_MEAN: "mean episode reward of the consumed batch (after the method's dynamic sampling and "
+                 "overlong shaping, DAPO's: then not comparable with other methods' raw rewards)",
     REWARD_STD: "std of episode rewards of the consumed batch",
     EVAL_ACCURACY: "eval accuracy on held-out prompts (avg@k at the rollout temperature)",
     EVAL_GREEDY_ACCURACY: "greedy (temperature 0) accuracy on held-out prompts",
@@ -228,73 +240,92 @@ METRICS: dict[str, str] = {
     EVAL_TOOL_USE_RATE: "fraction of eval episodes that called a tool",
     EVAL_TRUNCATED_FRAC: "fraction of sampled eval episodes cut by a budget (max tokens/turns/context)",
     EVAL_TRUNCATED_TURN_FRAC: "fraction of sampled eval policy turns cut by a token limit before they stopped",
-    EVAL_TURN_LIMIT_FRAC: "fraction of sampled eval episodes ended by the per-turn limit max_new_tokens_per_turn",
-    EVAL_TOOL_INFRA_FRAC: "fraction of eval episodes (sampled and greedy) with a tool call that failed for the "
-                          "machine (sandbox fault), graded wrong: a nonzero value means the accuracies are low for the machine",
-    EVAL_ENV_ERROR_FRAC: "fraction of eval episodes (sampled and greedy) ended because the environment raised (a bug "
-                         "in the task or its tool, not the policy), graded wrong",
-    EVAL_GRADE_FAILURE_FRAC: "fraction of eval episodes (sampled and greedy) whose grader could not decide (math-verify "
-                             "timed out or raised), graded wrong",
+    EVAL_TURN_LIMIT_FRAC: "fraction of sampled eval episodes ended by the per-turn limit "
+                          "max_new_tokens_per_turn",
+    EVAL_TOOL_INFRA_FRAC: "fraction of eval episodes (sampled and greedy) with a tool call that failed for "
+                          "the machine (sandbox fault), graded wrong: a nonzero "
+                          "value means the accuracies are low for the machine",
+    EVAL_ENV_ERROR_FRAC: "fraction of eval episodes (sampled and greedy) ended because the environment "
+                         "raised (a bug in the task or its tool, not the policy), graded wrong",
+    EVAL_GRADE_FAILURE_FRAC: "fraction of eval episodes (sampled and greedy) whose grader could not decide "
+                             "(math-verify timed out or raised), graded wrong",
     ROLLOUT_TOOL_USE_RATE: "fraction of trajectories that called a tool at least once",
     ROLLOUT_TOOL_CALLS: "mean tool calls per trajectory",
-    ROLLOUT_TOOL_INFRA_ERRORS: "mean tool calls per trajectory that failed for the machine, not the code (sandbox fault=infra)",
-    ROLLOUT_ENV_ERROR_FRAC: "fraction of trajectories ended because the environment raised (a bug in the task or its "
-                            "tool), reward 0",
-    ROLLOUT_GRADE_FAILURE_FRAC: "fraction of trajectories whose grader could not decide (math-verify timed out or raised), "
-                                "reward 0",
+    ROLLOUT_TOOL_INFRA_ERRORS: "mean tool calls per trajectory that failed for the machine, not the code "
+                               "(sandbox fault=infra)",
+    ROLLOUT_ENV_ERROR_FRAC: "fraction of trajectories ended because the environment raised (a bug in the "
+                            "task or its tool), reward 0",
+    ROLLOUT_GRADE_FAILURE_FRAC: "fraction of trajectories whose grader could not decide (math-verify timed "
+                                "out or raised), reward 0",
     ROLLOUT_RESPONSE_TOKENS: "mean number of sampled tokens per trajectory",
     ROLLOUT_TRUNCATED_FRAC: "fraction of trajectories cut by a budget (max tokens/turns/context)",
-    ROLLOUT_TRUNCATED_TURN_FRAC: "fraction of policy turns cut by a token limit before they stopped on their own",
+    ROLLOUT_TRUNCATED_TURN_FRAC: "fraction of policy turns cut by a token limit before they stopped on their "
+                                 "own",
     ROLLOUT_TURN_LIMIT_FRAC: "fraction of trajectories ended by the per-turn limit max_new_tokens_per_turn",
     ROLLOUT_ACCURACY: "fraction of trajectories of the batch graded correct",
     ROLLOUT_VERSION: "policy version that generated the consumed batch (oldest token)",
-    ROLLOUT_VERSIONS_PER_TRAJ: "mean over the batch of distinct policy versions among a trajectory's sampled tokens",
-    ROLLOUT_VERSIONS_PER_TRAJ_MAX: "max over the batch of distinct policy versions in one trajectory (> 1: partial rollouts)",
+    ROLLOUT_VERSIONS_PER_TRAJ: "mean over the batch of distinct policy versions among a trajectory's sampled "
+                               "tokens",
+    ROLLOUT_VERSIONS_PER_TRAJ_MAX: "max over the batch of distinct policy versions in one trajectory (> 1: "
+                                   "partial rollouts)",
     ROLLOUT_DYNSAMPLE_ROUNDS: "dynamic sampling: generation rounds of the batch (1 = its own prompts only)",
     ROLLOUT_DYNSAMPLE_EXTRA_GROUPS: "dynamic sampling: groups generated beyond the batch's own prompts",
-    ROLLOUT_DYNSAMPLE_DROPPED_GROUPS: "dynamic sampling: generated groups not trained on (equal rewards, or surplus)",
-    ROLLOUT_DYNSAMPLE_PADDED_GROUPS: "dynamic sampling: equal-reward groups kept to fill a batch the round cap left short",
-    ROLLOUT_DYNSAMPLE_SHORT: "dynamic sampling: 1 if the batch had too few informative groups after max_rounds",
+    ROLLOUT_DYNSAMPLE_DROPPED_GROUPS: "dynamic sampling: generated groups not trained on (equal rewards, or "
+                                      "surplus)",
+    ROLLOUT_DYNSAMPLE_PADDED_GROUPS: "dynamic sampling: equal-reward groups kept to fill a batch the round "
+                                     "cap left short",
+    ROLLOUT_DYNSAMPLE_SHORT: "dynamic sampling: 1 if the batch had too few informative groups after "
+                             "max_rounds",
     ROLLOUT_OVERLONG_PENALTY: "mean DAPO overlong penalty added to the batch's rewards (<= 0)",
-    ROLLOUT_INFRA_DROPPED_GROUPS: "groups dropped because a tool call failed for the machine (rollout.infra_failures=drop)",
+    ROLLOUT_INFRA_DROPPED_GROUPS: "groups dropped because a tool call failed for the machine "
+                                  "(rollout.infra_failures=drop)",
     BATCH_SEQUENCES: "sequences in the training batch",
     BATCH_ACTION_TOKENS: "sampled tokens in the training batch",
     BATCH_TRUNCATED_FRAC: "fraction of truncated sequences in the training batch",
-    BATCH_VOID_FRAC: "fraction of sequences in the training batch with a void turn (neither a tool call nor an "
-                     "answer; out of the losses under trainer.void_turns = mask)",
+    BATCH_VOID_FRAC: "fraction of sequences in the training batch with a void turn (neither a tool call nor "
+                     "an answer; out of the losses under trainer.void_turns = mask)",
     BUFFER_SIZE: "trajectories stored in the buffer after the step took its batch",
     BUFFER_IN_FLIGHT: "generation requests admitted but not finished",
     BUFFER_CONSUMED: "trajectories consumed by the trainer so far (cumulative)",
     BUFFER_OVER_BOUND: "trajectories consumed with lag > s in bounded mode (cumulative; not dropped)",
     BUFFER_REQUEUED: "in-flight prompts requeued on resume (cumulative)",
     BUFFER_DROPPED: "trajectories dropped for any reason (cumulative; never for age)",
-    BUFFER_EMPTY_KEPT: "trajectories without a sampled token kept in their batch (cumulative; rows without action tokens)",
+    BUFFER_EMPTY_KEPT: "trajectories without a sampled token kept in their batch (cumulative; rows without "
+                       "action tokens)",
     RUNTIME_WORKER_RESTARTS: "rollout workers restarted after a death, error or timeout (cumulative)",
     RUNTIME_JOURNAL_DAMAGED: "damaged journal entries set aside on resume and generated again (cumulative)",
-    ROLLOUT_EMPTY_FRAC: "fraction of trajectories of the batch without a sampled token (prompt fills the context)",
+    ROLLOUT_EMPTY_FRAC: "fraction of trajectories of the batch without a sampled token (prompt fills the "
+                        "context)",
     TRAIN_VERSION: "policy version after the step",
     TRAIN_ACTOR_FROZEN: "1 while the critic warms up and the actor is frozen",
-    PROXIMAL_SNAPSHOT_BYTES: "trainer.proximal=snapshot: bytes of the policy versions the snapshot store holds after the step [B]",
-    PROXIMAL_SNAPSHOT_VERSIONS: "trainer.proximal=snapshot: policy versions the snapshot store holds after the step",
-    PROXIMAL_VERSION_FORWARDS: "trainer.proximal=snapshot: distinct behaviour versions of the batch (one old forward each)",
-    PROXIMAL_REUSED_ROWS_FRAC: "fraction of rows whose old log-probs came from their first actor forward (trainer.old_forward_reuse)",
-    ORACLE_FAILED_FRAC: "fraction of the batch's trajectories the Monte-Carlo oracle could not replay (mc_oracle "
-                        "arms: they get advantage 0)",
+    PROXIMAL_SNAPSHOT_BYTES: "trainer.proximal=snapshot: bytes of the policy versions the snapshot store "
+                             "holds after the step [B]",
+    PROXIMAL_SNAPSHOT_VERSIONS: "trainer.proximal=snapshot: policy versions the snapshot store holds after "
+                                "the step",
+    PROXIMAL_VERSION_FORWARDS: "trainer.proximal=snapshot: distinct behaviour versions of the batch (one old "
+                               "forward each)",
+    PROXIMAL_REUSED_ROWS_FRAC: "fraction of rows whose old log-probs came from their first actor forward "
+                               "(trainer.old_forward_reuse)",
+    ORACLE_FAILED_FRAC: "fraction of the batch's trajectories the Monte-Carlo oracle could not replay "
+                        "(mc_oracle arms: they get advantage 0)",
     ORACLE_SECONDS: "time spent sampling the oracle's continuations this step (diagnostic and estimator) [s]",
     ORACLE_CHUNKS: "turn chunks the diagnostic compared with the oracle this step",
-    ORACLE_NOISE_VAR: "mean variance of the oracle's own chunk advantages from its finite continuations (part of "
-                      "every estimator's oracle/*_mse)",
-    ORACLE_VALUE_PROMPT: "mean oracle value of the prompt (the current policy's success rate on the scored prompts)",
-    OFFPOLICY_SUM_ABS_LOG_W: "median over trajectories of sum_t |log(cur/mu)| over the policy tokens (whole batch, "
-                             "at diagnostic steps)",
+    ORACLE_NOISE_VAR: "mean variance of the oracle's own chunk advantages from its finite continuations "
+                      "(part of every estimator's oracle/*_mse)",
+    ORACLE_VALUE_PROMPT: "mean oracle value of the prompt (the current policy's success rate on the scored "
+                         "prompts)",
+    OFFPOLICY_SUM_ABS_LOG_W: "median over trajectories of sum_t |log(cur/mu)| over the policy tokens (whole "
+                             "batch, at diagnostic steps)",
     OFFPOLICY_SUM_ABS_LOG_W_P90: "90th percentile over trajectories of sum_t |log(cur/mu)|",
-    OFFPOLICY_TRACE_CLIP_MEDIAN: "median over trajectories of prod_t clip(cur/mu, ratio_low, ratio_high) (COPC's "
-                                 "clipped weights, 0.8 and 1.2 of R1) over the policy tokens",
+    OFFPOLICY_TRACE_CLIP_MEDIAN: "median over trajectories of prod_t clip(cur/mu, ratio_low, ratio_high) "
+                                 "(COPC's clipped weights, 0.8 and 1.2 of R1) over the policy tokens",
     OFFPOLICY_TRACE_CLIP_P10: "10th percentile over trajectories of that clipped trace product",
-    OFFPOLICY_TRACE_VTRACE_MEDIAN: "median over trajectories of prod_t min(1, cur/mu) (V-trace's traces, c_bar = 1)",
-    OFFPOLICY_ADV_CLIP_FRAC: "fraction of policy tokens whose cur/mu leaves [0.8, 1.2], where COPC's advantage clip bites",
-    MEMORY_PEAK: "peak resident memory of the training process over the step, start-up and evaluations since the "
-                 "last step included (the largest memory/peak_<phase>; Linux) [GiB]",
+    OFFPOLICY_TRACE_VTRACE_MEDIAN: "median over trajectories of prod_t min(1, cur/mu) (V-trace's traces, "
+                                   "c_bar = 1)",
+    OFFPOLICY_ADV_CLIP_FRAC: "fraction of policy tokens whose cur/mu leaves [0.8, 1.2], where COPC's "
+                             "advantage clip bites",
+    MEMORY_PEAK: "peak resident memory of the training process over the step, start-up and evaluations since "
+                 "the last step included (the largest memory/peak_<phase>; Linux) [GiB]",
 }
 
 #: Families named at run time: ``prefix + suffix``, e.g. ``buffer/dropped_timeout``, ``eval/accuracy/arith``.
@@ -302,12 +333,15 @@ PREFIXES: dict[str, str] = {
     "buffer/dropped_": "trajectories dropped for the named reason (cumulative)",
     "eval/": "per-benchmark and per-k eval metrics: eval/<metric>/<task>, eval/pass@<k>, eval/avg@<k>",
     "time/": "other named timings [s]",
-    "memory/peak_": "peak resident memory of the training process in the named phase of the step (batch, prepare, "
-                    "critic, actor, publish; other: start-up, evaluation, checkpoints since the last step) [GiB]",
+    "memory/peak_": "peak resident memory of the training process in the named phase of the step (batch, "
+                    "prepare, critic, actor, publish; other: start-up, "
+                    "evaluation, checkpoints since the last step) [GiB]",
     "rollout/": "task-specific rollout counters (means over the batch)",
-    "oracle/": "advantage estimates against the Monte-Carlo oracle at diagnostic steps: oracle/<estimator>_<bias|mse|"
-               "corr> (gae, clipped_td, vtrace on the batch's stale trajectories; lag0_<estimator>_* on fresh ones "
-               "sampled by the current weights), oracle/critic_value_<mse|corr> (critic vs oracle values)",
+    "oracle/": "advantage estimates against the Monte-Carlo oracle at diagnostic steps: "
+               "oracle/<estimator>_<bias|mse|corr> (gae, clipped_td, vtrace on the batch's stale "
+               "trajectories; lag0_<estimator>_* on "
+               "fresh ones sampled by the current weights), "
+               "oracle/critic_value_<mse|corr> (critic vs oracle values)",
 }
 
 
@@ -318,7 +352,8 @@ def is_known(name: str) -> bool:
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, float]]:
     """All records of a ``metrics.jsonl`` (a ``RUN_DIR`` is accepted too); a torn last line is skipped, and
-    so is any line that is not a JSON object with a numeric ``step`` (bytes that are not UTF-8, a hand edit)."""
+    so is any line that is not a JSON object with a numeric ``step`` (bytes that are not UTF-8, a hand
+    edit)."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"

@@ -1,6 +1,6 @@
 """Any Hugging Face causal LM as the policy, a value model on the same backbone, and token log-probs.
 
-Alignment (spec/algorithms.md section 0). For a sequence ``x_0 .. x_{T-1}`` the quantities of token
+Alignment (docs/formulas.md#notation). For a sequence ``x_0 .. x_{T-1}`` the quantities of token
 ``t`` are about the state *before* it, ``s_t = x_{<t}``:
 
 - ``token_logprobs(...).logp[:, t] = log pi(x_t | x_{<t})`` = log_softmax(logits[:, t-1] / temperature)[x_t];
@@ -144,7 +144,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _check_logprob_args(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, transform: LogProbTransform | None
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+    transform: LogProbTransform | None
 ) -> None:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (got {temperature}); use the sampler's temperature")
@@ -152,12 +153,13 @@ def _check_logprob_args(
         raise ValueError("give the temperature to the transform (it maps raw logits), not to token_logprobs")
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-            "must both be [B, T]"
+            f"input_ids {tuple(input_ids.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must both be [B, T]"
         )
 
 
-def _next_token_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def _next_token_logits(model: PreTrainedModel, input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, T-1, V] float32``: the logits at positions 0..T-2, which predict tokens 1..T-1."""
     out = model(
         input_ids=input_ids,
@@ -309,7 +311,8 @@ class ValueModel(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.backbone.save_pretrained(path)
-        save_file({k: v.detach().contiguous() for k, v in self.head.state_dict().items()}, str(path / VALUE_HEAD_FILE))
+        save_file({k: v.detach().contiguous() for k, v in self.head.state_dict().items()},
+                  str(path / VALUE_HEAD_FILE))
         meta = {"hidden_size": self.head.in_features, "alignment": "values[:, t] = head(h[:, t-1])"}
         (path / VALUE_META_FILE).write_text(json.dumps(meta, indent=2))
 

@@ -31,7 +31,7 @@ episode:
   else it goes on to the next round.
 
 Rewards: a ``step`` reward lands on the last token of the turn that produced it; a ``finish`` reward
-on the last token of the trajectory (the trainer folds rewards onto policy tokens, spec section 0);
+on the last token of the trajectory (the trainer folds rewards onto policy tokens, docs/formulas.md#notation);
 ``reward`` is their sum. ``info`` holds the env's counters (an env reports running totals, so the
 latest value of each key wins) plus the loop's own: ``policy_turns``, ``gen_tokens``, ``obs_tokens``,
 ``env_errors``, ``cut_turns`` (turns cut by any token limit: 0 or 1, a cut ends the episode) and

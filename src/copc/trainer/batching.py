@@ -39,7 +39,7 @@ class TrainBatch:
         policy_version: ``[B, T] int64``, weight version that sampled each token; -1 off ``action_mask``.
         token_rewards: ``[B, T] float32``, rewards where the environment put them (folded later).
         scores: ``[B] float32``, episode rewards (group baselines, reward metrics).
-        truncated: ``[B] bool``, True when the episode was cut (spec section 0, ``truncation``).
+        truncated: ``[B] bool``, True when the episode was cut (docs/formulas.md#notation, ``truncation``).
         group_ids: ``[B] int64``, prompt group of each row (group-normalised baselines).
         void: ``[B] bool``, True when the episode had a void turn (``info["void_turn"]``: neither a tool
             call nor an answer; ``trainer.void_turns = mask`` leaves such rows out of the losses).
@@ -65,7 +65,8 @@ class TrainBatch:
             raise ValueError(f"TrainBatch.input_ids must be [B, T], got {shape}")
         for name in ("attention_mask", "action_mask", "logp_behav", "policy_version", "token_rewards"):
             if tuple(getattr(self, name).shape) != shape:
-                raise ValueError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
+                raise ValueError(
+                    f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
         for name in ("scores", "truncated", "group_ids", "void"):
             if tuple(getattr(self, name).shape) != (shape[0],):
                 raise ValueError(f"TrainBatch.{name} must be [B] = ({shape[0]},)")
@@ -93,7 +94,8 @@ class TrainBatch:
 def collate(trajectories: Sequence[Trajectory], *, pad_id: int) -> TrainBatch:
     """Right-pad ``trajectories`` into one :class:`TrainBatch` (row ``i`` = ``trajectories[i]``)."""
     if not trajectories:
-        raise ValueError("collate needs at least one trajectory; the driver handed the trainer an empty batch")
+        raise ValueError(
+            "collate needs at least one trajectory; the driver handed the trainer an empty batch")
     batch, length = len(trajectories), max(t.num_tokens for t in trajectories)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((batch, length), dtype=torch.bool)

@@ -65,14 +65,17 @@ class Forwards:
         staleness 0 (docs/algorithms.md, "Sampling transform")."""
         if self.top_p >= 1.0 and self.top_k == 0:
             return self.temperature, None
-        return 1.0, partial(truncated_logprobs, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return 1.0, partial(truncated_logprobs, temperature=self.temperature, top_k=self.top_k,
+                            top_p=self.top_p)
 
     def logp(self, model: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
         """``[b, t] float32`` log-probs of the rows ``index`` (gradients flow unless under no_grad)."""
         return self.logp_entropy(model, batch, index, entropy=False).logp
 
-    def logp_entropy(self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor, *, entropy: bool) -> TokenLogProbs:
-        """Log-probs (with grad) and, when ``entropy``, per-token entropies ``[b, t] float32`` (one forward)."""
+    def logp_entropy(self, model: nn.Module, batch: TrainBatch, rows: torch.Tensor, *,
+                     entropy: bool) -> TokenLogProbs:
+        """Log-probs (with grad) and, when ``entropy``, per-token entropies ``[b, t] float32`` (one
+        forward)."""
         length = trim_length(rows, batch.attention_mask)
         temperature, transform = self.transform()
         return token_logprobs(
