@@ -23,7 +23,8 @@ def test_version_and_help(capsys):
 
 
 @pytest.mark.parametrize("argv", [
-    ["train", "--bogus"], ["eval", "--bogus"], ["export"], ["convert-gguf"], ["make-critic"], ["sft", "--bogus"],
+    ["train", "--bogus"], ["eval", "--bogus"], ["export"], ["convert-gguf"], ["make-critic"], ["sft",
+                                                                                               "--bogus"],
     ["lab"], ["lab", "sweep", "--bogus"], ["testbed", "--bogus"], ["sweep"], ["plot"], ["--bogus"],
 ])
 def test_a_command_line_error_is_one_line_that_points_to_help(capsys, argv):

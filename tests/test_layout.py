@@ -82,12 +82,14 @@ def test_imports_point_down() -> None:
     for path in modules():
         here = top_package(module_name(path))
         for module, names, line in copc_imports(path, top_level_only=False):
-            targets = [module] if module != "copc" else [f"copc.{n}" if is_submodule(n) else "copc" for n in names]
+            targets = [module] if module != "copc" else [f"copc.{n}" if is_submodule(
+                n) else "copc" for n in names]
             for target in targets:
                 there = top_package(target)
                 if there == here or (here, there) in SIDEWAYS_ALLOWED:
                     continue
-                if layer_of(there) >= layer_of(here) and not (layer_of(there) == layer_of(here) == len(LAYERS) - 1):
+                if layer_of(there) >= layer_of(here) and not (layer_of(there) == layer_of(here) == len(
+                    LAYERS) - 1):
                     bad.append(f"{path.relative_to(SRC)}:{line} copc.{here} imports {target}")
     assert not bad, "imports that point up or sideways:\n" + "\n".join(bad)
 
@@ -96,7 +98,8 @@ def test_no_private_names_cross_a_module_boundary() -> None:
     bad = []
     for path in modules():
         for module, names, line in copc_imports(path, top_level_only=False):
-            bad += [f"{path.relative_to(SRC)}:{line} imports {module}.{n}" for n in names if n.startswith("_") and not n.endswith("__")]
+            bad += [f"{path.relative_to(SRC)}:{line} imports {module}.{n}" for n in names if n.startswith(
+                "_") and not n.endswith("__")]
     assert not bad, "\n".join(bad)
 
 
@@ -139,7 +142,8 @@ def test_no_import_circles() -> None:
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))
 def test_modules_stay_small(path: Path) -> None:
     lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.relative_to(SRC)} has {lines} lines (> {MAX_LINES}): split it by responsibility"
+    assert lines <= MAX_LINES, (
+        f"{path.relative_to(SRC)} has {lines} lines (> {MAX_LINES}): split it by responsibility")
 
 
 def test_no_module_is_only_re_exports() -> None:
@@ -156,7 +160,8 @@ def test_no_module_is_only_re_exports() -> None:
 
 
 def test_ops_facade_is_the_submodules_lists() -> None:
-    """``copc.ops.__all__`` is built from its submodules' lists: each name in one of them, bound to that object."""
+    """``copc.ops.__all__`` is built from its submodules' lists: each name in one of them, bound to that
+    object."""
     import importlib
 
     import copc.ops

@@ -70,8 +70,10 @@ def test_jsonl_records_and_resume_truncation(tmp_path):
 
 
 def test_samples_are_appended_mirrored_as_text_and_truncated_on_resume(tmp_path):
-    episode = {"prompt_id": "p/0", "prompt": "2+2?\n", "turns": [{"source": "policy", "text": "<python>print(4)"},
-               {"source": "forced", "text": "</python><output>4</output>"}], "reward": 1.0, "stop_reason": "done"}
+    episode = {"prompt_id": "p/0", "prompt": "2+2?\n", "turns": [{"source": "policy",
+                                                                  "text": "<python>print(4)"},
+               {"source": "forced", "text": "</python><output>4</output>"}], "reward": 1.0,
+               "stop_reason": "done"}
     with Tracker(tmp_path) as tracker:
         for step in range(3):
             tracker.log_samples(step, "train", [episode, {**episode, "prompt_id": "p/1"}])

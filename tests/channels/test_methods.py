@@ -1,4 +1,5 @@
-"""Tests for copc.channels.methods: the presets match the spec's defaults, build, override and run end to end."""
+"""Tests for copc.channels.methods: the presets match the spec's defaults, build, override and run end to
+end."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from copc.registry import RegistryError
 from reference.batches import step_batch
 
 PRESETS = (
-    "ppo", "async_ppo", "async_ppo_recompute", "vtrace", "dapo", "sao", "areal", "areal_critic", "icepop", "brace",
+    "ppo", "async_ppo", "async_ppo_recompute", "vtrace", "dapo", "sao", "areal", "areal_critic", "icepop",
+    "brace",
     "copc", "copc_proximal", "copc_behaviour", "async_ppo_mask", "async_ppo_advantage", "async_ppo_oracle",
 )
 
@@ -23,15 +25,16 @@ def test_all_presets_are_registered() -> None:
 
 
 def test_misspelt_name_lists_valid_ones_with_a_hint() -> None:
-    with pytest.raises(RegistryError, match=r"unknown method 'ipecop' .*valid: areal, areal_critic, async_ppo"):
+    with pytest.raises(RegistryError,
+                       match=r"unknown method 'ipecop' .*valid: areal, areal_critic, async_ppo"):
         get_method("ipecop")
     with pytest.raises(RegistryError, match=r"did you mean 'async_ppo'\?"):
         get_method("asyncppo")
 
 
 def test_spec_defaults_per_preset() -> None:
-    # spec section 2: dual clip 3 only in the verl-based baselines, and in the arms built on async PPO
-    # 3a's actor (spec 9.7: R1 and the one-channel arms differ from 3a only in their two channels).
+    # docs/formulas.md#ppo: dual clip 3 only in the verl-based baselines, and in the arms built on async PPO
+    # 3a's actor (docs/formulas.md#r1: R1 and the one-channel arms differ from 3a only in their two channels).
     on_3a = ("copc_behaviour", "async_ppo_mask", "async_ppo_advantage", "async_ppo_oracle")
     for name in PRESETS:
         want = 3.0 if name in ("ppo", "async_ppo", "async_ppo_recompute", "dapo", *on_3a) else None
@@ -40,12 +43,14 @@ def test_spec_defaults_per_preset() -> None:
     minibatches = {"vtrace": 1, "brace": 1, "dapo": 16, "areal": 4, "areal_critic": 4, "copc": 4}
     for name, n in minibatches.items():
         assert get_method(name).policy.minibatches == n, name
-    assert get_method("sao").critic is not None and get_method("sao").critic.updates_per_step == 2  # type: ignore[union-attr]
+    assert get_method("sao").critic is not None and get_method(
+        "sao").critic.updates_per_step == 2  # type: ignore[union-attr]
     assert get_method("copc").critic.updates_per_step == 1  # type: ignore[union-attr]
     # objectives and estimators
     copc = get_method("copc")
     assert (copc.policy.objective, copc.policy.mask_low, copc.policy.mask_high) == ("copc", 0.5, 2.0)
-    assert (copc.advantage.estimator, copc.advantage.ratio_low, copc.advantage.ratio_high) == ("clipped_td", 0.8, 1.2)
+    assert (copc.advantage.estimator, copc.advantage.ratio_low, copc.advantage.ratio_high) == ("clipped_td",
+                                                                                               0.8, 1.2)
     assert copc.advantage.advantage_window is None and copc.advantage.trace == "none"
     assert get_method("async_ppo").policy.objective == "bypass_ppo"
     assert get_method("areal").policy.weight_cap == 5.0 and get_method("areal").policy.cap_mode == "mask"
@@ -69,8 +74,8 @@ def test_needs_old_forward_and_critic() -> None:
 
 
 def test_dapo_is_dapo() -> None:
-    # spec 5: clip-higher 0.2 / 0.28, token-level aggregation, critic-free group z-scores, and the two
-    # rollout-side pieces (dynamic sampling, overlong shaping) switched on; no other preset has them.
+    # docs/formulas.md#dapo: clip-higher 0.2 / 0.28, token-level aggregation, critic-free group z-scores, and
+    # the two rollout-side pieces (dynamic sampling, overlong shaping) switched on; no other preset has them.
     dapo = get_method("dapo")
     assert (dapo.policy.objective, dapo.policy.clip_low, dapo.policy.clip_high) == ("ppo", 0.2, 0.28)
     assert dapo.policy.loss_agg == "token-mean"
@@ -82,21 +87,24 @@ def test_dapo_is_dapo() -> None:
 
 
 def test_areal_follows_the_paper_and_keeps_the_critic_variant() -> None:
-    # spec 7: the AReaL paper ran critic-free with group-normalised advantages, gamma = lambda = 1;
-    # the decoupled objective (old/mu weight, masked above 5, PPO clip 0.2 around old) is shared.
+    # docs/formulas.md#areal: the AReaL paper ran critic-free with group-normalised advantages, gamma = lambda
+    # = 1; the decoupled objective (old/mu weight, masked above 5, PPO clip 0.2 around old) is shared.
     areal, critic = get_method("areal"), get_method("areal_critic")
     assert areal.critic is None and areal.advantage.estimator == "group" and not areal.needs_critic
     assert critic.critic is not None and critic.advantage.estimator == "gae"
-    assert (critic.advantage.gamma, critic.advantage.lam_actor, critic.advantage.lam_critic) == (1.0, 1.0, 1.0)
+    assert (critic.advantage.gamma, critic.advantage.lam_actor, critic.advantage.lam_critic) == (1.0, 1.0,
+                                                                                                 1.0)
     assert areal.policy == critic.policy
     p = areal.policy
-    assert (p.objective, p.clip_low, p.clip_high, p.weight_cap, p.cap_mode) == ("decoupled", 0.2, 0.2, 5.0, "mask")
+    assert (p.objective, p.clip_low, p.clip_high, p.weight_cap, p.cap_mode) == ("decoupled", 0.2, 0.2, 5.0,
+                                                                                "mask")
     assert areal.needs_old_forward and critic.needs_old_forward
 
 
 def test_override_field_by_field_revalidates() -> None:
     m = get_method("copc")
-    m2 = replace(m, policy=replace(m.policy, mask_low=0.2, mask_high=5.0), advantage=replace(m.advantage, advantage_window=100))
+    m2 = replace(m, policy=replace(m.policy, mask_low=0.2, mask_high=5.0),
+                 advantage=replace(m.advantage, advantage_window=100))
     assert m2.policy.mask_high == 5.0 and m2.advantage.advantage_window == 100 and m.policy.mask_high == 2.0
     with pytest.raises(ValueError, match="mask_low"):
         replace(m.policy, mask_low=3.0)
@@ -121,13 +129,17 @@ def test_each_preset_runs_a_step_on_a_random_batch(name: str) -> None:
     logp = d["logp"].clone().requires_grad_(True)
     out = policy_loss(m.policy, PolicyInputs(
         logp=logp, logp_old=logp_old, logp_behav=d["logp_behav"], advantages=adv.advantages,
-        action_mask=d["action_mask"], num_tokens=d["action_mask"].sum(), num_seqs=d["action_mask"].any(-1).sum(),
+        action_mask=d["action_mask"], num_tokens=d["action_mask"].sum(),
+        num_seqs=d["action_mask"].any(-1).sum(),
     ))
     (grad,) = torch.autograd.grad(out.loss, logp)
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
-    assert grad.abs().sum() > 0 and torch.equal(grad[~d["action_mask"]], torch.zeros_like(grad[~d["action_mask"]]))
+    assert grad.abs().sum() > 0 and torch.equal(grad[~d["action_mask"]],
+                                                torch.zeros_like(grad[~d["action_mask"]]))
     if m.critic is not None:
         v = (d["values"] + 0.3).requires_grad_(True)
-        vl = value_loss(m.critic, ValueInputs(values=v, values_old=d["values"], returns=adv.returns, action_mask=d["action_mask"], num_tokens=d["action_mask"].sum()))
+        vl = value_loss(m.critic, ValueInputs(
+            values=v, values_old=d["values"], returns=adv.returns, action_mask=d["action_mask"],
+            num_tokens=d["action_mask"].sum()))
         (gv,) = torch.autograd.grad(vl.loss, v)
         assert torch.isfinite(vl.loss) and gv.abs().sum() > 0

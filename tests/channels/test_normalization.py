@@ -58,7 +58,8 @@ def _all_correct_batch(noise: float = 1e-3) -> dict[str, torch.Tensor]:
 
 
 def _advantages(d: dict[str, torch.Tensor], **cfg: object) -> torch.Tensor:
-    out = compute_advantages(AdvantageChannelConfig(**cfg), rewards=d["rewards"], values=d["values"], log_w=None, action_mask=d["action_mask"])  # type: ignore[arg-type]
+    out = compute_advantages(AdvantageChannelConfig(**cfg), rewards=d["rewards"], values=d["values"],
+                             log_w=None, action_mask=d["action_mask"])  # type: ignore[arg-type]
     return out.advantages
 
 
@@ -98,7 +99,8 @@ def _vtrace_batch() -> dict[str, torch.Tensor]:
     values = 0.5 + 0.1 * torch.randn(b, t, generator=g)
     log_w = 0.3 * torch.randn(b, t, generator=g)
     log_w[0, 2] = -20.0  # a token the target policy (old) never takes: rho^pg = e^-20 ~ 0
-    return {"rewards": rewards, "values": values, "log_w": log_w, "action_mask": torch.ones(b, t, dtype=torch.bool)}
+    return {"rewards": rewards, "values": values, "log_w": log_w, "action_mask": torch.ones(b, t,
+                                                                                            dtype=torch.bool)}
 
 
 def test_vtrace_normalisation_sits_inside_rho_pg() -> None:
@@ -107,8 +109,10 @@ def test_vtrace_normalisation_sits_inside_rho_pg() -> None:
     # -m * sum_s grad log pi(a_s), whose mu-expectation is not 0 off-policy (E_mu[rho grad log pi] = 0 is).
     d = _vtrace_batch()
     cfg = AdvantageChannelConfig(estimator="vtrace", rho_bar=1.0, c_bar=1.0, pg_rho_bar=1.0)
-    out = compute_advantages(cfg, rewards=d["rewards"], values=d["values"], log_w=d["log_w"], action_mask=d["action_mask"])
-    raw = compute_advantages(AdvantageChannelConfig(estimator="vtrace", whiten=False), rewards=d["rewards"], values=d["values"], log_w=d["log_w"], action_mask=d["action_mask"])
+    out = compute_advantages(cfg, rewards=d["rewards"], values=d["values"], log_w=d["log_w"],
+                             action_mask=d["action_mask"])
+    raw = compute_advantages(AdvantageChannelConfig(estimator="vtrace", whiten=False), rewards=d["rewards"],
+                             values=d["values"], log_w=d["log_w"], action_mask=d["action_mask"])
     rho = torch.exp(d["log_w"]).clamp(max=1.0)
     td = raw.advantages / rho  # r + gamma v_{s+1} - V_s (rho > 0 everywhere here)
     want = rho * (td - td.mean()) / td.std(unbiased=True)
@@ -118,8 +122,11 @@ def test_vtrace_normalisation_sits_inside_rho_pg() -> None:
     assert raw.advantages[0, 2].abs() < 1e-7
     # on-policy (rho^pg = 1 everywhere) this is plain whitening of A^pg
     zero = torch.zeros_like(d["log_w"])
-    on = compute_advantages(cfg, rewards=d["rewards"], values=d["values"], log_w=zero, action_mask=d["action_mask"])
-    on_raw = compute_advantages(AdvantageChannelConfig(estimator="vtrace", whiten=False), rewards=d["rewards"], values=d["values"], log_w=zero, action_mask=d["action_mask"])
+    on = compute_advantages(cfg, rewards=d["rewards"], values=d["values"], log_w=zero,
+                            action_mask=d["action_mask"])
+    on_raw = compute_advantages(AdvantageChannelConfig(
+        estimator="vtrace", whiten=False), rewards=d["rewards"], values=d["values"], log_w=zero,
+        action_mask=d["action_mask"])
     a = on_raw.advantages
     torch.testing.assert_close(on.advantages, (a - a.mean()) / a.std(unbiased=True), rtol=1e-5, atol=1e-6)
 
@@ -132,9 +139,11 @@ def test_statistics_come_from_the_loss_tokens_only() -> None:
     keep[:10] = False  # rows that leave the losses
     d["values"][:10] += 50.0  # wildly off: they would dominate the statistics
     cfg = AdvantageChannelConfig()
-    out = compute_advantages(cfg, rewards=d["rewards"], values=d["values"], log_w=None, action_mask=d["action_mask"], stats_mask=keep)
+    out = compute_advantages(cfg, rewards=d["rewards"], values=d["values"], log_w=None,
+                             action_mask=d["action_mask"], stats_mask=keep)
     a = out.advantages[keep].double()
     assert abs(a.mean().item()) < 1e-5 and abs(a.std(unbiased=True).item() - 1.0) < 1e-5
     assert torch.equal(out.advantages[~keep], torch.zeros_like(out.advantages[~keep]))
-    sub = compute_advantages(cfg, rewards=d["rewards"][10:], values=d["values"][10:], log_w=None, action_mask=d["action_mask"][10:])
+    sub = compute_advantages(cfg, rewards=d["rewards"][10:], values=d["values"][10:], log_w=None,
+                             action_mask=d["action_mask"][10:])
     torch.testing.assert_close(out.advantages[10:], sub.advantages, rtol=1e-5, atol=1e-6)

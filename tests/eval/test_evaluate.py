@@ -37,14 +37,16 @@ class ScriptedTask:
         return ScriptedEnv(prompt, float(right), {"tool_calls": 1.0, "tool_infra_errors": float(infra)})
 
 
-def test_tool_failures_of_the_machine_are_reported_not_hidden_in_the_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
+def test_tool_failures_of_the_machine_are_reported_not_hidden_in_the_accuracy(
+        capsys: pytest.CaptureFixture[str]) -> None:
     """An evaluation episode whose tool call failed for the machine counts as wrong (the accuracy is what
     the policy got), and the evaluation says how many there were, in ``eval/tool_infra_frac`` and on
     stderr; before (found by an audit, 2026-12-04), nothing showed them."""
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, seed=0)
     rollout = RolloutConfig(max_turns=1, max_new_tokens_per_turn=4, max_total_tokens=4, context_limit=64)
-    out = evaluate(model, tok, ScriptedTask(), rollout, EvalConfig(prompts=3, samples=2, greedy=True), seed=0)  # type: ignore[arg-type]
+    out = evaluate(model, tok, ScriptedTask(), rollout, EvalConfig(prompts=3, samples=2, greedy=True),
+                   seed=0)  # type: ignore[arg-type]
     # sampled: p0 1/2 right (its first episode failed), p1 0/2, p2 2/2 -> avg@2 (0.5 + 0 + 1) / 3
     assert out[m.EVAL_ACCURACY] == pytest.approx(0.5)
     # one episode of the 9 (6 sampled, 3 greedy) had the machine fail its tool call
@@ -52,7 +54,8 @@ def test_tool_failures_of_the_machine_are_reported_not_hidden_in_the_accuracy(ca
     err = capsys.readouterr().err
     assert "1 of 9 evaluation episodes had a tool call fail for the machine" in err
     assert out[m.EVAL_ENV_ERROR_FRAC] == 0.0
-    clean = evaluate(model, tok, ScriptedTask(infra=False), rollout, EvalConfig(prompts=3, samples=2), seed=0)  # type: ignore[arg-type]
+    clean = evaluate(model, tok, ScriptedTask(infra=False), rollout, EvalConfig(prompts=3, samples=2),
+                     seed=0)  # type: ignore[arg-type]
     assert clean[m.EVAL_TOOL_INFRA_FRAC] == 0.0 and clean[m.EVAL_ACCURACY] == pytest.approx(2 / 3)
     assert "fail for the machine" not in capsys.readouterr().err
 
@@ -71,11 +74,13 @@ class RaisingTask(ScriptedTask):
         return env
 
 
-def test_environment_errors_are_reported_not_hidden_in_the_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
+def test_environment_errors_are_reported_not_hidden_in_the_accuracy(
+        capsys: pytest.CaptureFixture[str]) -> None:
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, seed=0)
     rollout = RolloutConfig(max_turns=1, max_new_tokens_per_turn=4, max_total_tokens=4, context_limit=64)
-    out = evaluate(model, tok, RaisingTask(infra=False), rollout, EvalConfig(prompts=3, samples=2, greedy=False), seed=0)  # type: ignore[arg-type]
+    out = evaluate(model, tok, RaisingTask(infra=False), rollout,
+                   EvalConfig(prompts=3, samples=2, greedy=False), seed=0)  # type: ignore[arg-type]
     assert out[m.EVAL_ACCURACY] == pytest.approx(1 / 3)  # p0 2/2, p1 0/2, p2 (crashed) 0/2
     assert out[m.EVAL_ENV_ERROR_FRAC] == pytest.approx(2 / 6) and out[m.EVAL_TOOL_INFRA_FRAC] == 0.0
     assert "2 of 6 evaluation episodes ended because the environment raised" in capsys.readouterr().err
@@ -97,6 +102,9 @@ def test_grader_failures_are_reported_not_hidden_in_the_accuracy(capsys: pytest.
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, seed=0)
     rollout = RolloutConfig(max_turns=1, max_new_tokens_per_turn=4, max_total_tokens=4, context_limit=64)
-    out = evaluate(model, tok, UndecidedTask(infra=False), rollout, EvalConfig(prompts=3, samples=2, greedy=False), seed=0)  # type: ignore[arg-type]
-    assert out[m.EVAL_ACCURACY] == pytest.approx(1 / 3) and out[m.EVAL_GRADE_FAILURE_FRAC] == pytest.approx(2 / 6)
-    assert "2 of 6 evaluation episodes were not graded because the grader timed out or raised" in capsys.readouterr().err
+    out = evaluate(model, tok, UndecidedTask(infra=False), rollout,
+                   EvalConfig(prompts=3, samples=2, greedy=False), seed=0)  # type: ignore[arg-type]
+    assert out[m.EVAL_ACCURACY] == pytest.approx(1 / 3) and out[m.EVAL_GRADE_FAILURE_FRAC] == pytest.approx(
+        2 / 6)
+    assert (
+        "2 of 6 evaluation episodes were not graded because the grader timed out or raised" in capsys.readouterr().err)

@@ -47,7 +47,8 @@ def test_base_rate_of_a_few_rows_end_to_end(tmp_path: Path):
     build_tiny_model(tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     script = ROOT / "benchmarks/real_model_eval.py"
-    common = [sys.executable, str(script), "--checkpoint", str(folder), "--prompts", "3", "--samples", "2", "--chunk", "2",
+    common = [sys.executable, str(script), "--checkpoint", str(folder), "--prompts", "3", "--samples", "2",
+              "--chunk", "2",
               "rollout.max_new_tokens_per_turn=8", "rollout.max_total_tokens=16"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, pair in (("before", []), ("after", ["--pair", str(tmp_path / "before.json")])):

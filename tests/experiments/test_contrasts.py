@@ -23,7 +23,8 @@ from copc.experiments.sweep_spec import SpecError, load_spec
 from reference.sweep_records import write_cell_record
 
 
-def records_of(table: dict[str, dict[int, float]], metric: str = "eval_final", axis: str = "arm") -> list[dict]:
+def records_of(table: dict[str, dict[int, float]], metric: str = "eval_final",
+               axis: str = "arm") -> list[dict]:
     return [{"levels": {axis: arm}, "seed": seed, "summary": {metric: value}}
             for arm, by_seed in table.items() for seed, value in by_seed.items()]
 
@@ -35,7 +36,8 @@ GRID = {
     "adv": {0: 0.29, 1: 0.44, 2: 0.52},
     "both": {0: 0.35, 1: 0.47, 2: 0.56},
 }
-ARM_METHODS = {"base": "async_ppo", "mask": "async_ppo_mask", "adv": "async_ppo_advantage", "both": "copc_behaviour",
+ARM_METHODS = {"base": "async_ppo", "mask": "async_ppo_mask", "adv": "async_ppo_advantage",
+               "both": "copc_behaviour",
                "later": "vtrace"}  # the sweep file's arms as runnable cells
 T_975_2 = 4.302652729911275  # Student t, 2 degrees of freedom, 97.5%
 
@@ -52,14 +54,16 @@ def test_interaction_contrast_golden():
     assert got.seeds == (0, 1, 2) and got.interval.n == 3
     assert got.interval.mean == pytest.approx(mean, abs=1e-12)
     assert (got.interval.low, got.interval.high) == (pytest.approx(mean - half), pytest.approx(mean + half))
-    assert got.interval.low == pytest.approx(-0.0013, abs=1e-4) and got.interval.high == pytest.approx(0.0746, abs=1e-4)
+    assert got.interval.low == pytest.approx(-0.0013, abs=1e-4) and got.interval.high == pytest.approx(
+        0.0746, abs=1e-4)
     assert got.verdict == NOT_RESOLVED
 
 
 def test_max_and_scaled_terms_match_a_plain_loop():
     claim = parse_claim("both - max(mask, adv) + 0.5 * -(base - 'arm=mask') > 0")
     got = evaluate(claim, records_of(GRID), "eval_final")
-    expected = [GRID["both"][s] - max(GRID["mask"][s], GRID["adv"][s]) + 0.5 * -(GRID["base"][s] - GRID["mask"][s])
+    expected = [GRID["both"][s] - max(GRID["mask"][s],
+                                      GRID["adv"][s]) + 0.5 * -(GRID["base"][s] - GRID["mask"][s])
                 for s in (0, 1, 2)]
     assert got.interval.mean == pytest.approx(sum(expected) / 3, abs=1e-12)
 
@@ -90,7 +94,8 @@ def test_no_verdict_before_the_preregistered_seeds_are_in():
     assert held.verdict == HELD
     early = evaluate(parse_claim("both - base > 0"), records_of(GRID), "eval_final", seeds_needed=8)
     assert early.verdict == NO_VERDICT and early.interval.n == 3
-    one = evaluate(parse_claim("both - base > 0"), records_of({"both": {0: 1.0}, "base": {0: 0.0}}), "eval_final")
+    one = evaluate(parse_claim("both - base > 0"), records_of({"both": {0: 1.0}, "base": {0: 0.0}}),
+                   "eval_final")
     assert one.verdict == NOT_RESOLVED and one.interval.low is None
 
 
@@ -120,17 +125,20 @@ def test_each_claim_shows_its_value_for_every_seed(tmp_path):
     assert got.values == pytest.approx((0.04, 0.02, 0.05))
     spec = tmp_path / "c.yaml"
     spec.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3, "contrasts": [
-        {"name": "I", "claim": "(both - mask) - (adv - base) != 0"}, {"name": "mask", "claim": "mask - base > 0"}]}))
+        {"name": "I", "claim": "(both - mask) - (adv - base) != 0"}, {"name": "mask",
+                                                                      "claim": "mask - base > 0"}]}))
     lines = contrasts_text(load_contrasts(spec), records_of(GRID)).splitlines()
     assert "    by seed: 0 +0.040, 1 +0.020, 2 +0.050 (3 above 0, 0 below)" in lines
     assert "    by seed: 0 +0.020, 1 +0.010, 2 -0.010 (2 above 0, 1 below)" in lines
 
 
 def test_a_seed_value_that_rounds_to_zero_shows_its_sign(tmp_path):
-    """A paired value of 2e-4 is counted above 0, so it is not printed as +0.000; an exact 0 counts neither way."""
+    """A paired value of 2e-4 is counted above 0, so it is not printed as +0.000; an exact 0 counts neither
+    way."""
     table = {"base": {0: 0.5, 1: 0.5, 2: 0.5}, "arm": {0: 0.5002, 1: 0.5, 2: 0.49}}
     spec = tmp_path / "c.yaml"
-    spec.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3, "contrasts": [{"name": "a", "claim": "arm - base > 0"}]}))
+    spec.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3,
+                                    "contrasts": [{"name": "a", "claim": "arm - base > 0"}]}))
     lines = contrasts_text(load_contrasts(spec), records_of(table)).splitlines()
     assert "    by seed: 0 +2e-04, 1 +0.000, 2 -0.010 (1 above 0, 1 below)" in lines
 
@@ -140,7 +148,8 @@ def test_terms_must_select_one_group():
                for m in ("r0", "b3") for lr in ("1e-4", "2.5e-5")]
     with pytest.raises(SpecError, match=r"term 'r0' selects 2 groups .*'axis=level"):
         evaluate(parse_claim("r0 - b3 > 0"), records, "eval_final")
-    not_yet = evaluate(parse_claim("nope - 'method=b3,lr=1e-4' > 0"), records, "eval_final")  # a group not recorded yet: no verdict
+    # a group not recorded yet: no verdict
+    not_yet = evaluate(parse_claim("nope - 'method=b3,lr=1e-4' > 0"), records, "eval_final")
     assert not_yet.verdict == NO_VERDICT and not_yet.interval is None
     got = evaluate(parse_claim("'method=r0,lr=1e-4' - 'method=b3,lr=1e-4' > 0"), records, "eval_final")
     assert got.interval.mean == 0.0
@@ -176,7 +185,8 @@ def test_bad_claims_get_one_line(text, problem):
     ("metric: eval_final\ncontrasts: [{name: x, claim: 'a >'}]", "not an expression"),
     ("metric: [", "not valid YAML"),
     ("metric: eval_final\ncontrasts: []", "'contrasts:' is empty"),
-    ("metric: eval_final\ncontrasts: [{name: x, claim: 'a > 0'}, {name: x, claim: 'b > 0'}]", "'x' is given twice"),
+    ("metric: eval_final\ncontrasts: [{name: x, claim: 'a > 0'}, {name: x, claim: 'b > 0'}]",
+     "'x' is given twice"),
     ("metric: eval_final\ncontrasts:\n  - name: x\n    claim: a > 0\n    claim: b > 0\n", "'claim'.*twice"),
 ])
 def test_bad_files_get_one_line(tmp_path, content, problem):
@@ -193,9 +203,11 @@ def test_sweep_report_prints_the_contrasts(tmp_path, capsys):
     group is one error line and exit 2."""
     spec = tmp_path / "grid.yaml"
     spec.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0, 1, 2], "shared": ["steps=2"],
-                                    "axes": {"arm": {a: [f"method={m}"] for a, m in ARM_METHODS.items()}}, "report": ["eval_final"]}))
+                                    "axes": {"arm": {a: [f"method={m}"] for a, m in ARM_METHODS.items()}},
+                                    "report": ["eval_final"]}))
     for record in records_of(GRID, metric="eval_final"):
-        write_cell_record(load_spec(spec), tmp_path / "results", f"arm={record['levels']['arm']}__seed{record['seed']}",
+        write_cell_record(load_spec(spec), tmp_path / "results",
+                          f"arm={record['levels']['arm']}__seed{record['seed']}",
                           summary=record["summary"])
     contrasts = tmp_path / "c.yaml"
     contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3, "contrasts": [
@@ -207,10 +219,12 @@ def test_sweep_report_prints_the_contrasts(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"C2 interaction: {NOT_RESOLVED}" in out and "0.037 [-0.001, 0.075] (n=3)  seeds 0-2" in out
     assert f"later: {NO_VERDICT}" in out and "no seed has every term" in out  # an arm still to run
-    contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "contrasts": [{"name": "x", "claim": "gone - base > 0"}]}))
+    contrasts.write_text(yaml.safe_dump({"metric": "eval_final",
+                                         "contrasts": [{"name": "x", "claim": "gone - base > 0"}]}))
     assert sweep_cli([*args, "--contrasts", str(contrasts)]) == 2
     err = capsys.readouterr().err
-    assert "'gone' is no level of this sweep (arm: adv, base, both, later, mask)" in err and err.count("\n") == 1
+    assert "'gone' is no level of this sweep (arm: adv, base, both, later, mask)" in err and err.count(
+        "\n") == 1
 
 
 def test_curve_means_are_report_metrics(tmp_path, capsys):
@@ -226,12 +240,14 @@ def test_curve_means_are_report_metrics(tmp_path, capsys):
     spec = tmp_path / "grid.yaml"
     spec.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0], "shared": ["steps=2"],
                                     "axes": {"arm": {"a": ["method=ppo"]}}, "report": ["mean:drift"]}))
-    write_cell_record(load_spec(spec), tmp_path / "results", "arm=a__seed0", summary={}, curves=record["curves"])
+    write_cell_record(load_spec(spec), tmp_path / "results", "arm=a__seed0", summary={},
+                      curves=record["curves"])
     args = [str(spec), "--results", str(tmp_path / "results"), "--report"]
     capsys.readouterr()
     assert sweep_cli(args) == 0 and "mean:drift:\n  arm=a  0.300 (n=1)" in capsys.readouterr().out
     assert sweep_cli([*args, "--metrics", "eval_final,mean:drift"]) == 0
-    with pytest.raises(SpecError, match=r"'mean:drfit' is no report metric.*mean:<curve> with <curve> one of drift"):
+    with pytest.raises(SpecError,
+                       match=r"'mean:drfit' is no report metric.*mean:<curve> with <curve> one of drift"):
         sweep_cli([*args, "--metrics", "mean:drfit"])
     bad = tmp_path / "c.yaml"
     bad.write_text("metric: mean:nope\ncontrasts: []")
@@ -248,15 +264,19 @@ def test_a_term_is_resolved_against_the_grid_not_the_records_so_far(tmp_path, ca
                                              "lr": {"key": "trainer.actor_lr", "values": ["1e-4", "3e-5"]}},
                                     "report": ["eval_final"]}))
     for seed in range(3):  # only copc at 1e-4 and ppo at 3e-5 are recorded so far
-        write_cell_record(load_spec(spec), tmp_path / "results", f"lr=1e-4__method=copc__seed{seed}", summary={"eval_final": 0.5})
-        write_cell_record(load_spec(spec), tmp_path / "results", f"lr=3e-5__method=ppo__seed{seed}", summary={"eval_final": 0.1 * seed})
+        write_cell_record(load_spec(spec), tmp_path / "results", f"lr=1e-4__method=copc__seed{seed}",
+                          summary={"eval_final": 0.5})
+        write_cell_record(load_spec(spec), tmp_path / "results", f"lr=3e-5__method=ppo__seed{seed}",
+                          summary={"eval_final": 0.1 * seed})
     contrasts = tmp_path / "c.yaml"
-    contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "contrasts": [{"name": "x", "claim": "copc - ppo > 0"}]}))
+    contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "contrasts": [{"name": "x",
+                                                                                "claim": "copc - ppo > 0"}]}))
     args = [str(spec), "--results", str(tmp_path / "results"), "--report", "--contrasts", str(contrasts)]
     capsys.readouterr()
     assert sweep_cli(args) == 2
     err = capsys.readouterr().err
-    assert "term 'copc' selects 2 groups (lr=1e-4 method=copc; lr=3e-5 method=copc)" in err and err.count("\n") == 1
+    assert "term 'copc' selects 2 groups (lr=1e-4 method=copc; lr=3e-5 method=copc)" in err and err.count(
+        "\n") == 1
     contrasts.write_text(yaml.safe_dump({"metric": "eval_final", "contrasts": [
         {"name": "x", "claim": "'method=copc,lr=1e-4' - 'method=ppo,lr=1e-4' > 0"}]}))
     assert sweep_cli(args) == 0  # a grid point not recorded yet: no verdict, no error
@@ -288,7 +308,8 @@ def test_report_flags_that_name_nothing_are_refused_not_ignored(tmp_path, capsys
     spec = tmp_path / "grid.yaml"
     spec.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0], "shared": ["steps=2"],
                                     "axes": {"arm": {"a": ["method=ppo"], "b": ["method=async_ppo"]}}}))
-    evals = [{"step": s, "accuracy": 0.5, "greedy_accuracy": g} for s, g in [(0, 0.6), (1, 0.4), (2, 0.4), (3, 0.4)]]
+    evals = [{"step": s, "accuracy": 0.5, "greedy_accuracy": g} for s,
+             g in [(0, 0.6), (1, 0.4), (2, 0.4), (3, 0.4)]]
     for arm in ("a", "b"):
         write_cell_record(load_spec(spec), tmp_path / "results", f"arm={arm}__seed0", summary={}, evals=evals)
     args = [str(spec), "--results", str(tmp_path / "results")]
@@ -297,7 +318,8 @@ def test_report_flags_that_name_nothing_are_refused_not_ignored(tmp_path, capsys
     assert "1 of 1" in capsys.readouterr().out  # the rule itself sees the drop
     assert sweep_cli([*args, "--report", "--collapse", "greedy_acc,0.1,3"]) == 2
     err = capsys.readouterr().err
-    assert "no record's evaluations hold 'greedy_acc'" in err and "greedy_accuracy" in err and err.count("\n") == 1
+    assert "no record's evaluations hold 'greedy_acc'" in err and "greedy_accuracy" in err and err.count(
+        "\n") == 1
     assert sweep_cli([*args, "--report", "--baseline", "arm=nope"]) == 2
     assert "axis 'arm' has no level 'nope'; levels: a, b" in capsys.readouterr().err
     assert sweep_cli([*args, "--report", "--baseline", "armm=a"]) == 2
@@ -314,6 +336,7 @@ def test_a_metric_no_record_holds_is_said_not_skipped():
     """--metrics mean:entropy over records whose method logs no loss entropy printed nothing at all."""
     from copc.experiments.tables import report_text
 
-    record = {"levels": {"arm": "a"}, "seed": 0, "summary": {"eval_final": 0.5}, "curves": {"drift": [[0, 0.1]]}}
+    record = {"levels": {"arm": "a"}, "seed": 0, "summary": {"eval_final": 0.5}, "curves": {"drift": [[0,
+                                                                                                       0.1]]}}
     text = report_text([record], ("eval_final", "mean:entropy"), None)
     assert "mean:entropy: no record holds it" in text and "0.500" in text

@@ -63,9 +63,11 @@ def test_two_way_golden_values_worked_by_hand():
     # One contrast: (7 - 3.5) - (2 - 1.5) = 3, -+ t_{0.975,3} sqrt(4 (1/3) / 2); its square over the
     # contrast's variance is the F: 9 / (2/3) = 13.5.
     (contrast,) = result.contrasts
-    assert (contrast.col_src, contrast.col_dst, contrast.row_src, contrast.row_dst) == ("b0", "b1", "a0", "a1")
+    assert (contrast.col_src, contrast.col_dst, contrast.row_src, contrast.row_dst) == ("b0", "b1", "a0",
+                                                                                        "a1")
     assert contrast.interval.mean == pytest.approx(3.0, rel=1e-12)
-    assert contrast.interval.high - 3.0 == pytest.approx(student_t_quantile(0.975, 3) * math.sqrt(2 / 3), rel=1e-12)
+    assert contrast.interval.high - 3.0 == pytest.approx(student_t_quantile(0.975, 3) * math.sqrt(2 / 3),
+                                                         rel=1e-12)
     assert contrast.interval.mean**2 / (2 / 3) == pytest.approx(result.f, rel=1e-12)
 
 
@@ -100,10 +102,13 @@ def test_two_way_matches_a_per_element_loop():
 def test_reversal_is_held_only_when_both_intervals_exclude_zero():
     rows, cols = ["none", "band"], ["w1", "clip"]
     base = np.array([[0.2, 0.5], [0.5, 0.2]])  # the clip helps without the mask and hurts with it
-    noise = np.array([[[0.01, -0.01], [0.0, 0.01]], [[-0.01, 0.0], [0.01, -0.01]], [[0.0, 0.01], [-0.01, 0.0]]])
-    result = two_way(grid_values(base[None] + noise, rows, cols), rows, cols, row_axis="mask", col_axis="clip")
+    noise = np.array([[[0.01, -0.01], [0.0, 0.01]], [[-0.01, 0.0], [0.01, -0.01]], [[0.0, 0.01], [-0.01,
+                                                                                                  0.0]]])
+    result = two_way(grid_values(base[None] + noise, rows, cols), rows, cols, row_axis="mask",
+                     col_axis="clip")
     reversals = result.reversals()
-    assert {(up.axis, up.at, down.at) for up, down in reversals} == {("clip", "none", "band"), ("mask", "w1", "clip")}
+    assert {(up.axis, up.at, down.at) for up, down in reversals} == {("clip", "none", "band"), ("mask", "w1",
+                                                                                                "clip")}
     assert result.p is not None and result.p < 1e-4
     text = two_way_text(result, "eval_last_half", "s=16: ")
     assert "simultaneous over the panel's 4 steps): clip w1 -> clip" in text
@@ -155,14 +160,16 @@ def test_panel_values_groups_records_by_the_panel_axis():
                for (m, c, s, seed, v) in [("none", "w1", "8", 0, 0.1), ("none", "w1", "8", 1, 0.2),
                                           ("none", "w1", "16", 0, 0.3), ("band", "w1", "16", 0, 0.4)]]
     panels = panel_values(records, "eval_last_half", "mask", "clip", "s")
-    assert panels == {"8": {("none", "w1"): {0: 0.1, 1: 0.2}}, "16": {("none", "w1"): {0: 0.3}, ("band", "w1"): {0: 0.4}}}
+    assert panels == {"8": {("none", "w1"): {0: 0.1, 1: 0.2}}, "16": {("none", "w1"): {0: 0.3},
+                                                                      ("band", "w1"): {0: 0.4}}}
     with pytest.raises(ValueError, match="records have no axis 'lag'"):
         panel_values(records, "eval_last_half", "mask", "clip", "lag")
 
 
 def test_lab_prediction_maps_levels_and_averages_families(tmp_path):
     # relative_mse at N = (bias^2 + var_trace / N) / g*^2 (copc.lab.sweep.mean_grid), here g* = 1.
-    config = {"families": ["sparse", "dense"], "seeds": [0], "staleness": [8.0, 16.0], "mask_bands": [1.25, "inf"],
+    config = {"families": ["sparse", "dense"], "seeds": [0], "staleness": [8.0, 16.0], "mask_bands": [1.25,
+                                                                                                      "inf"],
               "adv_clips": [0.0, 1.0], "batch_size": 64}
     cells = [{"family": f, "seed": 0, "staleness": s, "mask_band": b, "adv_clip": e, "g_star_norm": 1.0,
               "bias_norm": bias, "var_trace": 64.0 * k}
@@ -186,7 +193,8 @@ def test_rank_correlation():
     # Ties take their mean rank: ranks of [1, 1, 2, 3] are [0.5, 0.5, 2, 3].
     b = np.array([[1.0, 1.0], [2.0, 3.0]])
     ra, rb = np.array([0, 1, 2, 3.0]) - 1.5, np.array([0.5, 0.5, 2, 3]) - 1.5
-    assert rank_correlation(a, b) == pytest.approx(float(ra @ rb / math.sqrt((ra @ ra) * (rb @ rb))), rel=1e-12)
+    assert rank_correlation(a, b) == pytest.approx(float(ra @ rb / math.sqrt((ra @ ra) * (rb @ rb))),
+                                                   rel=1e-12)
 
 
 def joint_spec(tmp_path, lab: dict | None = None):
@@ -205,7 +213,8 @@ def joint_spec(tmp_path, lab: dict | None = None):
 def test_a_heatmap_refuses_an_axis_it_would_average_away():
     from copc.experiments.sweep_spec import SpecError, parse_spec
 
-    data = {"experiment": "joint", "axes": {"mask": {"none": ["a=1"], "band": ["a=2"]}, "clip": {"w1": ["b=1"], "clip": ["b=2"]},
+    data = {"experiment": "joint", "axes": {"mask": {"none": ["a=1"], "band": ["a=2"]},
+                                            "clip": {"w1": ["b=1"], "clip": ["b=2"]},
                                             "lr": {"lo": ["c=1"], "hi": ["c=2"]}},
             "heatmap": {"rows": "mask", "cols": "clip"}}
     with pytest.raises(SpecError, match="axis 'lr' is neither rows, cols nor panels"):
@@ -216,19 +225,24 @@ def test_a_heatmap_refuses_an_axis_it_would_average_away():
 @pytest.mark.parametrize("heatmap, needle", [
     ({"rows": "mask"}, "expected {rows: AXIS, cols: AXIS"),
     ({"rows": "mask", "cols": "lag"}, "heatmap.cols: unknown axis 'lag'"),
-    ({"rows": "mask", "cols": "clip", "lab": {"json": "x.json", "rows": {"none": 1.25, "band": 2}, "cols": {"w1": 0, "clip": 1}}},
+    ({"rows": "mask", "cols": "clip", "lab": {"json": "x.json", "rows": {"none": 1.25, "band": 2},
+                                              "cols": {"w1": 0, "clip": 1}}},
      "heatmap: a lab: section needs panels"),
-    ({"rows": "mask", "cols": "clip", "panels": "s", "lab": {"json": "x.json", "rows": {"none": 1.25}, "cols": {"w1": 0, "clip": 1}}},
+    ({"rows": "mask", "cols": "clip", "panels": "s", "lab": {"json": "x.json", "rows": {"none": 1.25},
+                                                             "cols": {"w1": 0, "clip": 1}}},
      "heatmap.lab.rows: map every level of axis 'mask' (none, band)"),
-    ({"rows": "mask", "cols": "clip", "panels": "s", "lab": {"json": "x.json", "rows": {"none": "x", "band": 2}, "cols": {"w1": 0, "clip": 1}}},
+    ({"rows": "mask", "cols": "clip", "panels": "s",
+      "lab": {"json": "x.json", "rows": {"none": "x", "band": 2}, "cols": {"w1": 0, "clip": 1}}},
      "heatmap.lab.rows: the values must be numbers"),
-    ({"rows": "mask", "cols": "clip", "panels": "s", "lab": {"json": "x.json", "rows": {"none": 1, "band": 2}, "cols": {"w1": 0, "clip": 1}, "batch": 0}},
+    ({"rows": "mask", "cols": "clip", "panels": "s", "lab": {"json": "x.json", "rows": {"none": 1, "band": 2},
+                                                             "cols": {"w1": 0, "clip": 1}, "batch": 0}},
      "heatmap.lab.batch: the lab's batch size N must be an integer >= 1"),
 ])
 def test_bad_heatmap_section_fails_in_one_line_naming_it(heatmap, needle):
     from copc.experiments.sweep_spec import SpecError, parse_spec
 
-    data = {"experiment": "joint", "axes": {"mask": {"none": ["a=1"], "band": ["a=2"]}, "clip": {"w1": ["b=1"], "clip": ["b=2"]},
+    data = {"experiment": "joint", "axes": {"mask": {"none": ["a=1"], "band": ["a=2"]},
+                                            "clip": {"w1": ["b=1"], "clip": ["b=2"]},
                                             "s": {"key": "staleness.staleness", "values": [8]}},
             "heatmap": heatmap}
     with pytest.raises(SpecError, match=re.escape(needle)):
@@ -245,7 +259,8 @@ def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_pa
 
     config = {"families": ["sparse"], "seeds": [0], "staleness": [8.0, 16.0], "mask_bands": [1.25, "inf"],
               "adv_clips": [0.0, 1.0], "batch_size": 64}
-    cells = [{"family": "sparse", "seed": 0, "staleness": s, "mask_band": b, "adv_clip": e, "g_star_norm": 1.0,
+    cells = [{"family": "sparse", "seed": 0, "staleness": s, "mask_band": b, "adv_clip": e,
+              "g_star_norm": 1.0,
               "bias_norm": 1.0 + (b == "inf") + 0.5 * e, "var_trace": 0.0}
              for s in (8.0, 16.0) for b in (1.25, "inf") for e in (0.0, 1.0)]
     (tmp_path / "lab.json").write_text(json.dumps({"config": config, "cells": cells}))
@@ -261,7 +276,8 @@ def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_pa
         cell = by_id[f"mask={mask}__clip={clip}__s={s}__seed{seed}"]
         digest = config_hash(to_dict(resolve(cell, paths.run_dir(cell))))
         write_record(paths.record(spec.experiment, cell), {"levels": dict(cell.levels), "seed": seed,
-                                                           "config_hash": digest, "summary": {"eval_last_half": value}})
+                                                           "config_hash": digest,
+                                                           "summary": {"eval_last_half": value}})
 
     for seed, jitter in enumerate((0.01, -0.01, 0.0)):
         for (mask, clip), mean in means.items():
@@ -273,11 +289,13 @@ def test_report_of_a_joint_sweep_prints_each_panel_and_draws_the_heatmaps(tmp_pa
     assert "s=16: eval_last_half, seed mean over seeds 0, 1, 2" in out
     assert "interaction F(1, 6)" in out
     assert "reversal (95% intervals simultaneous over the panel's 4 steps): clip w1 -> clip" in out
-    assert "interaction (primary metric, Holm over 1 panel(s)): adjusted p = " in out and ": held at 5%" in out
+    assert (
+        "interaction (primary metric, Holm over 1 panel(s)): adjusted p = " in out and ": held at 5%" in out)
     # Lab MSE = bias^2: none (bias 2, 2.5), band (1, 1.5), rows and columns in the axes' order.
     (panel16,) = [p for p in heatmap_panels(load_records(folder), spec, "eval_last_half") if p.level == "16"]
     np.testing.assert_allclose(panel16.lab, [[4.0, 6.25], [1.0, 2.25]], rtol=1e-12)
-    assert "lab, analogous cells (exact relative MSE at N=64 on tiny MDPs, lower is better): best mask=band clip=w1" in out
+    assert ("lab, analogous cells (exact relative MSE at N=64 on tiny MDPs, lower is better): best mask=band "
+            "clip=w1" in out)
     assert (tmp_path / "fig" / "joint_heatmaps.png").stat().st_size > 0
 
 
@@ -292,9 +310,11 @@ def test_a_missing_lab_json_fails_the_report_in_one_line(tmp_path, capsys):
                                                         "clip": {"w1": ["trainer.critic_lr=1e-3"]},
                                                         "s": {"key": "staleness.staleness", "values": [8]}},
             "heatmap": {"rows": "mask", "cols": "clip", "panels": "s",
-                        "lab": {"json": str(tmp_path / "absent.json"), "rows": {"none": 2}, "cols": {"w1": 0}}}}
+                        "lab": {"json": str(tmp_path / "absent.json"), "rows": {"none": 2},
+                                "cols": {"w1": 0}}}}
     (tmp_path / "joint.yaml").write_text(yaml.safe_dump(spec))
-    write_cell_record(load_spec(tmp_path / "joint.yaml"), tmp_path / "results", "clip=w1__mask=none__s=8__seed0",
+    write_cell_record(load_spec(tmp_path / "joint.yaml"), tmp_path / "results",
+                      "clip=w1__mask=none__s=8__seed0",
                       summary={"eval_last_half": 0.5})
     code = sweep_cli([str(tmp_path / "joint.yaml"), "--report", "--results", str(tmp_path / "results")])
     err = capsys.readouterr().err.strip().splitlines()

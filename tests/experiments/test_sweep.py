@@ -94,9 +94,12 @@ def test_no_grids_crosses_every_axis():
         ({"seed": 1}, "unknown key(s) seed"),
         ({"accepted_records": {"method=dapo__seed0": {"config_hash": "0123456789abcdef", "why": "w"}}},
          "'method=dapo__seed0' is no cell of this file"),
-        ({"accepted_records": {"method=ppo_sync__seed0": {"config_hash": "0123"}}}, "expected {cell id: {config_hash:"),
-        ({"accepted_records": {"method=ppo_sync__seed0": {"config_hash": "0123", "why": "w"}}}, "16 hex digits"),
-        ({"accepted_records": {"method=ppo_sync__seed0": {"config_hash": "0123456789abcdef", "why": " "}}}, "and why a reason"),
+        ({"accepted_records": {"method=ppo_sync__seed0": {"config_hash": "0123"}}},
+         "expected {cell id: {config_hash:"),
+        ({"accepted_records": {"method=ppo_sync__seed0": {"config_hash": "0123", "why": "w"}}},
+         "16 hex digits"),
+        ({"accepted_records": {"method=ppo_sync__seed0": {"config_hash": "0123456789abcdef", "why": " "}}},
+         "and why a reason"),
     ],
 )
 def test_bad_sweep_file_fails_in_one_line_naming_it(change, needle):
@@ -148,7 +151,8 @@ def test_paired_differences_pair_seeds_with_the_baseline_of_the_same_other_level
         fake_record({"method": "ppo_sync"}, 0, 0.30), fake_record({"method": "ppo_sync"}, 1, 0.40),
         fake_record({"method": "ppo_sync"}, 2, 0.50),
         # copc at s=16: +0.10, +0.12, +0.14 over the baseline seed by seed (the baseline has no s axis)
-        fake_record({"method": "copc", "s": "16"}, 0, 0.40), fake_record({"method": "copc", "s": "16"}, 1, 0.52),
+        fake_record({"method": "copc", "s": "16"}, 0, 0.40), fake_record({"method": "copc", "s": "16"}, 1,
+                                                                         0.52),
         fake_record({"method": "copc", "s": "16"}, 2, 0.64),
         fake_record({"method": "copc", "s": "8"}, 0, 0.35), fake_record({"method": "copc", "s": "8"}, 5, 0.9),
     ]
@@ -168,22 +172,27 @@ def test_paired_differences_pair_seeds_with_the_baseline_of_the_same_other_level
     assert "| eval_last_half | mean [95% t interval] | n | minus method=ppo_sync [95% t interval] | n |" in md
     assert "| method=ppo_sync | 0.400 [0.152, 0.648] | 3 | | |" in md
     assert "| method=copc s=16 | 0.520 [0.222, 0.818] | 3 | **0.120 [0.070, 0.170]** | 3 |" in md
-    assert "| method=copc s=8 | 0.625 [-2.869, 4.119] | 2 | 0.050 | 1 |" in md  # one shared seed: no interval, not bold
+    # one shared seed: no interval, not bold
+    assert "| method=copc s=8 | 0.625 [-2.869, 4.119] | 2 | 0.050 | 1 |" in md
 
 
 def test_records_of_one_seed_from_different_warm_starts_are_flagged():
     """Step-0 evaluations are made before any update: two records of one seed that differ there started
-    from different policies (a warm start rebuilt on another CPU), so the report warns and leaves them out of every pair."""
+    from different policies (a warm start rebuilt on another CPU), so the report warns and leaves them out of
+    every pair."""
     def rec(cell: str, seed: int, acc: float, greedy: float) -> dict[str, object]:
-        return {"cell": cell, "seed": seed, "levels": {"method": cell.split("__")[0]}, "summary": {"eval_final": acc},
-                "evals": [{"step": 0, "accuracy": acc, "greedy_accuracy": greedy}, {"step": 9, "accuracy": 0.5,
+        return {"cell": cell, "seed": seed, "levels": {"method": cell.split("__")[0]},
+                "summary": {"eval_final": acc},
+                "evals": [{"step": 0, "accuracy": acc, "greedy_accuracy": greedy}, {"step": 9,
+                                                                                    "accuracy": 0.5,
                                                                                     "greedy_accuracy": 0.5}]}
     same = [rec("a__seed0", 0, 0.385, 0.82), rec("b__seed0", 0, 0.385, 0.82), rec("a__seed1", 1, 0.42, 0.82)]
     assert start_mismatches(same) == []
     mixed = [*same, rec("b__seed1", 1, 0.21, 0.435)]
     assert start_mismatches(mixed) == [
         "seed 1: step-0 accuracy 0.21 / greedy 0.435: b__seed1; step-0 accuracy 0.42 / greedy 0.82: a__seed1"]
-    assert report_text(mixed, ["eval_final"]).startswith("warning: records of one seed start from different policies")
+    assert report_text(mixed, ["eval_final"]).startswith(
+        "warning: records of one seed start from different policies")
     assert "warning" not in report_text(same, ["eval_final"])
     # ... and they are not paired: seed 1 is left out of b - a, in the table and in a contrast
     _, seeds = paired_differences(mixed, "eval_final", {"method": "a"})[(("method", "b"),)]
@@ -197,7 +206,8 @@ def test_records_of_one_seed_from_different_warm_starts_are_flagged():
              {**rec("b__seed0", 0, 0.21, 0.435), "config": {"task": "kv_search"}}]
     assert start_mismatches(tasks) == []
     assert start_mismatches([*tasks, {**rec("c__seed0", 0, 0.2, 0.4), "config": {"task": "kv_search"}}]) == [
-        "kv_search seed 0: step-0 accuracy 0.2 / greedy 0.4: c__seed0; step-0 accuracy 0.21 / greedy 0.435: b__seed0"]
+        "kv_search seed 0: step-0 accuracy 0.2 / greedy 0.4: "
+        "c__seed0; step-0 accuracy 0.21 / greedy 0.435: b__seed0"]
 
 
 def test_records_that_start_apart_by_design_are_paired_and_not_flagged():
@@ -208,10 +218,12 @@ def test_records_that_start_apart_by_design_are_paired_and_not_flagged():
         warm, method = cell.split("__")[0].split("_")
         return {"cell": cell, "seed": seed, "levels": {"warm": warm, "method": method},
                 "summary": {"eval_final": acc + 0.1 * (method == "b")},
-                "config": {"task": "arith_tool", "model": {"policy": "warmstart", "warmstart_seed": int(warm)},
+                "config": {"task": "arith_tool", "model": {"policy": "warmstart",
+                                                           "warmstart_seed": int(warm)},
                            "method": method, **config},
                 "evals": [{"step": 0, "accuracy": acc, "greedy_accuracy": acc}]}
-    records = [rec(f"{w}_{m}__seed{s}", s, 0.3 + 0.1 * w + 0.01 * s) for w in (0, 1) for m in "ab" for s in (0, 1)]
+    records = [rec(f"{w}_{m}__seed{s}", s,
+                   0.3 + 0.1 * w + 0.01 * s) for w in (0, 1) for m in "ab" for s in (0, 1)]
     assert start_mismatches(records) == []
     assert "warning" not in report_text(records, ["eval_final"])
     diffs = paired_differences(records, "eval_final", {"method": "a"})
@@ -221,21 +233,26 @@ def test_records_that_start_apart_by_design_are_paired_and_not_flagged():
 
     verdict = evaluate(parse_claim("'warm=1,method=a' - 'warm=0,method=a' > 0"), records, "eval_final")
     assert verdict.seeds == (0, 1) and verdict.unpaired == ()
-    # what only trains (the method, the learning rate) does not change the start: a difference there is flagged
+    # what only trains (the method, the learning rate) does not change the start: a difference there is
+    # flagged
     broken = [*records[:-1], {**records[-1], "evals": [{"step": 0, "accuracy": 0.9, "greedy_accuracy": 0.9}]}]
     assert start_mismatches(broken) == [
-        "arith_tool seed 1: step-0 accuracy 0.41 / greedy 0.41: 1_a__seed1; step-0 accuracy 0.9 / greedy 0.9: 1_b__seed1"]
+        "arith_tool seed 1: step-0 accuracy 0.41 / greedy 0.41: "
+        "1_a__seed1; step-0 accuracy 0.9 / greedy 0.9: 1_b__seed1"]
     # ... nor do the critic's model and the evaluation schedule, nor a key a record written before it existed
     # lacks (it had its default): those records are compared at step 0 too (found by a review, 2026-12-04)
     full = to_dict(load_run_config(None, ["task=arith_tool"]))
     older = json.loads(json.dumps(full))
     del older["rollout"]["dtype"]
-    for changed in ({**full, "model": {**full["model"], "critic": "some-critic"}}, {**full, "eval": {**full["eval"], "every": 7}},
+    for changed in ({**full, "model": {**full["model"], "critic": "some-critic"}},
+                    {**full, "eval": {**full["eval"], "every": 7}},
                     older):
         pair = [{"cell": "a__seed0", "seed": 0, "levels": {"method": "a"}, "config": full,
-                 "summary": {"eval_final": 0.5}, "evals": [{"step": 0, "accuracy": 0.3, "greedy_accuracy": 0.3}]},
+                 "summary": {"eval_final": 0.5}, "evals": [{"step": 0, "accuracy": 0.3,
+                                                            "greedy_accuracy": 0.3}]},
                 {"cell": "b__seed0", "seed": 0, "levels": {"method": "b"}, "config": changed,
-                 "summary": {"eval_final": 0.6}, "evals": [{"step": 0, "accuracy": 0.2, "greedy_accuracy": 0.2}]}]
+                 "summary": {"eval_final": 0.6}, "evals": [{"step": 0, "accuracy": 0.2,
+                                                            "greedy_accuracy": 0.2}]}]
         assert len(start_mismatches(pair)) == 1
         assert paired_differences(pair, "eval_final", {"method": "a"}) == {}
 
@@ -248,9 +265,9 @@ def test_collapse_detector_golden():
     assert collapse_step(run([0.2, 0.4, 0.5, 0.35, 0.3, 0.2])) == 75
     # a dip of two evaluations that recovers is not a collapse (patience 3), nor a drop of exactly 0.1
     assert collapse_step(run([0.2, 0.5, 0.3, 0.3, 0.5, 0.4, 0.4, 0.4])) is None
-    # ... however the subtraction rounds: 0.555 - 0.1 is 0.45500000000000007 in floating point, so 0.455 (of 200
-    # prompts) is exactly 0.1 below 0.555 and starts no drop (found by an audit, 2026-12-04: it did, and 3b's
-    # seed 204 of the confirmation was reported collapsing at step 24 instead of 49)
+    # ... however the subtraction rounds: 0.555 - 0.1 is 0.45500000000000007 in floating point, so 0.455 (of
+    # 200 prompts) is exactly 0.1 below 0.555 and starts no drop (found by an audit, 2026-12-04: it did, and
+    # 3b's seed 204 of the confirmation was reported collapsing at step 24 instead of 49)
     assert collapse_step(run([0.555, 0.455, 0.195, 0.045, 0.0])) == 50
     assert collapse_step(run([0.565, 0.465, 0.465, 0.465])) is None
     # the running best counts only earlier evaluations: a new best restarts the count
@@ -326,7 +343,8 @@ def test_a_run_extended_from_a_shorter_one_gets_the_record_of_a_direct_run(tmp_p
     _run_process(tmp_path / "direct", 0, steps, every)
     _run_process(tmp_path / "extended", 0, first, every)
     _run_process(tmp_path / "extended", first, steps, every)
-    direct, extended = (build_record(tmp_path / d, experiment="x", cell_id=d, levels={}, config=config, machine={})
+    direct, extended = (build_record(tmp_path / d, experiment="x", cell_id=d, levels={}, config=config,
+                                     machine={})
                         for d in ("direct", "extended"))
     assert extended["evals"] == direct["evals"] and extended["summary"] == direct["summary"]
     assert extended["extended_from"] == [first] and "extended_from" not in direct
@@ -340,7 +358,8 @@ def test_after_start_leaves_out_only_the_evaluation_before_any_update(tmp_path, 
     the one after the first update is logged at step 0 too (the training row's step), beside the initial
     one; it counts (it was dropped as 'step 0' before)."""
     _run_process(tmp_path / "run", 0, 6, every)
-    record = build_record(tmp_path / "run", experiment="x", cell_id="c", levels={}, config={"seed": 0, "eval": {"every": every}},
+    record = build_record(tmp_path / "run", experiment="x", cell_id="c", levels={},
+                          config={"seed": 0, "eval": {"every": every}},
                           machine={})
     updates = [*range(every, 6, every), 6]  # accuracy = updates / 1000 (_run_process)
     assert [e["accuracy"] for e in record["evals"]] == pytest.approx([0.0] + [u / 1000 for u in updates])
@@ -363,7 +382,8 @@ def test_curve_mean_weighs_every_step_the_same():
     assert curve_mean({"curves": {"drift": curve}}, "drift") == pytest.approx(74.5)
     assert curve_mean({"curves": {"drift": curve}, "curve_means": {"drift": 70.0}}, "drift") == 70.0
     late = list(range(5, 150))  # a curve that starts after a 5-step warm-up: 145 points, 25 bins of 3
-    assert curve_mean({"curves": {"x": subsample_curve(late, [float(s) for s in late])}}, "x") == pytest.approx(77.0)
+    assert curve_mean({"curves": {"x": subsample_curve(late, [float(s) for s in late])}},
+                      "x") == pytest.approx(77.0)
     assert curve_mean({"curves": {"x": [[0, 1.0], [2, 2.0], [4, 3.0]]}}, "x") is None  # gaps: counts unknown
     assert curve_mean({"curves": {"x": [[0, math.nan], [1, 2.0]]}}, "x") == 2.0
     assert curve_mean({"curves": {}}, "x") is None and curve_mean({}, "x") is None
@@ -440,13 +460,17 @@ def test_report_uses_only_records_the_cells_made_and_names_every_other(tmp_path,
 
     def record(cell_id: str, value: float, *extra: str) -> str:
         cell = by_id[cell_id]
-        cfg = to_dict(load_run_config(None, [*cell.overrides, *extra, f"seed={cell.seed}", f"run_dir={runs / cell_id}"]))
+        cfg = to_dict(load_run_config(None, [*cell.overrides, *extra, f"seed={cell.seed}",
+                                             f"run_dir={runs / cell_id}"]))
         digest = config_hash(cfg)
-        write_record(results / "grid" / f"{cell_id}.json", {"version": 1, "levels": dict(cell.levels), "seed": cell.seed,
-                                                            "config_hash": digest, "summary": {"eval_last_half": value}})
+        write_record(results / "grid" / f"{cell_id}.json", {"version": 1, "levels": dict(cell.levels),
+                                                            "seed": cell.seed,
+                                                            "config_hash": digest,
+                                                            "summary": {"eval_last_half": value}})
         return digest
 
-    for cell_id, value in [("method=ppo__seed0", 0.40), ("method=ppo__seed1", 0.42), ("method=copc__seed0", 0.30)]:
+    for cell_id, value in [("method=ppo__seed0", 0.40), ("method=ppo__seed1", 0.42), ("method=copc__seed0",
+                                                                                      0.30)]:
         record(cell_id, value)
     other = record("method=copc__seed1", 0.99, "trainer.actor_lr=3e-4")  # made by another config
     write_record(results / "grid" / "method=vtrace__seed0.json", {"levels": {"method": "vtrace"}, "seed": 0,
@@ -456,7 +480,8 @@ def test_report_uses_only_records_the_cells_made_and_names_every_other(tmp_path,
     assert sweep_cli([*args, "--report"]) == 0
     out = capsys.readouterr().out
     assert "experiment grid: 3 of 4 cells recorded" in out
-    assert f"left out: method=copc__seed1: {results / 'grid' / 'method=copc__seed1.json'} was made by config {other}" in out
+    assert (f"left out: method=copc__seed1: {results / 'grid' / 'method=copc__seed1.json'} was made by "
+            f"config {other}" in out)
     assert "left out: 1 record(s) of no cell of the file: method=vtrace__seed0.json" in out
     table = out.split("records; mean")[1]
     assert "0.99" not in table and "0.77" not in table and "vtrace" not in table
@@ -465,7 +490,8 @@ def test_report_uses_only_records_the_cells_made_and_names_every_other(tmp_path,
     out = capsys.readouterr().out
     assert "2 of 2 cells recorded" in out and "left out: 3 record(s) of no cell selected: " in out
 
-    data["accepted_records"] = {"method=copc__seed1": {"config_hash": other, "why": "the same computation, say why"}}
+    data["accepted_records"] = {"method=copc__seed1": {"config_hash": other,
+                                                       "why": "the same computation, say why"}}
     spec_file.write_text(yaml.safe_dump(data))
     assert sweep_cli([*args, "--report"]) == 0
     out = capsys.readouterr().out
@@ -505,7 +531,8 @@ def test_estimates_count_steps_and_evaluations():
     cfg = replace(cfg, rollout=replace(cfg.rollout, prompts_per_batch=8))
     table: dict[str, dict[str, object]] = {timing_key(cfg): {"step_seconds": 2.0, "eval_seconds": 10.0}}
     assert estimate_seconds(cfg, table) == (300 * 2.0 + 13 * 10.0, "measured")
-    other = load_run_config(None, ["steps=10", "task=kv_search", "task_options={hard: true}", "method=vtrace"])
+    other = load_run_config(None, ["steps=10", "task=kv_search", "task_options={hard: true}",
+                                   "method=vtrace"])
     seconds, note = estimate_seconds(other, table)
     assert seconds == 10 * 2.0 + 2 * 10.0 and note.startswith("borrowed")
     assert estimate_seconds(load_run_config(None, []), table) == (None, "no measurement for this task")
@@ -547,7 +574,8 @@ def test_kv_search_testbed_file_shares_the_testbed_settings():
     assert set(sync.overrides) <= set(arms[sync.name]) and set(lagged.overrides) <= set(arms[lagged.name])
     # copc testbed --layout sweep --analyse-only reads the sweep's run directories
     ids = {c.cell_id for c in expand(load_spec(EXPERIMENTS / "kv_search_testbed.yaml"))}
-    assert ids == {testbed.run_dir_for(Path("r"), a, s, "sweep").name for a in (sync, lagged) for s in (0, 1, 2)}
+    assert ids == {testbed.run_dir_for(Path("r"), a, s, "sweep").name for a in (sync, lagged) for s in (0, 1,
+                                                                                                        2)}
     cfg = load_run_config(None, list(testbed.base_overrides("kv_search")))
     assert (cfg.task, cfg.task_options) == ("kv_search", {"hard": True})
     assert testbed.base_overrides("arith_tool") == testbed.BASE_OVERRIDES
@@ -593,7 +621,8 @@ def test_interrupted_cell_resumes_then_is_recorded_and_skipped(tmp_path, capsys)
     assert "start" not in out and not run_dir.exists()
     assert sweep_cli([*args, "--report", "--plot", str(tmp_path / "fig")]) == 0
     assert "1 of 1 cells recorded" in capsys.readouterr().out
-    assert all((tmp_path / "fig" / f"tiny_{name}.png").stat().st_size > 0 for name in ("curves", "summary", "diagnostics"))
+    assert all((tmp_path / "fig" / f"tiny_{name}.png").stat().st_size > 0 for name in ("curves", "summary",
+                                                                                       "diagnostics"))
     assert sweep_cli([*args, "--dry-run"]) == 0
     assert "recorded" in capsys.readouterr().out
 
@@ -615,7 +644,8 @@ def test_commit_records_each_record_alone_and_keeps_what_else_is_staged(tmp_path
     cell = expand(load_spec(spec_file))[0]
     runs, results = tmp_path / "runs", tmp_path / "results"
     train(resolve(cell, runs / cell.cell_id), show_progress=False)  # finished, no record yet
-    args = [str(spec_file), "--jobs", "1", "--nice", "0", "--results", str(results), "--runs", str(runs), "--commit"]
+    args = [str(spec_file), "--jobs", "1", "--nice", "0", "--results", str(results), "--runs", str(runs),
+            "--commit"]
     assert sweep_cli(args) == 0  # not a repository: recorded, the commit only warned
     assert "records not committed" in capsys.readouterr().out
     git("init", "-q")
@@ -657,7 +687,8 @@ def test_diagnostic_curves_are_seed_means_per_bin_and_drawn(tmp_path):
         curves = {"drift": drift} if mask is None else {"drift": drift, "mask_rate": mask}
         return {"levels": {"method": method}, "seed": seed, "curves": curves}
 
-    records = [rec("copc", 0, [[2, 0.1], [5, 0.3]], [[7, 0.01]]), rec("copc", 1, [[2, 0.3], [5, 0.5], [8, 0.9]]),
+    records = [rec("copc", 0, [[2, 0.1], [5, 0.3]], [[7, 0.01]]), rec("copc", 1, [[2, 0.3], [5, 0.5], [8,
+                                                                                                       0.9]]),
                rec("ppo", 0, [[2, 0.0]])]
     drift = diagnostic_curves(records, "drift")
     assert drift == {"method=copc": {2: pytest.approx([0.1, 0.3]), 5: pytest.approx([0.3, 0.5]), 8: [0.9]},
@@ -665,7 +696,8 @@ def test_diagnostic_curves_are_seed_means_per_bin_and_drawn(tmp_path):
     assert diagnostic_curves(records, "mask_rate") == {"method=copc": {7: [0.01]}}
     out = plot_diagnostics(records, ["drift", "mask_rate", "ess_seq"], tmp_path / "d.png", title="t")
     assert out is not None and out.stat().st_size > 0
-    assert plot_diagnostics(records, ["ess_seq"], tmp_path / "none.png", title="t") is None  # no data: no figure
+    # no data: no figure
+    assert plot_diagnostics(records, ["ess_seq"], tmp_path / "none.png", title="t") is None
 
 
 def test_a_record_made_before_a_config_field_existed_still_counts(tmp_path):
@@ -674,13 +706,15 @@ def test_a_record_made_before_a_config_field_existed_still_counts(tmp_path):
     cfg = to_dict(load_run_config(None, ["method=copc", "seed=2"]))
     old = json.loads(json.dumps(cfg))
     del old["trainer"]["old_forward_reuse"]  # as written by code before the field existed
-    write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(old), "config": old, "steps": cfg["steps"]})
+    write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(old), "config": old,
+                                         "steps": cfg["steps"]})
     assert cell_state(cfg, tmp_path / "run", tmp_path / "rec.json")[0] == "recorded"
     changed = json.loads(json.dumps(cfg))
     changed["trainer"]["old_forward_reuse"] = True  # the same key at another value is another config
     assert cell_state(changed, tmp_path / "run", tmp_path / "rec.json")[0] == "conflict"
     broken = {**old, "no_such_section": {}}  # a record no current config can read is a conflict, not a crash
-    write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(broken), "config": broken, "steps": 1})
+    write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(broken), "config": broken,
+                                         "steps": 1})
     assert cell_state(cfg, tmp_path / "run", tmp_path / "rec.json")[0] == "conflict"
 
 
@@ -700,9 +734,11 @@ def test_fields_that_act_only_on_faults_leave_the_config_hash_unchanged(tmp_path
                                            "driver.silent_worker_restart_s=0",
                                            "trainer.gradient_checkpointing=always"]))
     assert config_hash(other) == config_hash(cfg)
-    assert config_hash(to_dict(load_run_config(None, ["method=copc", "seed=2", "driver.batch_timeout_s=5"]))) \
+    assert config_hash(to_dict(load_run_config(None, ["method=copc", "seed=2",
+                                                      "driver.batch_timeout_s=5"]))) \
         != config_hash(cfg)
-    write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(old), "config": old, "steps": cfg["steps"]})
+    write_record(tmp_path / "rec.json", {"version": 1, "config_hash": config_hash(old), "config": old,
+                                         "steps": cfg["steps"]})
     assert read_record(tmp_path / "rec.json")["config_hash"] == config_hash(other)
     assert cell_state(other, tmp_path / "run", tmp_path / "rec.json")[0] == "recorded"
 
@@ -713,7 +749,8 @@ def test_only_takes_several_substrings(tmp_path, capsys):
         "experiment": "grid", "seeds": [0, 1], "shared": TINY,
         "axes": {"method": {"ppo": ["method=ppo"], "copc": ["method=copc"], "vtrace": ["method=vtrace"]}},
     }))
-    args = [str(spec_file), "--dry-run", "--results", str(tmp_path / "results"), "--runs", str(tmp_path / "runs")]
+    args = [str(spec_file), "--dry-run", "--results", str(tmp_path / "results"), "--runs",
+            str(tmp_path / "runs")]
     capsys.readouterr()
     assert sweep_cli([*args, "--only", "method=copc,method=vtrace"]) == 0
     out = capsys.readouterr().out
@@ -723,7 +760,8 @@ def test_only_takes_several_substrings(tmp_path, capsys):
 
 
 def test_experiment_runs_the_grid_again_under_another_name(tmp_path, capsys):
-    """--experiment keeps the cells and configs and moves the records (a grid run again from another warm start)."""
+    """--experiment keeps the cells and configs and moves the records (a grid run again from another warm
+    start)."""
     spec_file = tmp_path / "grid.yaml"
     spec_file.write_text(yaml.safe_dump({"experiment": "grid", "seeds": [0], "shared": TINY,
                                          "axes": {"method": {"ppo": ["method=ppo"]}}}))
@@ -800,8 +838,8 @@ def test_a_cell_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     ready = tmp_path / "ready"
     stuck = (f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
              f"open({str(ready)!r}, 'w').close(); time.sleep(600)")
-    code = ("import sys; import copc.experiments.sweep as sweep; from copc.experiments.sweep_cli import sweep_cli; "
-            "sweep.STOP_GRACE_SECONDS = 1.0; "
+    code = ("import sys; import copc.experiments.sweep as sweep; from copc.experiments.sweep_cli import "
+            "sweep_cli; sweep.STOP_GRACE_SECONDS = 1.0; "
             f"sweep.train_command = lambda cell, run_dir, resume, nice: [sys.executable, '-c', {stuck!r}]; "
             f"sys.exit(sweep_cli([{str(spec_file)!r}, '--jobs', '1', '--nice', '0', "
             f"'--runs', {str(tmp_path / 'runs')!r}, '--results', {str(tmp_path / 'results')!r}]))")
@@ -845,8 +883,10 @@ def test_a_sweep_killed_with_sigkill_takes_its_cell_along_and_a_new_sweep_resume
             sweep.kill()
         subprocess.run(["pkill", "-f", f"run_dir={run_dir}"], check=False)
     assert (run_dir / "checkpoints").is_dir()
-    dry = subprocess.run([sys.executable, "-m", "copc.cli", "sweep", str(spec_file), "--dry-run", "--runs", str(runs),
-                          "--results", str(tmp_path / "results")], capture_output=True, text=True, timeout=120)
+    dry = subprocess.run([sys.executable, "-m", "copc.cli", "sweep", str(spec_file), "--dry-run", "--runs",
+                          str(runs),
+                          "--results", str(tmp_path / "results")], capture_output=True, text=True,
+                          timeout=120)
     assert "resume" in dry.stdout and "skipped" not in dry.stdout, dry.stdout
 
 
@@ -854,7 +894,8 @@ def test_a_sweep_file_with_a_key_given_twice_is_refused_not_read_as_its_last(tmp
     """PyYAML keeps the last of two equal keys, so a doubled arm used to drop the first silently."""
     path = tmp_path / "dup.yaml"
     path.write_text(
-        "experiment: dup\nseeds: [0]\naxes:\n  arm:\n    a: [method=ppo]\n    a: [method=async_ppo]\nbaseline: {arm: a}\n"
+        "experiment: dup\nseeds: [0]\naxes:\n  arm:\n    a: [method=ppo]\n    a: "
+        "[method=async_ppo]\nbaseline: {arm: a}\n"
     )
     with pytest.raises(SpecError) as err:
         load_spec(path)
@@ -880,5 +921,6 @@ def test_an_override_the_cell_would_lose_silently_is_refused(data, match):
     run_dir was replaced by the sweep's own."""
     with pytest.raises(SpecError, match=match):
         parse_spec({"experiment": "e", "seeds": [0], **data}, "e.yaml")
-    parse_spec({"experiment": "e", "seeds": [0], "shared": ["trainer.actor_lr=1e-4"],  # an axis may refine shared
+    # an axis may refine shared
+    parse_spec({"experiment": "e", "seeds": [0], "shared": ["trainer.actor_lr=1e-4"],
                 "axes": {"lr": {"small": ["trainer.actor_lr=2.5e-5"]}}}, "e.yaml")

@@ -98,7 +98,8 @@ def test_a_run_directory_is_reused_only_by_the_config_that_made_it(tmp_path, cap
     (run_dir / "checkpoints" / "step_00000030").mkdir(parents=True)  # a finished run's last checkpoint
     assert run_state(overrides, run_dir) == "finished"
     other = run_overrides(sync, 0, run_dir, steps=30, eval_every=10, extra=["trainer.actor_lr=3e-4"])
-    with pytest.raises(ValueError, match=f"{run_dir} holds a run of another config; move it away .* or give --runs"):
+    with pytest.raises(ValueError,
+                       match=f"{run_dir} holds a run of another config; move it away .* or give --runs"):
         run_state(other, run_dir)
     longer = run_overrides(sync, 0, run_dir, steps=40, eval_every=10, extra=["trainer.actor_lr=1e-4"])
     assert run_state(longer, run_dir) == "resume"  # extended from its checkpoint
@@ -127,10 +128,12 @@ def test_analyse_only_writes_figures_and_report(tmp_path, capsys):
     (run_dir_for(tmp_path, sync, 0) / "summary.json").write_text(json.dumps({"steps": 2}))
     assert cli(["--analyse-only", "--seeds", "2", "--runs", str(tmp_path), "--out", str(out)]) == 0
     # the runs were made elsewhere: what each trained is said, and that it is not the --steps given
-    assert "warning: --steps 300, but the runs analysed are 2 steps, unfinished runs" in capsys.readouterr().err
+    assert "warning: --steps 300, but the runs analysed are 2 steps, unfinished runs" in capsys.readouterr(
+        ).err
     assert (out / "testbed_curves.png").stat().st_size > 0 and (out / "testbed_staleness.png").is_file()
     report = json.loads((out / "testbed.json").read_text())
-    assert report["trained_steps"][str(run_dir_for(tmp_path, sync, 0))] == 2 and report["command"]["analyse_only"]
+    assert report["trained_steps"][str(run_dir_for(tmp_path, sync,
+                                                   0))] == 2 and report["command"]["analyse_only"]
     gap = report["gap_sync_minus"][lagged.name]
     assert gap["eval_accuracy_gap"]["mean"] == pytest.approx(0.1)
     # 100 episodes per evaluation: s.e. of one gap at step 2 = sqrt(.6 * .4 / 100 + .5 * .5 / 100)

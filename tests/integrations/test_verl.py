@@ -46,7 +46,8 @@ from copc.ops import (  # noqa: E402
 )
 
 RTOL = ATOL = 1e-6
-VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
 COPC_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,7 +119,8 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}, check=False
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env},
+        check=False
     )
 
 
@@ -128,7 +130,8 @@ def test_import_verl_alone_finds_copc_through_verls_own_lookups() -> None:
         "from verl.trainer.ppo import core_algos\n"
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
         "print(core_algos.get_policy_loss_fn('copc').__module__)\n"
-        "for n in ('copc', 'copc_colocate_async', 'copc_separate_async'): print(get_trainer_cls(n).__name__)\n"
+        "for n in ('copc', 'copc_colocate_async', 'copc_separate_async'): "
+        "print(get_trainer_cls(n).__name__)\n"
         "print(core_algos.get_adv_estimator_fn('copc_clipped_td').__name__)\n"
     )
     out = _run(code)
@@ -161,7 +164,8 @@ def test_a_plugin_that_fails_to_register_is_loud_although_verl_swallows_the_erro
     assert "already registered to Other" in out.stderr
 
 
-def test_registration_is_idempotent_and_never_overwrites_another_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_registration_is_idempotent_and_never_overwrites_another_loss(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     plugin._register()  # a second call (module reload) is a no-op
     assert core_algos.get_policy_loss_fn("copc") is plugin.copc_policy_loss
     monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "copc", core_algos.get_policy_loss_fn("vanilla"))
@@ -188,7 +192,8 @@ def test_policy_loss_equals_copc_policy_loss(mode: str, weight_mode: str) -> Non
     )
     ref_logp = batch["log_prob"].clone().requires_grad_(True)
     ref = copc_policy_loss(
-        CorrectedInputs(ref_logp, batch["old_log_probs"], batch["rollout_log_probs"], batch["advantages"], mask),
+        CorrectedInputs(ref_logp, batch["old_log_probs"], batch["rollout_log_probs"], batch["advantages"],
+                        mask),
         mask_low=0.5, mask_high=1.5, weight_mode=weight_mode, clip=ClipSpec(0.2, 0.28, 3.0),
         agg=AggSpec(mode),  # type: ignore[arg-type]
     )
@@ -209,13 +214,16 @@ def test_policy_loss_honours_verls_agg_loss_and_global_batch_info(mode: str) -> 
     step = copc_step(plugin.channels_from_verl_config(verl_config()), batch)
     actor = actor_config(clip_ratio_high=0.28, loss_agg_mode=mode, loss_scale_factor=32)
     # Two data-parallel ranks; global counts as verl's ppo_loss puts them into config.global_batch_info.
-    info = {"dp_size": 2, "batch_num_tokens": int(mask.sum()) * 2 + 3, "global_batch_size": 13, "loss_scale_factor": 32}
+    info = {"dp_size": 2, "batch_num_tokens": int(mask.sum()) * 2 + 3, "global_batch_size": 13,
+            "loss_scale_factor": 32}
     actor.global_batch_info.update(info)
     loss, _ = plugin.copc_policy_loss(
-        batch["old_log_probs"], batch["log_prob"], batch["advantages"], mask, mode, actor, step.rollout_is_weights
+        batch["old_log_probs"], batch["log_prob"], batch["advantages"], mask, mode, actor,
+        step.rollout_is_weights
     )
     per_token = copc_policy_loss(
-        CorrectedInputs(batch["log_prob"], batch["old_log_probs"], batch["rollout_log_probs"], batch["advantages"], mask),
+        CorrectedInputs(batch["log_prob"], batch["old_log_probs"], batch["rollout_log_probs"],
+                        batch["advantages"], mask),
         mask_low=0.5, mask_high=2.0, clip=ClipSpec(0.2, 0.28, 3.0),
     ).per_token
     close(loss, core_algos.agg_loss(per_token, mask, mode, **info))
@@ -244,7 +252,8 @@ def _expected(estimator: str, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     log_w = log_ratio(batch["old_log_probs"], batch["rollout_log_probs"], mask)
     values = batch["values"]
     if estimator == "copc_clipped_td":
-        out = clipped_td(rewards, values, log_w, mask, gamma=1.0, lam_critic=1.0, lam_actor=1.0, low=0.8, high=1.2)
+        out = clipped_td(rewards, values, log_w, mask, gamma=1.0, lam_critic=1.0, lam_actor=1.0, low=0.8,
+                         high=1.2)
         adv, ret = out.advantages, out.returns
     elif estimator == "copc_vtrace":
         v = vtrace(rewards, values, log_w, mask, gamma=1.0, lam=1.0, rho_bar=1.0, c_bar=1.0, pg_rho_bar=1.0)
@@ -260,7 +269,8 @@ def _expected(estimator: str, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
 @pytest.mark.parametrize(("B", "seed"), [(6, 4), (1, 5), (9, 6)])
 def test_advantages_equal_copcs_ops(estimator: str, B: int, seed: int) -> None:
     batch = verl_batch(B=B, seed=seed)
-    step = copc_step(plugin.channels_from_verl_config(verl_config(**{"algorithm.adv_estimator": estimator})), batch)
+    step = copc_step(plugin.channels_from_verl_config(verl_config(**{"algorithm.adv_estimator": estimator})),
+                     batch)
     advantages, returns = _expected(estimator, batch)
     close(step.advantages, advantages)
     close(step.returns, returns)
@@ -273,7 +283,8 @@ def test_advantages_read_gamma_lambda_and_copc_options_from_verls_config() -> No
     batch = verl_batch(seed=7)
     cfg = verl_config(**{"algorithm.gamma": 0.9, "algorithm.lam": 0.8, "copc.advantage.ratio_high": 1.5})
     channels = plugin.channels_from_verl_config(cfg)
-    assert (channels.advantage.gamma, channels.advantage.lam_critic, channels.advantage.lam_actor) == (0.9, 0.8, 0.8)
+    assert (channels.advantage.gamma, channels.advantage.lam_critic,
+            channels.advantage.lam_actor) == (0.9, 0.8, 0.8)
     step = copc_step(channels, batch)
     mask = batch["response_mask"].bool()
     out = clipped_td(
@@ -303,7 +314,8 @@ def test_without_staleness_clipped_td_is_verls_own_gae_on_multi_turn_masks() -> 
 
 
 def _nested(padded: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    return torch.nested.as_nested_tensor([padded[i, : int(n)] for i, n in enumerate(lengths)], layout=torch.jagged)
+    return torch.nested.as_nested_tensor([padded[i, : int(n)] for i, n in enumerate(lengths)],
+                                         layout=torch.jagged)
 
 
 class FakeTQ:
@@ -322,7 +334,8 @@ class FakeTQ:
 
 
 def _trainer_run(
-    monkeypatch: pytest.MonkeyPatch, batch: dict[str, torch.Tensor], drop: tuple[str, ...] = (), **overrides: object
+    monkeypatch: pytest.MonkeyPatch, batch: dict[str, torch.Tensor], drop: tuple[str, ...] = (),
+    **overrides: object
 ):
     mask = batch["response_mask"]
     lengths = (mask.cumsum(-1) * mask).argmax(-1) + 1  # last response token + 1 (tool holes inside)
@@ -335,13 +348,15 @@ def _trainer_run(
     trainer = object.__new__(get_trainer_cls("copc"))  # the driver-side object, without Ray or workers
     trainer.config = cfg
     trainer._copc = plugin.check_verl_config(cfg)
-    meta = KVBatchMeta(partition_id="train", keys=[f"u{i}_0_0" for i in range(len(lengths))], tags=[{}] * len(lengths))
+    meta = KVBatchMeta(partition_id="train", keys=[f"u{i}_0_0" for i in range(len(lengths))],
+                       tags=[{}] * len(lengths))
     metrics: dict[str, float] = {}
     assert trainer._compute_advantage(meta, metrics) == "meta"
     return fake.written.to_padded_tensor(), metrics, trainer._copc
 
 
-def test_trainer_advantage_step_writes_copcs_advantages_into_verls_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trainer_advantage_step_writes_copcs_advantages_into_verls_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     batch = verl_batch(B=6, seed=9)
     written, metrics, channels = _trainer_run(monkeypatch, batch)
     step = copc_step(channels, batch)
@@ -354,7 +369,8 @@ def test_trainer_advantage_step_writes_copcs_advantages_into_verls_batch(monkeyp
 
 @pytest.mark.parametrize(
     ("drop", "option"),
-    [(("rollout_log_probs",), "actor_rollout_ref.rollout.calculate_log_probs=True"), (("values",), "critic.enable=True")],
+    [(("rollout_log_probs",), "actor_rollout_ref.rollout.calculate_log_probs=True"), (("values",),
+                                                                                      "critic.enable=True")],
 )
 def test_trainer_missing_field_fails_with_one_line_naming_the_verl_option(
     monkeypatch: pytest.MonkeyPatch, drop: tuple[str, ...], option: str
@@ -375,14 +391,16 @@ R1 = {
 }
 
 
-def test_r1_trainer_step_reads_old_for_the_advantages_then_centres_the_actor_on_mu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_r1_trainer_step_reads_old_for_the_advantages_then_centres_the_actor_on_mu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     batch = verl_batch(B=6, seed=9)
     written, metrics, channels = _trainer_run(monkeypatch, batch, **R1)
     assert channels.behaviour and channels.policy == get_method("copc_behaviour").policy
     T = written["advantages"].shape[1]
     mask = batch["response_mask"][:, :T].bool()
     # the actor's ratio is now exp(cur - mu): verl's bypass-mode loss reads old_log_probs as the sampler's
-    assert set(written.keys()) == {"advantages", "returns", "old_log_probs"}  # no weight: the loss masks on cur/mu
+    # no weight: the loss masks on cur/mu
+    assert set(written.keys()) == {"advantages", "returns", "old_log_probs"}
     close(written["old_log_probs"][mask], batch["rollout_log_probs"][:, :T][mask])
     # the advantage channel is R0's, on w = old/mu from the recomputed old, read before it was replaced
     r0 = copc_step(plugin.CopcChannels(get_method("copc").policy, channels.advantage), batch)
@@ -391,17 +409,20 @@ def test_r1_trainer_step_reads_old_for_the_advantages_then_centres_the_actor_on_
     on_policy = copc_step(channels, batch | {"old_log_probs": batch["rollout_log_probs"]})
     assert not torch.allclose(written["advantages"], on_policy.advantages[:, :T])  # w was not 1
     w = (batch["old_log_probs"] - batch["rollout_log_probs"]).exp()[batch["response_mask"].bool()]
-    assert metrics["copc/policy/mask_frac_step_start"] == pytest.approx(float(((w < 0.5) | (w > 2.0)).float().mean()))
+    assert metrics["copc/policy/mask_frac_step_start"] == pytest.approx(float(((w < 0.5) | (w > 2.0)).float(
+        ).mean()))
     assert "copc/policy/weight_mean" not in metrics and "copc/adv/raw_std" in metrics
 
 
 @pytest.mark.parametrize(
     ("threshold", "band"),
-    [("0.5_2.0", (0.5, 2.0)), ("0.8_1.25", (0.8, 1.25)), ("0.5_1.25", (0.8, 2.0)), ("2.0", (0.5, 2.0)), (4, (0.25, 4.0))],
+    [("0.5_2.0", (0.5, 2.0)), ("0.8_1.25", (0.8, 1.25)), ("0.5_1.25", (0.8, 2.0)), ("2.0", (0.5, 2.0)),
+     (4, (0.25, 4.0))],
 )
 def test_r1_band_is_verls_token_k1_threshold_inverted(threshold: object, band: tuple[float, float]) -> None:
     """verl's token_k1 keeps ``lower <= mu/cur <= upper``; copc's band is on ``r = cur/mu``."""
-    channels = plugin.check_verl_config(verl_config(**(R1 | {f"{ACTOR_CORRECTION}.rollout_rs_threshold": threshold})))
+    channels = plugin.check_verl_config(verl_config(**(
+        R1 | {f"{ACTOR_CORRECTION}.rollout_rs_threshold": threshold})))
     assert (channels.policy.mask_low, channels.policy.mask_high) == pytest.approx(band)
 
 
@@ -421,10 +442,14 @@ def test_r1_without_a_band_is_3a_with_the_advantage_channel() -> None:
         ({f"{ACTOR_CORRECTION}.loss_type": "reinforce"}, "R1's DIS form has no verl path"),
         ({"copc.policy.mask_high": 3.0}, "copc.policy.mask_high is R0's"),
         ({"copc.channels": "policy", "algorithm.adv_estimator": "grpo"}, "is verl's own bypass mode"),
-        ({"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"}, "use token-mean, seq-mean-token-sum"),
-        ({"algorithm.rollout_correction.bypass_mode": True}, "set algorithm.rollout_correction.bypass_mode=False"),
-        ({"actor_rollout_ref.actor.policy_loss.loss_mode": "bypass_mode"}, "set loss_mode=copc_behaviour for COPC R1"),
-        ({f"{ACTOR_CORRECTION}.rollout_rs_threshold": 0.52}, "Hydra reads digits around an underscore as one number"),
+        ({"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"},
+         "use token-mean, seq-mean-token-sum"),
+        ({"algorithm.rollout_correction.bypass_mode": True},
+         "set algorithm.rollout_correction.bypass_mode=False"),
+        ({"actor_rollout_ref.actor.policy_loss.loss_mode": "bypass_mode"},
+         "set loss_mode=copc_behaviour for COPC R1"),
+        ({f"{ACTOR_CORRECTION}.rollout_rs_threshold": 0.52},
+         "Hydra reads digits around an underscore as one number"),
     ],
 )
 def test_bad_r1_config_fails_at_start_up_with_one_line(overrides: dict[str, object], says: str) -> None:
@@ -439,12 +464,16 @@ def test_bad_r1_config_fails_at_start_up_with_one_line(overrides: dict[str, obje
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
-        ({"actor_rollout_ref.rollout.calculate_log_probs": False}, "set actor_rollout_ref.rollout.calculate_log_probs=True"),
+        ({"actor_rollout_ref.rollout.calculate_log_probs": False},
+         "set actor_rollout_ref.rollout.calculate_log_probs=True"),
         ({"critic.enable": False}, "set critic.enable=True"),
         ({"algorithm.adv_estimator": "gae"}, "set algorithm.adv_estimator to one of copc_clipped_td"),
-        ({"algorithm.rollout_correction.bypass_mode": True}, "set algorithm.rollout_correction.bypass_mode=False"),
-        ({"algorithm.rollout_correction.rollout_is": "token"}, "set algorithm.rollout_correction.rollout_is=null"),
-        ({"copc.policy.clip_low": 0.1}, "copc.policy.clip_low is verl's actor_rollout_ref.actor.clip_ratio_low"),
+        ({"algorithm.rollout_correction.bypass_mode": True},
+         "set algorithm.rollout_correction.bypass_mode=False"),
+        ({"algorithm.rollout_correction.rollout_is": "token"},
+         "set algorithm.rollout_correction.rollout_is=null"),
+        ({"copc.policy.clip_low": 0.1},
+         "copc.policy.clip_low is verl's actor_rollout_ref.actor.clip_ratio_low"),
         ({"copc.advantage.gamma": 0.9}, "copc.advantage.gamma is verl's algorithm.gamma"),
         ({"copc.policy.mask_source": "current"}, "copc.policy.mask_source is not a copc option in verl"),
         ({"copc.advantage.ratio_lo": 0.9}, "copc.advantage:"),
@@ -460,7 +489,8 @@ def test_bad_verl_config_fails_at_start_up_with_one_line(overrides: dict[str, ob
 
 def test_trainer_checks_the_config_before_starting_anything() -> None:
     with pytest.raises(ValueError, match="calculate_log_probs=True"):
-        get_trainer_cls("copc_separate_async")(verl_config(**{"actor_rollout_ref.rollout.calculate_log_probs": False}))
+        get_trainer_cls("copc_separate_async")(verl_config(
+            **{"actor_rollout_ref.rollout.calculate_log_probs": False}))
 
 
 def test_loss_without_copcs_trainer_fails_with_one_line() -> None:
@@ -474,13 +504,16 @@ def test_loss_without_copcs_trainer_fails_with_one_line() -> None:
 
 
 def test_copc_estimator_in_a_plain_verl_trainer_says_which_trainer_to_use() -> None:
-    with pytest.raises(ValueError, match=r"algorithm.adv_estimator=copc_vtrace .*trainer.v1.trainer_mode=copc"):
-        core_algos.get_adv_estimator_fn("copc_vtrace")(token_level_rewards=None, response_mask=None, config=None)
+    with pytest.raises(ValueError,
+                       match=r"algorithm.adv_estimator=copc_vtrace .*trainer.v1.trainer_mode=copc"):
+        core_algos.get_adv_estimator_fn("copc_vtrace")(token_level_rewards=None, response_mask=None,
+                                                       config=None)
 
 
 def test_presets_are_copcs_own() -> None:
     channels = plugin.channels_from_verl_config(verl_config(**{"algorithm.adv_estimator": "copc_brace"}))
-    assert channels.advantage == dataclasses.replace(get_method("brace").advantage, gamma=1.0, lam_critic=1.0, lam_actor=1.0)
+    assert channels.advantage == dataclasses.replace(get_method("brace").advantage, gamma=1.0, lam_critic=1.0,
+                                                     lam_actor=1.0)
     assert channels.policy == get_method("copc").policy
 
 
@@ -496,7 +529,8 @@ def docs_command() -> list[str]:
     return shlex.split(block.replace("\\\n", " ").replace("$HOME", str(Path.home())))
 
 
-def test_docs_command_composes_with_verls_hydra_config_and_selects_copc(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_docs_command_composes_with_verls_hydra_config_and_selects_copc(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The documented command parses against verl's own config and picks copc everywhere.
 
     verl's full ``validate_config`` is not run: it loads the model's config from the hub (offline here).
@@ -508,7 +542,8 @@ def test_docs_command_composes_with_verls_hydra_config_and_selects_copc(monkeypa
     words = docs_command()
     assert words[:5] == ["python3", "-m", "verl.trainer.main_ppo", "--config-name", plugin.CONFIG_NAME]
     assert not [w for w in words if w.startswith("+")]  # copc_ppo_trainer has every copc option: no Hydra '+'
-    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"),
+                               version_base=None):
         cfg = compose(config_name=words[4], overrides=words[5:])
     channels = plugin.check_verl_config(cfg)
     assert channels.policy == get_method("copc").policy
@@ -527,12 +562,15 @@ def test_docs_command_through_verls_own_cli_prints_copcs_config() -> None:
 
     words = docs_command()
     out = subprocess.run(
-        [sys.executable, *words[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, *words[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300,
+        check=False,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    cfg = OmegaConf.create(yaml.safe_load(out.stdout))  # the whole of stdout is the config (logs go to stderr)
-    assert plugin.check_verl_config(cfg) == plugin.CopcChannels(get_method("copc").policy, get_method("copc").advantage)
+    # the whole of stdout is the config (logs go to stderr)
+    cfg = OmegaConf.create(yaml.safe_load(out.stdout))
+    assert plugin.check_verl_config(cfg) == plugin.CopcChannels(get_method("copc").policy,
+                                                                get_method("copc").advantage)
     assert cfg.trainer.v1.trainer_mode == "copc_colocate_async"
 
 
@@ -551,12 +589,15 @@ def test_docs_r1_command_composes_to_copcs_r1_preset() -> None:
 
     words = r1_command()
     assert words[:5] == ["python3", "-m", "verl.trainer.main_ppo", "--config-name", plugin.CONFIG_NAME]
-    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
-        cfg = compose(config_name=words[4], overrides=[*words[5:], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"),
+                               version_base=None):
+        cfg = compose(config_name=words[4],
+                      overrides=[*words[5:], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
     channels = plugin.check_verl_config(cfg)
     r1 = get_method("copc_behaviour")
     assert channels == plugin.CopcChannels(r1.policy, r1.advantage) and channels.behaviour
-    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)  # what verl's actor worker builds and its loss reads
+    # what verl's actor worker builds and its loss reads
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert actor.policy_loss.loss_mode == plugin.BEHAVIOUR_LOSS
     assert actor.policy_loss.rollout_correction["rollout_rs"] == "token_k1"
     assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (
@@ -570,7 +611,8 @@ def test_docs_r1_command_through_verls_own_cli() -> None:
 
     words = r1_command()
     out = subprocess.run(
-        [sys.executable, *words[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, *words[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300,
+        check=False,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
@@ -584,14 +626,17 @@ def test_copc_ppo_trainer_lists_every_copc_option_and_its_nulls_are_the_presets(
     from hydra import compose, initialize_config_dir
 
     overrides = [f"algorithm.adv_estimator={estimator}", "critic.enable=True", "algorithm.lam=0.95"]
-    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"),
+                               version_base=None):
         ours = compose(config_name=plugin.CONFIG_NAME, overrides=overrides)
         plain = compose(config_name="ppo_trainer", overrides=overrides)
-    fields = {f.name for f in dataclasses.fields(AdvantageChannelConfig)} - {"estimator", "gamma", "lam_critic"}
+    fields = {f.name for f in dataclasses.fields(AdvantageChannelConfig)} - {"estimator", "gamma",
+                                                                             "lam_critic"}
     assert set(ours.copc.advantage) == fields
     assert set(ours.copc.policy) == {"mask_low", "mask_high", "weight_mode"}
     # null: the preset's value, so an option the user sets can be told from a default (R1 refuses R0's band)
-    assert OmegaConf.to_container(ours.copc.policy) == {"mask_low": None, "mask_high": None, "weight_mode": None}
+    assert OmegaConf.to_container(ours.copc.policy) == {"mask_low": None, "mask_high": None,
+                                                        "weight_mode": None}
     assert plugin.check_verl_config(ours).policy == get_method("copc").policy
     assert plugin.check_verl_config(ours) == plugin.check_verl_config(plain)
     assert OmegaConf.masked_copy(ours, [k for k in ours if k != "copc"]) == plain  # verl's config, untouched
@@ -601,7 +646,8 @@ def test_a_composed_struct_config_without_a_copc_section_gets_copcs_defaults() -
     from hydra import compose, initialize_config_dir
 
     overrides = ["algorithm.adv_estimator=copc_vtrace", "critic.enable=True", "algorithm.lam=0.95"]
-    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"),
+                               version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=overrides)
     channels = plugin.check_verl_config(cfg)  # Hydra's struct mode: the absent copc section is not an error
     vtrace_preset = get_method("vtrace").advantage
@@ -611,7 +657,9 @@ def test_a_composed_struct_config_without_a_copc_section_gets_copcs_defaults() -
 
 def test_trainer_logs_its_channels_at_start_up(caplog: pytest.LogCaptureFixture) -> None:
     assert plugin._log.isEnabledFor(20)  # INFO gets through although verl leaves the root logger at WARNING
-    with caplog.at_level("INFO", logger="copc.integrations.verl"):  # verl's __init__ starts no Ray, no workers
+    # verl's __init__ starts no Ray, no workers
+    with caplog.at_level("INFO", logger="copc.integrations.verl"):
         trainer = get_trainer_cls("copc")(verl_config(**{"trainer.v1.trainer_mode": "copc"}))
     assert trainer._copc == plugin.check_verl_config(verl_config())
-    assert "copc trainer copc (verl's sync trainer): CopcChannels(policy=PolicyChannelConfig(objective='copc'" in caplog.text
+    assert ("copc trainer copc (verl's sync trainer): "
+            "CopcChannels(policy=PolicyChannelConfig(objective='copc'" in caplog.text)

@@ -50,7 +50,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_actor_update_through_verls_fsdp2_worker_changes_every_parameter(run: dict[str, Any]) -> None:
-    assert run["actor_params"] > 0 and run["actor_unchanged"] == []  # weight decay is 0: only gradients move them
+    # weight decay is 0: only gradients move them
+    assert run["actor_params"] > 0 and run["actor_unchanged"] == []
     assert run["actor_metrics"]["grad_norm"] > 0
 
 
@@ -59,15 +60,16 @@ def test_actor_loss_in_verls_worker_is_copcs_policy_loss(run: dict[str, Any]) ->
     assert metrics["actor/pg_loss"] == pytest.approx(run["expected_pg_loss"], rel=1e-5)
     assert 0.0 < run["expected_mask_frac"] < 1.0  # the band removes some tokens: omega is not all ones
     # copc's loss metrics arrive in verl's returned metrics (the trainer prefixes them with actor/)
-    for name in ("mask_frac", "weight_mean", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl"):
+    for name in ("mask_frac", "weight_mean", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
+                 "approx_kl"):
         assert f"copc/policy/{name}" in metrics
     assert 0.0 < metrics["copc/policy/mask_frac"] < 1.0
     assert metrics["copc/policy/approx_kl"] == pytest.approx(0.0, abs=1e-6)  # the first update starts at old
 
 
 def test_r1_actor_in_verls_worker_is_copcs_own_r1_loss(run: dict[str, Any]) -> None:
-    """R1 (``policy_loss.loss_mode=copc_behaviour``): verl's worker reads the band from the composed config and
-    its loss, on the batch R1's trainer writes (old_log_probs = mu), is copc's own R1 actor loss."""
+    """R1 (``policy_loss.loss_mode=copc_behaviour``): verl's worker reads the band from the composed config
+    and its loss, on the batch R1's trainer writes (old_log_probs = mu), is copc's own R1 actor loss."""
     assert run["r1_policy"] == ["bypass_ppo", 0.5, 2.0]
     assert run["r1_same_start"] and run["r1_actor_unchanged"] == []
     metrics = run["r1_actor_metrics"]

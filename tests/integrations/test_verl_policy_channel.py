@@ -54,7 +54,8 @@ def test_policy_channel_alone_needs_no_critic_and_keeps_verls_estimator() -> Non
     cfg = verl_cfg(*GRPO, "+copc.channels=policy", "+copc.policy.mask_high=3.0")
     channels = plugin.check_verl_config(cfg)
     assert channels.advantage is None
-    assert channels.policy.mask_high == 3.0 and channels.policy.objective == get_method("copc").policy.objective
+    assert channels.policy.mask_high == 3.0 and channels.policy.objective == get_method(
+        "copc").policy.objective
 
 
 def test_copcs_advantage_channel_without_a_critic_fails_and_says_it_needs_one() -> None:
@@ -71,8 +72,10 @@ def test_grpo_under_copcs_trainer_without_copc_channels_policy_says_how_to_get_t
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
-        (["algorithm.adv_estimator=copc_vtrace", "+copc.channels=policy"], "set algorithm.adv_estimator to a verl estimator such as grpo"),
-        (["+copc.channels=policy", "+copc.advantage.ratio_low=0.9"], "copc.advantage.ratio_low is unused with copc.channels=policy"),
+        (["algorithm.adv_estimator=copc_vtrace", "+copc.channels=policy"],
+         "set algorithm.adv_estimator to a verl estimator such as grpo"),
+        (["+copc.channels=policy", "+copc.advantage.ratio_low=0.9"],
+         "copc.advantage.ratio_low is unused with copc.channels=policy"),
         (["+copc.channels=critic"], "copc.channels='critic': valid are both, policy"),
     ],
 )
@@ -99,7 +102,8 @@ class FakeTQ:
         return KVBatchMeta(partition_id=partition_id, keys=keys, tags=[{}] * len(keys))
 
 
-def grpo_batch(seed: int = 0, B: int = 6, T: int = 9) -> tuple[dict[str, Any], list[str], torch.Tensor, torch.Tensor]:
+def grpo_batch(seed: int = 0, B: int = 6,
+               T: int = 9) -> tuple[dict[str, Any], list[str], torch.Tensor, torch.Tensor]:
     """Two prompts x 3 samples, as verl's agent loop leaves them in TransferQueue before step 7."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(2, T + 1, (B,), generator=g)
@@ -112,7 +116,8 @@ def grpo_batch(seed: int = 0, B: int = 6, T: int = 9) -> tuple[dict[str, Any], l
     uids = ["p0"] * 3 + ["p1"] * 3
 
     def nested(x: torch.Tensor) -> torch.Tensor:
-        return torch.nested.as_nested_tensor([x[i, : int(n)] for i, n in enumerate(lengths)], layout=torch.jagged)
+        return torch.nested.as_nested_tensor([x[i, : int(n)] for i, n in enumerate(lengths)],
+                                             layout=torch.jagged)
 
     fields: dict[str, Any] = {
         "response_mask": nested(mask.float()),
@@ -125,18 +130,21 @@ def grpo_batch(seed: int = 0, B: int = 6, T: int = 9) -> tuple[dict[str, Any], l
     return fields, keys, mask, torch.where(mask, old - mu, torch.zeros(()))
 
 
-def run_step(mode: str, cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTQ, dict[str, float], torch.Tensor, torch.Tensor]:
+def run_step(mode: str, cfg: DictConfig,
+             monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTQ, dict[str, float], torch.Tensor, torch.Tensor]:
     fields, keys, mask, log_w = grpo_batch()
     fake = FakeTQ(fields, len(keys))
     monkeypatch.setattr(verl_trainer_base, "tq", fake)
     monkeypatch.setattr(verl_trainers, "tq", fake)
     trainer: Any = get_trainer_cls(mode)(cfg)
     metrics: dict[str, float] = {}
-    trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys)), metrics=metrics)
+    trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys)),
+                               metrics=metrics)
     return fake, metrics, mask, log_w
 
 
-def test_trainer_writes_verls_grpo_advantages_and_copcs_policy_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trainer_writes_verls_grpo_advantages_and_copcs_policy_weight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     verl_run, _, mask, log_w = run_step("sync", verl_cfg(*GRPO), monkeypatch)
     ours, metrics, _, _ = run_step("copc", verl_cfg(*GRPO, "+copc.channels=policy"), monkeypatch)
     (theirs,) = verl_run.puts
@@ -147,7 +155,8 @@ def test_trainer_writes_verls_grpo_advantages_and_copcs_policy_weight(monkeypatc
     assert float(theirs["advantages"].abs().max()) > 0  # GRPO gave non-trivial group advantages
     w = torch.exp(log_w)
     expected = torch.where(mask & (w >= 0.5) & (w <= 2.0), w, torch.zeros(()))
-    assert 0 < int((mask & (expected == 0)).sum()) < int(mask.sum())  # the band cuts some tokens, keeps others
+    # the band cuts some tokens, keeps others
+    assert 0 < int((mask & (expected == 0)).sum()) < int(mask.sum())
     torch.testing.assert_close(second["rollout_is_weights"], expected, rtol=1e-6, atol=1e-6)
     assert set(second) == {"rollout_is_weights"}
     kept = (expected > 0).float()
@@ -156,7 +165,8 @@ def test_trainer_writes_verls_grpo_advantages_and_copcs_policy_weight(monkeypatc
 
 
 def policy_channel_command() -> list[str]:
-    """docs/verl.md's command for the policy channel alone, as argv words ('...' stands for model and data)."""
+    """docs/verl.md's command for the policy channel alone, as argv words ('...' stands for model and
+    data)."""
     import shlex
 
     text = (Path(__file__).resolve().parents[2] / "docs/verl.md").read_text()
@@ -166,7 +176,8 @@ def policy_channel_command() -> list[str]:
 
 
 def test_docs_policy_channel_command_composes_to_the_policy_channel_alone() -> None:
-    """The documented command composes with verl's Hydra config to the policy channel alone, run by copc's trainer."""
+    """The documented command composes with verl's Hydra config to the policy channel alone, run by copc's
+    trainer."""
     words = policy_channel_command()
     assert words[:5] == ["python3", "-m", "verl.trainer.main_ppo", "--config-name", plugin.CONFIG_NAME]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
@@ -187,7 +198,8 @@ def test_docs_policy_channel_command_through_verls_own_cli() -> None:
     from omegaconf import OmegaConf
 
     words = policy_channel_command()
-    out = subprocess.run([sys.executable, *words[1:], "--cfg", "job"], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, *words[1:], "--cfg", "job"], capture_output=True, text=True,
+                         timeout=300,
                          check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     cfg = OmegaConf.create(yaml.safe_load(out.stdout))

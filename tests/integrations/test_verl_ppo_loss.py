@@ -66,7 +66,8 @@ def _rows(seed: int, n: int) -> list[dict[str, torch.Tensor]]:
             "prompts": torch.randint(3, 50, (p,), generator=g),
             "responses": torch.randint(3, 50, (r,), generator=g),
             "response_mask": mask,
-            "rm_scores": torch.zeros(r).index_fill_(0, torch.tensor([r - 1]), float(torch.rand((), generator=g) > 0.5)),
+            "rm_scores": torch.zeros(r).index_fill_(0, torch.tensor([r - 1]),
+                                                    float(torch.rand((), generator=g) > 0.5)),
             "old_log_probs": old,
             "rollout_log_probs": old + 0.6 * torch.randn(r, generator=g),
             "values": torch.randn(r, generator=g),
@@ -80,8 +81,10 @@ def _padding_row(source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """verl's own synthetic padding sample (response of one EOS, response_mask 0), with the per-token
     numbers a model and the advantage step would give it (old and current log-probs are real numbers)."""
     row, _ = construct_minimal_padding_template(dict(source), {}, EOS)
-    return {k: row[k] for k in ("prompts", "responses", "response_mask", "rm_scores", "rollout_log_probs")} | {
-        "old_log_probs": torch.tensor([-35.0]), "values": torch.tensor([0.3]), "log_prob": torch.tensor([-33.0]),
+    return {k: row[k] for k in ("prompts", "responses", "response_mask", "rm_scores",
+                                "rollout_log_probs")} | {
+        "old_log_probs": torch.tensor([-35.0]), "values": torch.tensor([0.3]),
+        "log_prob": torch.tensor([-33.0]),
     }
 
 
@@ -104,10 +107,12 @@ def verl_actor_batch(
     converted by verl's own ``left_right_2_no_padding``; also the padded tensors for copc's reference."""
     P, T = max(len(r["prompts"]) for r in rows), max(len(r["responses"]) for r in rows)
     prompts, responses = _pad(rows, "prompts", P, left=True), _pad(rows, "responses", T)
-    prompt_att = _pad([{"m": torch.ones(len(r["prompts"]), dtype=torch.int64)} for r in rows], "m", P, left=True)
+    prompt_att = _pad([{"m": torch.ones(len(r["prompts"]), dtype=torch.int64)} for r in rows], "m", P,
+                      left=True)
     resp_att = _pad([{"m": torch.ones(len(r["responses"]), dtype=torch.int64)} for r in rows], "m", T)
     attention_mask = torch.cat([prompt_att, resp_att], dim=1)
-    padded = {k: _pad(rows, k, T) for k in ("response_mask", "rm_scores", "old_log_probs", "rollout_log_probs", "values", "log_prob")}
+    padded = {k: _pad(rows, k, T) for k in ("response_mask", "rm_scores", "old_log_probs",
+                                            "rollout_log_probs", "values", "log_prob")}
     step = plugin.copc_advantage_step(
         channels, token_level_rewards=padded["rm_scores"], values=padded["values"],
         old_log_probs=padded["old_log_probs"], rollout_log_probs=padded["rollout_log_probs"],
@@ -174,8 +179,10 @@ def test_copc_loss_through_verls_ppo_loss_equals_copcs_own_policy_loss(mode: str
     loss, metrics = verl_loss(td, logp, actor_config(mode))
     ref_logp = padded["log_prob"].clone().requires_grad_(True)
     ref = copc_policy_loss(
-        CorrectedInputs(ref_logp, padded["old_log_probs"], padded["rollout_log_probs"], padded["advantages"], mask),
-        mask_low=0.5, mask_high=2.0, clip=ClipSpec(0.2, 0.28, 3.0), agg=AggSpec(mode),  # type: ignore[arg-type]
+        CorrectedInputs(ref_logp, padded["old_log_probs"], padded["rollout_log_probs"], padded["advantages"],
+                        mask),
+        mask_low=0.5, mask_high=2.0, clip=ClipSpec(0.2, 0.28, 3.0), agg=AggSpec(mode),
+        # type: ignore[arg-type]
     )
     assert 0.0 < float(ref.stats["policy/mask_frac"]) < 1.0  # the band cuts some tokens and keeps others
     torch.testing.assert_close(loss, ref.loss, rtol=RTOL, atol=ATOL)
@@ -185,7 +192,8 @@ def test_copc_loss_through_verls_ppo_loss_equals_copcs_own_policy_loss(mode: str
     assert (logp.grad[mask] != 0).any() and (logp.grad[~mask] == 0).all()  # tool span and padding get nothing
     torch.testing.assert_close(logp.grad, ref_logp.grad, rtol=RTOL, atol=ATOL)
     # copc's stats reach verl's metrics, under copc's names, in every micro-batch
-    assert all({"copc/policy/mask_frac", "copc/policy/clip_frac_high", "actor/pg_loss"} <= set(m) for m in metrics)
+    assert all({"copc/policy/mask_frac", "copc/policy/clip_frac_high",
+                "actor/pg_loss"} <= set(m) for m in metrics)
 
 
 def test_verls_padding_rows_give_no_nan_and_change_nothing() -> None:
@@ -200,7 +208,8 @@ def test_verls_padding_rows_give_no_nan_and_change_nothing() -> None:
     loss.backward()
     assert logp.grad is not None and torch.isfinite(logp.grad).all() and torch.isfinite(loss)
     assert (logp.grad[-2:] == 0).all()
-    assert all(math.isfinite(x) for m in metrics for v in m.values() if isinstance(v, Metric) for x in v.values)
+    assert all(math.isfinite(x) for m in metrics for v in m.values() if isinstance(v,
+                                                                                   Metric) for x in v.values)
     # and the real rows' loss is what it is without the padding rows (token-mean: padding adds no tokens)
     td_real, padded_real = verl_actor_batch(rows)
     real, _ = verl_loss(td_real, padded_real["log_prob"], actor_config("token-mean"))
@@ -216,7 +225,8 @@ def r1_actor_config(
 ) -> FSDPActorConfig:
     correction = {"rollout_rs": rollout_rs, "rollout_rs_threshold": threshold if rollout_rs else None}
     return FSDPActorConfig(
-        strategy="fsdp", ppo_micro_batch_size_per_gpu=2, rollout_n=1, loss_agg_mode=mode, loss_scale_factor=scale,
+        strategy="fsdp", ppo_micro_batch_size_per_gpu=2, rollout_n=1, loss_agg_mode=mode,
+        loss_scale_factor=scale,
         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
         policy_loss={"loss_mode": loss_mode, "rollout_correction": correction},
     )
@@ -235,9 +245,10 @@ NORM = 12.0  # seq-mean-token-sum-norm's constant (verl's loss_scale_factor, cop
 def test_r1_through_verls_bypass_mode_loss_equals_copcs_own_r1_policy_loss(
     mode: str, preset: str, threshold: str, band: tuple[float, float]
 ) -> None:
-    """R1 (spec 9.7) in verl is verl's bypass-mode loss on the batch copc's trainer wrote: copc's own
-    ``copc_behaviour`` actor loss (band on cur/mu at every micro-batch, PPO clip on cur/mu, dual clip), and
-    with no band (``rollout_rs=null``) async PPO 3a's, the advantage channel alone (``async_ppo_advantage``)."""
+    """R1 (docs/formulas.md#r1) in verl is verl's bypass-mode loss on the batch copc's trainer wrote: copc's
+    own ``copc_behaviour`` actor loss (band on cur/mu at every micro-batch, PPO clip on cur/mu, dual clip),
+    and with no band (``rollout_rs=null``) async PPO 3a's, the advantage channel alone
+    (``async_ppo_advantage``)."""
     method = get_method(preset)
     policy = dataclasses.replace(method.policy, mask_low=band[0], mask_high=band[1], loss_agg=mode,
                                  norm_length=NORM if mode.endswith("norm") else None)
@@ -248,11 +259,13 @@ def test_r1_through_verls_bypass_mode_loss_equals_copcs_own_r1_policy_loss(
     assert "rollout_is_weights" not in td
     mask = padded["response_mask"].bool()
     logp = padded["log_prob"].clone().requires_grad_(True)
-    actor = r1_actor_config(mode, "token_k1" if threshold else None, threshold, NORM if mode.endswith("norm") else None)
+    actor = r1_actor_config(mode, "token_k1" if threshold else None, threshold,
+                            NORM if mode.endswith("norm") else None)
     loss, metrics = verl_loss(td, logp, actor)
     ref_logp = padded["log_prob"].clone().requires_grad_(True)
     ref = policy_loss(
-        policy, PolicyInputs(ref_logp, None, padded["rollout_log_probs"], padded["advantages"], mask, num_tokens=None),
+        policy, PolicyInputs(ref_logp, None, padded["rollout_log_probs"], padded["advantages"], mask,
+                             num_tokens=None),
     )
     kept = float(ref.stats["policy/mask_frac"]) if "policy/mask_frac" in ref.stats else 0.0
     assert (0.0 < kept < 1.0) if preset == "copc_behaviour" else kept == 0.0  # the band binds where it exists

@@ -50,7 +50,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def test_verls_steps_carry_the_trainers_log_probs_and_values_through_transfer_queue(run: dict[str, Any]) -> None:
+def test_verls_steps_carry_the_trainers_log_probs_and_values_through_transfer_queue(
+        run: dict[str, Any]) -> None:
     err = run["max_err"]
     assert err["old_log_probs_vs_padded_forward"] == 0.0
     assert err["values_vs_padded_forward"] == 0.0
@@ -68,12 +69,15 @@ def test_copcs_advantage_step_after_verls_steps_equals_copcs_own_estimator(run: 
     )
 
 
-def test_r1_step_overwrites_old_with_mu_in_transfer_queue_after_the_advantages_read_old(run: dict[str, Any]) -> None:
-    """R1 (``policy_loss.loss_mode=copc_behaviour``): the advantages come from verl's recomputed old (the same as
-    copc's own estimator on w = old/mu), then TransferQueue holds ``old_log_probs = mu`` for the actor, and no
-    weight field is written."""
+def test_r1_step_overwrites_old_with_mu_in_transfer_queue_after_the_advantages_read_old(
+        run: dict[str, Any]) -> None:
+    """R1 (``policy_loss.loss_mode=copc_behaviour``): the advantages come from verl's recomputed old (the same
+    as copc's own estimator on w = old/mu), then TransferQueue holds ``old_log_probs = mu`` for the actor, and
+    no weight field is written."""
     r1 = run["r1"]
     assert r1["advantages_vs_own"] == 0.0 and r1["returns_vs_own"] == 0.0
     assert r1["old_is_mu"] == 0.0
-    assert "rollout_is_weights" not in r1["fields"] and {"advantages", "returns", "old_log_probs"} <= set(r1["fields"])
-    assert "copc/policy/mask_frac_step_start" in r1["metrics"] and "copc/policy/weight_mean" not in r1["metrics"]
+    assert "rollout_is_weights" not in r1["fields"] and {"advantages", "returns",
+                                                         "old_log_probs"} <= set(r1["fields"])
+    assert ("copc/policy/mask_frac_step_start" in r1["metrics"]
+            and "copc/policy/weight_mean" not in r1["metrics"])

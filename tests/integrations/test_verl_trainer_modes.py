@@ -31,7 +31,8 @@ from verl.trainer.ppo.v1 import trainer_base as verl_trainer_base  # noqa: E402
 import copc.integrations.verl as plugin  # noqa: E402
 import copc.integrations.verl_trainers as verl_trainers  # noqa: E402
 
-PAIRS = [("copc", "sync"), ("copc_colocate_async", "colocate_async"), ("copc_separate_async", "separate_async")]
+PAIRS = [("copc", "sync"), ("copc_colocate_async", "colocate_async"), ("copc_separate_async",
+                                                                       "separate_async")]
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer/config")
 # A user's settings, each one read by verl under a mode-dependent key or branch (none of them verl's default).
 USER = [
@@ -54,7 +55,8 @@ USER = [
 
 
 def verl_cfg(mode: str, tmp_path: Path, *extra: str) -> DictConfig:
-    overrides = [*USER, f"trainer.v1.trainer_mode={mode}", f"trainer.default_local_dir={tmp_path / mode}", *extra]
+    overrides = [*USER, f"trainer.v1.trainer_mode={mode}", f"trainer.default_local_dir={tmp_path / mode}",
+                 *extra]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         return compose(config_name="ppo_trainer", overrides=overrides)
 
@@ -94,11 +96,14 @@ def observe(trainer: PPOTrainer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     monkeypatch.setattr(verl_trainer_base, "tq", tq)
     monkeypatch.setattr(verl_trainer_base, "create_rl_dataset", fake_dataset)
     t: Any = trainer
-    buffer = {k: v for k, v in vars(t.replay_buffer).items() if k != "refill_fn"}  # a bound method of each trainer
+    # a bound method of each trainer
+    buffer = {k: v for k, v in vars(t.replay_buffer).items() if k != "refill_fn"}
     section = buffer["trainer_config"]  # trainer.v1.<mode>, or {} where verl found no such section
-    buffer["trainer_config"] = OmegaConf.to_container(section) if isinstance(section, DictConfig) else dict(section)
+    buffer["trainer_config"] = OmegaConf.to_container(section) if isinstance(section,
+                                                                             DictConfig) else dict(section)
     scalars = {
-        k: v for k, v in vars(t).items() if isinstance(v, bool | int | float | str | type(None)) and k != "copc_mode"
+        k: v for k,
+        v in vars(t).items() if isinstance(v, bool | int | float | str | type(None)) and k != "copc_mode"
     }
     t.tokenizer = t.processor = None
     t._init_dataloader()  # verl's own: forces gen_batch_size to 1 outside its sync trainer
@@ -137,16 +142,19 @@ def test_copc_trainer_behaves_as_the_verl_trainer_it_extends(
     assert ours_trainer.copc_mode == copc_mode  # type: ignore[attr-defined]
 
 
-def test_the_comparison_sees_each_mode_dependent_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_comparison_sees_each_mode_dependent_setting(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
     """The user's settings above do differ by verl mode, so the comparison could fail."""
-    seen = {mode: observe(get_trainer_cls(mode)(verl_cfg(mode, tmp_path)), monkeypatch, tmp_path) for _, mode in PAIRS}
+    seen = {mode: observe(get_trainer_cls(mode)(verl_cfg(mode, tmp_path)), monkeypatch, tmp_path) for _,
+            mode in PAIRS}
     sync, colocate, separate = seen["sync"], seen["colocate_async"], seen["separate_async"]
     assert sync["replay buffer type"].__name__ == "ReplayBuffer"
     assert colocate["replay buffer type"].__name__ == "ReplayBufferAsync"
     assert (sync["gen_batch_size"], colocate["gen_batch_size"]) == (4, 1)
     assert sync["TransferQueue calls"] == [] and sync["reissued"] == 0
     assert [name for name, _ in colocate["TransferQueue calls"]] == ["save_checkpoint", "kv_list"]
-    assert (colocate["trainer scalar fields"]["parameter_sync_step"], separate["trainer scalar fields"]["parameter_sync_step"]) == (1, 2)
+    assert (colocate["trainer scalar fields"]["parameter_sync_step"],
+            separate["trainer scalar fields"]["parameter_sync_step"]) == (1, 2)
     assert colocate["replay buffer fields"]["trainer_config"] == {"num_warmup_batches": 3}
     assert separate["replay buffer fields"]["trainer_config"]["num_warmup_batches"] == 2
     assert separate["hybrid rollout config"] is not None
@@ -180,7 +188,8 @@ def test_changed_advantage_hook_fails_with_one_line_naming_verls_version(
 
 def test_missing_advantage_hook_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delattr(PPOTrainer, "_compute_advantage")
-    with pytest.raises(RuntimeError, match=r"installed verl \S+ has no _compute_advantage; copc supports verl"):
+    with pytest.raises(RuntimeError,
+                       match=r"installed verl \S+ has no _compute_advantage; copc supports verl"):
         get_trainer_cls("copc_separate_async")(verl_cfg("copc_separate_async", tmp_path))
 
 
@@ -190,13 +199,15 @@ def test_the_installed_verl_passes_the_hook_check() -> None:
 
 
 @pytest.mark.parametrize("version", ["0.10.0", "0.9.0", "1.2", "not-a-version"])
-def test_a_verl_outside_the_supported_range_fails_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+def test_a_verl_outside_the_supported_range_fails_with_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path,
                                                                version: str) -> None:
     """The version check comes first, before the hook check and before any worker starts."""
     monkeypatch.setattr(verl_trainers, "_verl_version", lambda: version)
     with pytest.raises(RuntimeError) as err:
         get_trainer_cls("copc")(verl_cfg("copc", tmp_path))
-    assert str(err.value) == (f"copc's verl trainers support verl>=0.9.1,<0.10, but verl {version} is installed: "
+    assert str(err.value) == (
+        f"copc's verl trainers support verl>=0.9.1,<0.10, but verl {version} is installed: "
                               "pip install 'verl>=0.9.1,<0.10' (or copc[verl])")
 
 

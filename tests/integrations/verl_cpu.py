@@ -142,7 +142,8 @@ class PlatformCPU(PlatformBase):
         return None
 
 
-def sdpa_valuehead_loader(local_path: str, torch_dtype: Any, model_config: Any, trust_remote_code: bool) -> Any:
+def sdpa_valuehead_loader(local_path: str, torch_dtype: Any, model_config: Any,
+                          trust_remote_code: bool) -> Any:
     """verl's ``load_valuehead_model`` (token-classification head, ``num_labels=1``) with SDPA attention."""
     from transformers import AutoModelForTokenClassification
 
@@ -171,7 +172,8 @@ def install_cpu_platform() -> None:
 
     set_platform(PlatformCPU())
     verl_model.load_valuehead_model = sdpa_valuehead_loader
-    for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+    for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model",
+                                                                          FSDPEngineWithValueHead)):
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
     # verl would ask for "cpu:gloo,<device>:<backend>", i.e. "cpu:gloo,cpu:gloo", which torch refuses; it
     # keeps a group that is already up, so start the one-rank gloo group here.

@@ -6,12 +6,12 @@ starts a one-rank gloo process group, which must not leak into pytest's process)
 ``init_model`` (verl's ``TrainingWorker`` + ``FSDPEngine`` with ``strategy=fsdp2``, its optimizer and its
 ``ppo_loss`` bound to the actor config), the critic ``TrainingWorker`` built as verl's v1 trainer builds it
 (``value_loss``), ``compute_log_prob`` / ``infer_batch`` / ``update_actor`` / ``train_mini_batch``, and the
-trainer's padded -> no-padding conversions. A second actor worker runs R1 (``policy_loss.loss_mode=copc_behaviour``
-with the band as ``policy_loss.rollout_correction``), on the batch R1's trainer writes (``old_log_probs = mu``,
-no weight). copc's: the plugin's ``copc_advantage_step``. Stand-ins
-(``verl_cpu``): the CPU platform and the SDPA value-head loader. The rollout is a stand-in too: responses
-are random tokens, and the sampler's log-probs are verl's recomputed ones plus noise (the staleness COPC
-corrects), because verl 0.9.1 has no CPU rollout engine.
+trainer's padded -> no-padding conversions. A second actor worker runs R1
+(``policy_loss.loss_mode=copc_behaviour`` with the band as ``policy_loss.rollout_correction``), on the batch
+R1's trainer writes (``old_log_probs = mu``, no weight). copc's: the plugin's ``copc_advantage_step``.
+Stand-ins (``verl_cpu``): the CPU platform and the SDPA value-head loader. The rollout is a stand-in too:
+responses are random tokens, and the sampler's log-probs are verl's recomputed ones plus noise (the staleness
+COPC corrects), because verl 0.9.1 has no CPU rollout engine.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ B, P, T = 8, 6, 10  # sequences, prompt and response widths
 CRITIC_UPDATES = 4
 
 
-#: The R1 actor: verl's bypass-mode loss with R1's band [0.5, 2] on cur/mu (Hydra's ``+``: not in verl's yaml).
+#: The R1 actor: verl's bypass-mode loss with R1's band [0.5, 2] on cur/mu (Hydra's ``+``: not in verl's
+#: yaml).
 R1 = [
     "actor_rollout_ref.actor.policy_loss.loss_mode=copc_behaviour",
     "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs=token_k1",
@@ -60,7 +61,8 @@ def verl_config(model_dir: Path, extra: tuple[str, ...] | list[str] = ()) -> Dic
     import verl
 
     model = [
-        f"model.path={model_dir}", "model.use_remove_padding=False", "model.override_config.attn_implementation=sdpa",
+        f"model.path={model_dir}", "model.use_remove_padding=False",
+        "model.override_config.attn_implementation=sdpa",
     ]
     overrides = [
         *(f"+actor_rollout_ref.{m}" if "override" in m else f"actor_rollout_ref.{m}" for m in model),
@@ -70,7 +72,8 @@ def verl_config(model_dir: Path, extra: tuple[str, ...] | list[str] = ()) -> Dic
         "actor_rollout_ref.rollout.calculate_log_probs=True", "actor_rollout_ref.rollout.n=1",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.policy_loss.loss_mode=copc",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={B}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={B}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.actor.clip_ratio_c=1e9",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.use_kl_loss=False",
@@ -81,7 +84,8 @@ def verl_config(model_dir: Path, extra: tuple[str, ...] | list[str] = ()) -> Dic
         "critic.cliprange_value=0.5",
         *extra,
     ]
-    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer/config"),
+                               version_base=None):
         return compose(config_name=plugin.CONFIG_NAME, overrides=overrides)
 
 
@@ -136,7 +140,8 @@ def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build_workers(cfg: DictConfig) -> tuple[ActorRolloutRefWorker, TrainingWorker]:
-    """verl's actor worker (``init_model``) and its critic ``TrainingWorker``, as verl's v1 trainer builds them."""
+    """verl's actor worker (``init_model``) and its critic ``TrainingWorker``, as verl's v1 trainer builds
+    them."""
     actor = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
     actor.init_model()
     critic_cfg = omega_conf_to_dataclass(cfg.critic)
@@ -219,7 +224,8 @@ def main(out_path: str) -> None:
 
     # The first mini-batch starts at old's parameters (ratio 1): copc's own loss on the same tokens.
     expected = copc_policy_loss(
-        CorrectedInputs(old, old, mu, step.advantages, mask), mask_low=0.5, mask_high=2.0, clip=ClipSpec(0.2, 0.28, 1e9)
+        CorrectedInputs(old, old, mu, step.advantages, mask), mask_low=0.5, mask_high=2.0,
+        clip=ClipSpec(0.2, 0.28, 1e9)
     )
     # R1's first mini-batch also starts at old's parameters: copc's own R1 loss, band and clip on old/mu.
     expected_r1 = behaviour_ppo_loss(
@@ -227,7 +233,8 @@ def main(out_path: str) -> None:
         mask_high=r1_channels.policy.mask_high, clip=ClipSpec(0.2, 0.28, 1e9),
     )
     result = {
-        "r1_policy": [r1_channels.policy.objective, r1_channels.policy.mask_low, r1_channels.policy.mask_high],
+        "r1_policy": [r1_channels.policy.objective, r1_channels.policy.mask_low,
+                      r1_channels.policy.mask_high],
         "r1_expected_pg_loss": float(expected_r1.loss),
         "r1_expected_mask_frac": float(expected_r1.stats["policy/mask_frac"]),
         "r1_actor_metrics": {k: scalar(v) for k, v in r1_metrics.items()},

@@ -106,11 +106,13 @@ def run(cfg: Any, cfg_r1: Any, out_path: str, t0: float) -> None:
     rewards[torch.arange(B), last] = (torch.rand(B, generator=g) > 0.5).float()
     keys = [f"u{i}_0_0" for i in range(B)]
     tags = [{"status": "success", "global_steps": 0} for _ in keys]
-    tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=list_of_dict_to_tensordict(agent_loop_rows(batch, mu, rewards)), tags=tags)
+    tq.kv_batch_put(keys=keys, partition_id=PARTITION,
+                    fields=list_of_dict_to_tensordict(agent_loop_rows(batch, mu, rewards)), tags=tags)
     meta = KVBatchMeta(keys=keys, tags=tags, partition_id=PARTITION)
     t_setup = time.perf_counter() - t0
 
-    trainer = object.__new__(get_trainer_cls("copc"))  # the driver-side object; its worker groups are in-process
+    # the driver-side object; its worker groups are in-process
+    trainer = object.__new__(get_trainer_cls("copc"))
     trainer.config = cfg
     trainer._copc = plugin.check_verl_config(cfg)
     trainer.actor_rollout_wg = actor

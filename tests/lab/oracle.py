@@ -31,16 +31,19 @@ def vtrace_loop(rewards, values, log_rho, *, gamma, lam, rho_bar, c_bar, pg_rho_
     """V-trace over every token of each row; returns (vs, pg_advantages)."""
     rows = _rows(rewards, values, log_rho)
     return _stack([
-        vtrace_row(r, v, lr, [True] * len(r), gamma=gamma, lam=lam, rho_bar=rho_bar, c_bar=c_bar, pg_rho_bar=pg_rho_bar)
+        vtrace_row(r, v, lr, [True] * len(r), gamma=gamma, lam=lam, rho_bar=rho_bar, c_bar=c_bar,
+                   pg_rho_bar=pg_rho_bar)
         for r, v, lr in zip(*rows, strict=True)
     ])
 
 
 def clipped_td_loop(rewards, values, log_rho, *, gamma, lam_critic, lam_actor, low, high):
-    """COPC clipped TD (trace none, window infinite, own residual unweighted); returns (advantages, returns)."""
+    """COPC clipped TD (trace none, window infinite, own residual unweighted); returns (advantages,
+    returns)."""
     rows = _rows(rewards, values, log_rho)
     return _stack([
-        clipped_td_row(r, v, lr, [True] * len(r), gamma=gamma, lam_critic=lam_critic, lam_actor=lam_actor, low=low, high=high)
+        clipped_td_row(r, v, lr, [True] * len(r), gamma=gamma, lam_critic=lam_critic, lam_actor=lam_actor,
+                       low=low, high=high)
         for r, v, lr in zip(*rows, strict=True)
     ])
 

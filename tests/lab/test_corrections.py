@@ -38,14 +38,16 @@ def test_lab_tables_are_keyed_by_production_registry_names():
 
 def test_label_uses_production_names():
     assert Correction().label() == (
-        "copc(mask_low=0.5, mask_high=2, weight_mode=masked_is) x clipped_td(ratio_low=0.8, ratio_high=1.2, lam_actor=1)"
+        "copc(mask_low=0.5, mask_high=2, weight_mode=masked_is) x "
+        "clipped_td(ratio_low=0.8, ratio_high=1.2, lam_actor=1)"
     )
-    bypass = Correction(PolicyChannelConfig(objective="bypass_ppo", clip_low=0.1, clip_high=0.1), Correction().advantage)
+    bypass = Correction(PolicyChannelConfig(objective="bypass_ppo", clip_low=0.1, clip_high=0.1),
+                        Correction().advantage)
     assert bypass.label().startswith("bypass_ppo(clip_low=0.1, clip_high=0.1, mask_low=0, mask_high=inf) x ")
 
 
 # omega_t at cur = old as a function of the exact ratio w = pi/mu and the sign of Â, worked from each
-# objective's formula (spec 2-8) with mask (0.7, 1.3), PPO clip 0.2 both sides and weight cap 1.5:
+# objective's formula (docs/formulas.md) with mask (0.7, 1.3), PPO clip 0.2 both sides and weight cap 1.5:
 #   ppo, pg: 1 (u = 1 inside the clip; pg has no ratio);
 #   bypass_ppo: max(-A r, -A clip(r)) with r = w is flat where the clip binds, and r outside the band is
 #     masked (COPC R1): w·1[0.7 <= w <= 1.3] if (A >= 0, w <= 1.2) or (A < 0, w >= 0.8), else 0;
@@ -72,7 +74,8 @@ def test_every_production_objective_has_a_worked_weight():
     assert set(OMEGA) == set(POLICY_OBJECTIVES.names())
 
 
-@pytest.mark.parametrize(("objective", "weight_mode"), [(n, "masked_is") for n in sorted(OMEGA)] + [("copc", "binary")])
+@pytest.mark.parametrize(("objective", "weight_mode"),
+                         [(n, "masked_is") for n in sorted(OMEGA)] + [("copc", "binary")])
 def test_policy_weight_of_each_objective_matches_its_formula(objective, weight_mode):
     # Random ratios spanning every band edge (w = exp(N(0, 0.4²))), advantages of both signs and size;
     # omega from autograd of production's policy_loss in float32: rel 1e-6.
@@ -87,14 +90,16 @@ def test_policy_weight_of_each_objective_matches_its_formula(objective, weight_m
     )
     # gae with lam = 1 and values = -adv on a one-token row gives Â = r - V = adv exactly.
     corr = Correction(cfg, AdvantageChannelConfig(estimator="gae", whiten=False))
-    out = run_channels(corr, rewards.reshape(-1, 1), -adv.reshape(-1, 1), logp.reshape(-1, 1), logp_mu.reshape(-1, 1))
+    out = run_channels(corr, rewards.reshape(-1, 1), -adv.reshape(-1, 1), logp.reshape(-1, 1),
+                       logp_mu.reshape(-1, 1))
     torch.testing.assert_close(out.advantages.reshape(adv.shape), adv, rtol=1e-6, atol=1e-7)
     w = (logp - logp_mu).exp()
     want = OMEGA[objective](w, adv >= 0)
     if weight_mode == "binary":
         want = _band(w)
     torch.testing.assert_close(out.omega.reshape(w.shape), want, rtol=1e-6, atol=1e-7)
-    assert 0 < float((want == 0).double().mean()) < 1 or objective in ("ppo", "pg", "tis")  # edges are crossed
+    # edges are crossed
+    assert 0 < float((want == 0).double().mean()) < 1 or objective in ("ppo", "pg", "tis")
 
 
 def test_configs_the_lab_cannot_decompose_are_refused():
@@ -104,10 +109,12 @@ def test_configs_the_lab_cannot_decompose_are_refused():
         Correction(PolicyChannelConfig(), AdvantageChannelConfig(estimator="group", whiten=False))
     brace = AdvantageChannelConfig(estimator="brace", advantage_window=None, whiten=False)
     with pytest.raises(ValueError, match="critic 'mu' or 'pi'"):
-        critic_target_policy(brace, torch.zeros(1, 2, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64))
+        critic_target_policy(brace, torch.zeros(1, 2, dtype=torch.float64), torch.zeros(1, 2,
+                                                                                        dtype=torch.float64))
     mdp = make_mdp("dense", 2, 2, seed=0)
     pi = random_logits(mdp, scale=0.5, seed=0)
-    discounted = Correction(PolicyChannelConfig(), AdvantageChannelConfig(estimator="gae", gamma=0.9, whiten=False))
+    discounted = Correction(PolicyChannelConfig(), AdvantageChannelConfig(estimator="gae", gamma=0.9,
+                                                                          whiten=False))
     with pytest.raises(ValueError, match="MDP's gamma"):
         decompose(mdp, pi, pi, discounted, Critic())
     assert math.isfinite(decompose(mdp, pi, pi, Correction(), Critic()).mse)

@@ -51,7 +51,8 @@ from copc.lab.mdp import (
 from lab.oracle import brace_loop, clipped_td_loop, gae_loop, vtrace_loop
 
 #: Every production objective, plus COPC's pure-mask variant (weight_mode="binary").
-POLICIES: list[tuple[str, str]] = [(name, "masked_is") for name in POLICY_OBJECTIVES.names()] + [("copc", "binary")]
+POLICIES: list[tuple[str, str]] = [(name, "masked_is") for name in POLICY_OBJECTIVES.names()] + [("copc",
+                                                                                                  "binary")]
 POLICY_IDS = [name if mode == "masked_is" else f"{name}-{mode}" for name, mode in POLICIES]
 
 
@@ -68,7 +69,8 @@ def _corr(policy: str, advantage: str, weight_mode: str = "masked_is") -> Correc
         objective=policy, mask_low=0.7, mask_high=1.3, weight_mode=weight_mode, clip_low=0.2, clip_high=0.2
     )
     adv = AdvantageChannelConfig(
-        estimator=advantage, lam_critic=0.9, lam_actor=0.9, ratio_low=0.8, ratio_high=1.2, rho_bar=1.2, c_bar=1.0,
+        estimator=advantage, lam_critic=0.9, lam_actor=0.9, ratio_low=0.8, ratio_high=1.2, rho_bar=1.2,
+        c_bar=1.0,
         brace_k=2, whiten=False,
     )
     return Correction(pol, adv)
@@ -93,7 +95,8 @@ def _dense_cov(mdp, pi, terms, prob):
 #: Â of each estimator from the per-token loops of tests/reference, with _corr's parameters.
 ADVANTAGE_ORACLES = {
     "gae": lambda r, v, lr: gae_loop(r, v, gamma=1.0, lam=0.9)[0],
-    "vtrace": lambda r, v, lr: vtrace_loop(r, v, lr, gamma=1.0, lam=0.9, rho_bar=1.2, c_bar=1.0, pg_rho_bar=1.0)[1],
+    "vtrace": lambda r, v, lr: vtrace_loop(r, v, lr, gamma=1.0, lam=0.9, rho_bar=1.2, c_bar=1.0,
+                                           pg_rho_bar=1.0)[1],
     "clipped_td": lambda r, v, lr: clipped_td_loop(
         r, v, lr, gamma=1.0, lam_critic=0.9, lam_actor=0.9, low=0.8, high=1.2
     )[0],
@@ -118,7 +121,8 @@ def test_advantages_through_the_channel_match_the_spec_loops(setup):
         rewards[:, -1] = mdp.reward_of(terms.seqs)
         # the critic values, rebuilt as batch_terms does (V^mu + the draw's noise)
         draw = torch.arange(2).repeat(mdp.num_sequences)
-        values = exact_values(mdp, mu).state_v[terms.states] + critic.noise(mdp.num_states)[draw[:, None], terms.states]
+        values = exact_values(mdp, mu).state_v[terms.states] + critic.noise(
+            mdp.num_states)[draw[:, None], terms.states]
         want = ADVANTAGE_ORACLES[kind](rewards, values, log_rho)
         torch.testing.assert_close(terms.adv, want, rtol=0, atol=2e-6, msg=kind)
 
@@ -133,14 +137,16 @@ def test_analytic_update_equals_autograd_of_the_channel_loss(setup, policy, weig
     # omega · Â == coefficient of the loss at the actual Â (homogeneity of every loss in Â)
     logp = token_logp(pi, terms.seqs, terms.states)
     logp_mu = token_logp(mu, terms.seqs, terms.states)
-    coef = update_coefficients(corr.policy, logp, logp_mu, terms.adv.float(), torch.ones_like(logp, dtype=torch.bool))
+    coef = update_coefficients(corr.policy, logp, logp_mu, terms.adv.float(),
+                               torch.ones_like(logp, dtype=torch.bool))
     torch.testing.assert_close(coef, terms.coef, rtol=1e-6, atol=1e-9)
     dense = per_trajectory_gradients(pi, terms.seqs, terms.states, terms.coef)
     mask = torch.ones(1, mdp.horizon, dtype=torch.bool)
     for b in range(0, len(terms.seqs), 7):
         theta = pi.clone().requires_grad_(True)
         row_logp = token_logp(theta, terms.seqs[b : b + 1], terms.states[b : b + 1])
-        loss = per_token_loss(corr.policy, row_logp, logp_mu[b : b + 1], terms.adv[b : b + 1].float(), mask).sum()
+        loss = per_token_loss(corr.policy, row_logp, logp_mu[b : b + 1], terms.adv[b : b + 1].float(),
+                              mask).sum()
         (grad,) = torch.autograd.grad(-loss, theta)
         torch.testing.assert_close(dense[b], grad.reshape(-1), rtol=1e-6, atol=1e-7)
 
@@ -197,7 +203,8 @@ def test_on_policy_reinforce_with_any_baseline_is_unbiased(setup):
     # on the state (even a noisy one) adds no bias: E[ĝ] = g*, every bias term 0 (float32 Â: atol 1e-8
     # on entries of size ~1e-2).
     mdp, pi, _ = setup
-    corr = Correction(PolicyChannelConfig(objective="ppo"), AdvantageChannelConfig(estimator="gae", whiten=False))
+    corr = Correction(PolicyChannelConfig(objective="ppo"), AdvantageChannelConfig(estimator="gae",
+                                                                                   whiten=False))
     for critic in (Critic(base="pi"), Critic(base="mu", noise_std=0.3, draws=4)):
         d = decompose(mdp, pi, pi, corr, critic)
         torch.testing.assert_close(d.mean_update, d.g_star, rtol=0, atol=1e-8)
@@ -254,7 +261,8 @@ def test_exact_figures_match_monte_carlo(setup, policy, advantage, critic):
     loss = per_token_loss(corr.policy, logp, logp_mu, sample.adv.float(), mask).sum() / n
     (g_mc,) = torch.autograd.grad(-loss, theta)
     gen = torch.Generator().manual_seed(0)
-    directions = [d.g_star, d.mean_update, *[torch.randn(d.g_star.shape, generator=gen, dtype=torch.float64) for _ in range(3)]]
+    directions = [d.g_star, d.mean_update, *[torch.randn(d.g_star.shape, generator=gen,
+                                                         dtype=torch.float64) for _ in range(3)]]
     for v in directions:
         v = v.reshape(-1)
         se = float(v @ cov @ v / n) ** 0.5
@@ -296,7 +304,8 @@ def test_weighted_gradient_golden():
     # 2·(onehot(1) - pi) = (-1, 1).
     logits = torch.zeros(1, 2, dtype=torch.float64)
     seqs = torch.tensor([[1]])
-    got = weighted_gradient(logits, seqs, torch.zeros_like(seqs), torch.tensor([[2.0]], dtype=torch.float64), torch.ones(1, dtype=torch.float64))
+    got = weighted_gradient(logits, seqs, torch.zeros_like(seqs), torch.tensor([[2.0]], dtype=torch.float64),
+                            torch.ones(1, dtype=torch.float64))
     torch.testing.assert_close(got, torch.tensor([[-1.0, 1.0]], dtype=torch.float64))
 
 
@@ -311,7 +320,8 @@ def test_zero_mean_critic_noise_changes_only_the_variance(setup):
     noisy = decompose(mdp, pi, mu, corr, Critic(noise_std=0.2, draws=3, seed=7))
     torch.testing.assert_close(noisy.mean_update, exact.mean_update, rtol=0, atol=5e-8)
     noise = Critic(noise_std=0.2, draws=3, seed=7).noise(mdp.num_states)
-    torch.testing.assert_close(noise.mean(dim=0), torch.zeros(mdp.num_states, dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(noise.mean(dim=0), torch.zeros(mdp.num_states, dtype=torch.float64), rtol=0,
+                               atol=1e-15)
     assert noisy.var_amp > exact.var_amp and noisy.var_tok == pytest.approx(exact.var_tok, rel=1e-5)
 
 
@@ -331,7 +341,8 @@ def test_variance_split_matches_monte_carlo(setup, policy, critic):
     n = 3000
     gen = torch.Generator().manual_seed(21)
     j = critic.draws if critic.noise_std > 0 else 1
-    first = batch_terms(mdp, pi, mu, sample_sequences(mdp, mu, n, generator=gen), torch.randint(j, (n,), generator=gen), corr, critic)
+    first = batch_terms(mdp, pi, mu, sample_sequences(mdp, mu, n, generator=gen),
+                        torch.randint(j, (n,), generator=gen), corr, critic)
     y = torch.zeros(n, dtype=torch.float64)
     for t in range(mdp.horizon):
         again = sample_sequences(mdp, mu, n, generator=gen, prefix=first.seqs[:, : t + 1])
@@ -356,7 +367,8 @@ def test_fitted_critic_is_the_fixed_point_of_the_channels_target(setup, advantag
     tilde = critic_target_policy(advantage, pi, mu)
     vs, qs = level_tables(mdp, tilde)
     w = torch.softmax(pi, dim=-1) / torch.softmax(mu, dim=-1)
-    rho = w.clamp(advantage.ratio_low, advantage.ratio_high) if advantage.estimator == "clipped_td" else w.clamp(max=1.0)
+    rho = w.clamp(advantage.ratio_low,
+                  advantage.ratio_high) if advantage.estimator == "clipped_td" else w.clamp(max=1.0)
     p_mu = torch.softmax(mu, dim=-1)
     for t in range(mdp.horizon):
         rows = slice(level_offset(t, mdp.vocab), level_offset(t + 1, mdp.vocab))
@@ -368,5 +380,6 @@ def test_fitted_critic_is_the_fixed_point_of_the_channels_target(setup, advantag
     full = critic_target_policy(dataclasses.replace(clip, ratio_low=0.0, ratio_high=float("inf")), pi, mu)
     torch.testing.assert_close(torch.softmax(gae_like, -1), torch.softmax(mu, -1), rtol=0, atol=1e-12)
     torch.testing.assert_close(torch.softmax(full, -1), torch.softmax(pi, -1), rtol=0, atol=1e-6)
-    d = decompose(mdp, pi, mu, Correction(PolicyChannelConfig(objective="copc"), advantage), Critic(base="fitted"))
+    d = decompose(mdp, pi, mu, Correction(PolicyChannelConfig(objective="copc"), advantage),
+                  Critic(base="fitted"))
     assert torch.isfinite(d.mean_update).all()

@@ -57,7 +57,8 @@ def test_true_gradient_matches_policy_gradient_theorem(family, gamma):
     # autograd through the exact backward induction vs d^pi(s) pi(a|s) A(s, a): float64 round-off only.
     mdp = make_mdp(family, 4, 3, seed=1, gamma=gamma)
     logits = random_logits(mdp, scale=1.0, seed=2)
-    torch.testing.assert_close(true_gradient(mdp, logits), policy_gradient_theorem(mdp, logits), rtol=0, atol=1e-14)
+    torch.testing.assert_close(true_gradient(mdp, logits), policy_gradient_theorem(mdp, logits), rtol=0,
+                               atol=1e-14)
 
 
 def test_true_gradient_matches_finite_differences():

@@ -39,9 +39,11 @@ def test_sweep_cli_writes_json_and_heatmaps(tmp_path, capsys):
         assert (out / f"lab_{name}.png").stat().st_size > 10_000
     cell = data["cells"][0]
     # MSE = ||bias||² + tr Cov / N, stored consistently (the JSON keeps 6 significant digits: rel 1e-5)
-    assert cell["mse"] == pytest.approx(cell["bias_norm"] ** 2 + cell["var_trace"] / cell["batch_size"], rel=1e-5)
+    assert cell["mse"] == pytest.approx(cell["bias_norm"] ** 2 + cell["var_trace"] / cell["batch_size"],
+                                        rel=1e-5)
     assert cell["var_trace"] == pytest.approx(cell["var_amp"] + cell["var_tok"], rel=1e-5)
-    assert {"relative_mse@N=8", "relative_mse@N=64", "relative_mse@N=512", "one_minus_cosine"} <= set(data["analysis"])
+    assert {"relative_mse@N=8", "relative_mse@N=64", "relative_mse@N=512",
+            "one_minus_cosine"} <= set(data["analysis"])
     assert "cells in" in capsys.readouterr().out
 
 
@@ -72,7 +74,8 @@ def test_coupling_analysis_detects_a_sign_reversal():
     # raises it under band inf (1.0 -> 2.0): one reversal, and the best clip depends on the band.
     cfg = _tiny(staleness=(1,))
     cells = []
-    for band, clip, bias in [(1.5, 0.0, 1.0), (1.5, "inf", 0.5**0.5), ("inf", 0.0, 1.0), ("inf", "inf", 2**0.5)]:
+    for band, clip, bias in [(1.5, 0.0, 1.0), (1.5, "inf", 0.5**0.5), ("inf", 0.0, 1.0), ("inf", "inf",
+                                                                                          2**0.5)]:
         cells.append(
             {"family": "dense", "staleness": 1, "mask_band": band, "adv_clip": clip, "g_star_norm": 1.0,
              "bias_norm": bias, "var_trace": 1e-30, "var_amp": 0.0, "cosine": 1.0, "kl": 0.1,
@@ -95,12 +98,15 @@ def test_scaled_mse_is_the_mse_at_the_best_step_size():
     A short update (E ĝ = 0.1 g*, no noise) scores 0.81 in relative MSE but 0 at its best step size."""
     cfg = _tiny(staleness=(1,), mask_bands=(1.5,), adv_clips=(0.0,))
     cell = {"family": "dense", "staleness": 1, "mask_band": 1.5, "adv_clip": 0.0, "g_star_norm": 2.0,
-            "mean_update_norm": 1.0, "cosine": 0.5, "bias_norm": math.sqrt(1 + 4 - 2 * 1 * 2 * 0.5), "var_trace": 3.0 * 16}
+            "mean_update_norm": 1.0, "cosine": 0.5, "bias_norm": math.sqrt(1 + 4 - 2 * 1 * 2 * 0.5),
+            "var_trace": 3.0 * 16}
     assert float(mean_grid([cell], cfg, "dense", 1, "scaled_mse", 16)) == pytest.approx(15 / 16)
     g, m, var = 2.0, 1.0, 3.0  # brute force: E||a ĝ - g||² = a²(m² + var) - 2 a m g cos + g²
-    best = min(a * a * (m * m + var) - 2 * a * m * g * 0.5 + g * g for a in [i / 10_000 for i in range(20_001)])
+    best = min(a * a * (m * m + var) - 2 * a * m * g * 0.5 + g * g for a in [i / 10_000 for i in range(
+        20_001)])
     assert best / (g * g) == pytest.approx(15 / 16, abs=1e-7)
-    short = {**cell, "g_star_norm": 1.0, "mean_update_norm": 0.1, "cosine": 1.0, "bias_norm": 0.9, "var_trace": 0.0}
+    short = {**cell, "g_star_norm": 1.0, "mean_update_norm": 0.1, "cosine": 1.0, "bias_norm": 0.9,
+             "var_trace": 0.0}
     assert float(mean_grid([short], cfg, "dense", 1, "relative_mse", 16)) == pytest.approx(0.81)
     assert float(mean_grid([short], cfg, "dense", 1, "scaled_mse", 16)) == pytest.approx(0.0, abs=1e-12)
 
@@ -112,17 +118,21 @@ def test_band_dependence_has_a_cost_and_no_update_is_the_bar():
 
     from copc.lab.sweep import band_dependence_cost
 
-    assert band_dependence_cost(torch.tensor([[1.0, 0.5], [1.0, 2.0], [1.0, 0.9]], dtype=torch.float64)) == pytest.approx(1.0)
+    assert band_dependence_cost(torch.tensor([[1.0, 0.5], [1.0, 2.0], [1.0, 0.9]],
+                                             dtype=torch.float64)) == pytest.approx(1.0)
     assert band_dependence_cost(torch.tensor([[1.0, 1.001], [2.0, 3.0]], dtype=torch.float64)) == 0.0
     cfg = _tiny(staleness=(1,))
-    cells = [{"family": "dense", "staleness": 1, "mask_band": b, "adv_clip": c, "g_star_norm": 1.0, "bias_norm": 1.1,
-              "mean_update_norm": 0.2, "var_trace": 1e-30, "var_amp": 0.0, "cosine": 0.1, "kl": 0.1, "state_norm": 0.0,
+    cells = [{"family": "dense", "staleness": 1, "mask_band": b, "adv_clip": c, "g_star_norm": 1.0,
+              "bias_norm": 1.1,
+              "mean_update_norm": 0.2, "var_trace": 1e-30, "var_amp": 0.0, "cosine": 0.1, "kl": 0.1,
+              "state_norm": 0.0,
               "policy_norm": 0.0, "advantage_norm": 0.0, "cross_norm": 0.0}
              for b in (1.5, "inf") for c in (0.0, "inf")]
     (res,) = coupling_analysis(cells, cfg, batch=16)
     assert res["some_cell_beats_no_update"] is False and res["band_dependence_cost"] == 0.0
     (scaled,) = coupling_analysis(cells, cfg, batch=16, criterion="scaled_mse")
-    assert "some_cell_beats_no_update" not in scaled and scaled["best_cell"]["scaled_mse"] == pytest.approx(0.99)
+    assert "some_cell_beats_no_update" not in scaled and scaled["best_cell"]["scaled_mse"] == pytest.approx(
+        0.99)
 
 
 def _close(a: object, b: object) -> bool:
@@ -161,8 +171,10 @@ def test_explain_prints_the_decomposition(capsys):
     text = capsys.readouterr().out
     for needle in ("policy channel", "advantage channel", "cross", "squared-weight", "MSE at N=64"):
         assert needle in text
-    assert lab_cli(["explain", "--kl", "0.1", "--horizon", "3", "--vocab", "2", "--policy", "bypass_ppo"]) == 0
-    assert "correction: bypass_ppo(clip_low=0.2, clip_high=0.2, mask_low=0.5, mask_high=2) x clipped_td(" in capsys.readouterr().out
+    assert lab_cli(["explain", "--kl", "0.1", "--horizon", "3", "--vocab", "2", "--policy",
+                    "bypass_ppo"]) == 0
+    assert (
+        "correction: bypass_ppo(clip_low=0.2, clip_high=0.2, mask_low=0.5, mask_high=2) x clipped_td(" in capsys.readouterr().out)
 
 
 def test_bad_grid_says_what_to_do(capsys):

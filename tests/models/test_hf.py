@@ -74,7 +74,8 @@ def test_token_logprobs_match_per_prefix_oracle(model, tok, temperature, pad) ->
     assert logp.dtype == torch.float32 and logp.shape == ids.shape
     for b, row in enumerate(rows):
         got = logp[b][mask[b]].tolist()
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(_oracle_logprobs(model, row, temperature)), atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(_oracle_logprobs(model, row, temperature)),
+                                   atol=ATOL, rtol=0)
         assert got[0] == 0.0
 
 
@@ -99,7 +100,8 @@ def test_truncated_transform_and_entropy(model, tok) -> None:
     transform = partial(truncated_logprobs, temperature=0.8, top_k=0, top_p=0.5)
     logp = token_logprobs(model, ids, mask, transform=transform).logp
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask)).logits.float()
+        logits = model(input_ids=ids, attention_mask=mask.long(),
+                       position_ids=position_ids_from_mask(mask)).logits.float()
     full = transform(logits[:, :-1])  # [B, T-1, V]
     want = full.gather(-1, ids[:, 1:, None]).squeeze(-1)
     has_prefix = mask[:, 1:] & mask[:, :-1]
@@ -168,7 +170,8 @@ def test_load_policy_and_critic_from_policy_checkpoint(model, tok, tmp_path: Pat
     assert tokenizer.encode("<answer>") == tok.encode("<answer>")
     ids, mask = _left_pad([tok.encode(t) for t in ROWS_TEXT], tok.pad_token_id)
     with torch.no_grad():
-        assert torch.equal(policy(ids, attention_mask=mask.long()).logits, model(ids, attention_mask=mask.long()).logits)
+        assert torch.equal(policy(ids, attention_mask=mask.long()).logits,
+                           model(ids, attention_mask=mask.long()).logits)
     critic = ValueModel.from_pretrained(tmp_path)  # no value head saved: fresh head, policy backbone
     assert torch.equal(critic.backbone.embed_tokens.weight, model.model.embed_tokens.weight)
     with pytest.raises(OSError, match="save_pretrained"):

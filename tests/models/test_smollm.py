@@ -47,13 +47,15 @@ def test_smollm2_samples_with_exact_logprobs() -> None:
     for prompt, gen in zip(prompts, gens, strict=True):
         full = torch.tensor([prompt + gen.token_ids.tolist()])
         with torch.no_grad():
-            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=0.8).logp
+            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool),
+                                    temperature=0.8).logp
         # 30 layers of fp32 with a KV cache vs one forward: differences ~1e-5.
         torch.testing.assert_close(gen.logp, forced[0, len(prompt) :], atol=1e-4, rtol=0)
     # Multi-turn prefix reuse on a real GQA model: same tokens and log-probs as feeding everything.
     first = engine.generate(prompts, SamplingConfig(max_new_tokens=5), seeds=[2, 3], return_kv=True)
     second = [p + g.token_ids.tolist() + tok.encode(" Next:") for p, g in zip(prompts, first, strict=True)]
-    reused = engine.generate(second, SamplingConfig(max_new_tokens=5), seeds=[4, 5], prefix_kv=[g.kv for g in first])
+    reused = engine.generate(second, SamplingConfig(max_new_tokens=5), seeds=[4, 5],
+                             prefix_kv=[g.kv for g in first])
     fresh = engine.generate(second, SamplingConfig(max_new_tokens=5), seeds=[4, 5])
     for a, b in zip(reused, fresh, strict=True):
         assert torch.equal(a.token_ids, b.token_ids)
@@ -65,7 +67,8 @@ def test_smollm2_samples_with_exact_logprobs() -> None:
 
 @pytest.fixture(scope="module")
 def smollm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct converted once from the wheel's GGUF file to an HF folder (as docs/own-model.md)."""
+    """SmolLM2-135M-Instruct converted once from the wheel's GGUF file to an HF folder (as
+    docs/own-model.md)."""
     return convert_gguf(_gguf_dir(), GGUF, tmp_path_factory.mktemp("smollm2") / "hf")
 
 
@@ -88,9 +91,12 @@ def test_smollm2_trains_two_copc_steps_on_math_tool_with_its_chat_template(
     run_dir = tmp_path / "run"
     common = [f"task_options.data={data}", "task_options.eval_size=2", "rollout.max_new_tokens_per_turn=48",
               "rollout.max_total_tokens=96", "rollout.context_limit=1024", "rollout.max_turns=2"]
-    assert train_cli(["--no-progress", f"run_dir={run_dir}", "task=math_tool", f"model.policy={smollm_folder}",
-                      *common, "steps=2", "driver.kind=sync", "rollout.prompts_per_batch=2", "rollout.group_size=2",
-                      "trainer.critic_warmup_steps=0", "eval.prompts=2", "eval.greedy=false", "plots=false"]) == 0
+    assert train_cli(["--no-progress", f"run_dir={run_dir}", "task=math_tool",
+                      f"model.policy={smollm_folder}",
+                      *common, "steps=2", "driver.kind=sync", "rollout.prompts_per_batch=2",
+                      "rollout.group_size=2",
+                      "trainer.critic_warmup_steps=0", "eval.prompts=2", "eval.greedy=false",
+                      "plots=false"]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "ratio/mean_abs_log" in r]
     assert [r["step"] for r in steps] == [0, 1]
@@ -102,4 +108,5 @@ def test_smollm2_trains_two_copc_steps_on_math_tool_with_its_chat_template(
                      "--samples-out", str(samples), *common]) == 0
     assert "truncated_frac" in capsys.readouterr().out
     first = json.loads(samples.read_text().splitlines()[0])
-    assert first["prompt"].startswith("<|im_start|>system\n") and first["prompt"].endswith("<|im_start|>assistant\n")
+    assert first["prompt"].startswith("<|im_start|>system\n") and first["prompt"].endswith(
+        "<|im_start|>assistant\n")

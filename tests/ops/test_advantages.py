@@ -1,4 +1,5 @@
-"""Tests for copc.ops.advantages and copc.ops.corrected_advantages: golden rows, slow-loop oracles, reductions and masking invariances.
+"""Tests for copc.ops.advantages and copc.ops.corrected_advantages: golden rows, slow-loop oracles, reductions
+and masking invariances.
 
 Tolerance: the vectorised code runs in float32, the oracles in float64 Python floats. Rows here hold at
 most ~40 action tokens of O(1) residuals, so accumulated float32 rounding stays below ~40 * 6e-8 ~ 3e-6
@@ -114,7 +115,8 @@ def ragged_batch(batch: int, length: int, seed: int, stale: float = 0.4) -> dict
                 mask[b, t : min(t + span, end)] = True
             t += span
             acting = not acting
-    rewards = torch.where(torch.rand(batch, length, generator=gen) < 0.2, torch.randn(batch, length, generator=gen), 0.0)
+    rewards = torch.where(torch.rand(batch, length, generator=gen) < 0.2, torch.randn(batch, length,
+                                                                                      generator=gen), 0.0)
     values = torch.randn(batch, length, generator=gen) * 0.5
     log_rho = torch.randn(batch, length, generator=gen) * stale
     boot = torch.randn(batch, generator=gen)
@@ -137,7 +139,8 @@ GL = [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0), (1.0, 0.7)]
 @pytest.mark.parametrize(("batch", "length", "seed"), CASES)
 @pytest.mark.parametrize(("gamma", "lam"), GL)
 @pytest.mark.parametrize("use_boot", [False, True])
-def test_gae_matches_reference(batch: int, length: int, seed: int, gamma: float, lam: float, use_boot: bool) -> None:
+def test_gae_matches_reference(batch: int, length: int, seed: int, gamma: float, lam: float,
+                               use_boot: bool) -> None:
     d = ragged_batch(batch, length, seed)
     boot = d["boot"] if use_boot else None
     out = gae(d["rewards"], d["values"], d["action_mask"], gamma=gamma, lam=lam, bootstrap_value=boot)
@@ -170,7 +173,8 @@ def test_vtrace_matches_reference(batch: int, length: int, seed: int, gamma: flo
 @pytest.mark.parametrize(("batch", "length", "seed"), CASES)
 @pytest.mark.parametrize(("gamma", "lam"), GL)
 @pytest.mark.parametrize("k", [0, 1, 3, 1000])
-def test_brace_matches_reference(batch: int, length: int, seed: int, gamma: float, lam: float, k: int) -> None:
+def test_brace_matches_reference(batch: int, length: int, seed: int, gamma: float, lam: float,
+                                 k: int) -> None:
     d = ragged_batch(batch, length, seed)
     kw = {"gamma": gamma, "lam": lam, "rho_bar": 1.2, "c_bar": 1.1, "k": k}
     out = brace(d["rewards"], d["values"], d["log_rho"], d["action_mask"], bootstrap_value=d["boot"], **kw)
@@ -203,15 +207,18 @@ def test_clipped_td_matches_reference(
     batch: int, length: int, seed: int, gamma: float, lam: float, variant: dict[str, object]
 ) -> None:
     d = ragged_batch(batch, length, seed)
-    kw: dict[str, object] = {"gamma": gamma, "lam_critic": lam, "lam_actor": lam, "low": 0.8, "high": 1.2, **variant}
-    out = clipped_td(d["rewards"], d["values"], d["log_rho"], d["action_mask"], bootstrap_value=d["boot"], **kw)  # type: ignore[arg-type]
+    kw: dict[str, object] = {"gamma": gamma, "lam_critic": lam, "lam_actor": lam, "low": 0.8, "high": 1.2,
+                             **variant}
+    out = clipped_td(d["rewards"], d["values"], d["log_rho"], d["action_mask"], bootstrap_value=d["boot"],
+                     **kw)  # type: ignore[arg-type]
     ref_kw = {k: v for k, v in kw.items() if k not in ("advantage_window", "weight_own_residual")}
     ref_kw["window"] = kw.get("advantage_window")
     ref_kw["weight_own"] = kw.get("weight_own_residual", False)
 
     def ref(b: int) -> tuple[list[float], list[float]]:
         return clipped_td_row(d["rewards"][b].tolist(), d["values"][b].tolist(), d["log_rho"][b].tolist(),
-                              d["action_mask"][b].tolist(), boot=float(d["boot"][b]), **ref_kw)  # type: ignore[arg-type]
+                              d["action_mask"][b].tolist(), boot=float(d["boot"][b]),
+                              **ref_kw)  # type: ignore[arg-type]
 
     _against_rows(tuple(out), ref, batch)
 
@@ -232,14 +239,18 @@ def test_unit_weights_reduce_clipped_td_to_gae(gamma: float, lam: float) -> None
     args = (d["rewards"], d["values"])
     zero = torch.zeros_like(d["log_rho"])  # zero staleness: w = exp(0) = 1
     kw = {"gamma": gamma, "lam_critic": lam, "lam_actor": lam, "bootstrap_value": d["boot"]}
-    _assert_same(tuple(clipped_td(*args, zero, d["action_mask"], low=0.8, high=1.2, **kw)), tuple(ref))  # type: ignore[arg-type]
+    _assert_same(tuple(clipped_td(*args, zero, d["action_mask"], low=0.8, high=1.2, **kw)),
+                 tuple(ref))  # type: ignore[arg-type]
     # Zero-width clip: rho~ = 1 whatever w.
-    _assert_same(tuple(clipped_td(*args, d["log_rho"], d["action_mask"], low=1.0, high=1.0, **kw)), tuple(ref))  # type: ignore[arg-type]
+    _assert_same(tuple(clipped_td(*args, d["log_rho"], d["action_mask"], low=1.0, high=1.0, **kw)),
+                 tuple(ref))  # type: ignore[arg-type]
     _assert_same(
-        tuple(clipped_td(*args, d["log_rho"], d["action_mask"], low=1.0, high=1.0, advantage_window=4, **kw)),  # type: ignore[arg-type]
+        tuple(clipped_td(*args, d["log_rho"], d["action_mask"], low=1.0, high=1.0, advantage_window=4, **kw)),
+        # type: ignore[arg-type]
         tuple(ref),
     )
-    traced = clipped_td(*args, zero, d["action_mask"], low=0.8, high=1.2, trace="vtrace", trace_low=0.5,  # type: ignore[arg-type]
+    traced = clipped_td(*args, zero, d["action_mask"], low=0.8, high=1.2, trace="vtrace", trace_low=0.5,
+                        # type: ignore[arg-type]
                         trace_high=1.1, **kw)
     _assert_same(tuple(traced), tuple(ref))
 
@@ -248,7 +259,8 @@ def test_unit_weights_reduce_clipped_td_to_gae(gamma: float, lam: float) -> None
 def test_vtrace_with_unit_weights_gives_gae_targets(lam: float) -> None:
     d = ragged_batch(6, 40, 4)
     zero = torch.zeros_like(d["log_rho"])
-    vt = vtrace(d["rewards"], d["values"], zero, d["action_mask"], gamma=0.99, lam=lam, rho_bar=1.0, c_bar=1.0, pg_rho_bar=1.0)
+    vt = vtrace(d["rewards"], d["values"], zero, d["action_mask"], gamma=0.99, lam=lam, rho_bar=1.0,
+                c_bar=1.0, pg_rho_bar=1.0)
     ref = gae(d["rewards"], d["values"], d["action_mask"], gamma=0.99, lam=lam)
     torch.testing.assert_close(vt.vs, ref.returns, **TOL)
     if lam == 1.0:  # r + gamma v_{s+1} - V_s = GAE(1) advantage
@@ -270,7 +282,8 @@ def test_brace_k0_is_monte_carlo_and_large_k_is_vtrace_with_last_rho_one() -> No
     # k >= T: V-trace whose last-token rho is 1 (set log w = 0 there; c_T never matters).
     full = brace(rewards, d["values"], d["log_rho"], mask, gamma=gamma, lam=0.9, rho_bar=1.2, c_bar=1.1, k=40)
     log_rho_last1 = torch.where(last, 0.0, d["log_rho"])
-    vt = vtrace(rewards, d["values"], log_rho_last1, mask, gamma=gamma, lam=0.9, rho_bar=1.2, c_bar=1.1, pg_rho_bar=1.0)
+    vt = vtrace(rewards, d["values"], log_rho_last1, mask, gamma=gamma, lam=0.9, rho_bar=1.2, c_bar=1.1,
+                pg_rho_bar=1.0)
     torch.testing.assert_close(full.returns, vt.vs, **TOL)
 
 
@@ -287,20 +300,25 @@ def test_copc_degenerate_to_vtrace() -> None:
         torch.testing.assert_close(ct.returns, vt.vs, **TOL)
         if lam == 1.0:
             pg_w = torch.exp(d["log_rho"]).clamp(max=1.3)
-            torch.testing.assert_close(ct.advantages, torch.where(d["action_mask"], vt.pg_advantages / pg_w, 0.0), **TOL)
+            torch.testing.assert_close(ct.advantages, torch.where(d["action_mask"], vt.pg_advantages / pg_w,
+                                                                  0.0), **TOL)
 
 
 # ------------------------------------------------------------------------------------------------
 # Masked positions change nothing
 
 
-def _all_estimators(r: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, boot: torch.Tensor) -> list[torch.Tensor]:
+def _all_estimators(r: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, m: torch.Tensor,
+                    boot: torch.Tensor) -> list[torch.Tensor]:
     outs: list[torch.Tensor] = []
     outs += gae(r, v, m, gamma=0.99, lam=0.95, bootstrap_value=boot)
-    outs += vtrace(r, v, lr, m, gamma=0.99, lam=0.95, rho_bar=1.2, c_bar=1.0, pg_rho_bar=1.0, bootstrap_value=boot)
+    outs += vtrace(r, v, lr, m, gamma=0.99, lam=0.95, rho_bar=1.2, c_bar=1.0, pg_rho_bar=1.0,
+                   bootstrap_value=boot)
     outs += brace(r, v, lr, m, gamma=1.0, lam=1.0, rho_bar=1.2, c_bar=1.1, k=3, bootstrap_value=boot)
-    outs += clipped_td(r, v, lr, m, gamma=1.0, lam_critic=1.0, lam_actor=0.9, low=0.8, high=1.2, advantage_window=4)
-    outs += clipped_td(r, v, lr, m, gamma=1.0, lam_critic=1.0, lam_actor=1.0, low=0.8, high=1.2, trace="vtrace",
+    outs += clipped_td(r, v, lr, m, gamma=1.0, lam_critic=1.0, lam_actor=0.9, low=0.8, high=1.2,
+                       advantage_window=4)
+    outs += clipped_td(r, v, lr, m, gamma=1.0, lam_critic=1.0, lam_actor=1.0, low=0.8, high=1.2,
+                       trace="vtrace",
                        trace_low=0.5, trace_high=1.1)
     return outs
 
@@ -314,7 +332,8 @@ def test_non_action_inputs_change_nothing_and_gradients_stay_clean() -> None:
     noise[:, 1::5] = INF
     noise[:, 2::7] = -INF
     values = torch.where(m, d["values"], noise).requires_grad_(True)
-    dirty = _all_estimators(torch.where(m, d["rewards"], noise), values, torch.where(m, d["log_rho"], noise), m,
+    dirty = _all_estimators(torch.where(m, d["rewards"], noise), values, torch.where(m, d["log_rho"], noise),
+                            m,
                             torch.where(m.any(1), d["boot"], NAN))
     for a, b in zip(clean, dirty, strict=True):
         assert torch.equal(a, b.detach())
@@ -352,7 +371,8 @@ def test_fold_rewards_matches_reference() -> None:
     rewards = torch.randn(6, 40)
     got = fold_rewards(rewards, d["action_mask"])
     for b in range(6):
-        torch.testing.assert_close(got[b], torch.tensor(fold_rewards_row(rewards[b].tolist(), d["action_mask"][b].tolist())))
+        torch.testing.assert_close(got[b], torch.tensor(fold_rewards_row(rewards[b].tolist(),
+                                                                         d["action_mask"][b].tolist())))
 
 
 @pytest.mark.parametrize("mode", ["grpo", "drgrpo", "rloo"])
@@ -387,7 +407,8 @@ def test_discounted_reverse_cumsum_exact_at_t4096(discount: float) -> None:
     # float32 rounding of sums of up to 4096 O(1) terms: |error| <~ sqrt(T) * 6e-8 * |partial sums| ~ 1e-4
     # for discount 1 (partial sums ~ 60); discounted sums have an effective horizon 1/(1-g) and stay 1e-5.
     scale = ref.abs().max().item()
-    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * max(scale, 1.0) * (10 if discount == 1 else 1))
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * max(scale,
+                                                                          1.0) * (10 if discount == 1 else 1))
 
 
 def test_input_errors_name_the_argument() -> None:
@@ -416,17 +437,22 @@ def test_trace_estimators_match_reference_across_scan_blocks(seed: int) -> None:
     d = ragged_batch(3, 200, seed)
     d["log_rho"][:, ::37] = -20.0
     kw = {"gamma": 0.995, "lam": 0.97, "rho_bar": 1.2, "c_bar": 1.1}
-    vt = vtrace(d["rewards"], d["values"], d["log_rho"], d["action_mask"], pg_rho_bar=1.0, bootstrap_value=d["boot"], **kw)
-    br = brace(d["rewards"], d["values"], d["log_rho"], d["action_mask"], k=500, bootstrap_value=d["boot"], **kw)
+    vt = vtrace(d["rewards"], d["values"], d["log_rho"], d["action_mask"], pg_rho_bar=1.0,
+                bootstrap_value=d["boot"], **kw)
+    br = brace(d["rewards"], d["values"], d["log_rho"], d["action_mask"], k=500, bootstrap_value=d["boot"],
+               **kw)
     ct = clipped_td(d["rewards"], d["values"], d["log_rho"], d["action_mask"], gamma=0.995, lam_critic=0.97,
                     lam_actor=0.9, low=0.8, high=1.2, trace="vtrace", trace_low=0.5, trace_high=1.1)
     for b in range(3):
-        row = (d["rewards"][b].tolist(), d["values"][b].tolist(), d["log_rho"][b].tolist(), d["action_mask"][b].tolist())
-        for got, exp in zip(vt[:2], vtrace_row(*row, pg_rho_bar=1.0, boot=float(d["boot"][b]), **kw), strict=True):
+        row = (d["rewards"][b].tolist(), d["values"][b].tolist(), d["log_rho"][b].tolist(),
+               d["action_mask"][b].tolist())
+        for got, exp in zip(vt[:2], vtrace_row(*row, pg_rho_bar=1.0, boot=float(d["boot"][b]), **kw),
+                            strict=True):
             torch.testing.assert_close(got[b], torch.tensor(exp, dtype=torch.float32), **TOL)
         for got, exp in zip(br, brace_row(*row, k=500, boot=float(d["boot"][b]), **kw), strict=True):
             torch.testing.assert_close(got[b], torch.tensor(exp, dtype=torch.float32), **TOL)
-        want = clipped_td_row(*row, gamma=0.995, lam_critic=0.97, lam_actor=0.9, low=0.8, high=1.2, trace="vtrace",
+        want = clipped_td_row(*row, gamma=0.995, lam_critic=0.97, lam_actor=0.9, low=0.8, high=1.2,
+                              trace="vtrace",
                               trace_low=0.5, trace_high=1.1)
         for got, exp in zip(ct, want, strict=True):
             torch.testing.assert_close(got[b], torch.tensor(exp, dtype=torch.float32), **TOL)
@@ -454,10 +480,12 @@ def test_default_path_bridges_long_tool_spans_like_the_oracle() -> None:
     values = torch.randn(1, 300, generator=gen)
     log_rho = torch.randn(1, 300, generator=gen) * 0.3
     row = (rewards[0].tolist(), values[0].tolist(), mask[0].tolist())
-    for got, exp in zip(gae(rewards, values, mask, gamma=1.0, lam=1.0), gae_row(*row, gamma=1.0, lam=1.0), strict=True):
+    for got, exp in zip(gae(rewards, values, mask, gamma=1.0, lam=1.0), gae_row(*row, gamma=1.0, lam=1.0),
+                        strict=True):
         torch.testing.assert_close(got[0], torch.tensor(exp), rtol=1e-5, atol=1e-4)  # sums of ~200 O(1) terms
     kw = {"gamma": 1.0, "lam_critic": 1.0, "lam_actor": 1.0, "low": 0.8, "high": 1.2}
     got_ct = clipped_td(rewards, values, log_rho, mask, **kw)  # type: ignore[arg-type]
-    want_ct = clipped_td_row(rewards[0].tolist(), values[0].tolist(), log_rho[0].tolist(), mask[0].tolist(), **kw)  # type: ignore[arg-type]
+    want_ct = clipped_td_row(rewards[0].tolist(), values[0].tolist(), log_rho[0].tolist(), mask[0].tolist(),
+                             **kw)  # type: ignore[arg-type]
     for got, exp in zip(got_ct, want_ct, strict=True):
         torch.testing.assert_close(got[0], torch.tensor(exp), rtol=1e-5, atol=1e-4)

@@ -24,7 +24,8 @@ def _slow_chunk_advantages(rewards, chunk_ids, action_mask, values, num_chunks):
 
 
 def test_hand_worked_three_turn_episode():
-    # prompt (2 tokens) | turn 0 (2 action) + obs (1) | turn 1 (1 action) + obs (1) | turn 2 (2 action), reward 1 at the end
+    # prompt (2 tokens) | turn 0 (2 action) + obs (1) | turn 1 (1 action) + obs (1) | turn 2 (2 action),
+    # reward 1 at the end
     chunk_ids = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, 2, 2]])
     action = torch.tensor([[False, False, True, True, False, True, False, True, True]])
     rewards = torch.zeros(1, 9)

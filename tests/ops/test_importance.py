@@ -33,7 +33,8 @@ def test_log_ratio_clamps_and_zeroes_masked_positions() -> None:
     den = torch.tensor([[float("nan"), 0.0, 29.0]])
     mask = torch.tensor([[False, True, True]])
     assert torch.equal(log_ratio(num, den, mask), torch.tensor([[0.0, 20.0, -20.0]]))
-    assert torch.equal(ratio_from_log(torch.tensor([[float("inf"), 0.0, 1.0]]), mask)[0, 0], torch.tensor(1.0))
+    assert torch.equal(ratio_from_log(torch.tensor([[float("inf"), 0.0, 1.0]]), mask)[0, 0],
+                       torch.tensor(1.0))
 
 
 def test_clip_ratio_two_sided_and_infinite_bounds() -> None:
@@ -93,7 +94,8 @@ def test_mask_and_clip_fractions() -> None:
 
 
 def test_kl_estimators_golden() -> None:
-    # log r = (log 2, -log 2): k1 mean = 0; k2 = 1/2 (log 2)^2; k3 mean = ((2-1-log2) + (0.5-1+log2))/2 = 0.25.
+    # log r = (log 2, -log 2): k1 mean = 0; k2 = 1/2 (log 2)^2; k3 mean = ((2-1-log2) + (0.5-1+log2))/2 =
+    # 0.25.
     log_r = torch.tensor([[math.log(2.0), -math.log(2.0), float("nan")]])
     mask = torch.tensor([[True, True, False]])
     kl = kl_estimators(log_r, mask)

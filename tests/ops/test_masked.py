@@ -35,7 +35,8 @@ def test_nan_at_masked_positions_gives_finite_zero_gradient() -> None:
     assert x.grad[~M].abs().sum().item() == 0.0
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                  "seq-mean-token-sum-norm"])
 def test_agg_loss_micro_batches_sum_to_full_batch(mode: str) -> None:
     gen = torch.Generator().manual_seed(1)
     loss = torch.randn(4, 6, generator=gen)
@@ -43,7 +44,8 @@ def test_agg_loss_micro_batches_sum_to_full_batch(mode: str) -> None:
     mask[:, 0] = True
     full = agg_loss(loss, mask, mode)  # type: ignore[arg-type]
     parts = sum(
-        agg_loss(loss[i : i + 2], mask[i : i + 2], mode, num_tokens=mask.sum(), num_seqs=4)  # type: ignore[arg-type]
+        agg_loss(loss[i : i + 2], mask[i : i + 2], mode, num_tokens=mask.sum(),
+                 num_seqs=4)  # type: ignore[arg-type]
         for i in (0, 2)
     )
     assert torch.allclose(full, parts, rtol=1e-6)

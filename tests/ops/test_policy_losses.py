@@ -1,5 +1,5 @@
-"""Tests for copc.ops.policy_losses and corrected_policy_losses: golden values, the per-token oracle, reductions, NaN safety,
-gradcheck and micro-batch accumulation."""
+"""Tests for copc.ops.policy_losses and corrected_policy_losses: golden values, the per-token oracle,
+reductions, NaN safety, gradcheck and micro-batch accumulation."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ LN = math.log
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 # IcePop (Ring-1T) is COPC's loss with masked IS, the band [0.5, 5] and seq-mean-token-mean.
-ICEPOP = {"mask_low": 0.5, "mask_high": 5.0, "weight_mode": "masked_is", "agg": AggSpec("seq-mean-token-mean")}
+ICEPOP = {"mask_low": 0.5, "mask_high": 5.0, "weight_mode": "masked_is",
+          "agg": AggSpec("seq-mean-token-mean")}
 
 
 def ragged_batch(b: int, t: int, seed: int, *, stale: float = 0.7) -> dict[str, torch.Tensor]:
@@ -78,7 +79,8 @@ def test_ppo_golden_dual_and_asymmetric() -> None:
 def test_bypass_golden_uses_behaviour_ratio() -> None:
     # mu = log 0.5, cur = 0: r = 2, A = 1 -> max(-2, -1.2) = -1.2 (3a clips on the stale ratio).
     # Bypass PPO is ppo_clip_loss centred on mu.
-    out = ppo_clip_loss(torch.zeros(1, 1), torch.full((1, 1), LN(0.5)), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool))
+    out = ppo_clip_loss(torch.zeros(1, 1), torch.full((1, 1), LN(0.5)), torch.ones(1, 1),
+                        torch.ones(1, 1, dtype=torch.bool))
     torch.testing.assert_close(out.loss, torch.tensor(-1.2))
 
 
@@ -117,7 +119,8 @@ def test_copc_golden_band_and_modes() -> None:
     torch.testing.assert_close(out.per_token, torch.tensor([[-1.0, 0.0, 0.0, -2.0]]))
     torch.testing.assert_close(out.loss, torch.tensor(-0.75))
     assert out.stats["policy/mask_frac"] == 0.5
-    binary = copc_policy_loss(CorrectedInputs(z, z, mu, torch.ones(1, 4), mask), mask_low=0.5, mask_high=2.0, weight_mode="binary")
+    binary = copc_policy_loss(CorrectedInputs(z, z, mu, torch.ones(1, 4), mask), mask_low=0.5, mask_high=2.0,
+                              weight_mode="binary")
     torch.testing.assert_close(binary.loss, torch.tensor(-0.5))
     # mask_source="current": cur = log 3 on token 0 -> cur/mu = 3 > 2, masked although old/mu = 1.
     cur = torch.tensor([[LN(3.0), 0.0, 0.0, 0.0]])
@@ -132,7 +135,8 @@ def test_icepop_golden_seq_mean() -> None:
     mu = torch.tensor([[0.0, -LN(6.0)], [-LN(0.6), 0.0]])
     z = torch.zeros(2, 2)
     mask = torch.tensor([[True, True], [True, False]])
-    out = copc_policy_loss(CorrectedInputs(z, z, mu, torch.ones(2, 2), mask), **ICEPOP)  # type: ignore[arg-type]
+    out = copc_policy_loss(CorrectedInputs(z, z, mu, torch.ones(2, 2), mask),
+                           **ICEPOP)  # type: ignore[arg-type]
     torch.testing.assert_close(out.loss, torch.tensor(-0.55))
 
 
@@ -144,13 +148,16 @@ def test_icepop_current_takes_the_mask_from_cur_and_the_weight_from_old() -> Non
     cur = torch.tensor([[LN(3.0), LN(6.0)]])
     z = torch.zeros(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    out = copc_policy_loss(CorrectedInputs(cur, z, z, torch.ones(1, 2), mask), mask_source="current", **ICEPOP)  # type: ignore[arg-type]
+    out = copc_policy_loss(CorrectedInputs(cur, z, z, torch.ones(1, 2), mask), mask_source="current",
+                           **ICEPOP)  # type: ignore[arg-type]
     torch.testing.assert_close(out.per_token, torch.tensor([[-1.28, 0.0]]))
     torch.testing.assert_close(out.loss, torch.tensor(-0.64))
     assert out.keep.tolist() == [[True, False]]
     # the policy channel's icepop objective (its preset's band and aggregation) is this loss
-    cfg = PolicyChannelConfig(objective="icepop", mask_high=5.0, mask_source="current", loss_agg="seq-mean-token-mean")
-    channel = policy_loss(cfg, PolicyInputs(logp=cur, logp_old=z, logp_behav=z, advantages=torch.ones(1, 2), action_mask=mask, num_tokens=None))
+    cfg = PolicyChannelConfig(objective="icepop", mask_high=5.0, mask_source="current",
+                              loss_agg="seq-mean-token-mean")
+    channel = policy_loss(cfg, PolicyInputs(logp=cur, logp_old=z, logp_behav=z, advantages=torch.ones(1, 2),
+                                            action_mask=mask, num_tokens=None))
     assert torch.equal(out.per_token, channel.per_token) and torch.equal(out.loss, channel.loss)
 
 
@@ -159,7 +166,8 @@ def test_dis_golden_strict_band_and_gradient() -> None:
     # A = (1, 1, -1, -1): l = (-1, 0, 0, 2) -> token-mean over 4 = 0.25.
     # d l_t / d cur_t = -M r A: (-1, 0, 0, 2) / 4 after the mean.
     logp = torch.tensor([[0.0, LN(7.0), LN(0.5), LN(2.0)]], requires_grad=True)
-    out = dis_loss(logp, torch.zeros(1, 4), torch.tensor([[1.0, 1.0, -1.0, -1.0]]), torch.ones(1, 4, dtype=torch.bool))
+    out = dis_loss(logp, torch.zeros(1, 4), torch.tensor([[1.0, 1.0, -1.0, -1.0]]),
+                   torch.ones(1, 4, dtype=torch.bool))
     torch.testing.assert_close(out.loss, torch.tensor(0.25))
     out.loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.25, 0.0, 0.0, 0.5]]))
@@ -192,21 +200,25 @@ LossCase = tuple[Callable[..., PolicyLossOutput], Callable[..., tuple[float, lis
 
 def _cases() -> dict[str, LossCase]:
     def ora_ppo(d: dict, mode: str, den: str) -> tuple[float, list[list[float]]]:
-        return ref.weighted_ppo(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip_low=0.2, clip_high=0.28, dual=3.0, mode=mode)
+        return ref.weighted_ppo(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip_low=0.2,
+                                clip_high=0.28, dual=3.0, mode=mode)
 
     def ora_bypass(d: dict, mode: str, den: str) -> tuple[float, list[list[float]]]:
-        return ref.weighted_ppo(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], clip_low=0.2, clip_high=0.28, dual=3.0, mode=mode)
+        return ref.weighted_ppo(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], clip_low=0.2,
+                                clip_high=0.28, dual=3.0, mode=mode)
 
     def ora_rule(rule: ref.WeightRule) -> Callable[..., tuple[float, list[list[float]]]]:
         def run(d: dict, mode: str, den: str) -> tuple[float, list[list[float]]]:
             return ref.weighted_ppo(
-                d["logp"], d["logp_old"], d["advantages"], d["action_mask"], rule=rule, logp_behav=d["logp_behav"],
+                d["logp"], d["logp_old"], d["advantages"], d["action_mask"], rule=rule,
+                logp_behav=d["logp_behav"],
                 clip_low=0.2, clip_high=0.28, mode=mode, denominator=den,
             )
         return run
 
     def ora_dis(d: dict, mode: str, den: str) -> tuple[float, list[list[float]]]:
-        return ref.dis(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], low=0.7, high=6.0, mode=mode, denominator=den)
+        return ref.dis(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], low=0.7, high=6.0,
+                       mode=mode, denominator=den)
 
     def ora_pg(d: dict, mode: str, den: str) -> tuple[float, list[list[float]]]:
         return ref.pg(d["logp"], d["advantages"], d["action_mask"], mode=mode)
@@ -218,16 +230,35 @@ def _cases() -> dict[str, LossCase]:
         return AggSpec(mode, **kw)  # type: ignore[arg-type]
 
     return {
-        "ppo": (lambda d, mode, den, **kw: ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=dual, agg=agg(mode, kw)), ora_ppo),
-        "bypass": (lambda d, mode, den, **kw: ppo_clip_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], clip=dual, agg=agg(mode, kw)), ora_bypass),
-        "decoupled_mask": (lambda d, mode, den, **kw: decoupled_ppo_loss(CorrectedInputs(**d), cap=2.0, agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_decoupled(2.0, "mask"))),
-        "tis": (lambda d, mode, den, **kw: decoupled_ppo_loss(CorrectedInputs(**d), cap=2.0, cap_mode="clip", agg=agg(mode, kw), clip=clip), ora_rule(ref.rule_decoupled(2.0, "clip"))),
-        "copc": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(**d), agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=False, weight_current=False))),
-        "copc_binary": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(**d), weight_mode="binary", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=True, select_current=False, weight_current=False))),
-        "copc_current": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(**d), mask_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=True, weight_current=False))),
-        "icepop_current": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(**d), mask_high=5.0, mask_source="current", agg=agg(mode, kw), denominator=den, clip=clip), ora_rule(ref.rule_band(0.5, 5.0, binary=False, select_current=True, weight_current=False))),
-        "dis": (lambda d, mode, den, **kw: dis_loss(d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], agg=agg(mode, kw), denominator=den), ora_dis),
-        "pg": (lambda d, mode, den, **kw: pg_loss(d["logp"], d["advantages"], d["action_mask"], agg=agg(mode, kw)), ora_pg),
+        "ppo": (lambda d, mode, den, **kw: ppo_clip_loss(
+            d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=dual, agg=agg(mode, kw)),
+            ora_ppo),
+        "bypass": (lambda d, mode, den, **kw: ppo_clip_loss(
+            d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], clip=dual, agg=agg(mode, kw)),
+            ora_bypass),
+        "decoupled_mask": (lambda d, mode, den, **kw: decoupled_ppo_loss(CorrectedInputs(
+            **d), cap=2.0, agg=agg(mode, kw), denominator=den, clip=clip),
+            ora_rule(ref.rule_decoupled(2.0, "mask"))),
+        "tis": (lambda d, mode, den, **kw: decoupled_ppo_loss(CorrectedInputs(
+            **d), cap=2.0, cap_mode="clip", agg=agg(mode, kw), clip=clip),
+            ora_rule(ref.rule_decoupled(2.0, "clip"))),
+        "copc": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(**d), agg=agg(
+            mode, kw), denominator=den, clip=clip),
+            ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=False, weight_current=False))),
+        "copc_binary": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(
+            **d), weight_mode="binary", agg=agg(mode, kw), denominator=den, clip=clip),
+            ora_rule(ref.rule_band(0.5, 2.0, binary=True, select_current=False, weight_current=False))),
+        "copc_current": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(
+            **d), mask_source="current", agg=agg(mode, kw), denominator=den, clip=clip),
+            ora_rule(ref.rule_band(0.5, 2.0, binary=False, select_current=True, weight_current=False))),
+        "icepop_current": (lambda d, mode, den, **kw: copc_policy_loss(CorrectedInputs(
+            **d), mask_high=5.0, mask_source="current", agg=agg(mode, kw), denominator=den, clip=clip),
+            ora_rule(ref.rule_band(0.5, 5.0, binary=False, select_current=True, weight_current=False))),
+        "dis": (lambda d, mode, den, **kw: dis_loss(
+            d["logp"], d["logp_behav"], d["advantages"], d["action_mask"], agg=agg(mode, kw),
+            denominator=den), ora_dis),
+        "pg": (lambda d, mode, den, **kw: pg_loss(d["logp"], d["advantages"], d["action_mask"],
+                                                  agg=agg(mode, kw)), ora_pg),
     }
 
 
@@ -258,8 +289,10 @@ def test_copc_with_unit_weights_is_ppo() -> None:
     # w = 1 (old == mu, zero staleness): M = 1, omega = 1 -> COPC's actor loss == PPO's, same dual clip.
     d = ragged_batch(6, 9, 3)
     for dual in (None, 3.0):
-        ppo = ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"], clip=ClipSpec(0.2, 0.28, dual))
-        copc = copc_policy_loss(CorrectedInputs(**d)._replace(logp_behav=d["logp_old"]), clip=ClipSpec(0.2, 0.28, dual))
+        ppo = ppo_clip_loss(d["logp"], d["logp_old"], d["advantages"], d["action_mask"],
+                            clip=ClipSpec(0.2, 0.28, dual))
+        copc = copc_policy_loss(CorrectedInputs(**d)._replace(logp_behav=d["logp_old"]),
+                                clip=ClipSpec(0.2, 0.28, dual))
         assert torch.equal(copc.per_token, ppo.per_token) and torch.equal(copc.loss, ppo.loss)
         assert copc.stats["policy/mask_frac"] == 0 and copc.stats["policy/weight_mean"] == 1
 
@@ -289,7 +322,7 @@ def test_zero_staleness_makes_every_weight_one() -> None:
 
 
 def test_kept_denominator_rescales_by_kept_fraction() -> None:
-    # loss_all = loss_kept * N_kept / N_valid (spec section 8).
+    # loss_all = loss_kept * N_kept / N_valid (docs/formulas.md#masks).
     d = ragged_batch(6, 9, 6, stale=1.5)
     all_ = copc_policy_loss(CorrectedInputs(**d))
     kept = copc_policy_loss(CorrectedInputs(**d), denominator="kept")
@@ -303,7 +336,8 @@ def test_kept_denominator_rescales_by_kept_fraction() -> None:
 def _poison(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """NaN and +-inf at every masked position of every float input."""
     out = dict(d)
-    bad = torch.tensor([math.nan, math.inf, -math.inf]).repeat(d["action_mask"].numel())[: d["action_mask"].numel()]
+    bad = torch.tensor([math.nan, math.inf,
+                        -math.inf]).repeat(d["action_mask"].numel())[: d["action_mask"].numel()]
     bad = bad.view_as(d["logp"])
     for key in ("logp", "logp_old", "logp_behav", "advantages"):
         out[key] = torch.where(d["action_mask"], d[key], bad)
@@ -336,7 +370,8 @@ def test_gradcheck_wrt_logp(name: str) -> None:
     fn, _ = CASES[name]
     d = ragged_batch(2, 5, 8, stale=0.2)
     d = {k: (v.double() if v.is_floating_point() else v) for k, v in d.items()}
-    d["logp"] = d["logp_old"] + 0.05 * torch.randn(d["logp"].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    d["logp"] = d["logp_old"] + 0.05 * torch.randn(d["logp"].shape, generator=torch.Generator().manual_seed(
+        1), dtype=torch.float64)
 
     def f(logp: torch.Tensor) -> torch.Tensor:
         return fn({**d, "logp": logp}, "token-mean", "all").loss
@@ -351,14 +386,16 @@ def test_icepop_current_mask_is_a_constant_in_the_gradient() -> None:
     # equals that of the same loss with the mask frozen and the weight k = old/mu fixed.
     d = ragged_batch(4, 7, 11)
     x = d["logp"].clone().requires_grad_(True)
-    out = copc_policy_loss(CorrectedInputs(**d)._replace(logp=x), mask_source="current", **ICEPOP)  # type: ignore[arg-type]
+    out = copc_policy_loss(CorrectedInputs(**d)._replace(logp=x), mask_source="current",
+                           **ICEPOP)  # type: ignore[arg-type]
     (g,) = torch.autograd.grad(out.loss, x)
     s = torch.exp(d["logp"] - d["logp_behav"])
     keep = d["action_mask"] & (s >= 0.5) & (s <= 5.0)
     k = torch.exp(d["logp_old"] - d["logp_behav"])
     y = d["logp"].clone().requires_grad_(True)
 
-    frozen = weighted_ppo_loss(y, d["logp_old"], d["advantages"], d["action_mask"], weight=k, keep=keep, clip=ClipSpec(0.2, 0.28), agg=AggSpec("seq-mean-token-mean"))
+    frozen = weighted_ppo_loss(y, d["logp_old"], d["advantages"], d["action_mask"], weight=k, keep=keep,
+                               clip=ClipSpec(0.2, 0.28), agg=AggSpec("seq-mean-token-mean"))
     (g_frozen,) = torch.autograd.grad(frozen.loss, y)
     torch.testing.assert_close(g, g_frozen, **TOL)
 
@@ -386,7 +423,8 @@ def test_micro_batches_sum_to_full_batch(name: str, mode: str) -> None:
     torch.testing.assert_close(torch.cat(grads), g_full, rtol=1e-6, atol=1e-8)
 
 
-def _with_counts(fn: Callable[..., PolicyLossOutput], d: dict, mode: str, n_tok: torch.Tensor, n_seq: torch.Tensor) -> torch.Tensor:
+def _with_counts(fn: Callable[..., PolicyLossOutput], d: dict, mode: str, n_tok: torch.Tensor,
+                 n_seq: torch.Tensor) -> torch.Tensor:
     return fn(d, mode, "all", num_tokens=n_tok, num_seqs=n_seq).loss
 
 

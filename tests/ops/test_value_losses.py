@@ -58,8 +58,10 @@ def test_matches_per_token_oracle(b: int, kind: str, clip_eps: float | None) -> 
     for seed in range(3):
         d = batch(b, 8, seed)
         for mode in ("token-mean", "seq-mean-token-mean"):
-            out = clipped_value_loss(**d, clip_eps=clip_eps, kind=kind, agg=AggSpec(mode))  # type: ignore[arg-type]
-            want, tok = ref.value(d["values"], d["values_old"], d["returns"], d["action_mask"], clip_eps=clip_eps, kind=kind, mode=mode)
+            out = clipped_value_loss(**d, clip_eps=clip_eps, kind=kind,
+                                     agg=AggSpec(mode))  # type: ignore[arg-type]
+            want, tok = ref.value(d["values"], d["values_old"], d["returns"], d["action_mask"],
+                                  clip_eps=clip_eps, kind=kind, mode=mode)
             torch.testing.assert_close(out.per_token, torch.tensor(tok, dtype=torch.float32), **TOL)
             torch.testing.assert_close(out.loss, torch.tensor(want, dtype=torch.float32), **TOL)
 
@@ -88,7 +90,8 @@ def test_gradcheck_wrt_values(kind: str) -> None:
     d = {k: (v.double() if v.is_floating_point() else v) for k, v in d.items()}
     x = d["values"].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(
-        lambda v: clipped_value_loss(v, d["values_old"], d["returns"], d["action_mask"], kind=kind).loss, (x,)  # type: ignore[arg-type]
+        lambda v: clipped_value_loss(v, d["values_old"], d["returns"], d["action_mask"], kind=kind).loss,
+        (x,)  # type: ignore[arg-type]
     )
 
 
@@ -96,12 +99,14 @@ def test_micro_batches_sum_to_full_batch() -> None:
     d = batch(6, 8, 5)
     n_tok = d["action_mask"].sum()
     x = d["values"].clone().requires_grad_(True)
-    full = clipped_value_loss(x, d["values_old"], d["returns"], d["action_mask"], agg=AggSpec(num_tokens=n_tok)).loss
+    full = clipped_value_loss(x, d["values_old"], d["returns"], d["action_mask"],
+                              agg=AggSpec(num_tokens=n_tok)).loss
     g_full = torch.autograd.grad(full, x)[0]
     total, grads = torch.zeros(()), []
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
         xm = d["values"][rows].clone().requires_grad_(True)
-        part = clipped_value_loss(xm, d["values_old"][rows], d["returns"][rows], d["action_mask"][rows], agg=AggSpec(num_tokens=n_tok)).loss
+        part = clipped_value_loss(xm, d["values_old"][rows], d["returns"][rows], d["action_mask"][rows],
+                                  agg=AggSpec(num_tokens=n_tok)).loss
         total = total + part.detach()
         grads.append(torch.autograd.grad(part, xm)[0])
     torch.testing.assert_close(total, full.detach(), rtol=1e-6, atol=1e-7)

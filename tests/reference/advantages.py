@@ -1,9 +1,9 @@
 """Slow per-token oracles for ``copc.ops.advantages``: one row at a time, plain Python floats.
 
 Each function walks the row's action tokens explicitly (indices ``idx``), bridges tool-output spans by
-taking "the next state" to be the next *action* token, and reads the formulas of spec sections 2, 4,
-9.3, 9.4 and 10.2 literally (V-trace and BRACE as direct double sums, not recursions).
-Outputs are lists of length T with 0.0 at non-action positions.
+taking "the next state" to be the next *action* token, and reads the formulas of docs/formulas.md#ppo,
+#v-trace, #r0, #variants and 10.2 literally (V-trace and BRACE as direct double sums, not recursions). Outputs
+are lists of length T with 0.0 at non-action positions.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def bridged_deltas(rewards: Row, values: Row, mask: list[bool], gamma: float, bo
     return out
 
 
-def gae_row(rewards: Row, values: Row, mask: list[bool], gamma: float, lam: float, boot: float = 0.0) -> tuple[Row, Row]:
+def gae_row(rewards: Row, values: Row, mask: list[bool], gamma: float, lam: float,
+            boot: float = 0.0) -> tuple[Row, Row]:
     idx = actions(mask)
     deltas = bridged_deltas(rewards, values, mask, gamma, boot)
     adv = [0.0] * len(idx)
@@ -77,7 +78,8 @@ def vtrace_row(
     return _scatter(idx, vs, len(mask)), _scatter(idx, pg, len(mask))
 
 
-def brace_excess_row(deltas: list[float], rho: list[float], c: list[float], gamma: float, k: int) -> list[float]:
+def brace_excess_row(deltas: list[float], rho: list[float], c: list[float], gamma: float,
+                     k: int) -> list[float]:
     """V_targ(s) - V(s) = sum_{t=s}^{j-1} g^(t-s) P(s,t) rho_t d_t + P(s,j) sum_{t=j}^{T} g^(t-s) d_t."""
     n = len(deltas)
     out = []
@@ -99,7 +101,8 @@ def brace_row(
     idx = actions(mask)
     w = _weights(log_rho, idx)
     deltas = bridged_deltas(rewards, values, mask, gamma, boot)
-    excess = brace_excess_row(deltas, [min(rho_bar, x) for x in w], [lam * min(c_bar, x) for x in w], gamma, k)
+    excess = brace_excess_row(deltas, [min(rho_bar, x) for x in w], [lam * min(c_bar, x) for x in w], gamma,
+                              k)
     vt = [values[t] + e for t, e in zip(idx, excess, strict=True)]
     adv = []
     for s, t in enumerate(idx):

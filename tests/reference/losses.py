@@ -1,7 +1,7 @@
 """Slow per-token Python loops for every actor and critic loss: the oracles of tests/ops.
 
 Each function walks the batch token by token in Python floats (double precision), straight from the
-formulas of spec/algorithms.md, with no tensor ops shared with src/copc. Returns ``(loss, per_token)``
+formulas of docs/formulas.md, with no tensor ops shared with src/copc. Returns ``(loss, per_token)``
 where ``per_token`` is a nested list ``[B][T]`` (0.0 outside the mask / on masked-out tokens).
 """
 
@@ -24,7 +24,7 @@ def _ratio(num: float, den: float) -> float:
 
 
 def ppo_term(u: float, a: float, clip_low: float, clip_high: float, dual: float | None) -> float:
-    """max(-A u, -A clip(u)), then min with -A c_dual when A < 0 (spec section 2)."""
+    """max(-A u, -A clip(u)), then min with -A c_dual when A < 0 (docs/formulas.md#ppo)."""
     clipped_u = min(max(u, 1.0 - clip_low), 1.0 + clip_high)
     term = max(-a * u, -a * clipped_u)
     if dual is not None and a < 0:
@@ -40,7 +40,7 @@ def aggregate(
     num_seqs: float | None = None,
     norm_length: float | None = None,
 ) -> float:
-    """The four aggregation modes of spec section 0, written out with loops."""
+    """The four aggregation modes of docs/formulas.md#notation, written out with loops."""
     rows = len(per_token)
     if mode == "token-mean":
         total = sum(per_token[b][t] for b in range(rows) for t in range(len(per_token[b])) if counted[b][t])
@@ -110,7 +110,8 @@ def rule_decoupled(cap: float, cap_mode: str) -> WeightRule:
     return rule
 
 
-def rule_band(low: float, high: float, *, binary: bool, select_current: bool, weight_current: bool) -> WeightRule:
+def rule_band(low: float, high: float, *, binary: bool, select_current: bool,
+              weight_current: bool) -> WeightRule:
     """COPC / IcePop: M = 1[low <= s <= high], s = old/mu or cur/mu; omega = M*w (or M)."""
 
     def rule(cur: float, old: float, mu: float) -> tuple[float, bool]:
@@ -158,7 +159,8 @@ def pg(
     """l_t = -A_t * cur_t."""
     cur, adv = _lists(logp, advantages)
     m = mask.tolist()
-    per_token = [[(-adv[b][t] * cur[b][t]) if m[b][t] else 0.0 for t in range(len(m[b]))] for b in range(len(m))]
+    per_token = [[(-adv[b][t] * cur[b][t]) if m[b][t] else 0.0 for t in range(len(m[b]))] for b in range(len(
+        m))]
     return aggregate(per_token, m, mode), per_token
 
 

@@ -21,7 +21,8 @@ class ScriptedEnv:
         return self.prompt.text
 
     def step(self, action_text: str) -> EnvStep:
-        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward, **self.extra})
+        return EnvStep(observation=None, done=True, reward=self.reward, info={"correct": self.reward,
+                                                                              **self.extra})
 
     def finish(self, reason: StopReason) -> EnvStep:
         return self.step("")

@@ -17,5 +17,6 @@ def write_cell_record(spec: SweepSpec, results: Path, cell_id: str, **fields: ob
     paths = Paths(results, results / "runs")  # where the run lives is not part of the config hash
     digest = config_hash(to_dict(resolve(cell, paths.run_dir(cell))))
     return write_record(paths.record(spec.experiment, cell),
-                        {"version": 1, "experiment": spec.experiment, "cell": cell_id, "levels": dict(cell.levels),
+                        {"version": 1, "experiment": spec.experiment, "cell": cell_id,
+                         "levels": dict(cell.levels),
                          "seed": cell.seed, "config_hash": digest, **fields})

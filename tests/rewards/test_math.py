@@ -141,7 +141,8 @@ def test_numeric_equal_agrees_with_fractions_on_random_spellings() -> None:
         return sign + number + exponent
 
     spellings = [spell() for _ in range(400)]
-    spellings += [f"{Fraction(s).numerator}/{Fraction(s).denominator}" for s in spellings[:200]]  # equal pairs
+    # equal pairs
+    spellings += [f"{Fraction(s).numerator}/{Fraction(s).denominator}" for s in spellings[:200]]
     for _ in range(20000):
         a, b = rng.choice(spellings), rng.choice(spellings)
         assert numeric_equal(a, b) is (Fraction(a) == Fraction(b)), (a, b)
@@ -220,7 +221,8 @@ def test_worker_killed_from_outside_is_replaced(patient_verifier: MathVerifier) 
 
 
 def test_script_without_main_guard_can_use_the_verifier(tmp_path: Path) -> None:
-    """multiprocessing's spawn would re-run this script in the worker and fail; a plain subprocess does not."""
+    """multiprocessing's spawn would re-run this script in the worker and fail; a plain subprocess does
+    not."""
     script = tmp_path / "user_script.py"
     script.write_text(
         "from copc.rewards.math import MathVerifier\n"

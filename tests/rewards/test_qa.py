@@ -32,7 +32,8 @@ def test_exact_match_takes_max_over_golds() -> None:
 def test_an_answer_that_normalises_to_nothing_never_matches() -> None:
     """The SQuAD script matches "" to a gold that also normalises to "" ("a", "The", "!"): copc does not,
     so saying nothing is never rewarded."""
-    assert exact_match("", ["a"]) == 0.0 and exact_match(".", ["!"]) == 0.0 and exact_match("the", ["The"]) == 0.0
+    assert exact_match("", ["a"]) == 0.0 and exact_match(".", ["!"]) == 0.0 and exact_match("the",
+                                                                                            ["The"]) == 0.0
     assert exact_match("A", ["vitamin A", "a"]) == 0.0 and exact_match("vitamin A", ["vitamin A"]) == 1.0
 
 

@@ -23,8 +23,7 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 #: Generic ChatML (SmolLM2's template, system line shortened): no tool role, so tool output is a user turn.
 CHATML = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
@@ -33,8 +32,7 @@ CHATML = (
 
 #: Qwen2.5-style: tool results go into a user turn wrapped in <tool_response> (consecutive ones merged).
 QWEN_LIKE = (
-    "{% for message in messages %}"
-    "{% if message.role == 'tool' %}"
+    "{% for message in messages %}{% if message.role == 'tool' %}"
     "{% if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
     "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
     "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
@@ -109,7 +107,8 @@ class ToolThenAnswer:
 
 
 PROMPTS = ["What is 6*7?", "Add 2 and 3.", "x"]
-LIMITS = {"max_turns": 5, "max_new_tokens_per_turn": 40, "max_total_tokens": 150, "context_limit": 600, "seed": 0}
+LIMITS = {"max_turns": 5, "max_new_tokens_per_turn": 40, "max_total_tokens": 150, "context_limit": 600,
+          "seed": 0}
 
 
 def _sampled_runs(traj: Trajectory) -> list[list[int]]:
@@ -135,7 +134,8 @@ def test_chatml_pieces_and_tool_role() -> None:
     assert qwen.obs_open == "<|im_start|>user\n<tool_response>\n"
     assert qwen.obs_close == "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     # After a sampled <|im_end|> only the newline of the end of turn is forced; after another EOS, all of it.
-    assert chat.observation_text("o", eos_text=IM_END) == "\n<|im_start|>user\no<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.observation_text(
+        "o", eos_text=IM_END) == "\n<|im_start|>user\no<|im_end|>\n<|im_start|>assistant\n"
     assert chat.observation_text("o", eos_text="a").startswith("<|im_end|>\n<|im_start|>user\n")
 
 
@@ -158,7 +158,8 @@ def test_episode_renders_as_the_template_with_exact_masks_and_logprobs(template:
         # turn, which nobody samples after the answer).
         rendered = chat.render(env.conversation(chat.tool_role))
         text = tok.decode(traj.token_ids.tolist(), skip_special_tokens=False)
-        assert rendered.startswith(text) and rendered[len(text) :] in (chat.turn_end, chat.turn_end[len(IM_END) :])
+        assert rendered.startswith(text) and rendered[len(text) :] in (chat.turn_end,
+                                                                       chat.turn_end[len(IM_END) :])
         # action_mask: exactly the sampled tokens, one run per turn, each decoding to the turn's text
         # (plus the EOS that ended it); every template token is forced.
         runs = _sampled_runs(traj)
@@ -168,7 +169,8 @@ def test_episode_renders_as_the_template_with_exact_masks_and_logprobs(template:
             eos_turns += ended_on_eos
             assert tok.decode(run[:-1] if ended_on_eos else run) == action
         forced = traj.token_ids[~traj.action_mask].tolist()
-        assert forced.count(tok.convert_tokens_to_ids(IM_START)) >= 1 + 2 * 2  # system, user, 2 x (obs, assistant)
+        # system, user, 2 x (obs, assistant)
+        assert forced.count(tok.convert_tokens_to_ids(IM_START)) >= 1 + 2 * 2
         # Behaviour log-probs equal a teacher-forced forward on the recorded ids.
         ids = traj.token_ids.unsqueeze(0)
         with torch.no_grad():
@@ -196,8 +198,10 @@ def test_kv_reuse_gives_the_same_chat_trajectories() -> None:
     tok = chat_tokenizer()
     model = eos_biased_model(tok, seed=5, eos_logit_bias=3.0)
     chat = chat_format(tok, "auto")
-    a = run_episodes(Engine(model, tok), [ToolThenAnswer(p) for p in PROMPTS], chat=chat, reuse_kv=True, **LIMITS)
-    b = run_episodes(Engine(model, tok), [ToolThenAnswer(p) for p in PROMPTS], chat=chat, reuse_kv=False, **LIMITS)
+    a = run_episodes(Engine(model, tok), [ToolThenAnswer(p) for p in PROMPTS], chat=chat, reuse_kv=True,
+                     **LIMITS)
+    b = run_episodes(Engine(model, tok), [ToolThenAnswer(p) for p in PROMPTS], chat=chat, reuse_kv=False,
+                     **LIMITS)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x.token_ids, y.token_ids) and torch.equal(x.action_mask, y.action_mask)
         torch.testing.assert_close(x.logp_behav, y.logp_behav, atol=1e-5, rtol=0)
@@ -213,7 +217,8 @@ def test_settings_auto_none_and_path(tmp_path) -> None:
     assert from_file is not None and from_file.turn_end == "<|im_end|>\n"
     with pytest.raises(ValueError, match=r"^rollout.chat_template: .* is not 'auto', 'none' or an existing"):
         check_chat_template_setting(str(tmp_path / "missing.jinja"))
-    with pytest.raises(ValueError, match="cannot be used for multi-turn rollouts: a user turn is not appended"):
+    with pytest.raises(ValueError,
+                       match="cannot be used for multi-turn rollouts: a user turn is not appended"):
         chat_format(chat_tokenizer(NOT_APPENDING), "auto")
 
 
@@ -234,7 +239,8 @@ def test_rendered_samples_show_policy_turns_and_forced_template_text() -> None:
     policy = [p["text"].removesuffix(IM_END) for p in pieces if p["source"] == "policy"]
     assert policy == env.actions
     forced = [p["text"] for p in pieces if p["source"] == "forced"]
-    assert all(obs in text and text.endswith("<|im_start|>assistant\n") for obs, text in zip(env.observations, forced, strict=True))
+    assert all(obs in text and text.endswith("<|im_start|>assistant\n") for obs,
+               text in zip(env.observations, forced, strict=True))
     assert sample["prompt"] + "".join(p["text"] for p in pieces) == tok.decode(traj.token_ids.tolist())
     assert sample["stop_reason"] == "answer" and sample["reward"] == 1.0
 
@@ -242,8 +248,9 @@ def test_rendered_samples_show_policy_turns_and_forced_template_text() -> None:
 def test_template_that_rejects_a_tool_role_gets_tool_output_as_a_user_turn() -> None:
     # Mentions 'tool' but raises on it (as Gemma/Mistral-style templates raise on unknown roles).
     strict = (
-        "{% for message in messages %}"
-        "{% if message.role not in ['user', 'assistant'] %}{{ raise_exception('no tool role here') }}{% endif %}"
+        "{% for message in messages %}{% if message.role not in ['user', 'assistant'] %}{{ "
+        "raise_exception('no tool role here') }}{% "
+        "endif %}"
         "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
@@ -258,7 +265,8 @@ def test_a_broken_or_empty_template_file_is_refused_with_the_config(tmp_path, ca
 
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
-    with pytest.raises(ValueError, match=r"^rollout.chat_template: .*broken.jinja, line 2: Jinja syntax error: "):
+    with pytest.raises(ValueError,
+                       match=r"^rollout.chat_template: .*broken.jinja, line 2: Jinja syntax error: "):
         check_chat_template_setting(str(broken))
     empty = tmp_path / "empty.jinja"
     empty.write_text("  \n")

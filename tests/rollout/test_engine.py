@@ -102,11 +102,13 @@ def test_inverse_cdf_golden() -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_logp_equals_teacher_forced_forward(engine, model, tok, temperature) -> None:
     prompts = _prompts(tok)
-    gens = engine.generate(prompts, SamplingConfig(temperature=temperature, max_new_tokens=12), seeds=[1, 2, 3])
+    gens = engine.generate(prompts, SamplingConfig(temperature=temperature, max_new_tokens=12), seeds=[1, 2,
+                                                                                                       3])
     for prompt, gen in zip(prompts, gens, strict=True):
         full = torch.tensor([prompt + gen.token_ids.tolist()])
         with torch.no_grad():
-            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=temperature).logp
+            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool),
+                                    temperature=temperature).logp
         assert gen.logp.dtype == torch.float32
         torch.testing.assert_close(gen.logp, forced[0, len(prompt) :], atol=ATOL, rtol=0)
 
@@ -183,8 +185,10 @@ def test_row_blocks_and_prefill_chunks_give_the_same_samples(model, tok, max_row
               for p, g in zip(prompts, first, strict=True)]
     prefixes = [g.kv if i % 2 else None for i, g in enumerate(first)]
     for engine_prompts, kv in ((prompts, None), (second, prefixes)):
-        a = whole.generate(engine_prompts, config, seeds=seeds, max_new_tokens=budgets, prefix_kv=kv, return_kv=True)
-        b = split.generate(engine_prompts, config, seeds=seeds, max_new_tokens=budgets, prefix_kv=kv, return_kv=True)
+        a = whole.generate(engine_prompts, config, seeds=seeds, max_new_tokens=budgets, prefix_kv=kv,
+                           return_kv=True)
+        b = split.generate(engine_prompts, config, seeds=seeds, max_new_tokens=budgets, prefix_kv=kv,
+                           return_kv=True)
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x.token_ids, y.token_ids) and x.finish == y.finish
             torch.testing.assert_close(x.logp, y.logp, atol=ATOL, rtol=0)
@@ -204,7 +208,8 @@ def test_stop_strings(engine, tok) -> None:
     # Stop at the first place the text ends with a 3-character piece taken from its middle.
     stop = text[10:13]
     first_end = next(j for j in range(1, len(text) + 1) if text[:j].endswith(stop))
-    (stopped,) = engine.generate([prompt], SamplingConfig(top_k=1, max_new_tokens=30, stop_strings=("@@@@", stop)))
+    (stopped,) = engine.generate([prompt], SamplingConfig(top_k=1, max_new_tokens=30, stop_strings=("@@@@",
+                                                                                                    stop)))
     assert stopped.finish is FinishReason.STOP and stopped.stop_string == stop
     assert stopped.text == text[:first_end]
     assert torch.equal(stopped.token_ids, free.token_ids[: len(stopped.token_ids)])
@@ -222,7 +227,8 @@ def test_eos_stops_row_and_is_not_in_text(model, tok) -> None:
     try:
         model.generation_config.eos_token_id = [tok.eos_token_id, third]  # models may have several EOS ids
         (gen,) = Engine(model, tok).generate([prompt], SamplingConfig(top_k=1, max_new_tokens=6))
-        (ignored,) = Engine(model, tok).generate([prompt], SamplingConfig(top_k=1, max_new_tokens=6, ignore_eos=True))
+        (ignored,) = Engine(model, tok).generate([prompt], SamplingConfig(top_k=1, max_new_tokens=6,
+                                                                          ignore_eos=True))
     finally:
         model.generation_config.eos_token_id = saved
     first = free.token_ids.tolist().index(third)
@@ -289,7 +295,8 @@ def test_prefix_kv_reuse_gives_the_same_samples(model, tok) -> None:
         torch.testing.assert_close(a.logp, b.logp, atol=ATOL, rtol=0)
         full = torch.tensor([prompt + a.token_ids.tolist()])
         with torch.no_grad():
-            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool), temperature=0.9).logp
+            forced = token_logprobs(model, full, torch.ones_like(full, dtype=torch.bool),
+                                    temperature=0.9).logp
         torch.testing.assert_close(a.logp, forced[0, len(prompt) :], atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([prompts[0][:2]], config, prefix_kv=[first[0].kv])
@@ -325,7 +332,8 @@ def _merging_tokenizer():
     back.pre_tokenizer = pre_tokenizers.Split(
         Regex("|".join(re.escape(p) for p in sorted(pieces, key=len, reverse=True))), behavior="isolated")
     back.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=back, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    return PreTrainedTokenizerFast(tokenizer_object=back, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>")
 
 
 class _SearchEnv:

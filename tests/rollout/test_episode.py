@@ -78,14 +78,16 @@ def engine(tok):
 
 
 def _run(engine, envs, **kw) -> list[Trajectory]:
-    limits = {"max_turns": 5, "max_new_tokens_per_turn": 40, "max_total_tokens": 120, "context_limit": 400, "seed": 2}
+    limits = {"max_turns": 5, "max_new_tokens_per_turn": 40, "max_total_tokens": 120, "context_limit": 400,
+              "seed": 2}
     return run_episodes(engine, envs, **{**limits, **kw})
 
 
 def _segments(traj: Trajectory) -> list[tuple[bool, list[int]]]:
     """Maximal runs of equal action_mask after the prompt: [(is_action, token ids), ...]."""
     out: list[tuple[bool, list[int]]] = []
-    for tok_id, m in zip(traj.token_ids[traj.prompt_len :].tolist(), traj.action_mask[traj.prompt_len :].tolist(), strict=True):
+    for tok_id, m in zip(traj.token_ids[traj.prompt_len :].tolist(),
+                         traj.action_mask[traj.prompt_len :].tolist(), strict=True):
         if out and out[-1][0] == m:
             out[-1][1].append(tok_id)
         else:
@@ -105,8 +107,10 @@ def test_trajectory_is_exactly_prompt_turns_and_observations(engine, tok) -> Non
         assert [m for m, _ in segments] == [True, False, True, False, True]
         for (_, ids), action in zip(segments[0::2], env.actions, strict=True):
             # the env reads the turn up to the stop string; a tag token ("</python>") may run past it
-            assert tok.decode(ids).startswith(action) and len(tok.decode(ids)) - len(action) < len("</python>")
-            assert action[-1] in SHORT_TURNS  # every stepped turn stopped on its own (a cut one is not stepped)
+            assert tok.decode(ids).startswith(action) and len(tok.decode(ids)) - len(action) < len(
+                "</python>")
+            # every stepped turn stopped on its own (a cut one is not stepped)
+            assert action[-1] in SHORT_TURNS
         for (_, ids), obs in zip(segments[1::2], env.observations, strict=True):
             assert ids == tok.encode(obs, add_special_tokens=False)
         assert traj.info["policy_turns"] == 3 and traj.info["turns"] == 3 and traj.info["tool_calls"] == 2
@@ -172,7 +176,8 @@ def test_stop_reasons_for_each_budget(engine, tok) -> None:
     (tokens,) = _run(engine, [env], max_total_tokens=12, seed=1)
     assert tokens.stop_reason is StopReason.MAX_TOKENS and tokens.num_action_tokens == 12
     assert env.finished == [StopReason.MAX_TOKENS] and len(env.actions) == tokens.info["policy_turns"] - 1
-    assert tokens.info["cut_turns"] == 1 and tokens.info["turn_cut"] == 0  # the episode's budget, not the turn's
+    # the episode's budget, not the turn's
+    assert tokens.info["cut_turns"] == 1 and tokens.info["turn_cut"] == 0
     assert tokens.token_rewards[-1] == -0.5 and tokens.reward == len(env.actions) * 0.25 - 0.5
     # Context window: the trajectory never exceeds it.
     prompt_len = len(tok.encode(PROMPTS[1]))
@@ -192,7 +197,8 @@ def test_turn_cut_by_the_per_turn_limit_is_truncated_not_graded(engine) -> None:
     assert traj.num_action_tokens == 5 and traj.info["cut_turns"] == 1 and traj.info["turn_cut"] == 1
 
 
-def test_turn_that_reaches_the_per_turn_limit_counts_when_the_episode_budget_ends_at_the_same_token(engine) -> None:
+def test_turn_that_reaches_the_per_turn_limit_counts_when_the_episode_budget_ends_at_the_same_token(
+        engine) -> None:
     # One-turn budgets (max_total_tokens == max_new_tokens_per_turn): the turn reaches both at token 6.
     env = ScriptedEnv(PROMPTS[1], stops=(), answer_turn=1)
     (traj,) = _run(engine, [env], max_new_tokens_per_turn=6, max_total_tokens=6)
@@ -242,7 +248,8 @@ def test_raising_env_is_contained(engine) -> None:
     # The failing turn's tokens are kept (what the model sampled); other episodes are untouched.
     assert bad.action_mask[-1]
     for i in (0, 2):
-        assert torch.equal(trajs[i].token_ids, reference[i].token_ids) and trajs[i].reward == reference[i].reward
+        assert torch.equal(trajs[i].token_ids,
+                           reference[i].token_ids) and trajs[i].reward == reference[i].reward
 
 
 def test_bad_arguments_say_what_to_do(engine) -> None:

@@ -56,7 +56,8 @@ class ScriptedTask:
         return ScriptedEnv(prompt, float(k % 2) if kind == "mixed" else REWARD[kind])
 
 
-def rollout_config(*, ds: bool | None = True, rounds: int = 4, overlong: bool | None = False, **kw: object) -> RolloutConfig:
+def rollout_config(*, ds: bool | None = True, rounds: int = 4, overlong: bool | None = False,
+                   **kw: object) -> RolloutConfig:
     base = dict(prompts_per_batch=3, group_size=4, max_turns=1, max_new_tokens_per_turn=8, max_total_tokens=8,
                 context_limit=64, dynamic_sampling=DynamicSamplingConfig(enabled=ds, max_rounds=rounds),
                 overlong=OverlongShapingConfig(enabled=overlong))
@@ -66,7 +67,8 @@ def rollout_config(*, ds: bool | None = True, rounds: int = 4, overlong: bool | 
 
 def generator(kinds: list[str], config: RolloutConfig, *, seed: int = 7) -> RolloutGenerator:
     tok = build_tiny_tokenizer()
-    return RolloutGenerator(build_tiny_model(tok, seed=0), tok, ScriptedTask(kinds), config, seed=seed)  # type: ignore[arg-type]
+    return RolloutGenerator(build_tiny_model(tok, seed=0), tok, ScriptedTask(kinds), config,
+                            seed=seed)  # type: ignore[arg-type]
 
 
 def groups_of(batch: GeneratedBatch) -> dict[int, list[float]]:
@@ -145,7 +147,8 @@ def test_cap_hit_goes_ahead_padded_with_the_first_flat_groups_and_is_counted() -
 def test_pool_exhaustion_stops_the_rounds() -> None:
     kinds = ["right", "right", "wrong", "right"]  # P = 3 of 4 prompts; one left for round 1
     batch = generator(kinds, rollout_config(rounds=10)).generate(0)
-    assert batch.info[m.ROLLOUT_DYNSAMPLE_ROUNDS] == 2.0 and batch.info[m.ROLLOUT_DYNSAMPLE_EXTRA_GROUPS] == 1.0
+    assert (
+        batch.info[m.ROLLOUT_DYNSAMPLE_ROUNDS] == 2.0 and batch.info[m.ROLLOUT_DYNSAMPLE_EXTRA_GROUPS] == 1.0)
     assert batch.info[m.ROLLOUT_DYNSAMPLE_SHORT] == 1.0
     assert len(batch.trajectories) == 12
 
@@ -178,7 +181,8 @@ def test_overlong_shaping_adds_the_penalty_to_reward_and_last_token() -> None:
         delta = s.token_rewards - r.token_rewards
         assert delta[:-1].abs().max() == 0 and float(delta[-1]) == pytest.approx(want, abs=1e-6)
     assert min(penalties) < 0 < len(penalties)  # the tiny model does write long answers here
-    assert shaped.info[m.ROLLOUT_OVERLONG_PENALTY] == pytest.approx(sum(penalties) / len(penalties), abs=1e-12)
+    assert shaped.info[m.ROLLOUT_OVERLONG_PENALTY] == pytest.approx(sum(penalties) / len(penalties),
+                                                                    abs=1e-12)
 
 
 def test_filtering_reads_the_reward_before_shaping() -> None:
@@ -212,7 +216,8 @@ def test_infra_failures_keep_or_drop_their_group_and_are_counted() -> None:
     kept = generator(kinds, rollout_config(ds=False, prompts_per_batch=4)).generate(0)
     assert len(kept.trajectories) == 16
     assert sum(t.info.get("tool_infra_errors", 0.0) for t in kept.trajectories) == 1.0
-    dropped = generator(kinds, rollout_config(ds=False, prompts_per_batch=4, infra_failures="drop")).generate(0)
+    dropped = generator(kinds, rollout_config(ds=False, prompts_per_batch=4,
+                                              infra_failures="drop")).generate(0)
     assert len(dropped.trajectories) == 12  # the group of the failed episode is gone, whole
     assert all(t.info.get("tool_infra_errors", 0.0) == 0 for t in dropped.trajectories)
     assert dropped.info["rollout/infra_dropped_groups"] == 1.0

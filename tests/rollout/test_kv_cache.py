@@ -19,7 +19,8 @@ def _kv(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(batch, 2, length, 3, generator=g), torch.randn(batch, 2, length, 3, generator=g)
 
 
-def test_growing_layer_holds_what_a_dynamic_layer_holds_through_appends_selections_crops_and_replacements() -> None:
+def test_growing_layer_holds_what_a_dynamic_layer_holds_through_appends_selections_crops_and_replacements(
+        ) -> None:
     growing, dynamic = GrowingLayer(), DynamicLayer()
     script: list[tuple[str, object]] = [("append", 5), *[("append", 1)] * 70, ("select", [0, 2, 3]),
                                         *[("append", 1)] * 60, ("crop", -4), ("append", 2), ("repeat", 2),
@@ -76,7 +77,8 @@ def _dynamic(layers=None) -> DynamicCache:  # type: ignore[no-untyped-def]
     return DynamicCache(ddp_cache_data=layers) if layers is not None else DynamicCache()
 
 
-def test_generations_are_bit_identical_to_dynamic_cache_ones(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_generations_are_bit_identical_to_dynamic_cache_ones(
+        monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Ragged rows in blocks with prefill chunks, rows finishing early (stop strings, EOS), a second turn
     from the first one's keys/values: the same tokens and log-probs as with transformers' DynamicCache."""
     tok = build_tiny_tokenizer()
@@ -95,7 +97,8 @@ def test_generations_are_bit_identical_to_dynamic_cache_ones(monkeypatch) -> Non
 
     growing = play()
     monkeypatch.setattr(engine_module, "growing_cache", _dynamic)
-    monkeypatch.setattr(engine_module, "rows_of", lambda c, r: _dynamic([(k[r], v[r]) for k, v in plain_kv(c)]))
+    monkeypatch.setattr(engine_module, "rows_of", lambda c, r: _dynamic([(k[r], v[r]) for k,
+                                                                         v in plain_kv(c)]))
     monkeypatch.setattr(engine_module, "stacked", lambda parts: _dynamic([
         (torch.cat([k for k, _ in grp]), torch.cat([v for _, v in grp]))
         for grp in zip(*(plain_kv(p) for p in parts), strict=True)

@@ -67,7 +67,8 @@ def test_continuing_from_every_boundary_with_the_recorded_seeds_gives_the_record
         bounds = boundary_lengths(engine, traj, ScriptedEnv("").stop_strings)
         assert bounds[0] == traj.prompt_len and bounds[-1] == traj.num_tokens
         for k in range(len(bounds) - 1):
-            (again,) = continue_episodes(engine, [ScriptedEnv(PROMPTS[i], answer_turn=4)], [traj], [k], indices=[i],
+            (again,) = continue_episodes(engine, [ScriptedEnv(PROMPTS[i], answer_turn=4)], [traj], [k],
+                                         indices=[i],
                                          seed=5, **LIMITS)
             assert torch.equal(again.token_ids, traj.token_ids), (i, k)
             assert torch.equal(again.action_mask, traj.action_mask)
@@ -100,11 +101,13 @@ def test_a_changed_observation_is_refused(engine, tok) -> None:
 def test_greedy_oracle_values_are_the_episode_returns(engine) -> None:
     recorded = _record(engine, GREEDY)
     by_id = {str(i): p for i, p in enumerate(PROMPTS)}
-    estimates = mc_oracle(engine, lambda t: ScriptedEnv(by_id[t.prompt_id], answer_turn=4), recorded, samples=2,
+    estimates = mc_oracle(engine, lambda t: ScriptedEnv(by_id[t.prompt_id], answer_turn=4), recorded,
+                          samples=2,
                           sampling=GREEDY, seed=11, **LIMITS)
     for traj, est in zip(recorded, estimates, strict=True):
         assert est is not None
-        assert float(est.values[0]) == pytest.approx(traj.reward)  # V(prompt) of a deterministic policy = its return
+        # V(prompt) of a deterministic policy = its return
+        assert float(est.values[0]) == pytest.approx(traj.reward)
         bounds = boundary_lengths(engine, traj, ScriptedEnv("").stop_strings)
         for k, start in enumerate(bounds[:-1]):
             assert float(est.values[k]) == pytest.approx(float(traj.token_rewards[start:].sum()))
@@ -116,7 +119,8 @@ def test_greedy_oracle_values_are_the_episode_returns(engine) -> None:
 def test_sampled_chunk_advantages_sum_to_the_return_minus_the_prompt_value(engine) -> None:
     recorded = _record(engine)
     by_id = {str(i): p for i, p in enumerate(PROMPTS)}
-    estimates = mc_oracle(engine, lambda t: ScriptedEnv(by_id[t.prompt_id], answer_turn=4), recorded, samples=3,
+    estimates = mc_oracle(engine, lambda t: ScriptedEnv(by_id[t.prompt_id], answer_turn=4), recorded,
+                          samples=3,
                           seed=3, **LIMITS)
     for traj, est in zip(recorded, estimates, strict=True):
         assert est is not None
@@ -134,8 +138,10 @@ def _demo_trajectory(tok, demo) -> Trajectory:
         mask += [seg.is_action] * len(piece)
     n = len(ids)
     action = torch.tensor(mask)
-    return Trajectory(prompt_id="demo", token_ids=torch.tensor(ids), prompt_len=len(tok(demo.segments[0].text)["input_ids"]),
-                      action_mask=action, logp_behav=torch.zeros(n), policy_version=torch.where(action, 0, -1),
+    return Trajectory(prompt_id="demo", token_ids=torch.tensor(ids),
+                      prompt_len=len(tok(demo.segments[0].text)["input_ids"]),
+                      action_mask=action, logp_behav=torch.zeros(n), policy_version=torch.where(action, 0,
+                                                                                                -1),
                       reward=0.0, token_rewards=torch.zeros(n), stop_reason=StopReason.ANSWER)
 
 

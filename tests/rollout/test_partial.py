@@ -72,7 +72,8 @@ def test_a_swap_with_rows_that_finish_early_keeps_every_row_consistent() -> None
     prompts = [tok.encode(p) for p in ("Q: 2+2?\n", "x", "Compute 17*3 please.\n", "ab")]
     refresh = ScriptedRefresh(engine, [new.state_dict()], at_calls=[1])
     config = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=12, stop_strings=("\n",))
-    gens = engine.generate(prompts, config, seeds=[4, 5, 6, 7], refresh=refresh, chunk_tokens=2, return_kv=True)
+    gens = engine.generate(prompts, config, seeds=[4, 5, 6, 7], refresh=refresh, chunk_tokens=2,
+                           return_kv=True)
     old = build_tiny_model(tok, seed=0)
     for prompt, gen in zip(prompts, gens, strict=True):
         ids, versions = gen.token_ids.tolist(), gen.versions.tolist()

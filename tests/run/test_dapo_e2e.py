@@ -57,7 +57,8 @@ def test_sync_dapo_run_logs_the_dynamic_sampling_and_overlong_counters(tmp_path:
             assert name in row, name
         # all-wrong groups: 2 rounds of 2 prompts, batch padded with round 0's 2 groups, 2 dropped
         assert row[m.ROLLOUT_DYNSAMPLE_ROUNDS] == 2.0 and row[m.ROLLOUT_DYNSAMPLE_SHORT] == 1.0
-        assert row[m.ROLLOUT_DYNSAMPLE_PADDED_GROUPS] == 2.0 and row[m.ROLLOUT_DYNSAMPLE_DROPPED_GROUPS] == 2.0
+        assert (
+            row[m.ROLLOUT_DYNSAMPLE_PADDED_GROUPS] == 2.0 and row[m.ROLLOUT_DYNSAMPLE_DROPPED_GROUPS] == 2.0)
         assert row[m.ROLLOUT_OVERLONG_PENALTY] <= 0.0
 
 
@@ -66,7 +67,8 @@ def test_async_zero_staleness_equals_sync_with_dynamic_sampling(tmp_path: Path) 
     train(dapo_config(tmp_path / "sync", "sync"), show_progress=False)
     train(dapo_config(tmp_path / "async", "async"), show_progress=False)
     volatile = ("time/", "perf/", "memory/", "buffer/")
-    clean = [[{k: v for k, v in r.items() if not k.startswith(volatile) and k != "time"} for r in step_rows(tmp_path / d)]
+    clean = [[{k: v for k,
+               v in r.items() if not k.startswith(volatile) and k != "time"} for r in step_rows(tmp_path / d)]
              for d in ("sync", "async")]
     assert clean[0] == clean[1] and len(clean[0]) == 2
     policies = []

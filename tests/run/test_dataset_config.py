@@ -44,13 +44,16 @@ def test_yaml_naming_a_task_without_options_gets_its_defaults(tmp_path: Path) ->
     [
         (["task=math_tool", f"task_options.dta={MATH}"], "did you mean 'data'"),  # unknown option
         (["task=math_tool"], "data is empty"),  # required option missing
-        (["task=math_tool", "task_options.data=/no/such/rows.jsonl"], "data=/no/such/rows.jsonl does not exist"),
-        (["task=math_tool", f"task_options.data={MATH}", "task_options.eval_data=/no/eval.jsonl"], "eval_data="),
+        (["task=math_tool", "task_options.data=/no/such/rows.jsonl"],
+         "data=/no/such/rows.jsonl does not exist"),
+        (["task=math_tool", f"task_options.data={MATH}", "task_options.eval_data=/no/eval.jsonl"],
+         "eval_data="),
         (["task=math_tool", f"task_options.data={FIXTURES}"], "is a folder"),
         (["task=search_qa", f"task_options.data={QA}", "task_options.corpus=/no/corpus.jsonl"], "corpus="),
         (["rollout.chat_template=/no/template.jinja"], "rollout.chat_template"),
         (["model.policy=/no/model"], "model.policy=/no/model: not 'warmstart', 'tiny' or an HF model folder"),
-        (["task=math_tool", f"task_options.data={MATH}"], "model.policy=warmstart: task math_tool has no warm-start"),
+        (["task=math_tool", f"task_options.data={MATH}"],
+         "model.policy=warmstart: task math_tool has no warm-start"),
     ],
 )
 def test_bad_task_options_and_paths_fail_in_one_line_before_a_run_dir(
@@ -74,7 +77,8 @@ def test_print_config_lists_every_key_with_its_value_and_doc(capsys: pytest.Capt
     # Prints even before the config is complete (no data yet), without creating anything.
     assert train_cli(["--print-config", "task=math_tool", "rollout.max_new_tokens_per_turn=256"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert any(line.startswith("rollout.max_new_tokens_per_turn = 256 ") and "# Token budget" in line for line in lines)
+    assert any(line.startswith(
+        "rollout.max_new_tokens_per_turn = 256 ") and "# Token budget" in line for line in lines)
     assert any(line.startswith('task_options.data = ""') and "# Train rows" in line for line in lines)
     assert any(line.startswith("rollout.chat_template = auto ") for line in lines)
     cfg = load_run_config(None, ["task=math_tool", f"task_options.data={MATH}"], strict=False)
@@ -86,12 +90,14 @@ def test_print_config_lists_every_key_with_its_value_and_doc(capsys: pytest.Capt
     assert {"steps", "trainer.actor_lr", "staleness.mode", "task_options.max_tool_calls"} <= set(keys)
 
 
-def test_copc_eval_on_an_hf_folder_with_a_dataset_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_copc_eval_on_an_hf_folder_with_a_dataset_task(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     tok = build_tiny_tokenizer()
     folder = tmp_path / "policy"
     build_tiny_model(tok, seed=0).save_pretrained(folder)
     tok.save_pretrained(folder)
-    args = ["--checkpoint", str(folder), "--task", "math_tool", "--prompts", "2", "--samples", "1", "--no-greedy",
+    args = ["--checkpoint", str(folder), "--task", "math_tool", "--prompts", "2", "--samples", "1",
+            "--no-greedy",
             f"task_options.data={MATH}", "task_options.eval_size=2", "rollout.max_new_tokens_per_turn=6",
             "rollout.max_total_tokens=12"]
     samples = tmp_path / "samples.jsonl"
@@ -101,7 +107,8 @@ def test_copc_eval_on_an_hf_folder_with_a_dataset_task(tmp_path: Path, capsys: p
     # What the model wrote: the prompt, its turns, the reward and why it stopped.
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     assert len(rows) == 2 and rows[0]["prompt"].startswith("<bos>What is the sum of the first 20")
-    assert rows[0]["turns"][0]["source"] == "policy" and rows[0]["stop_reason"] in {"max_tokens", "answer", "eos"}
+    assert rows[0]["turns"][0]["source"] == "policy" and rows[0]["stop_reason"] in {"max_tokens", "answer",
+                                                                                    "eos"}
     # Bad keys and paths: one line, exit code 2.
     for bad in (["rollout.max_new_tokens=8"], ["task_options.data=/no/rows.jsonl"]):
         assert eval_cli([*args, *bad]) == 2

@@ -45,7 +45,8 @@ def test_export_loads_with_transformers_and_generates(run_dir: Path, tmp_path: P
     for name, value in trained.state_dict().items():  # the checkpoint's weights, not the initial ones
         assert torch.equal(value, model.state_dict()[name]), name
     # the template the run rendered prompts with travels with the tokenizer
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False,
+                                         add_generation_prompt=True)
     assert text == "<user>1+1<assistant>"
     ids = tokenizer("12+3=", return_tensors="pt").input_ids
     generated = model.generate(ids, max_new_tokens=4, do_sample=False)
@@ -89,7 +90,8 @@ def test_export_of_a_damaged_step_asked_for_is_one_line(run_dir: Path, tmp_path:
     assert err.count("\n") == 1 and err.startswith("error:") and not (tmp_path / "two").exists()
 
 
-def test_convert_gguf_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_gguf_refuses_bad_input_in_one_line(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
     assert convert_cli([str(tmp_path), "missing.gguf", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "missing.gguf does not exist" in err
@@ -99,7 +101,8 @@ def test_convert_gguf_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pyte
     assert "not an empty folder" in capsys.readouterr().err
 
 
-def test_make_critic_cuts_the_policy_and_trains_as_model_critic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_make_critic_cuts_the_policy_and_trains_as_model_critic(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     # issue 35 (8): model.critic=DIR was documented with no way to make one.
     from copc.models import build_tiny_model, build_tiny_tokenizer
     from copc.run.export import critic_cli

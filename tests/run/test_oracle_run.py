@@ -14,7 +14,8 @@ from copc.run.train import train_cli
 
 TINY = [
     "task=kv_chain", "model.policy=tiny", "steps=2", "checkpoint_every=0", "rollout.prompts_per_batch=2",
-    "rollout.group_size=2", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=6", "rollout.max_total_tokens=18",
+    "rollout.group_size=2", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=6",
+    "rollout.max_total_tokens=18",
     "eval.prompts=0", "driver.kind=sync", "trainer.critic_warmup_steps=0", "plots=false", "oracle.samples=2",
     "rollout.temperature=3.0",  # the random tiny model then ends turns at its stop strings often enough
 ]
@@ -50,7 +51,8 @@ def test_mc_oracle_estimator_passes_the_oracle_through_and_needs_it() -> None:
     mask = torch.tensor([[False, True, True, False]])
     oracle = torch.tensor([[5.0, 0.5, -0.25, 9.0]])
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
-    raw = compute_advantages(get_method("async_ppo_oracle").advantage.__class__(estimator="mc_oracle", whiten=False),
+    raw = compute_advantages(get_method("async_ppo_oracle").advantage.__class__(estimator="mc_oracle",
+                                                                                whiten=False),
                              rewards=rewards, values=None, log_w=None, action_mask=mask, oracle=oracle)
     assert torch.equal(raw.advantages, torch.tensor([[0.0, 0.5, -0.25, 0.0]]))
     assert torch.equal(raw.returns, torch.tensor([[0.0, 1.0, 1.0, 0.0]]))  # the Monte-Carlo reward-to-go

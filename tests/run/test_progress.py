@@ -32,12 +32,14 @@ def test_without_a_terminal_each_step_is_a_line_and_no_signal_is_said_once(
 ) -> None:
     """Before: under nohup the progress came at the end only, eval.prompts=0 printed ``None`` in the summary,
     and an untrained model's all-zero rewards went unremarked. (capsys: stdout is not a terminal.)"""
-    assert train_cli([f"run_dir={tmp_path / 'run'}", *TINY, "steps=3", "eval.prompts=0", "no_signal_steps=2"]) == 0
+    assert train_cli([f"run_dir={tmp_path / 'run'}", *TINY, "steps=3", "eval.prompts=0",
+                      "no_signal_steps=2"]) == 0
     out, err = capsys.readouterr()
     for done in (1, 3):  # the first line at once, the last always; at most one per 10 s between
         assert re.search(rf"^train {done}/3  reward 0\.000  acc 0\.000  stale \d\.\d  \d+s$", out, re.M), out
     assert "None" not in out and re.search(r"eval accuracy \(avg@k\) \W+ - \W+ - ", out), out
-    assert err.count("warning: no learning signal: every train reward has been 0 for the last 2 steps (to step 2)") == 1
+    assert err.count(
+        "warning: no learning signal: every train reward has been 0 for the last 2 steps (to step 2)") == 1
 
 
 def test_no_signal_steps_is_left_out_of_the_config_hash() -> None:
@@ -54,7 +56,8 @@ def test_evaluate_reports_episodes_done_and_changes_nothing() -> None:
     rollout = RolloutConfig(max_turns=2, max_new_tokens_per_turn=8, max_total_tokens=12, context_limit=96)
     cfg = EvalConfig(prompts=3, samples=2, greedy=True)
     calls: list[tuple[int, int]] = []
-    reported = evaluate(model, tokenizer, task, rollout, cfg, seed=1, progress=lambda d, n: calls.append((d, n)))
+    reported = evaluate(model, tokenizer, task, rollout, cfg, seed=1, progress=lambda d, n: calls.append((d,
+                                                                                                          n)))
     assert calls[-1] == (9, 9) and all(n == 9 for _, n in calls)  # 3 prompts x 2 samples + 3 greedy
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
     assert evaluate(model, tokenizer, task, rollout, cfg, seed=1) == reported

@@ -31,7 +31,8 @@ TINY = [
 
 
 def _git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
 
 
 def _repo_with_package(root: Path) -> Path:
@@ -66,7 +67,8 @@ def test_dirty_flag_names_changed_and_untracked_package_files_only(tmp_path: Pat
 def test_outside_a_checkout_commit_is_none_and_the_version_remains(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
     assert code_commit(tmp_path / "pkg") == {"commit": None, "commit_dirty": None, "dirty_paths": None}
-    if shutil.which("git") is not None:  # a folder the repository around it does not track: no evidence either
+    # a folder the repository around it does not track: no evidence either
+    if shutil.which("git") is not None:
         _repo_with_package(tmp_path / "repo")
         (tmp_path / "repo" / "site").mkdir()
         (tmp_path / "repo" / "site" / "m.py").write_text("")
@@ -85,13 +87,15 @@ def test_stated_lag_golden() -> None:
     assert stated_lag(driver="async", mode="fixed_lag", staleness=4)["nominal"] == 4
     assert stated_lag(driver="async", mode="bounded", staleness=8) == {
         "rule": "bounded, async driver", "nominal": None, "at_most": 8}
-    assert lag_text(stated_lag(driver="sync", mode="bounded", staleness=8)) == "lag 0 (sync driver: current weights)"
+    assert lag_text(stated_lag(driver="sync", mode="bounded",
+                               staleness=8)) == "lag 0 (sync driver: current weights)"
     assert lag_text(stated_lag(driver="ray", mode="bounded", staleness=8)) == "lag <= 8 (bounded, ray driver)"
 
 
 @pytest.mark.parametrize("overrides", [
     ["method=ppo"],
-    ["method=copc_proximal", "method_overrides.policy.mask_low=0.0", "method_overrides.policy.mask_high=.inf"],
+    ["method=copc_proximal", "method_overrides.policy.mask_low=0.0",
+     "method_overrides.policy.mask_high=.inf"],
     ["method=dapo"],  # no critic: critic None round-trips too
 ])
 def test_resolved_method_round_trips_through_a_record(overrides: list[str], tmp_path: Path) -> None:
@@ -104,7 +108,8 @@ def test_resolved_method_round_trips_through_a_record(overrides: list[str], tmp_
 
 def test_a_fresh_sync_run_names_its_commit_and_lag_0_in_summary_and_record(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    assert train_cli(["--no-progress", f"run_dir={run_dir}", *TINY, "method=ppo"]) == 0  # bounded 8 by default
+    # bounded 8 by default
+    assert train_cli(["--no-progress", f"run_dir={run_dir}", *TINY, "method=ppo"]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["staleness_mode"] == "bounded" and summary["staleness"] == 8  # the section as configured
     head = _git(REPO, "rev-parse", "HEAD") if shutil.which("git") and (REPO / ".git").exists() else None
@@ -146,7 +151,8 @@ def test_a_record_of_a_run_older_than_provenance_says_whose_provenance_it_holds(
 
 @pytest.mark.skipif(not OLD_RECORDS.is_dir(), reason="needs the committed confirmation records")
 def test_records_made_before_provenance_still_load_and_report(tmp_path: Path) -> None:
-    old = sorted(OLD_RECORDS.glob("arm=ppo_sync__seed20[01].json")) + sorted(OLD_RECORDS.glob("arm=async_ppo__seed20[01].json"))
+    old = sorted(OLD_RECORDS.glob("arm=ppo_sync__seed20[01].json")) + sorted(OLD_RECORDS.glob(
+        "arm=async_ppo__seed20[01].json"))
     assert len(old) == 4 and all("commit" not in json.loads(p.read_text()) for p in old)
     folder = tmp_path / "mixed"
     folder.mkdir()
@@ -173,4 +179,5 @@ def test_testbed_report_names_each_runs_commit(tmp_path: Path) -> None:
     assert found["runs"] == {str(new): {"commit": "b" * 40, "commit_dirty": False},
                              str(old): {"commit": None, "commit_dirty": None},
                              str(unfinished): {"commit": None, "commit_dirty": None}}
-    assert set(found["analysed_by"]) == {"commit", "commit_dirty", "dirty_paths", "versions"}  # type: ignore[arg-type]
+    assert set(found["analysed_by"]) == {"commit", "commit_dirty", "dirty_paths",
+                                         "versions"}  # type: ignore[arg-type]

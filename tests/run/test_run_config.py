@@ -15,8 +15,10 @@ def test_default_run_evaluates_every_20_steps() -> None:
     assert cfg.eval.every == 20 and cfg.steps % cfg.eval.every == 0
 
 
-@pytest.mark.parametrize(("method", "on"), [("dapo", True), ("copc", False), ("ppo", False), ("areal", False)])
-def test_the_method_decides_dynamic_sampling_and_overlong_shaping_unless_rollout_does(method: str, on: bool) -> None:
+@pytest.mark.parametrize(("method", "on"), [("dapo", True), ("copc", False), ("ppo", False), ("areal",
+                                                                                              False)])
+def test_the_method_decides_dynamic_sampling_and_overlong_shaping_unless_rollout_does(method: str,
+                                                                                      on: bool) -> None:
     rollout = resolve_rollout(load_run_config(None, [f"method={method}"]))
     assert rollout.dynamic_sampling.enabled is on and rollout.overlong.enabled is on
     # the rollout config wins in both directions, for any method
@@ -35,10 +37,12 @@ def test_dynamic_sampling_with_groups_of_one_fails_at_load_naming_the_fix() -> N
 
 
 def test_method_overrides_change_the_preset_and_bad_ones_name_the_key() -> None:
-    cfg = load_run_config(None, ["method_overrides.policy.mask_high=.inf", "method_overrides.advantage.ratio_high=1.5"])
+    cfg = load_run_config(None, ["method_overrides.policy.mask_high=.inf",
+                                 "method_overrides.advantage.ratio_high=1.5"])
     method = resolve_method(cfg)
     assert method.policy.mask_high == float("inf") and method.advantage.ratio_high == 1.5
-    assert method.policy.mask_low == resolve_method(load_run_config(None, [])).policy.mask_low  # the rest is the preset's
+    # the rest is the preset's
+    assert method.policy.mask_low == resolve_method(load_run_config(None, [])).policy.mask_low
     for override, needle in [
         ("method_overrides.polcy.mask_high=2", "unknown section; valid: policy, advantage, critic"),
         ("method_overrides.policy.mask_hgh=2", "did you mean 'mask_high'"),
@@ -89,13 +93,16 @@ def test_model_critic_loads_a_smaller_backbone_that_reads_the_policys_tokens(tmp
 def test_the_sampler_transform_is_one_setting_shown_where_it_is_used() -> None:
     # issue 35 (4): rollout.temperature=0.7 used to leave trainer.temperature = 1.0 in --print-config and
     # config.yaml while the trainer used 0.7; trainer.temperature alone was silently ignored.
-    cfg = load_run_config(None, ["rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=5"], strict=False)
+    cfg = load_run_config(None, ["rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=5"],
+                          strict=False)
     assert (cfg.trainer.temperature, cfg.trainer.top_p, cfg.trainer.top_k) == (0.7, 0.9, 5)
     again = load_run_config(None, ["rollout.temperature=0.7", "rollout.temperature=0.8"], strict=False)
     assert again.trainer.temperature == 0.8  # overrides still compose
-    with pytest.raises(ConfigError, match=r"trainer.temperature=0.7 but rollout.temperature=1.0: .* set rollout.temperature=0.7"):
+    with pytest.raises(ConfigError, match=r"trainer.temperature=0.7 but rollout.temperature=1.0: .* set "
+                                          r"rollout.temperature=0.7"):
         load_run_config(None, ["trainer.temperature=0.7"], strict=False)
-    assert load_run_config(None, ["rollout.temperature=0.7", "trainer.temperature=0.7"], strict=False).trainer.temperature == 0.7
+    assert load_run_config(None, ["rollout.temperature=0.7", "trainer.temperature=0.7"],
+                           strict=False).trainer.temperature == 0.7
 
 
 def test_paths_are_saved_absolute(tmp_path, monkeypatch) -> None:
@@ -104,14 +111,17 @@ def test_paths_are_saved_absolute(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     cfg = load_run_config(None, [
         "task=math_tool", "task_options.data=train.jsonl", "task_options.eval_data=hf:gsm8k",
-        "model.policy=smollm2-hf", "model.critic=../critic", "rollout.chat_template=t.jinja", "run_dir=runs/m",
+        "model.policy=smollm2-hf", "model.critic=../critic", "rollout.chat_template=t.jinja",
+        "run_dir=runs/m",
     ], strict=False)
     assert cfg.task_options["data"] == str(tmp_path / "train.jsonl")
     assert cfg.task_options["eval_data"] == "hf:gsm8k"  # a hub name, not a path
-    assert cfg.model.policy == str(tmp_path / "smollm2-hf") and cfg.model.critic == str(tmp_path / "../critic")
+    assert cfg.model.policy == str(tmp_path / "smollm2-hf") and cfg.model.critic == str(
+        tmp_path / "../critic")
     assert cfg.rollout.chat_template == str(tmp_path / "t.jinja") and cfg.run_dir == str(tmp_path / "runs/m")
     plain = load_run_config(None, [], strict=False)
-    assert (plain.model.policy, plain.model.critic, plain.rollout.chat_template) == ("warmstart", "policy", "auto")
+    assert (plain.model.policy, plain.model.critic, plain.rollout.chat_template) == ("warmstart", "policy",
+                                                                                     "auto")
 
 
 def test_data_rows_are_checked_before_anything_heavy(tmp_path, capsys) -> None:
@@ -121,15 +131,18 @@ def test_data_rows_are_checked_before_anything_heavy(tmp_path, capsys) -> None:
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"question": "1+1?", "solution": "2"}\n' * 4)
-    overrides = ["task=math_tool", f"task_options.data={rows}", "task_options.eval_size=2", "model.policy=tiny"]
-    with pytest.raises(ConfigError, match=r"rows.jsonl, line \d: column 'problem' is missing .*question, solution.* "
+    overrides = ["task=math_tool", f"task_options.data={rows}", "task_options.eval_size=2",
+                 "model.policy=tiny"]
+    with pytest.raises(ConfigError,
+                       match=r"rows.jsonl, line \d: column 'problem' is missing .*question, solution.* "
                                           r"set task_options.question_key=<column name>"):
         load_run_config(None, overrides)
     run_dir = tmp_path / "run"
     assert train_cli(["--no-progress", *overrides, f"run_dir={run_dir}"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert not run_dir.exists()
-    fixed = load_run_config(None, [*overrides, "task_options.question_key=question", "task_options.answer_key=solution"])
+    fixed = load_run_config(None, [*overrides, "task_options.question_key=question",
+                                   "task_options.answer_key=solution"])
     assert fixed.task_options["question_key"] == "question"
 
 

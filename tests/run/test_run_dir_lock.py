@@ -28,7 +28,8 @@ def test_a_second_claim_is_refused_naming_the_holder_and_touches_nothing(tmp_pat
         (path / "metrics.jsonl").write_text("{}\n")  # the first run's output so far
         assert run_dir_holder(run) == os.getpid()
         for other in (cfg, replace(cfg, resume=True), replace(cfg, overwrite=True)):
-            with pytest.raises(ConfigError, match=r"in use by another copc train \(pid \d+\)"), claimed_run_dir(other):
+            with pytest.raises(ConfigError,
+                               match=r"in use by another copc train \(pid \d+\)"), claimed_run_dir(other):
                 pass
         assert (path / "metrics.jsonl").read_text() == "{}\n"  # overwrite=true did not remove it
     assert run_dir_holder(run) is None
@@ -64,7 +65,8 @@ def test_a_hold_inherited_by_a_child_names_the_child_not_the_dead_parent(tmp_pat
     """CLI review item 18: a process forked by the claimant (it shares the lock's open file) holds the
     directory after the claimant ends; the refusal named the claimant's stale pid from the lock file."""
     run = tmp_path / "run"
-    parent = claimant(run, "pid = os.fork()\nif pid == 0:\n    time.sleep(60); os._exit(0)\nprint(pid, flush=True); os._exit(0)")
+    parent = claimant(run, "pid = os.fork()\nif pid == 0:\n    time.sleep(60); os._exit(0)\nprint(pid, "
+                           "flush=True); os._exit(0)")
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     parent.wait(timeout=30)
@@ -72,7 +74,8 @@ def test_a_hold_inherited_by_a_child_names_the_child_not_the_dead_parent(tmp_pat
         with pytest.raises(ConfigError) as err, claimed_run_dir(replace(default_config(), run_dir=str(run))):
             pass
         message = str(err.value)
-        assert f"pid {child}" in message and f"pid {parent.pid}" in message and "has ended" in message, message
+        assert f"pid {child}" in message and f"pid {parent.pid}" in message and "has ended" in message, (
+            message)
         assert run_dir_holder(run) == child
     finally:
         os.kill(child, 9)
@@ -114,7 +117,8 @@ def test_a_cell_another_sweep_starts_after_the_plan_is_skipped_when_its_turn_com
     with ExitStack() as other_queue:
         def log(line: str) -> None:
             lines.append(line)
-            if line.startswith(f"[sweep] start {first.cell_id}"):  # meanwhile the other queue takes the second
+            # meanwhile the other queue takes the second
+            if line.startswith(f"[sweep] start {first.cell_id}"):
                 other_queue.enter_context(claimed_run_dir(resolve(second, paths.run_dir(second))))
 
         failures = run_cells(spec, [first, second], paths, jobs=1, nice=0, log=log)

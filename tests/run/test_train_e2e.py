@@ -30,7 +30,8 @@ TINY = [
         ("staleness.mode=fixed", "fixed_lag"),
     ],
 )
-def test_bad_config_fails_in_one_clear_line(override: str, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_config_fails_in_one_clear_line(override: str, needle: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     assert train_cli(["--no-progress", override]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
@@ -39,7 +40,8 @@ def test_bad_config_fails_in_one_clear_line(override: str, needle: str, capsys: 
 
 def test_default_config_is_the_documented_embedded_default() -> None:
     cfg = load_run_config(None, [])
-    assert (cfg.task, cfg.method, cfg.driver.kind, cfg.staleness.staleness) == ("arith_tool", "copc", "async", 8)
+    assert (cfg.task, cfg.method, cfg.driver.kind, cfg.staleness.staleness) == ("arith_tool", "copc", "async",
+                                                                                8)
     assert cfg.model.policy == "warmstart"
 
 

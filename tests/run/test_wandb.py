@@ -26,7 +26,8 @@ def test_an_offline_wandb_run_mirrors_the_metrics(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
-    assert train_cli(["--no-progress", f"run_dir={run_dir}", *TINY, "wandb=true", "wandb_project=copc-test"]) == 0
+    assert train_cli(["--no-progress", f"run_dir={run_dir}", *TINY, "wandb=true",
+                      "wandb_project=copc-test"]) == 0
     run_id = (run_dir / "wandb_id").read_text().strip()
     [offline] = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     [log] = list(offline.glob("*.wandb"))
@@ -40,7 +41,8 @@ def test_an_offline_wandb_run_mirrors_the_metrics(tmp_path: Path, monkeypatch: p
         if set(rewards) <= set(logged) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert rewards and set(rewards) <= set(logged), f"steps {sorted(rewards)}, W&B history has {sorted(logged)}"
+    assert rewards and set(rewards) <= set(
+        logged), f"steps {sorted(rewards)}, W&B history has {sorted(logged)}"
     assert all(logged[step]["reward/mean"] == value for step, value in rewards.items())
     assert wandb.__version__
 
@@ -58,7 +60,8 @@ def _history(log: Path) -> dict[int, dict[str, object]]:
         except DecodeError:  # the last record of a file still being written
             continue
         if record.WhichOneof("record_type") == "history":
-            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            items = {item.key or "/".join(item.nested_key): json.loads(
+                item.value_json) for item in record.history.item}
             logged[int(items["_step"])] = items
     return logged
 
@@ -88,7 +91,8 @@ def test_wandb_without_the_package_is_one_line(monkeypatch: pytest.MonkeyPatch) 
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name,
+                                                                                                        *a))
     with pytest.raises(ConfigError, match=r"wandb=true needs the wandb package: pip install 'copc\[wandb\]'"):
         load_run_config(None, ["model.policy=tiny", "wandb=true"])
 
@@ -97,7 +101,8 @@ def test_the_mirror_is_left_out_of_the_config_hash() -> None:
     from copc.config import to_dict
     from copc.experiments.results import config_hash
 
-    plain, mirrored = (to_dict(load_run_config(None, o, strict=False)) for o in ([], ["wandb=true", "wandb_project=x"]))
+    plain, mirrored = (to_dict(load_run_config(None, o, strict=False)) for o in ([], ["wandb=true",
+                                                                                      "wandb_project=x"]))
     assert config_hash(plain) == config_hash(mirrored)
     old = {k: v for k, v in plain.items() if k not in ("wandb", "wandb_project")}  # a record made before them
     assert config_hash(old) == config_hash(plain)

@@ -50,7 +50,8 @@ def test_encode_demo_masks_prompt_and_observations(tokenizer):
     encoded = encode_demo(tokenizer, demo)
     tokens = tokenizer.convert_ids_to_tokens(encoded.token_ids.tolist())
     assert tokens[0] == "<bos>" and tokenizer.decode(encoded.token_ids[1:]) == demo.text
-    # bos + 13 prompt characters; <python> + 10 characters + </python>; <output> 6 </output>; <answer> 6 </answer>.
+    # bos + 13 prompt characters; <python> + 10 characters + </python>; <output> 6 </output>; <answer> 6
+    # </answer>.
     expected = [False] * 14 + [True] * 12 + [False] * 3 + [True] * 3
     assert encoded.action_mask.tolist() == expected
     assert [t for t, m in zip(tokens, expected, strict=True) if m][-3:] == ["<answer>", "6", "</answer>"]
@@ -185,7 +186,8 @@ def test_cli_builds_the_warm_start_the_default_run_uses(tmp_path, monkeypatch):
         policy_path(default_config(), tmp_path)
     assert sft_cli(["--task", "arith_tool"]) == 2
     assert len(calls) == 2 and calls[0] == calls[1]
-    assert calls[0][2] == default_config().task_options and calls[0][3].steps == default_config().model.warmstart_sft["steps"]
+    assert calls[0][2] == default_config().task_options and calls[0][3].steps == default_config(
+        ).model.warmstart_sft["steps"]
     # another task keeps its own defaults (the default run's task options name arith_tool's fields)
     assert cli_request("kv_search") == ws.WarmstartRequest("kv_search", 0, {}, DEFAULT_SFT["kv_search"])
 
@@ -203,5 +205,6 @@ def test_warm_start_lands_in_the_target_band(task_name):
     scores = measure_accuracy(task_name, path, n=200)
     assert 0.2 <= scores["eval/accuracy"] <= 0.6, scores
     assert scores["eval/greedy_accuracy"] < 0.8, scores
-    assert 0.1 < scores["eval/tool_use_rate"] < 0.95, scores  # the policy sometimes calls the tool, sometimes not
+    # the policy sometimes calls the tool, sometimes not
+    assert 0.1 < scores["eval/tool_use_rate"] < 0.95, scores
     assert get_task(task_name).prompts("eval", 1)  # the eval split exists for the RL side

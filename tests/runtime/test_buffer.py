@@ -198,10 +198,12 @@ def test_a_batch_with_empty_trajectories_is_consumed_whole():
     ``put`` drops it (counted), so a step waiting for B trajectories of that batch waits forever;
     ``put_batch`` keeps it under the batch's version and ``take_batch`` returns the whole batch."""
     for mode, s in (("fixed_lag", 0), ("fixed_lag", 2), ("bounded", 0), ("bounded", 1)):
-        old = TrajectoryBuffer(StalenessConfig(mode=mode, staleness=s), batch_size=3)  # type: ignore[arg-type]
+        old = TrajectoryBuffer(StalenessConfig(mode=mode, staleness=s),
+                               batch_size=3)  # type: ignore[arg-type]
         old.put([traj(0, "a"), traj(-1, "empty"), traj(0, "b")])
         assert old.get_batch(0) is None  # B - 1 stored: the old async path never got its batch
-        buf = TrajectoryBuffer(StalenessConfig(mode=mode, staleness=s), batch_size=3)  # type: ignore[arg-type]
+        buf = TrajectoryBuffer(StalenessConfig(mode=mode, staleness=s),
+                               batch_size=3)  # type: ignore[arg-type]
         buf.put_batch(0, 0, [traj(0, "a"), traj(-1, "empty"), traj(0, "b")])
         assert ids(buf.take_batch(0)) == ["a", "empty", "b"]
         metrics = buf.metrics()

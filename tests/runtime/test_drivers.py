@@ -110,9 +110,11 @@ def test_the_samplers_copies_are_kept_in_its_dtype_and_only_as_many_as_requests_
     weights = {"w": torch.tensor([1.0 + 2**-10, -3.0]), "ids": torch.arange(3)}
     cast = sampler_weights(weights, torch.bfloat16)
     assert cast["w"].dtype == torch.bfloat16 and torch.equal(cast["w"], weights["w"].to(torch.bfloat16))
-    assert cast["ids"].data_ptr() == weights["ids"].data_ptr()  # integer buffers untouched (no copy asked for)
+    # integer buffers untouched (no copy asked for)
+    assert cast["ids"].data_ptr() == weights["ids"].data_ptr()
     kept = sampler_weights(weights, torch.float32, copy=True)
-    assert all(kept[k].data_ptr() != weights[k].data_ptr() and torch.equal(kept[k], weights[k]) for k in weights)
+    assert all(kept[k].data_ptr() != weights[k].data_ptr() and torch.equal(kept[k],
+                                                                           weights[k]) for k in weights)
     assert ring_slots(StalenessConfig(mode="fixed_lag", staleness=8), partial=False) == 10
     assert ring_slots(StalenessConfig(mode="bounded", staleness=8), partial=True) == 10
     assert ring_slots(StalenessConfig(mode="bounded", staleness=8), partial=False) == 3
@@ -127,7 +129,8 @@ def test_async_bfloat16_sampling_equals_sync_with_half_size_snapshots(tmp_path: 
     assert latest is not None
     snapshots = latest[1]["source"]["snapshots"]  # type: ignore[index]
     assert sorted(snapshots) == [2, 3]  # type: ignore[call-overload]  # versions step 3 and 4 still need
-    assert {t.dtype for w in snapshots.values() for t in w.values() if t.is_floating_point()} == {torch.bfloat16}  # type: ignore[attr-defined]
+    assert {t.dtype for w in snapshots.values() for t in w.values() if t.is_floating_point(
+        )} == {torch.bfloat16}  # type: ignore[attr-defined]
     assert {t.dtype for t in final_policy(tmp_path / "async").values()} == {torch.float32}  # master weights
 
 

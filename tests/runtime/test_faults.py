@@ -61,7 +61,8 @@ VOLATILE = ("time/", "perf/", "memory/", "buffer/", "runtime/")
 
 def config(run_dir: Path, *, driver: str = "async", steps: int = 6, **extra: object) -> RunConfig:
     cfg = RunConfig(
-        task="arith_tool", task_options={"train_size": 200, "eval_size": 8}, method="copc", steps=steps, seed=5,
+        task="arith_tool", task_options={"train_size": 200, "eval_size": 8}, method="copc", steps=steps,
+        seed=5,
         run_dir=str(run_dir), checkpoint_every=1, plots=False, model=ModelConfig(policy="tiny"),
         rollout=RolloutConfig(prompts_per_batch=2, group_size=2, max_turns=2, max_new_tokens_per_turn=8,
                               max_total_tokens=12, context_limit=96),
@@ -147,7 +148,8 @@ def kill_a_worker_once(run_dir: Path, killed: list[int]) -> Callable[[], None]:
 
 # --------------------------------------------------------------------------------- worker deaths
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(reference: Path, tmp_path: Path, workers: int) -> None:
+def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(reference: Path, tmp_path: Path,
+                                                               workers: int) -> None:
     cfg = replace(config(tmp_path / "run"), driver=DriverConfig(kind="async", num_workers=workers))
     killed: list[int] = []
     killer = threading.Thread(target=kill_a_worker_once(tmp_path / "run", killed))
@@ -212,7 +214,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_trainer_killed_leaves_no_process_and_resumes_exactly(reference: Path, tmp_path: Path, sig: int) -> None:
+def test_trainer_killed_leaves_no_process_and_resumes_exactly(reference: Path, tmp_path: Path,
+                                                              sig: int) -> None:
     """Issue 18, defect 2 (orphans; SIGTERM a clean stop) and defect 4 (a damaged journal entry)."""
     cfg = config(tmp_path / "run")
     code = "import sys; from copc.run.train import train_cli; sys.exit(train_cli(sys.argv[1:]))"
@@ -326,7 +329,8 @@ def test_resume_counts_are_the_runs_and_survive_the_next_checkpoint(tmp_path: Pa
     again.load_state_dict(checkpoint)
     try:
         assert again.journal_damaged == 2 and again.metrics()["runtime/journal_damaged"] == 2
-        assert sorted(p.name for p in journal.glob("*.damaged")) == ["batch_00000000.1.damaged", "batch_00000000.damaged"]
+        assert sorted(p.name for p in journal.glob("*.damaged")) == ["batch_00000000.1.damaged",
+                                                                     "batch_00000000.damaged"]
         again.restored = 3  # as if this resume restored three batches: the next checkpoint carries them
         state = again.state_dict()
     finally:
@@ -372,7 +376,8 @@ def test_a_worker_that_cannot_be_restarted_ends_the_run_in_one_line(
     assert f"resume=true run_dir={tmp_path / 'run'}" in message, message
 
 
-def test_a_silent_worker_is_warned_about_then_restarted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_silent_worker_is_warned_about_then_restarted(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 34, item 3: a worker stopped (SIGSTOP) stalled the run for as long as it was stopped, without
     a word (up to driver.batch_timeout_s, 3600 s). Now a warning after silent_warn_s (what, how long),
     a restart after silent_restart_s, counted in runtime/worker_restarts."""
@@ -392,8 +397,10 @@ def test_a_silent_worker_is_warned_about_then_restarted(tmp_path: Path, capsys: 
     assert "silent while generating batch 0" in err and "driver.silent_worker_restart_s=3" in err, err
     assert source.metrics()["runtime/worker_restarts"] == 1
     assert batch.index == 0 and waited >= 3.0
-    assert DriverConfig().silent_worker_warn_s > 0 and DriverConfig().silent_worker_restart_s > 0  # on by default
-    with pytest.raises(ValueError, match=r"silent_worker_restart_s=30 must be above driver.silent_worker_warn_s=60"):
+    # on by default
+    assert DriverConfig().silent_worker_warn_s > 0 and DriverConfig().silent_worker_restart_s > 0
+    with pytest.raises(ValueError,
+                       match=r"silent_worker_restart_s=30 must be above driver.silent_worker_warn_s=60"):
         DriverConfig(silent_worker_warn_s=60, silent_worker_restart_s=30)
     with pytest.raises(ValueError, match=r"driver.silent_worker_warn_s must be finite"):
         DriverConfig(silent_worker_warn_s=-1)
@@ -469,10 +476,12 @@ def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def logged_steps(run_dir: Path) -> list[int]:
-    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "loss/value" in x]
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines(
+        ) if "loss/value" in x]
 
 
-def test_run_dirs_are_never_reused_or_resumed_by_accident(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_dirs_are_never_reused_or_resumed_by_accident(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 18, defect 5: reuse, fallback, all corrupt, resume without run_dir or with other settings."""
     run = tmp_path / "run"
     assert cli(run) == 0
@@ -509,7 +518,8 @@ def test_run_dirs_are_never_reused_or_resumed_by_accident(tmp_path: Path, capsys
     assert logged_steps(run) == [0, 1]
 
 
-def test_a_folder_copc_did_not_make_is_never_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_folder_copc_did_not_make_is_never_overwritten(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """CLI review item 20: run_dir=<a project folder> overwrite=true removed the folder's own config.yaml and
     plots/ (they share names with what copc writes)."""
     project = tmp_path / "project"
@@ -522,12 +532,14 @@ def test_a_folder_copc_did_not_make_is_never_overwritten(tmp_path: Path, capsys:
         assert "not a copc run directory" in line and "config.yaml" in line, line
     assert cli(project, "resume=true") == 2  # refused too: the folder's config.yaml is not a run config
     assert "config.yaml" in one_error_line(capsys)
-    assert (project / "config.yaml").read_text() == "mine: 1\n" and (project / "plots" / "figure.png").exists()
+    assert (project / "config.yaml").read_text() == "mine: 1\n" and (project / "plots" / "figure.png").exists(
+        )
     assert sorted(p.name for p in project.iterdir()) == ["config.yaml", "plots"]
     run = tmp_path / "run"  # a run copc made is still replaced by overwrite=true
     assert cli(run) == 0
     assert cli(run, "overwrite=true") == 0
-    (run / ".lock").unlink()  # as a run made before .lock existed, without a checkpoint: its config.yaml tells
+    # as a run made before .lock existed, without a checkpoint: its config.yaml tells
+    (run / ".lock").unlink()
     shutil.rmtree(run / "checkpoints")
     assert cli(run, "overwrite=true") == 0
 
@@ -562,20 +574,23 @@ def test_weights_only_checkpoints_are_smaller_and_resume_with_a_note(
         return {p.name: p.stat().st_size for p in (run / "checkpoints" / "step_00000002").iterdir()}
 
     # The driver's snapshot of version 2 is the trained policy: stored once (source.snapshots.2 -> it).
-    assert sorted(sizes(full)) == ["meta.json", "state.pt", "trainer.critic.safetensors", "trainer.policy.safetensors"]
+    assert sorted(sizes(full)) == ["meta.json", "state.pt", "trainer.critic.safetensors",
+                                   "trainer.policy.safetensors"]
     assert sizes(lean)["trainer.policy.safetensors"] == sizes(full)["trainer.policy.safetensors"]
     weights = sizes(full)["trainer.policy.safetensors"] + sizes(full)["trainer.critic.safetensors"]
     assert sizes(lean)["state.pt"] < 0.05 * weights  # counters, RNG, config: no tensor of model size
     assert sizes(full)["state.pt"] > 1.99 * weights  # AdamW's two moments per weight
     a, b = (load_latest(run)[1]["trainer"]["policy"] for run in (full, lean))  # type: ignore[index]
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)  # type: ignore[index,union-attr]
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k],
+                                                      b[k]) for k in a)  # type: ignore[index,union-attr]
     capsys.readouterr()
     assert cli(lean, "resume=true", "steps=3", "checkpoint_optimizer=false") == 0
     assert "no optimizer state (checkpoint_optimizer=false)" in capsys.readouterr().err
     assert logged_steps(lean) == [0, 1, 2]
 
 
-def test_resume_before_the_first_checkpoint_logs_each_step_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_before_the_first_checkpoint_logs_each_step_once(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     assert cli(run) == 0
     for path in (run / "checkpoints").iterdir():  # as if killed after two steps, before any checkpoint
@@ -584,7 +599,8 @@ def test_resume_before_the_first_checkpoint_logs_each_step_once(tmp_path: Path, 
     assert cli(run, "resume=true") == 0
     assert "no checkpoint yet" in capsys.readouterr().err
     assert logged_steps(run) == [0, 1]
-    evals = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
+    evals = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines(
+        ) if "eval/accuracy" in x]
     assert evals == [0, 2]
 
 
@@ -596,8 +612,8 @@ def files_of(run_dir: Path) -> dict[str, bytes]:
 def test_resume_continues_the_run_as_configured_and_keeps_its_history(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 35 item 2 and issue 34 case 1: ``resume=true run_dir=R`` alone continues R with R's own config (here
-    not the default: a tiny model, sync driver, small batches), says from which step; steps below the
+    """Issue 35 item 2 and issue 34 case 1: ``resume=true run_dir=R`` alone continues R with R's own config
+    (here not the default: a tiny model, sync driver, small batches), says from which step; steps below the
     finished ones are refused with R unchanged; the earlier final evaluation and wall time are kept."""
     run = tmp_path / "run"
     assert cli(run) == 0
@@ -621,11 +637,13 @@ def test_resume_continues_the_run_as_configured_and_keeps_its_history(
     evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
     assert [e["step"] for e in evals] == [0, 2, 3]  # the first process's final evaluation (step 2) kept
     kept = next(e for e in evals if e["step"] == 2)
-    assert kept == [json.loads(x) for x in before["metrics.jsonl"].decode().splitlines() if "eval/accuracy" in x][-1]
+    assert kept == [json.loads(x) for x in before["metrics.jsonl"].decode().splitlines(
+        ) if "eval/accuracy" in x][-1]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["wall_seconds_this_process"] > 0
     assert summary["eval_changed_on_resume"] == {"step": 2, "change": "eval.samples 1 -> 2"}
-    assert summary["wall_seconds"] == pytest.approx(first["wall_seconds"] + summary["wall_seconds_this_process"],
+    assert summary["wall_seconds"] == pytest.approx(
+        first["wall_seconds"] + summary["wall_seconds_this_process"],
                                                     abs=0.5)
     # the run's figures are the whole run's (its metrics.jsonl), not the steps this process trained
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in x]
@@ -647,13 +665,16 @@ def test_the_summarys_realized_staleness_is_the_whole_runs(tmp_path: Path) -> No
     from copc.run.train import _summary
 
     lags = [min(step, 64) for step in range(150)]  # fixed lag 64 reached after a ramp
-    rows = [{"step": i, "reward/mean": 0.5, "staleness/mean": float(x), "time/step": 1.0} for i, x in enumerate(lags)]
+    rows = [{"step": i, "reward/mean": 0.5, "staleness/mean": float(x), "time/step": 1.0} for i,
+            x in enumerate(lags)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = _summary(default_config(), {}, {}, SimpleNamespace(steps=150), 1.0, tmp_path)  # type: ignore[arg-type]
+    summary = _summary(default_config(), {}, {}, SimpleNamespace(steps=150), 1.0,
+                       tmp_path)  # type: ignore[arg-type]
     assert summary["realized_staleness_mean"] == pytest.approx(sum(lags) / len(lags))
 
 
-def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 34, case 9: a mistyped run_dir with resume=true used to start a new run there."""
     assert cli(tmp_path / "typo", "resume=true") == 2
     line = one_error_line(capsys)
@@ -677,7 +698,8 @@ def test_copc_eval_names_the_step_it_evaluates_and_what_it_skipped(
     out, err = capsys.readouterr()
     assert "the checkpoint of step 1" in out and "step 2 is damaged" in out, out
     skipped = [x for x in err.splitlines() if x.startswith("warning: skipped")]
-    assert len(skipped) == 1 and "step_00000002" in skipped[0] and "trainer.policy.safetensors" in skipped[0], err
+    assert len(
+        skipped) == 1 and "step_00000002" in skipped[0] and "trainer.policy.safetensors" in skipped[0], err
     assert [json.loads(x)["step"] for x in samples.read_text().splitlines()] == [1]
     subprocess.run(["rm", "-rf", str(run / "checkpoints")], check=True)  # as if no checkpoint was written yet
     assert eval_cli(args) == 2
@@ -686,7 +708,8 @@ def test_copc_eval_names_the_step_it_evaluates_and_what_it_skipped(
 
 
 # ---------------------------------------------------------------------------------- bad values
-def test_non_finite_settings_and_weights_stop_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_non_finite_settings_and_weights_stop_the_run(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 18, defect 6: actor_lr=inf trained NaN weights and exited 0."""
     assert cli(tmp_path / "a", "trainer.actor_lr=inf") == 2
     assert "trainer.actor_lr" in one_error_line(capsys)
@@ -737,7 +760,8 @@ def test_prompts_that_fill_the_context_do_not_hang_the_async_driver() -> None:
     tokenizer.save_pretrained(folder)
     rollout = RolloutConfig(prompts_per_batch=2, group_size=2, max_turns=1, max_new_tokens_per_turn=4,
                             max_total_tokens=4, context_limit=4)
-    spec = WorkerSpec(model_path=str(folder), task="arith_tool", task_options={"train_size": 50, "eval_size": 4},
+    spec = WorkerSpec(model_path=str(folder), task="arith_tool", task_options={"train_size": 50,
+                                                                               "eval_size": 4},
                       rollout=rollout, seed=0)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for mode in ("fixed_lag", "bounded"):
@@ -769,7 +793,8 @@ def test_the_loop_refuses_to_train_on_zero_tokens() -> None:
     task = get_task("arith_tool", train_size=50, eval_size=4)
     rollout = RolloutConfig(prompts_per_batch=2, group_size=2, max_turns=1, max_new_tokens_per_turn=4,
                             max_total_tokens=4, context_limit=4)
-    source = SyncSource(RolloutGenerator(build_tiny_model(tokenizer, seed=0), tokenizer, task, rollout, seed=0),
+    source = SyncSource(RolloutGenerator(build_tiny_model(tokenizer, seed=0), tokenizer, task, rollout,
+                                         seed=0),
                         StalenessConfig(mode="fixed_lag", staleness=0))
     source.publish(0, {k: v.detach().clone() for k, v in policy.state_dict().items()})
     trainer = ActorCriticTrainer(policy, ValueModel.from_policy(policy), get_method("copc"), TrainerConfig())
@@ -799,7 +824,8 @@ def test_a_stop_signal_waits_for_the_end_of_the_step_and_a_second_one_does_not()
     assert not twice.value.clean
 
 
-# ------------------------------------------- issue 34, cases 4, 10, 12: read-only dirs, model context, full disk
+# ------------------------------------------- issue 34, cases 4, 10, 12: read-only dirs, model context, full
+# disk
 def _mount_tmpfs(where: Path, options: str) -> Iterator[Path]:
     where.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
@@ -832,28 +858,33 @@ def test_a_read_only_run_dir_or_cache_is_one_line(read_only_fs: Path, monkeypatc
 
 def test_a_prompt_longer_than_the_models_context_is_refused(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """Before: rollout.context_limit=8000 on a model of 2048 positions took a 2,200-token prompt and trained on
-    it. Now the limit is capped by max_position_embeddings (said once on stderr) and the prompt refused."""
+    """Before: rollout.context_limit=8000 on a model of 2048 positions took a 2,200-token prompt and trained
+    on it. Now the limit is capped by max_position_embeddings (said once on stderr) and the prompt refused."""
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"problem": "What is 2+2?", "answer": "4"}) + "\n"
                     + json.dumps({"problem": "x " * 1100, "answer": "1"}) + "\n")
-    code = train_cli(["--no-progress", f"run_dir={tmp_path / 'run'}", "task=math_tool", f"task_options={{data: {data}}}",
+    code = train_cli(["--no-progress", f"run_dir={tmp_path / 'run'}", "task=math_tool",
+                      f"task_options={{data: {data}}}",
                       "rollout.context_limit=8000", *[o for o in TINY if not o.startswith("task_options")]])
     assert code == 2
     err = capsys.readouterr().err
     assert err.count("note: rollout.context_limit=8000 is above the model's own context "
                      "(max_position_embeddings=2048); episodes are limited to 2048 tokens") == 1
     errors = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(errors) == 1 and re.search(r"long\.jsonl, line 2: prompt is \d+ tokens, >= the model's own context "
-                                          r"of 2048 tokens \(max_position_embeddings; rollout\.context_limit=8000 "
+    assert len(errors) == 1 and re.search(
+        r"long\.jsonl, line 2: prompt is \d+ tokens, >= the model's own context "
+                                          r"of 2048 tokens \(max_position_embeddings; "
+                                          r"rollout\.context_limit=8000 "
                                           r"is capped to it\)", errors[0]), errors
     # issue 34 (7): an input error found while the run is built leaves no run directory behind, so the
     # corrected command is not refused with "already holds a run"
     assert not (tmp_path / "run").exists()
 
 
-def test_the_capped_context_limit_is_what_episodes_get(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run of rollout.context_limit=8000 trains and evaluates with 2048-token episodes; its config keeps 8000."""
+def test_the_capped_context_limit_is_what_episodes_get(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of rollout.context_limit=8000 trains and evaluates with 2048-token episodes; its config keeps
+    8000."""
     import copc.run.train as train_module
 
     seen: list[int] = []
@@ -864,7 +895,8 @@ def test_the_capped_context_limit_is_what_episodes_get(tmp_path: Path, monkeypat
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(train_module, "evaluate", spy)
-    cfg = config(tmp_path / "run", driver="sync", steps=1, rollout=replace(config(tmp_path).rollout, context_limit=8000))
+    cfg = config(tmp_path / "run", driver="sync", steps=1, rollout=replace(config(tmp_path).rollout,
+                                                                           context_limit=8000))
     result = train(cfg, show_progress=False)
     assert seen == [2048, 2048]
     assert "context_limit: 8000" in (result.run_dir / "config.yaml").read_text()
@@ -903,7 +935,8 @@ def test_a_full_disk_names_the_file_and_what_was_kept(tmp_path: Path, monkeypatc
     run = tmp_path / "run"
     assert cli(run, "steps=3") == 1
     line = one_error_line(capsys)
-    assert line == (f"error: no space left on device at {run / 'metrics.jsonl'}; the checkpoint of step 1 is kept; "
+    assert line == (
+        f"error: no space left on device at {run / 'metrics.jsonl'}; the checkpoint of step 1 is kept; "
                     f"free space, then continue with copc train resume=true run_dir={run}")
     assert list_checkpoints(run) == [1]
 
@@ -921,9 +954,12 @@ def test_a_disk_filled_by_the_journal_says_what_was_kept(tmpfs_2200k: Path,
     run = tmpfs_2200k / "run"
     assert cli(run, "driver.kind=async", "checkpoint_every=0", "steps=400", "eval.prompts=0") == 1
     line = one_error_line(capsys)
-    found = re.match(r"error: (rollout journal: )?no space left on device at (\S+); no checkpoint was written yet; "
-                     r"free space, then start again \(copc train resume=true run_dir=(\S+) starts at step 0\); "
-                     r"checkpoint_every=N keeps the rollout journal \(rollouts/\) to N steps of batches$", line)
+    found = re.match(
+        r"error: (rollout journal: )?no space left on device at (\S+); no checkpoint was written yet; "
+                     r"free space, then start again \(copc train resume=true run_dir=(\S+) starts at step "
+                     r"0\); "
+                     r"checkpoint_every=N keeps the rollout journal \(rollouts/\) to N steps of batches$",
+                     line)
     assert found, line
     assert Path(found.group(2)).parent.is_relative_to(run) and Path(found.group(2)).name != run.name  # a file
     assert found.group(3) == str(run)
@@ -939,16 +975,20 @@ def test_a_resume_from_a_checkpoint_before_an_evaluation_writes_its_samples_once
     assert cli(straight, *schedule) == 0
     assert cli(killed, *schedule) == 0
     checkpoints = killed / "checkpoints"
-    shutil.rmtree(checkpoints / "step_00000004")  # as if killed after the evaluation of step 2, before step 4's
+    # as if killed after the evaluation of step 2, before step 4's
+    shutil.rmtree(checkpoints / "step_00000004")
     (checkpoints / "latest").write_text("step_00000002\n")
     assert cli(killed, *schedule, "resume=true") == 0
 
     def samples(run: Path) -> list[tuple[int, str]]:
-        return [(r["step"], r["source"]) for r in map(json.loads, (run / "samples.jsonl").read_text().splitlines())]
+        return [(r["step"], r["source"]) for r in map(json.loads,
+                                                      (run / "samples.jsonl").read_text().splitlines())]
 
     assert samples(killed) == samples(straight)
-    assert (2, "eval") in samples(straight) and samples(straight).count((2, "eval")) == samples(straight).count((0, "eval"))
-    evals = [[json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
+    assert (2, "eval") in samples(straight) and samples(straight).count((2, "eval")) == samples(
+        straight).count((0, "eval"))
+    evals = [[json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines(
+        ) if "eval/accuracy" in x]
              for run in (straight, killed)]
     assert evals[0] == evals[1] == [0, 2, 4]
 
@@ -962,7 +1002,8 @@ def _eval_samples(run: Path) -> dict[int, int]:
 
 
 def _eval_steps(run: Path) -> list[int]:
-    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
+    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines(
+        ) if "eval/accuracy" in x]
 
 
 def _as_if_killed_before(run: Path, step: int, latest: int) -> None:
@@ -971,7 +1012,8 @@ def _as_if_killed_before(run: Path, step: int, latest: int) -> None:
     (checkpoints / "latest").write_text(f"step_{latest:08d}\n")
 
 
-def test_a_continued_run_killed_before_its_first_checkpoint_writes_each_evaluation_once(tmp_path: Path) -> None:
+def test_a_continued_run_killed_before_its_first_checkpoint_writes_each_evaluation_once(
+        tmp_path: Path) -> None:
     """A finished run (2 steps) continued to 4 with an evaluation after update 3, logged at step 2 where the
     first process's final evaluation is: killed before step 4's checkpoint and resumed from step 2's, it
     redoes that evaluation, and only the first process's final one is kept (found by a review, 2026-12-04:

@@ -64,12 +64,14 @@ def test_select_golden_values() -> None:
     assert pace_select(scores, sizes, budget=5, min_score=1.0) == [1, 3]  # 1 left < 2
     assert pace_select(scores, sizes, budget=6, min_score=1.0) == [1, 3, 0]  # group 2 scores < 1
     assert pace_select(scores, sizes, budget=8, min_score=0.0) == [1, 3, 0]  # never the last group
-    assert pace_select(scores, sizes, budget=1, min_score=0.0) == []  # a group is rejected whole or not at all
+    # a group is rejected whole or not at all
+    assert pace_select(scores, sizes, budget=1, min_score=0.0) == []
     assert pace_select(scores, sizes, budget=8, min_score=3.5) == []
 
 
 def _bounded_pace(**pace: float) -> TrajectoryBuffer:
-    return TrajectoryBuffer(StalenessConfig(mode="bounded", staleness=8, filter="pace", pace=PaceConfig(**pace)), 4)
+    return TrajectoryBuffer(StalenessConfig(mode="bounded", staleness=8, filter="pace",
+                                            pace=PaceConfig(**pace)), 4)
 
 
 def test_buffer_rejects_whole_stale_groups_and_counts_them() -> None:
@@ -93,7 +95,8 @@ def test_buffer_rejects_whole_stale_groups_and_counts_them() -> None:
     assert metrics["buffer/consumed"] == 2
     # Batch 3 alone in the pool (P = 4 = C): budget 0, nothing rejected whatever the scores.
     assert len(buf.take_batch(3) or []) == 4
-    assert buf.metrics()["staleness/pace_rejected"] == 2 and buf.metrics()["staleness/pace_reject_rate"] == 0.0
+    assert buf.metrics()["staleness/pace_rejected"] == 2 and buf.metrics(
+        )["staleness/pace_reject_rate"] == 0.0
 
 
 def test_fresh_data_is_never_rejected_however_full_the_pool() -> None:

@@ -61,4 +61,5 @@ def test_bad_combinations_are_refused_with_one_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"needs driver\.kind=async"):
         DriverConfig(kind="sync", partial_rollouts=True)
     with pytest.raises(ValueError, match="sync driver has none"):
-        replace(cfg, staleness=StalenessConfig(mode="bounded", filter="pace"), driver=DriverConfig(kind="sync"))
+        replace(cfg, staleness=StalenessConfig(mode="bounded", filter="pace"),
+                driver=DriverConfig(kind="sync"))

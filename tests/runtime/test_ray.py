@@ -51,7 +51,8 @@ def local_ray() -> Iterator[None]:
 
 def config(run_dir: Path, *, kind: str, steps: int = 6, **extra: object) -> RunConfig:
     cfg = RunConfig(
-        task="arith_tool", task_options={"train_size": 200, "eval_size": 8}, method="copc", steps=steps, seed=3,
+        task="arith_tool", task_options={"train_size": 200, "eval_size": 8}, method="copc", steps=steps,
+        seed=3,
         run_dir=str(run_dir), checkpoint_every=2, plots=False, model=ModelConfig(policy="tiny"),
         rollout=RolloutConfig(prompts_per_batch=2, group_size=2, max_turns=2, max_new_tokens_per_turn=8,
                               max_total_tokens=12, context_limit=96),
@@ -260,8 +261,10 @@ def test_bad_ray_settings_are_one_line(driver: dict[str, object], message: str) 
 @pytest.mark.parametrize(
     ("workers", "options", "says"),
     [
-        (2, RayOptions(cpus_per_worker=2.0), "driver.num_workers=2 x driver.ray_cpus_per_worker=2 needs 4 CPUs"),
-        (1, RayOptions(gpus_per_worker=0.5), "driver.num_workers=1 x driver.ray_gpus_per_worker=0.5 needs 0.5 GPUs"),
+        (2, RayOptions(cpus_per_worker=2.0),
+         "driver.num_workers=2 x driver.ray_cpus_per_worker=2 needs 4 CPUs"),
+        (1, RayOptions(gpus_per_worker=0.5),
+         "driver.num_workers=1 x driver.ray_gpus_per_worker=0.5 needs 0.5 GPUs"),
     ],
 )
 def test_actors_the_ray_cluster_cannot_place_fail_at_start_or_warn(

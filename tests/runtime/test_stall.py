@@ -29,7 +29,8 @@ TINY = [
 def child(code: str, *args: str, limit: float = 120) -> tuple[int, str, float]:
     """Run ``code`` in a fresh interpreter; its exit status, stderr and wall seconds."""
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True,
+                          text=True,
                           timeout=limit)
     return done.returncode, done.stderr, time.monotonic() - start
 
@@ -116,7 +117,8 @@ def test_a_run_whose_env_step_hangs_stops_and_resumes_from_its_checkpoint(tmp_pa
     assert wall < 200
     assert list_checkpoints(run) == [1]
     assert train_cli(["--no-progress", f"run_dir={run}", *TINY, "steps=3", "resume=true"]) == 0
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "loss/value" in x]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines(
+        ) if "loss/value" in x]
     assert steps == [0, 1, 2]
 
 
@@ -125,7 +127,8 @@ def test_stall_timeout_is_checked_and_not_part_of_a_records_hash(tmp_path: Path,
     from copc.experiments.results import config_hash
     from copc.run.config import default_config
 
-    assert train_cli(["--no-progress", f"run_dir={tmp_path / 'r'}", *TINY, "steps=1", "stall_timeout_s=-5"]) == 2
+    assert train_cli(["--no-progress", f"run_dir={tmp_path / 'r'}", *TINY, "steps=1",
+                      "stall_timeout_s=-5"]) == 2
     assert "stall_timeout_s must be finite and >= 0" in capsys.readouterr().err
     from copc.config import to_dict
     base = to_dict(default_config())

@@ -23,7 +23,8 @@ def test_generator_is_deterministic_and_seeded():
     assert expressions(a) != expressions(c)
 
 
-@pytest.mark.parametrize("fields", [{"difficulty": 1, "eval_size": 500, "train_size": 4000}, {"hard": True, **SMALL}])
+@pytest.mark.parametrize("fields", [{"difficulty": 1, "eval_size": 500, "train_size": 4000}, {"hard": True,
+                                                                                              **SMALL}])
 def test_splits_and_demos_share_no_expression(fields):
     # Difficulty 1 has only 90 * 90 = 8100 expressions: independent draws of 500 and 4000 would share
     # about 250, so this fails unless the train split really skips the eval expressions.

@@ -14,7 +14,8 @@ def test_registry_lists_all_tasks():
 
 
 def test_unknown_task_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown task 'arith'.*valid: arith_tool, kv_chain, kv_search, math_tool, search_qa"):
+    with pytest.raises(ValueError, match=r"unknown task 'arith'.*valid: arith_tool, kv_chain, kv_search, "
+                                         r"math_tool, search_qa"):
         get_task("arith")
 
 
@@ -64,5 +65,6 @@ def test_trailing_call_and_answer_parsing():
     # Fences: the opening fence must not end the turn, the closing one (plus newline) does.
     assert PYTHON_FENCES.stop_strings == ("```\n",)
     assert "```\n" not in "```python\n"
-    assert PYTHON_FENCES.trailing_call("Let me compute.\n```python\nprint(2**10)\n```\n") == "\nprint(2**10)\n"
+    assert PYTHON_FENCES.trailing_call(
+        "Let me compute.\n```python\nprint(2**10)\n```\n") == "\nprint(2**10)\n"
     assert PYTHON_FENCES.answer("\\boxed{3}") is None

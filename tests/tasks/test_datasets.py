@@ -30,7 +30,8 @@ def test_math_tool_prompts_from_jsonl_with_held_out_eval():
 def test_math_tool_parquet_with_custom_columns():
     pytest.importorskip("pyarrow")
     task = get_task(
-        "math_tool", data=str(FIXTURES / "math_tool.parquet"), question_key="question_text", answer_key="solution"
+        "math_tool", data=str(FIXTURES / "math_tool.parquet"), question_key="question_text",
+        answer_key="solution"
     )
     assert [p.answers[0] for p in task.prompts("train")] == ["210", "4096", "6", "7", "\\frac{3}{4}"]
 
@@ -80,8 +81,10 @@ def test_math_tool_equivalent_answers_are_accepted():
 
 def test_bad_rows_name_the_file_row_and_fix(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n" + json.dumps({"problem": "2+2?"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: column .answer. is missing.*set task_options.answer_key="):
+    bad.write_text(json.dumps({"problem": "1+1?",
+                               "answer": "2"}) + "\n" + json.dumps({"problem": "2+2?"}) + "\n")
+    with pytest.raises(ValueError,
+                       match=r"bad.jsonl, line 2: column .answer. is missing.*set task_options.answer_key="):
         get_task("math_tool", data=str(bad)).prompts("train")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"problem": "1+1?", "answer": "2"}\n{not json\n')
@@ -113,8 +116,10 @@ def test_search_qa_golds_that_normalise_to_nothing_are_not_graded(tmp_path):
     assert prompt.answers == ("Paris",)
     env = task.make_env(prompt)
     assert env.step("<answer></answer>").reward == 0.0
-    rows.write_text('{"question": "Capital?", "golden_answers": ["Paris"]}\n{"question": "Article?", "golden_answers": ["The", "a"]}\n')
-    with pytest.raises(ValueError, match=r"line 2: every answer in column 'golden_answers' .* is empty after SQuAD normalisation"):
+    rows.write_text('{"question": "Capital?", "golden_answers": ["Paris"]}\n{"question": "Article?", '
+                    '"golden_answers": ["The", "a"]}\n')
+    with pytest.raises(ValueError, match=r"line 2: every answer in column 'golden_answers' .* is empty after "
+                                         r"SQuAD normalisation"):
         get_task("search_qa", data=str(rows), corpus=CORPUS).prompts("train")
 
 

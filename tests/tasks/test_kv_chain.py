@@ -58,7 +58,8 @@ def test_episodes_are_long_and_demonstrations_mix_good_and_flawed_chains(task) -
     assert kinds == {"tool", "direct", "key_typo", "miscount", "copy_slip"}
     good = [d for d in demos if d.kind == "tool"]
     policy_tokens = [
-        sum(len(tok(s.text, add_special_tokens=False)["input_ids"]) for s in d.segments if s.is_action) for d in good
+        sum(len(tok(s.text,
+                    add_special_tokens=False)["input_ids"]) for s in d.segments if s.is_action) for d in good
     ]
     turns = [sum(s.is_action for s in d.segments) for d in good]
     assert statistics.median(policy_tokens) >= 200
@@ -74,7 +75,8 @@ def test_naming_the_task_sets_its_rollout_budgets_and_later_overrides_win() -> N
     assert cfg.rollout.context_limit == ROLLOUT_DEFAULTS["context_limit"]
     cfg = apply_run_overrides(default_config(), ["task=kv_chain", "rollout.max_turns=7"])
     assert cfg.rollout.max_turns == 7
-    assert apply_run_overrides(default_config(), ["task=kv_search"]).rollout.max_turns == default_config().rollout.max_turns
+    assert apply_run_overrides(default_config(),
+                               ["task=kv_search"]).rollout.max_turns == default_config().rollout.max_turns
 
 
 def test_bad_settings_say_what_to_do() -> None:

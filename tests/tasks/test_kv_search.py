@@ -1,4 +1,5 @@
-"""kv_search: seeded knowledge base, disjoint question splits, per-turn env behaviour with real BM25, demos."""
+"""kv_search: seeded knowledge base, disjoint question splits, per-turn env behaviour with real BM25,
+demos."""
 
 import pickle
 from collections import Counter
@@ -25,7 +26,8 @@ def test_knowledge_base_is_seeded_and_partners_are_pairs():
         assert partner != entity and kb.facts[(partner, "partner")] == entity
     docs = kb.documents()
     assert len(docs) == 300 * 3 and len({d["id"] for d in docs}) == len(docs)
-    assert {"id": "kb-0", "contents": fact_text(*sorted(kb.facts)[0], kb.facts[sorted(kb.facts)[0]])} == docs[0]
+    assert {"id": "kb-0", "contents": fact_text(*sorted(kb.facts)[0],
+                                                kb.facts[sorted(kb.facts)[0]])} == docs[0]
 
 
 def test_splits_are_disjoint_deterministic_and_answers_follow_the_facts(task):
@@ -52,7 +54,8 @@ def test_difficulty_levels_grow():
     assert hard.config.level == 4 and Counter(p.meta["hops"] for p in hard.prompts("eval"))[2] > 100
     kb = hard.knowledge_base()
     lookalikes = sum(
-        1 for a in kb.entities for b in kb.entities if a < b and len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
+        1 for a in kb.entities for b in kb.entities if a < b and len(a) == len(b) and sum(x != y for x,
+                                                                                          y in zip(a, b)) == 1
     )
     assert lookalikes > 50  # names one letter apart: a typo in a query retrieves someone else
 
@@ -145,7 +148,8 @@ def test_a_correct_query_always_ranks_the_needed_fact_first(fields):
         if prompt.meta["hops"] == 2:
             links = tool.call(f"partner of {entity}")[0].split("\n")
             partner = kb.facts[(entity, "partner")]
-            assert sorted(links[:2]) == sorted([f"{entity} partner: {partner}", f"{partner} partner: {entity}"])
+            assert sorted(links[:2]) == sorted([f"{entity} partner: {partner}",
+                                                f"{partner} partner: {entity}"])
             entity = partner
         first = tool.call(f"{prompt.meta['attribute']} of {entity}")[0].split("\n")[0]
         assert first == fact_text(entity, prompt.meta["attribute"], prompt.answers[0])

@@ -48,7 +48,8 @@ def solve(row):
     """The answer worked out again from the text: a slow oracle independent of the generator's arithmetic."""
     n = [int(x) for x in re.findall(r"\d+", row["problem"])]
     if row["kind"] == "convert":
-        factor = {"centimeters": 100, "meters": 1000, "minutes": 60, "seconds": 60, "grams": 1000, "hours": 24,
+        factor = {"centimeters": 100, "meters": 1000, "minutes": 60, "seconds": 60, "grams": 1000,
+                  "hours": 24,
                   "days": 7, "inches": 12, "milliliters": 1000, "eggs": 12}[row["problem"].split()[2]]
         return n[0] * factor
     return {"add": lambda: n[0] + n[1], "sub": lambda: n[0] - n[1], "mul": lambda: n[0] * n[1],
@@ -61,7 +62,8 @@ def test_every_answer_is_the_problems_value():
         assert int(row["answer"]) == solve(row), row
         assert int(row["answer"]) >= 0
     # a hand-checked row: 16 shared among 4 is 4 each
-    assert evals[0] == {"problem": "Lena shares 16 marbles equally among 4 friends. How many marbles does each "
+    assert evals[0] == {"problem": "Lena shares 16 marbles equally among 4 friends. How many marbles does "
+                                   "each "
                         "friend get?", "answer": "4", "kind": "div"}
 
 
@@ -97,7 +99,8 @@ def test_math_tool_reads_the_shipped_rows_with_the_template():
     evals = task.prompts("eval")
     assert len(evals) == 300
     assert evals[0].answers == ("4",)
-    assert evals[0].text.endswith("Question: Lena shares 16 marbles equally among 4 friends. How many marbles "
+    assert evals[0].text.endswith(
+        "Question: Lena shares 16 marbles equally among 4 friends. How many marbles "
                                   "does each friend get?\nReply:\n")
     assert "\\boxed{8}" in evals[0].text  # the braces of the worked example survive str.format
     assert not {p.text for p in evals} & {p.text for p in task.prompts("train")}

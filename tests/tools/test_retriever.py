@@ -97,7 +97,8 @@ def test_no_match_and_batch() -> None:
 def test_save_load_round_trip(tmp_path: Path) -> None:
     rng = random.Random(1)
     words = [f"term{i}" for i in range(50)]
-    rows = [{"id": f"doc-{i}", "contents": " ".join(rng.choices(words, k=12)) + " ünïcode"} for i in range(300)]
+    rows = [{"id": f"doc-{i}", "contents": " ".join(rng.choices(words,
+                                                                k=12)) + " ünïcode"} for i in range(300)]
     retriever = BM25Retriever.from_rows(rows)
     retriever.save(tmp_path / "index")
     loaded = BM25Retriever.load(tmp_path / "index")

@@ -34,7 +34,8 @@ from copc.tools.sandbox.pool import Capture, Ended
 from copc.tools.sandbox.runner import classify
 
 # Small limits keep the battery fast: each hostile run is bounded by TIMEOUT_S.
-CONFIG = SandboxConfig(timeout_s=3.0, cpu_s=2, memory_mb=256, max_output_bytes=1024, max_procs=16, max_files=512)
+CONFIG = SandboxConfig(timeout_s=3.0, cpu_s=2, memory_mb=256, max_output_bytes=1024, max_procs=16,
+                       max_files=512)
 TIMEOUT_S = CONFIG.timeout_s
 SLACK_S = 1.0  # the issue's bound: run() returns within timeout + 1 s, whatever the code does
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +76,8 @@ def _live_pids_of(uids: list[int]) -> list[int]:
         if not proc.name.isdigit():
             continue
         try:
-            fields = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
+            fields = dict(line.split(":",
+                                     1) for line in (proc / "status").read_text().splitlines() if ":" in line)
         except OSError:
             continue
         if int(fields["Uid"].split()[0]) in uids and not fields["State"].strip().startswith("Z"):
@@ -113,7 +115,8 @@ def test_exit_statuses_are_the_interpreters(sandbox: PythonSandbox) -> None:
 
 def test_threads_still_work_under_seccomp(sandbox: PythonSandbox) -> None:
     """clone3 is refused with ENOSYS so that libc falls back to clone, which the filter can inspect."""
-    code = "import threading\nout = []\nt = threading.Thread(target=out.append, args=(7,))\nt.start(); t.join()\nprint(out)\n"
+    code = ("import threading\nout = []\nt = threading.Thread(target=out.append, args=(7,))\nt.start(); "
+            "t.join()\nprint(out)\n")
     assert sandbox.run(code).stdout == "[7]\n"
 
 
@@ -124,7 +127,8 @@ def test_extension_modules_subprocesses_and_spawn_work(sandbox: PythonSandbox) -
         "import multiprocessing as mp, sqlite3, subprocess, sys\n"
         "if __name__ == '__main__':\n"
         "    print(sqlite3.connect(':memory:').execute('select 6 * 7').fetchone()[0])\n"
-        "    print(subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True, text=True).stdout.strip())\n"
+        "    print(subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True, "
+        "text=True).stdout.strip())\n"
         "    with mp.get_context('spawn').Pool(2) as pool:\n"
         "        print(pool.map(abs, [-1, -2]))\n"
     )
@@ -135,7 +139,8 @@ def test_extension_modules_subprocesses_and_spawn_work(sandbox: PythonSandbox) -
 def test_runs_do_not_see_each_other(sandbox: PythonSandbox) -> None:
     """A run's files, shared memory, processes and module state are gone for the next one."""
     first = sandbox.run(
-        "import math, os\nmath.pi = 3\nopen('left.txt', 'w').write('x')\nopen('/dev/shm/seg', 'w').write('x')\n"
+        "import math, os\nmath.pi = 3\nopen('left.txt', 'w').write('x')\nopen('/dev/shm/seg', "
+        "'w').write('x')\n"
         "if os.fork() == 0:\n    import time; time.sleep(30)\nprint(sorted(os.listdir('.')))\n"
     )
     assert first.ok, first
@@ -180,7 +185,8 @@ def test_format_observation_keeps_head_and_tail() -> None:
 
 
 def test_cpu_limit_follows_the_timeout_by_default() -> None:
-    assert SandboxConfig(timeout_s=2.5).cpu_limit_s == 3 and SandboxConfig(timeout_s=2.5, cpu_s=1).cpu_limit_s == 1
+    assert SandboxConfig(timeout_s=2.5).cpu_limit_s == 3 and SandboxConfig(timeout_s=2.5,
+                                                                           cpu_s=1).cpu_limit_s == 1
 
 
 def test_config_round_trips_through_json() -> None:
@@ -232,7 +238,8 @@ def test_checkout_eval_file_home_and_host_tmp_are_invisible(sandbox: PythonSandb
         f"for path in {[str(t) for t in targets]!r}:\n"
         "    try:\n        open(path).read(); print('read', path)\n"
         "    except OSError as e:\n        print('blocked', type(e).__name__)\n"
-        f"for d in [{str(REPO)!r}, {str(tmp_path)!r}, '/work', '/home', '/etc', '/var', '/opt', '/usr/bin', '/usr/share']:\n"
+        f"for d in [{str(REPO)!r}, {str(tmp_path)!r}, '/work', '/home', '/etc', '/var', '/opt', '/usr/bin', "
+        "'/usr/share']:\n"
         "    print('listed' if os.path.exists(d) else 'blocked', d)\n"
         "print('root', sorted(os.listdir('/')))\n"
     )
@@ -287,12 +294,14 @@ def test_concurrent_runs_cannot_talk(sandbox: PythonSandbox) -> None:
     listens is unreachable from a concurrent one."""
     name = f"\0copc-{uuid.uuid4().hex}"
     listener = threading.Thread(target=sandbox.run, args=(
-        f"import socket, time\ns = socket.socket(socket.AF_UNIX)\ns.bind({name!r})\ns.listen(1)\ntime.sleep(2)\n",))
+        "import socket, time\ns = "
+        f"socket.socket(socket.AF_UNIX)\ns.bind({name!r})\ns.listen(1)\ntime.sleep(2)\n",))
     listener.start()
     time.sleep(0.5)
     code = (
         f"import socket\ns = socket.socket(socket.AF_UNIX)\n"
-        f"try:\n    s.connect({name!r}); print('connected')\nexcept OSError as e:\n    print('blocked', type(e).__name__)\n"
+        f"try:\n    s.connect({name!r}); print('connected')\nexcept OSError as e:\n    print('blocked', "
+        "type(e).__name__)\n"
     )
     result = sandbox.run(code)
     listener.join()
@@ -399,7 +408,8 @@ def test_fork_bomb_leaves_nothing_behind(sandbox: PythonSandbox) -> None:
 
 def test_double_fork_orphan_dies_with_the_run(sandbox: PythonSandbox) -> None:
     """The orphan of a double fork outlived run() before; now it dies with the run's PID namespace."""
-    code = "import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\nprint('parent done')\n"
+    code = ("import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(60)\n    "
+            "os._exit(0)\nprint('parent done')\n")
     result = sandbox.run(code)
     assert result.ok and result.duration_s < TIMEOUT_S, result  # it did not wait for the orphan
     _still_works(sandbox)
@@ -429,7 +439,8 @@ def test_memory_is_capped_across_processes(sandbox: PythonSandbox) -> None:
         "        time.sleep(3)\n"
         "        os._exit(0)\n"
         "time.sleep(1.5)\nos.set_blocking(r, False)\n"
-        "try:\n    pids = [int(p) for p in os.read(r, 1000).split()]\nexcept BlockingIOError:\n    pids = []\n"
+        "try:\n    pids = [int(p) for p in os.read(r, 1000).split()]\nexcept BlockingIOError:\n    pids = "
+        "[]\n"
         "while True:\n    try:\n        if os.waitpid(-1, os.WNOHANG)[0] == 0:\n            break\n"
         "    except ChildProcessError:\n        break\n"
         "alive = [p for p in pids if os.path.exists(f'/proc/{p}')]\n"
@@ -514,7 +525,8 @@ def test_whose_fault_is_the_stage_the_run_reached_not_the_machines_load() -> Non
     assert starved[3] == "code" and starved[2] == "timeout after 2.0s"
     slept = classify(_ended(started | {"timeout": True, "cpu_s": 0.01, "wait_s": 0.01}), config, 0)
     assert slept[3] == "code" and slept[2] == "timeout after 2.0s"
-    bomb = classify(_ended(started | {"timeout": True, "cpu_s": 0.0, "wait_s": 3.0}), config, 0, {"pids_max": 40})
+    bomb = classify(_ended(started | {"timeout": True, "cpu_s": 0.0, "wait_s": 3.0}), config, 0,
+                    {"pids_max": 40})
     assert bomb[3] == "code" and bomb[2] == f"timeout after 2.0s (process limit {config.max_procs} reached)"
     never_ran = classify(_ended({"timeout": True, "cpu_s": 0.0, "wait_s": 1.9}), config, 0)
     assert never_ran[3] == "infra" and "did not start the code" in (never_ran[2] or "")
@@ -534,7 +546,8 @@ def test_how_a_run_ended_decides_the_fault() -> None:
         (died, 0, {"memory_max": 3}, "code"),  # its init died at the memory cap the code filled
         (died, 0, {}, "infra"),  # its init died without a report and no limit was met (the server died)
         (_ended(ran | {"setup_error": "OSError: pidfd_open"}), 0, {}, "infra"),
-        (_ended({"exit": 126}, b"sandbox setup failed in the code process: PermissionError: setuid\n"), 0, {}, "infra"),
+        (_ended({"exit": 126}, b"sandbox setup failed in the code process: PermissionError: setuid\n"), 0, {},
+         "infra"),
         # The code printing the sandbox's own words is still the code: it had started.
         (_ended(ran | {"exit": 126}, b"sandbox setup failed in the code process: x\n"), 0, {}, "code"),
         (_ended(ran | {"exit": 0}), 0, {}, "none"),
@@ -543,7 +556,8 @@ def test_how_a_run_ended_decides_the_fault() -> None:
         assert classify(ended, config, oom, hits)[3] == fault, (ended.status, hits)
 
 
-def test_machine_failure_is_reported_as_infra(monkeypatch: pytest.MonkeyPatch, sandbox: PythonSandbox) -> None:
+def test_machine_failure_is_reported_as_infra(monkeypatch: pytest.MonkeyPatch,
+                                              sandbox: PythonSandbox) -> None:
     def no_memory(*args: object) -> int:
         raise OSError(12, "Cannot allocate memory")
 
@@ -675,7 +689,8 @@ def test_hostile_programs_beside_a_cpu_hog_are_the_programs_outcome(monkeypatch:
     from copc.tasks import tooling
     from copc.tasks.envs import PYTHON_TAGS, ToolEnv
 
-    small = dataclasses.replace(CONFIG, timeout_s=1.5, cpu_s=3)  # the wall cap, not the CPU budget, ends a loop
+    # the wall cap, not the CPU budget, ends a loop
+    small = dataclasses.replace(CONFIG, timeout_s=1.5, cpu_s=3)
     monkeypatch.setattr(tooling, "sandbox_config", lambda timeout_s: small)
     tool = tooling.SandboxTool(timeout_s=small.timeout_s, max_output_chars=300)
 

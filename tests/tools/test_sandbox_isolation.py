@@ -66,7 +66,8 @@ def fresh_probe() -> object:
 # Fail closed.
 
 
-def test_missing_jail_refuses_to_start_with_one_line(monkeypatch: pytest.MonkeyPatch, fresh_probe: object) -> None:
+def test_missing_jail_refuses_to_start_with_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                     fresh_probe: object) -> None:
     """Before: a missing or failing ``unshare`` silently dropped the namespaces for the process's life."""
     for module in (runner_module, protections_module):
         monkeypatch.setattr(module, "find_bwrap", lambda: None)
@@ -89,11 +90,13 @@ def test_missing_jail_refuses_to_start_with_one_line(monkeypatch: pytest.MonkeyP
 def test_missing_seccomp_refuses_to_start(monkeypatch: pytest.MonkeyPatch, fresh_probe: object) -> None:
     for module in (runner_module, protections_module):
         monkeypatch.setattr(module, "seccomp_program", lambda: None)
-    with pytest.raises(SandboxUnavailable, match=r"missing protection\(s\) seccomp: .*allow_missing=\('seccomp',\)"):
+    with pytest.raises(SandboxUnavailable,
+                       match=r"missing protection\(s\) seccomp: .*allow_missing=\('seccomp',\)"):
         PythonSandbox(CONFIG)
 
 
-def test_a_task_tool_without_its_protections_stops_the_run(monkeypatch: pytest.MonkeyPatch, fresh_probe: object) -> None:
+def test_a_task_tool_without_its_protections_stops_the_run(monkeypatch: pytest.MonkeyPatch,
+                                                           fresh_probe: object) -> None:
     """The episode loop turns an exception of env.step into a zero-reward episode, so the check is
     made when the tool is built (make_env, before any episode), not at its first call."""
     from copc.tasks.tooling import SandboxTool
@@ -118,7 +121,8 @@ def test_probe_that_cannot_finish_refuses_instead_of_degrading(
 def test_probe_under_load_finds_the_same_protections(fresh_probe: object) -> None:
     quiet = active_protections(CONFIG)
     protections_module.forget_measurements()
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (os.cpu_count() or 2))]
+    hogs = [subprocess.Popen([sys.executable, "-c",
+                              "while True: pass"]) for _ in range(3 * (os.cpu_count() or 2))]
     try:
         time.sleep(0.5)
         loaded = active_protections(CONFIG)
@@ -139,7 +143,8 @@ def test_callers_get_distinct_uids_even_when_their_pids_agree_mod_1024() -> None
     script = (
         "import os\nos.getpid = lambda: 4242\n"
         "from copc.tools.sandbox import PythonSandbox, SandboxConfig\n"
-        "r = PythonSandbox(SandboxConfig(timeout_s=5)).run('import os, time\\nprint(os.getuid())\\ntime.sleep(1.5)')\n"
+        "r = PythonSandbox(SandboxConfig(timeout_s=5)).run('import os, "
+        "time\\nprint(os.getuid())\\ntime.sleep(1.5)')\n"
         "print(r.stdout.strip() if r.ok else r.error, flush=True)\n"
     )
     procs = [_python(script) for _ in range(2)]
@@ -153,7 +158,8 @@ HOSTILE = [
     "x = []\nwhile True:\n    x.append(bytearray(2**24))\n",
     "import os\ni = 0\nwhile True:\n    open(f'f{i}', 'w').close(); i += 1\n",
     "while True:\n    pass\n",
-    "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        os.setsid(); time.sleep(60)\ntime.sleep(60)\n",
+    "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        os.setsid(); "
+    "time.sleep(60)\ntime.sleep(60)\n",
 ]
 
 
@@ -180,7 +186,8 @@ def test_a_hostile_neighbour_does_not_change_our_results() -> None:
 
     def ours(offset: int) -> None:
         for i in range(offset, 24, 2):
-            r = sandbox.run(f"import fractions\nprint(sum(fractions.Fraction(1, k) for k in range(1, {i + 2})))\n")
+            r = sandbox.run(
+                f"import fractions\nprint(sum(fractions.Fraction(1, k) for k in range(1, {i + 2})))\n")
             results.append((i, r.stdout, r.fault))
 
     threads = [threading.Thread(target=ours, args=(k,)) for k in range(2)]
@@ -213,7 +220,8 @@ def test_caller_killed_mid_run_leaves_nothing_behind() -> None:
         "from copc.tools.sandbox import PythonSandbox, SandboxConfig\n"
         "sb = PythonSandbox(SandboxConfig(timeout_s=30))\n"
         "sb.run('pass')\n"
-        "threading.Thread(target=sb.run, args=('import os, time\\nos.fork(); os.fork()\\ntime.sleep(60)',)).start()\n"
+        "threading.Thread(target=sb.run, args=('import os, time\\nos.fork(); "
+        "os.fork()\\ntime.sleep(60)',)).start()\n"
         "time.sleep(0.5)\n"
         "pools = glob.glob(f'/sys/fs/cgroup/*/**/copc-sbx-u{sb.uids()[0]}', recursive=True)\n"
         "print(json.dumps({'uids': sb.uids(), 'pools': pools}), flush=True)\n"
@@ -260,7 +268,8 @@ def test_a_stale_pool_under_the_uid_just_leased_is_replaced(fresh_probe: object)
             os.makedirs(os.path.join(path, f"s{uid}"))  # a run group inside, as a dead caller leaves it
         pool, reason = open_pool(uid)
         assert pool is not None, reason
-        pool.create_group(f"s{uid}", memory_bytes=64 << 20, max_procs=4)  # a fresh slot group: the old one is gone
+        # a fresh slot group: the old one is gone
+        pool.create_group(f"s{uid}", memory_bytes=64 << 20, max_procs=4)
         pool.close()
         assert [p for p in stale if os.path.exists(p)] == []
     finally:
@@ -294,7 +303,8 @@ def test_a_niced_callers_sandbox_runs_its_code_in_a_pool_of_that_weight() -> Non
         "else:\n"
         "    print('none none', nice)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True,
                          env={**os.environ, "PYTHONPATH": str(SRC)})
     kind, value, nice = out.stdout.split()[-3:]
     if kind == "none":
@@ -347,9 +357,11 @@ def test_non_root_caller_fails_closed_then_runs_what_it_was_allowed() -> None:
         "print(json.dumps({'refused': refused, 'loop': sb.run('while True: pass').error, 'peek': peek.stdout,"
         " 'protections': sb.active_protections()}))\n"
     )
-    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I", "-c"]
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                 "-c"]
     sandbox_dir = str(SRC / "copc" / "tools" / "sandbox" / "__init__.py")
-    readable = subprocess.run([*as_nobody, f"open({sandbox_dir!r}).close()"], capture_output=True, timeout=60, cwd="/")
+    readable = subprocess.run([*as_nobody, f"open({sandbox_dir!r}).close()"], capture_output=True, timeout=60,
+                              cwd="/")
     if readable.returncode != 0:  # e.g. a clone under a 0700 mktemp dir: uid 65534 cannot traverse it
         pytest.skip(f"the checkout is not readable by uid 65534: {readable.stderr[-200:]!r}")
     nobody = [*as_nobody, script]

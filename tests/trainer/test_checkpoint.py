@@ -241,7 +241,8 @@ def test_weights_are_safetensors_files_with_tied_tensors_once(tmp_path):
     head = torch.nn.Linear(4, 10, bias=False)
     head.weight = embed.weight  # tied, as in SmolLM2
     state = {**{f"embed.{k}": v for k, v in embed.state_dict().items()},
-             **{f"head.{k}": v for k, v in head.state_dict().items()}, "odd": torch.arange(6.0).view(2, 3).t()}
+             **{f"head.{k}": v for k, v in head.state_dict().items()}, "odd": torch.arange(6.0).view(2,
+                                                                                                     3).t()}
     path = save_checkpoint(tmp_path, 3, {"trainer": {"policy": Weights(state), "version": 3},
                                          "snapshots": {7: Weights({"w": torch.ones(2)})}})
     names = sorted(p.name for p in path.iterdir())

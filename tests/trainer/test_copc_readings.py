@@ -1,4 +1,4 @@
-"""COPC's two readings (spec 9.3 R0, 9.7 R1) and the one-channel arms of the 2 x 2 (issue 32).
+"""COPC's two readings (docs/formulas.md#r0 R0, 9.7 R1) and the one-channel arms of the 2 x 2 (issue 32).
 
 - golden values of R1's policy loss and of the advantage channel, worked by hand;
 - the degenerate checks of 9.7 through the whole trainer step: an infinite band and a zero advantage clip
@@ -81,7 +81,8 @@ def test_one_channel_advantages_golden() -> None:
 
 def test_presets_share_everything_but_their_channels() -> None:
     base = get_method("async_ppo")
-    r1, mask_only, adv_only = get_method("copc_behaviour"), get_method("async_ppo_mask"), get_method("async_ppo_advantage")
+    r1, mask_only, adv_only = get_method("copc_behaviour"), get_method("async_ppo_mask"), get_method(
+        "async_ppo_advantage")
     no_band = {"mask_low": 0.0, "mask_high": math.inf}
     assert replace(r1.policy, **no_band) == base.policy == adv_only.policy
     assert mask_only.policy == r1.policy and (r1.policy.mask_low, r1.policy.mask_high) == (0.5, 2.0)
@@ -97,16 +98,19 @@ def _trainer(method: MethodConfig, **overrides: object) -> ActorCriticTrainer:
     policy = build_tiny_model(TOKENIZER, seed=0)
     torch.manual_seed(0)
     critic = ValueModel.from_policy(policy)
-    cfg = TrainerConfig(**{"actor_lr": 1e-3, "critic_lr": 1e-3, "micro_batch_size": 4, "critic_warmup_steps": 0,
+    cfg = TrainerConfig(**{"actor_lr": 1e-3, "critic_lr": 1e-3, "micro_batch_size": 4,
+                           "critic_warmup_steps": 0,
                            **overrides})  # type: ignore[arg-type]
     return ActorCriticTrainer(policy, critic, method, cfg)
 
 
-def _two_steps(method: MethodConfig, **overrides: object) -> tuple[ActorCriticTrainer, list[dict[str, float]]]:
+def _two_steps(method: MethodConfig,
+               **overrides: object) -> tuple[ActorCriticTrainer, list[dict[str, float]]]:
     trainer = _trainer(method, **overrides)
     metrics = []
     for seed in (0, 1):
-        batch = collate(synthetic_trajectories(trainer.policy, seed=seed, behaviour_noise=0.5), pad_id=TOKENIZER.pad_token_id)
+        batch = collate(synthetic_trajectories(trainer.policy, seed=seed, behaviour_noise=0.5),
+                        pad_id=TOKENIZER.pad_token_id)
         metrics.append(trainer.step(batch))
     return trainer, metrics
 
@@ -120,7 +124,8 @@ def _degenerate(name: str, *, band: bool, clip: bool) -> MethodConfig:
     return m
 
 
-def _same_step(a: tuple[ActorCriticTrainer, list[dict[str, float]]], b: tuple[ActorCriticTrainer, list[dict[str, float]]]) -> None:
+def _same_step(a: tuple[ActorCriticTrainer, list[dict[str, float]]],
+               b: tuple[ActorCriticTrainer, list[dict[str, float]]]) -> None:
     (ta, ma), (tb, mb) = a, b
     for name, value in params(ta.policy).items():
         assert torch.equal(value, params(tb.policy)[name]), name
@@ -145,14 +150,18 @@ def test_each_arm_moves_away_from_3a_in_its_own_channel_only() -> None:
     reference = _two_steps(get_method("async_ppo"))
     for arm in ("copc_behaviour", "async_ppo_mask", "async_ppo_advantage"):
         trainer, _ = _two_steps(get_method(arm))
-        assert any(not torch.equal(v, params(reference[0].policy)[k]) for k, v in params(trainer.policy).items()), arm
-    _same_step(_two_steps(_degenerate("copc_behaviour", band=False, clip=True)), _two_steps(get_method("async_ppo_mask")))
-    _same_step(_two_steps(_degenerate("copc_behaviour", band=True, clip=False)), _two_steps(get_method("async_ppo_advantage")))
+        assert any(not torch.equal(v, params(reference[0].policy)[k]) for k,
+                   v in params(trainer.policy).items()), arm
+    _same_step(_two_steps(_degenerate("copc_behaviour", band=False, clip=True)),
+               _two_steps(get_method("async_ppo_mask")))
+    _same_step(_two_steps(_degenerate("copc_behaviour", band=True, clip=False)),
+               _two_steps(get_method("async_ppo_advantage")))
 
 
 def _count_actor_forwards(method: MethodConfig, **overrides: object) -> int:
     trainer = _trainer(method, **overrides)
-    batch = collate(synthetic_trajectories(trainer.policy, seed=0, behaviour_noise=0.5), pad_id=TOKENIZER.pad_token_id)
+    batch = collate(synthetic_trajectories(trainer.policy, seed=0, behaviour_noise=0.5),
+                    pad_id=TOKENIZER.pad_token_id)
     calls = [0]
     handle = trainer.policy.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     try:
@@ -164,7 +173,7 @@ def _count_actor_forwards(method: MethodConfig, **overrides: object) -> int:
 
 def test_r1_with_one_minibatch_needs_no_actor_forward_beyond_3a() -> None:
     # micro_batch_size 4 over 8 rows: 3a's update runs 2 forwards (with grad). R1 reads old = the first
-    # (and only) minibatch's own forward, taken before the advantages are built (spec 9.7); R0 / R1
+    # (and only) minibatch's own forward, taken before the advantages are built (docs/formulas.md#r1); R0 / R1
     # without the reuse pay one no-grad forward over the batch more (2 micro-batches).
     one = {"actor_minibatches": 1}
     three_a = _count_actor_forwards(get_method("async_ppo"), **one)
@@ -175,7 +184,7 @@ def test_r1_with_one_minibatch_needs_no_actor_forward_beyond_3a() -> None:
 
 
 def test_dis_form_is_an_override_of_r1() -> None:
-    # SAO-like DIS form of R1 (spec 9.7): -M sg(r) A cur with the strict band, no PPO clip.
+    # SAO-like DIS form of R1 (docs/formulas.md#r1): -M sg(r) A cur with the strict band, no PPO clip.
     r1 = get_method("copc_behaviour")
     dis = replace(r1, policy=replace(r1.policy, objective="dis"))
     log_r = [math.log(0.4), 0.0, math.log(1.5)]

@@ -31,7 +31,8 @@ def test_pieces_keep_the_logits_within_the_budget_and_cover_every_row_once() -> 
     tiny = Forwards(1.0, 0, 1.0, micro_batch_size=16, vocab_size=113)
     assert [len(p) for p in tiny.pieces(_batch(20, 4000), index)] == [16, 4]  # type: ignore[arg-type]
     huge = Forwards(1.0, 0, 1.0, micro_batch_size=4, vocab_size=10**9)  # one row over budget: still one row
-    assert [len(p) for p in huge.pieces(_batch(3, 10), torch.arange(3))] == [1, 1, 1]  # type: ignore[arg-type]
+    assert [len(p) for p in huge.pieces(_batch(3, 10), torch.arange(3))] == [1, 1,
+                                                                             1]  # type: ignore[arg-type]
 
 
 def test_a_step_cut_by_the_budget_makes_the_same_update(monkeypatch) -> None:

@@ -70,7 +70,8 @@ def test_a_run_logs_the_peak_of_every_phase_of_its_steps(tmp_path):
     assert len(steps) == 2
     for record in steps:
         phases = {k for k in record if k.startswith(m.MEMORY_PEAK)}
-        assert {f"{m.MEMORY_PEAK}_{p}" for p in ("batch", "prepare", "critic", "actor", "publish", "other")} <= phases
+        assert {f"{m.MEMORY_PEAK}_{p}" for p in ("batch", "prepare", "critic", "actor", "publish",
+                                                 "other")} <= phases
         assert all(is_known(k) for k in phases)
         assert record[m.MEMORY_PEAK] == max(record[k] for k in phases if k != m.MEMORY_PEAK) > 0.1
 
@@ -88,11 +89,13 @@ def test_gradient_checkpointing_trains_bit_for_bit_like_keeping_the_activations(
     runs = []
     for setting in ("never", "always"):
         trainer = make_trainer(method, gradient_checkpointing=setting)
-        assert trainer.checkpointing == ((True, trainer.critic is not None) if setting == "always" else (False, False))
+        assert trainer.checkpointing == ((True, trainer.critic is not None) if setting == "always" else (
+            False, False))
         metrics = []
         for step in range(2):
             batch = collate(synthetic_trajectories(trainer.policy, seed=step), pad_id=TOKENIZER.pad_token_id)
-            metrics.append({k: v for k, v in trainer.step(batch).items() if not k.startswith(("time/", "perf/", "memory/"))})
+            metrics.append({k: v for k, v in trainer.step(batch).items() if not k.startswith((
+                "time/", "perf/", "memory/"))})
         models = [trainer.policy, *([trainer.critic] if trainer.critic is not None else [])]
         runs.append((metrics, [{k: v.detach().clone() for k, v in mod.named_parameters()} for mod in models]))
     (metrics_off, weights_off), (metrics_on, weights_on) = runs
@@ -153,13 +156,17 @@ def test_checkpointing_may_change_on_resume_and_a_run_from_before_it_existed_res
 
     saved = to_dict(load_run_config(None, ["method=copc"]))
     del saved["trainer"]["gradient_checkpointing"]  # a checkpoint written before the field existed
-    check_resume_config(load_run_config(None, ["method=copc", "trainer.gradient_checkpointing=always"]), saved, tmp_path, tmp_path)
-    with pytest.raises(ConfigError, match=r"trainer\.actor_lr"):  # a setting that changes the run still may not
-        check_resume_config(load_run_config(None, ["method=copc", "trainer.actor_lr=3e-4"]), saved, tmp_path, tmp_path)
+    check_resume_config(load_run_config(None, ["method=copc", "trainer.gradient_checkpointing=always"]),
+                        saved, tmp_path, tmp_path)
+    # a setting that changes the run still may not
+    with pytest.raises(ConfigError, match=r"trainer\.actor_lr"):
+        check_resume_config(load_run_config(None, ["method=copc", "trainer.actor_lr=3e-4"]), saved, tmp_path,
+                            tmp_path)
 
 
 def is_checkpointing(model) -> bool:
     """Whether ``model`` (or copc's critic's backbone) recomputes its activations in training (the flag's
     name changed in transformers 5.x)."""
     target = getattr(model, "backbone", model)
-    return bool(getattr(target, "is_activation_checkpointing", None) or getattr(target, "is_gradient_checkpointing", False))
+    return bool(getattr(target, "is_activation_checkpointing",
+                        None) or getattr(target, "is_gradient_checkpointing", False))

@@ -48,7 +48,8 @@ def weights(trainer: ActorCriticTrainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.policy_weights().items()}
 
 
-def batch_of(model: torch.nn.Module, *, seed: int, versions: tuple[int, ...] | None = None, n: int = 8) -> TrainBatch:
+def batch_of(model: torch.nn.Module, *, seed: int, versions: tuple[int, ...] | None = None,
+             n: int = 8) -> TrainBatch:
     """Synthetic rows; with ``versions``, every sampled token gets a version drawn from it (several per row,
     as interruptible rollouts produce)."""
     trajs = synthetic_trajectories(model, n=n, seed=seed)
@@ -63,7 +64,8 @@ def batch_of(model: torch.nn.Module, *, seed: int, versions: tuple[int, ...] | N
     return collate(trajs, pad_id=TOKENIZER.pad_token_id)
 
 
-def trained(method: str = "copc", steps: int = 3, **overrides: object) -> tuple[ActorCriticTrainer, list[dict[str, torch.Tensor]]]:
+def trained(method: str = "copc", steps: int = 3,
+            **overrides: object) -> tuple[ActorCriticTrainer, list[dict[str, torch.Tensor]]]:
     """A trainer after ``steps`` steps and the weights of every version it published (0 .. steps)."""
     trainer = make_trainer(method, micro_batch_size=3, **overrides)
     history = [weights(trainer)]
@@ -86,7 +88,8 @@ def slow_snapshot_oracle(batch: TrainBatch, history: list[dict[str, torch.Tensor
     with torch.no_grad():
         for i, t in batch.action_mask.nonzero().tolist():
             prefix = batch.input_ids[i, : t + 1][None]
-            logp = token_logprobs(models[int(batch.policy_version[i, t])], prefix, torch.ones_like(prefix, dtype=torch.bool)).logp
+            logp = token_logprobs(models[int(batch.policy_version[i, t])], prefix,
+                                  torch.ones_like(prefix, dtype=torch.bool)).logp
             out[i, t] = logp[0, t]
     return out
 
@@ -96,7 +99,8 @@ def test_snapshot_matches_the_per_token_recomputation_at_each_tokens_version() -
     assert trainer.proximal.store is not None and trainer.proximal.store.versions == (0, 1, 2, 3)
     batch = batch_of(trainer.policy, seed=7, versions=(0, 1, 2, 3))
     assert (batch.policy_version[batch.action_mask].unique().numel() == 4
-            and any(batch.policy_version[i][batch.action_mask[i]].unique().numel() > 1 for i in range(batch.batch_size)))
+            and any(batch.policy_version[i][batch.action_mask[i]].unique().numel() > 1 for i in range(
+                batch.batch_size)))
     st = trainer.prepare(batch)
     want = slow_snapshot_oracle(batch, history)
     # float32 forwards of padded micro-batches vs one unpadded prefix each: summation order only (~1e-7);
@@ -104,7 +108,8 @@ def test_snapshot_matches_the_per_token_recomputation_at_each_tokens_version() -
     mask = batch.action_mask
     torch.testing.assert_close(st.logp_old[mask], want[mask], rtol=0, atol=2e-5)
     assert torch.all(st.logp_old[~mask] == 0)
-    recompute = zero_where_not(mask, token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask).logp.detach())
+    recompute = zero_where_not(mask, token_logprobs(trainer.policy, batch.input_ids,
+                                                    batch.attention_mask).logp.detach())
     older = mask & (batch.policy_version < 3)
     assert (st.logp_old[older] - recompute[older]).abs().max() > 1e-3  # the versions really differ
     assert trainer.proximal.version_forwards == 4
@@ -126,7 +131,8 @@ def test_snapshot_memory_bound_evicts_the_oldest_and_names_the_fix() -> None:
     one = weights_nbytes(build_tiny_model(TOKENIZER, seed=0).state_dict())
     trainer, _ = trained(proximal="snapshot", proximal_max_bytes=2 * one)
     assert trainer.proximal.store is not None and trainer.proximal.store.versions == (2, 3)
-    with pytest.raises(SnapshotMissingError, match=r"version 1 .* holds versions 2..3 .* raise proximal_max_bytes"):
+    with pytest.raises(SnapshotMissingError,
+                       match=r"version 1 .* holds versions 2..3 .* raise proximal_max_bytes"):
         trainer.prepare(batch_of(trainer.policy, seed=3, versions=(1, 3)))
     with pytest.raises(ValueError, match="cannot hold one policy version"):
         make_trainer(proximal="snapshot", proximal_max_bytes=one - 1)
@@ -139,13 +145,16 @@ def test_ewma_update_golden() -> None:
     # = (0.25 * 0 + 0.5 * 1 + 1 * 2) / (0.25 + 0.5 + 1), the normalised EWMA.
     avg = {"w": torch.zeros(2, dtype=torch.float64)}
     total = ewma_update(avg, {"w": torch.ones(2, dtype=torch.float64)}, total=1.0, decay=0.5)
-    assert total == 1.5 and torch.allclose(avg["w"], torch.full((2,), 2 / 3, dtype=torch.float64), rtol=0, atol=1e-15)
+    assert total == 1.5 and torch.allclose(avg["w"], torch.full((2,), 2 / 3, dtype=torch.float64), rtol=0,
+                                           atol=1e-15)
     total = ewma_update(avg, {"w": torch.full((2,), 2.0, dtype=torch.float64)}, total=total, decay=0.5)
-    assert total == 1.75 and torch.allclose(avg["w"], torch.full((2,), 10 / 7, dtype=torch.float64), rtol=0, atol=1e-15)
+    assert total == 1.75 and torch.allclose(avg["w"], torch.full((2,), 10 / 7, dtype=torch.float64), rtol=0,
+                                            atol=1e-15)
 
 
 def test_ewma_weights_after_three_updates_and_the_old_they_give() -> None:
-    # One optimizer step per trainer step (1 minibatch); beta = 0.5: bar_3 = (1 th0 + 2 th1 + 4 th2 + 8 th3) / 15.
+    # One optimizer step per trainer step (1 minibatch); beta = 0.5: bar_3 = (1 th0 + 2 th1 + 4 th2 + 8 th3) /
+    # 15.
     trainer, history = trained("areal", proximal="ewma", proximal_decay=0.5, actor_minibatches=1,
                                optimizer="sgd", actor_lr=0.5)
     assert trainer.proximal.ewma is not None
@@ -215,7 +224,8 @@ def test_loglinear_with_a_step_start_ratio_costs_one_forward() -> None:
 def round_trip(state: dict[str, object]) -> dict[str, object]:
     """Through a checkpoint on disk (state.pt under torch.load(weights_only=True), safetensors files)."""
     with tempfile.TemporaryDirectory() as tmp:
-        return load_checkpoint(save_checkpoint(tmp, 1, {"trainer": state}))["trainer"]  # type: ignore[return-value]
+        return load_checkpoint(save_checkpoint(tmp, 1,
+                                               {"trainer": state}))["trainer"]  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("source", ["snapshot", "ewma"])
@@ -242,7 +252,8 @@ def test_every_source_trains_every_method_with_a_proximal_policy(method: str, so
     torch.manual_seed(0)
     critic = ValueModel.from_policy(policy) if get_method(method).needs_critic else None
     trainer = ActorCriticTrainer(policy, critic, get_method(method),
-                                 TrainerConfig(actor_lr=1e-3, micro_batch_size=4, critic_warmup_steps=0, proximal=source))
+                                 TrainerConfig(actor_lr=1e-3, micro_batch_size=4, critic_warmup_steps=0,
+                                               proximal=source))
     before = params(policy)
     trainer.step(batch_of(policy, seed=0, n=6))
     metrics = trainer.step(batch_of(policy, seed=1, n=6, versions=(0, 1)))
@@ -287,7 +298,8 @@ def test_old_forward_reuse_trains_like_the_separate_forward(micro: int) -> None:
         trainer = make_trainer("copc", micro_batch_size=micro, optimizer="sgd", actor_lr=0.1, critic_lr=0.1,
                                max_grad_norm=0.0, critic_max_grad_norm=0.0, entropy_coef=0.01, ppo_epochs=2,
                                old_forward_reuse=reuse)
-        history = [trainer.step(batch_of(trainer.policy, seed=s, versions=(max(s - 1, 0),))) for s in range(2)]
+        history = [trainer.step(batch_of(trainer.policy, seed=s, versions=(max(s - 1, 0),
+                                                                           ))) for s in range(2)]
         runs.append((params(trainer.policy), params(trainer.critic), history))
     (pi_a, v_a, h_a), (pi_b, v_b, h_b) = runs
     moved = 0.0
@@ -325,7 +337,8 @@ def test_critic_forward_reuse_trains_like_the_separate_forward(method: str, mini
         trainer = make_trainer(method, micro_batch_size=2, optimizer="sgd", actor_lr=0.1, critic_lr=0.03,
                                max_grad_norm=0.0, critic_max_grad_norm=0.0, critic_minibatches=minibatches,
                                critic_updates=2, old_forward_reuse=True, critic_forward_reuse=reuse)
-        history = [trainer.step(batch_of(trainer.policy, seed=s, versions=(max(s - 1, 0),))) for s in range(2)]
+        history = [trainer.step(batch_of(trainer.policy, seed=s, versions=(max(s - 1, 0),
+                                                                           ))) for s in range(2)]
         runs.append((params(trainer.policy), params(trainer.critic), history))
     (pi_a, v_a, h_a), (pi_b, v_b, h_b) = runs
     start = params(make_trainer(method).critic)

@@ -64,7 +64,8 @@ def make_trainer(method: str = "copc", *, seed: int = 0, **overrides: object) ->
     policy = build_tiny_model(TOKENIZER, seed=seed)
     torch.manual_seed(seed)  # the value head is initialised from the global RNG
     critic = ValueModel.from_policy(policy)
-    cfg = TrainerConfig(**{"actor_lr": 1e-3, "critic_lr": 1e-3, "micro_batch_size": 4, "critic_warmup_steps": 0,
+    cfg = TrainerConfig(**{"actor_lr": 1e-3, "critic_lr": 1e-3, "micro_batch_size": 4,
+                           "critic_warmup_steps": 0,
                            **overrides})  # type: ignore[arg-type]
     return ActorCriticTrainer(policy, critic, get_method(method), cfg)
 
@@ -86,7 +87,8 @@ def test_every_trainable_parameter_changes_and_version_advances() -> None:
     for key in ("loss/policy", "loss/value", "grad/actor_norm", "grad/critic_norm", "critic/explained_var",
                 "critic/value_bias_gap", "time/train", "time/train_cpu"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
-    assert 0 < metrics["time/train_cpu"] <= metrics["time/train"] + 1e-3  # one thread's CPU time within its wall
+    # one thread's CPU time within its wall
+    assert 0 < metrics["time/train_cpu"] <= metrics["time/train"] + 1e-3
 
 
 def test_critic_warmup_freezes_the_actor() -> None:
@@ -95,7 +97,8 @@ def test_critic_warmup_freezes_the_actor() -> None:
     before_pi, before_v = params(trainer.policy), params(trainer.critic)
     trainer.step(batch)
     assert all(torch.equal(v, before_pi[k]) for k, v in trainer.policy.named_parameters())
-    assert not all(torch.equal(v, before_v[k]) for k, v in trainer.critic.named_parameters())  # type: ignore[union-attr]
+    assert not all(torch.equal(v, before_v[k]) for k,
+                   v in trainer.critic.named_parameters())  # type: ignore[union-attr]
     assert trainer.version == 1
     trainer.step(batch)  # warm-up over: the actor moves
     assert not all(torch.equal(v, before_pi[k]) for k, v in trainer.policy.named_parameters())
@@ -159,7 +162,8 @@ def test_tool_and_prompt_tokens_get_no_gradient() -> None:
     assert grad is not None
     length = grad.shape[1]
     predicts_action = batch.action_mask[:, 1:length + 1]
-    predicts_action = torch.cat([predicts_action, torch.zeros(batch.batch_size, length - predicts_action.shape[1],
+    predicts_action = torch.cat([predicts_action, torch.zeros(batch.batch_size,
+                                                              length - predicts_action.shape[1],
                                                               dtype=torch.bool)], dim=1)
     assert bool((grad[~predicts_action] == 0).all()), "a non-action token received gradient"
     assert float(grad[predicts_action].abs().sum()) > 0
@@ -181,9 +185,10 @@ def test_zero_staleness_gives_unit_behaviour_weights() -> None:
 
 
 def test_engine_behaviour_logprobs_give_unit_weights_in_the_trainer() -> None:
-    """End to end at lag 0: mu recorded by the engine (left-padded KV-cached decode, rows of different lengths,
-    a real task's prompts and grading) and the trainer's step-start forward on the collated, right-padded batch
-    agree on every action token to float rounding, so w = old/mu is 1 and COPC's mask and clips do nothing."""
+    """End to end at lag 0: mu recorded by the engine (left-padded KV-cached decode, rows of different
+    lengths, a real task's prompts and grading) and the trainer's step-start forward on the collated,
+    right-padded batch agree on every action token to float rounding, so w = old/mu is 1 and COPC's mask and
+    clips do nothing."""
     from copc.rollout.generator import RolloutConfig, RolloutGenerator
     from copc.tasks import get_task
 
@@ -287,7 +292,8 @@ def test_methods_without_an_old_forward_log_the_ratio_of_cur_to_mu() -> None:
     # whatever the staleness. One actor minibatch = every row: the stats must be those of cur/mu at
     # the step start, i.e. of the policy's own log-probs against the (noisy, stale) mu.
     trainer = make_trainer("async_ppo", actor_minibatches=1, micro_batch_size=3)
-    batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=0.5), pad_id=TOKENIZER.pad_token_id)
+    batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=0.5),
+                    pad_id=TOKENIZER.pad_token_id)
     with torch.no_grad():
         cur = token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask).logp
     adv = get_method("async_ppo").advantage
@@ -311,7 +317,8 @@ def test_no_grad_forwards_run_in_eval_mode() -> None:
     _with_dropout(policy, 0.5)
     torch.manual_seed(0)
     critic = ValueModel.from_policy(policy)
-    trainer = ActorCriticTrainer(policy, critic, get_method("copc"), TrainerConfig(micro_batch_size=8, critic_warmup_steps=0))
+    trainer = ActorCriticTrainer(policy, critic, get_method("copc"), TrainerConfig(micro_batch_size=8,
+                                                                                   critic_warmup_steps=0))
     batch = collate(synthetic_trajectories(policy), pad_id=TOKENIZER.pad_token_id)
     policy.train()
     critic.train()
@@ -333,7 +340,8 @@ def test_truncation_mask_keeps_dropped_rows_out_of_the_whitening() -> None:
     trajs = synthetic_trajectories(trainer.policy)
     batch = collate(trajs, pad_id=TOKENIZER.pad_token_id)
     batch = replace(batch, truncated=torch.tensor([True, True, True] + [False] * (len(trajs) - 3)),
-                    token_rewards=batch.token_rewards + 5.0 * torch.tensor([1.0, 1, 1] + [0.0] * (len(trajs) - 3))[:, None])
+                    token_rewards=batch.token_rewards + 5.0 * torch.tensor([1.0, 1, 1] + [0.0] * (len(
+                        trajs) - 3))[:, None])
     st = trainer.prepare(batch)
     a = st.advantages[st.loss_mask].double()
     assert st.loss_mask[:3].sum() == 0 and a.numel() > 10
@@ -352,7 +360,8 @@ def test_kept_denominator_leaves_kl_and_entropy_over_valid_tokens() -> None:
         policy = build_tiny_model(TOKENIZER, seed=0)
         torch.manual_seed(0)
         trainer = ActorCriticTrainer(policy, ValueModel.from_policy(policy), method,
-                                     TrainerConfig(micro_batch_size=4, actor_minibatches=1, critic_warmup_steps=0, entropy_coef=0.01))
+                                     TrainerConfig(micro_batch_size=4, actor_minibatches=1,
+                                                   critic_warmup_steps=0, entropy_coef=0.01))
         batch = collate(synthetic_trajectories(policy, behaviour_noise=0.5), pad_id=TOKENIZER.pad_token_id)
         results[den] = trainer.step(batch)
     assert results["kept"]["policy/mask_frac"] > 0.2  # the band really removes tokens
@@ -365,8 +374,9 @@ def test_micro_batches_by_length_train_like_index_order(method: str, micro: int)
     """``trainer.micro_batch_by_length`` regroups each minibatch's rows (sorted by length) before cutting
     micro-batches: the same update to float tolerance (the sums run in another order), with the forwards
     kept by their rows (old and critic forward reuse) found again and the first minibatch's ratio
-    diagnostics (async PPO 3a: no step-start old), stitched row by row, unchanged. One actor minibatch of 8 rows in pieces of 3, two critic
-    minibatches, 2 steps of SGD (linear in the gradient, as in the accumulation test)."""
+    diagnostics (async PPO 3a: no step-start old), stitched row by row, unchanged. One actor minibatch of 8
+    rows in pieces of 3, two critic minibatches, 2 steps of SGD (linear in the gradient, as in the
+    accumulation test)."""
     runs = []
     for by_length in (False, True):
         trainer = make_trainer(method, micro_batch_size=micro, optimizer="sgd", actor_lr=0.1, critic_lr=0.03,
@@ -398,7 +408,8 @@ def test_micro_batches_by_length_train_like_index_order(method: str, micro: int)
 def _frozen_step(method: str, **overrides: object) -> dict[str, float]:
     """One step whose learning rates (1e-30: the config asks for > 0) move no weight a float32 can see."""
     trainer = make_trainer(method, actor_lr=1e-30, critic_lr=1e-30, **overrides)
-    batch = collate(synthetic_trajectories(trainer.policy, n=8, behaviour_noise=0.5), pad_id=TOKENIZER.pad_token_id)
+    batch = collate(synthetic_trajectories(trainer.policy, n=8, behaviour_noise=0.5),
+                    pad_id=TOKENIZER.pad_token_id)
     return trainer.step(batch)
 
 
@@ -410,9 +421,11 @@ def test_step_statistics_do_not_depend_on_how_the_step_is_cut() -> None:
     micro-batch (0 for one-row pieces: G is constant along a row), and every statistic divided by the
     minibatch count asked for even when the batch had fewer rows (16 asked, 8 made: all halved)."""
     cuts = [(1, 1, 8), (2, 2, 3), (4, 4, 1), (8, 8, 2), (16, 16, 2)]
-    runs = [_frozen_step("copc_behaviour", actor_minibatches=a, critic_minibatches=c, micro_batch_size=mb) for a, c, mb in cuts]
+    runs = [_frozen_step("copc_behaviour", actor_minibatches=a, critic_minibatches=c,
+                         micro_batch_size=mb) for a, c, mb in cuts]
     keys = sorted(k for k in runs[0] if k.startswith(("policy/", "value/")))
-    assert {"policy/mask_frac", "policy/clip_frac_high", "value/mean_abs_err", "value/explained_var"} <= set(keys)
+    assert {"policy/mask_frac", "policy/clip_frac_high", "value/mean_abs_err",
+            "value/explained_var"} <= set(keys)
     assert runs[0]["policy/mask_frac"] > 0.05 and runs[0]["value/explained_var"] != 0.0  # not vacuous
     for cut, run in zip(cuts[1:], runs[1:], strict=True):
         for key in keys:
@@ -432,7 +445,8 @@ def test_ess_is_taken_per_actor_minibatch_for_every_method() -> None:
     the drift stay over the whole batch. Before: 3b's ESS was the whole batch's, 3a's a quarter's."""
     batch = collate(synthetic_trajectories(build_tiny_model(TOKENIZER, seed=0), n=16, behaviour_noise=0.6),
                     pad_id=TOKENIZER.pad_token_id)
-    with_old, without = make_trainer("async_ppo_recompute", actor_minibatches=4), make_trainer("async_ppo", actor_minibatches=4)
+    with_old, without = make_trainer("async_ppo_recompute",
+                                     actor_minibatches=4), make_trainer("async_ppo", actor_minibatches=4)
     split = with_old._minibatches(batch.action_mask, 4, salt=100)
     with torch.no_grad():
         cur = token_logprobs(with_old.policy, batch.input_ids, batch.attention_mask).logp
@@ -469,7 +483,8 @@ def test_a_method_without_a_critic_reports_no_critic() -> None:
     policy = build_tiny_model(TOKENIZER, seed=0)
     trainer = ActorCriticTrainer(policy, None, get_method("areal"), TrainerConfig(micro_batch_size=4))
     metrics = trainer.step(collate(synthetic_trajectories(policy), pad_id=TOKENIZER.pad_token_id))
-    assert not {"critic/explained_var", "critic/values_mean", "critic/value_bias_gap", "value/explained_var"} & set(metrics)
+    assert not {"critic/explained_var", "critic/values_mean", "critic/value_bias_gap",
+                "value/explained_var"} & set(metrics)
     assert "critic/value_bias" in metrics
 
 
@@ -481,7 +496,8 @@ def test_void_turn_episodes_can_be_left_out_of_the_losses() -> None:
 
     base = synthetic_trajectories(build_tiny_model(TOKENIZER, seed=0), behaviour_noise=0.3)
     marked = [replace(t, info={"void_turn": 1.0}) if i in (1, 4) else t for i, t in enumerate(base)]
-    changed = [replace(t, reward=1.0 - t.reward, token_rewards=t.token_rewards.flip(0), logp_behav=t.logp_behav - 0.7)
+    changed = [replace(t, reward=1.0 - t.reward, token_rewards=t.token_rewards.flip(0),
+                       logp_behav=t.logp_behav - 0.7)
                if i in (1, 4) else t for i, t in enumerate(marked)]
 
     def update(trajs: list, mode: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -507,7 +523,8 @@ def test_step_metrics_are_measured_or_left_out_never_zero_by_construction() -> N
     by_method = {}
     for method in ("async_ppo", "async_ppo_recompute"):
         trainer = make_trainer(method)
-        batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=1.0), pad_id=TOKENIZER.pad_token_id)
+        batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=1.0),
+                        pad_id=TOKENIZER.pad_token_id)
         by_method[method] = trainer.step(batch), trainer, batch
     no_old, _, _ = by_method["async_ppo"]
     assert m.CRITIC_VALUE_BIAS not in no_old and m.CRITIC_VALUE_BIAS_GAP not in no_old
@@ -526,7 +543,8 @@ def test_ratio_statistics_skip_a_first_minibatch_without_loss_tokens() -> None:
     """Audit of 2026-12-04: a method without old measured ratio/... on its first actor minibatch even when
     that minibatch had no loss tokens, and reported ESS 1 and mean |log r| 0 (perfectly on-policy)."""
     trainer = make_trainer("async_ppo", truncation="mask", shuffle=False, actor_minibatches=4)
-    batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=1.0), pad_id=TOKENIZER.pad_token_id)
+    batch = collate(synthetic_trajectories(trainer.policy, behaviour_noise=1.0),
+                    pad_id=TOKENIZER.pad_token_id)
     truncated = batch.truncated.clone()
     truncated[: batch.batch_size // 4] = True  # the first minibatch's rows leave the loss
     metrics = trainer.step(replace(batch, truncated=truncated))
