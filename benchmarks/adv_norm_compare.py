@@ -42,7 +42,8 @@ def run_one(mode: str, floor: float, seed: int, out: Path, extra: list[str]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=["whiten:0", "scale:0.1"], help="mode:floor pairs")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--out", type=Path, required=True)

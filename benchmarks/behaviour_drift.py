@@ -1,6 +1,7 @@
 """How far each run's policy moved from the behaviour policy, against how well it did (issue 13, E1).
 
-    .venv/bin/python benchmarks/behaviour_drift.py [runs/sweep/e1_arith_tool] [--results results/e1_arith_tool]
+    .venv/bin/python benchmarks/behaviour_drift.py [runs/sweep/e1_arith_tool] [--results
+    results/e1_arith_tool]
 
 For every finished cell of a sweep it reads the run's ``metrics.jsonl`` and prints the mean over the last
 half of training of ``ratio/mean_abs_log`` (``|log pi_old - log mu|`` per action token: how far the
@@ -36,11 +37,13 @@ def last_half_mean(rows: list[dict[str, float]], key: str, steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="?", default="runs/sweep/e1_arith_tool")
     parser.add_argument("--results", default="results/e1_arith_tool")
     parser.add_argument("--baseline", default="async_ppo", help="method the drift is paired with")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="also draw each run's drift and greedy accuracy "
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="also draw each run's drift and greedy accuracy "
                         "over training, its E4 collapse (greedy_accuracy, 0.1, 3) marked")
     args = parser.parse_args()
     table: dict[str, dict[int, tuple[float, float, float]]] = defaultdict(dict)
@@ -55,7 +58,8 @@ def main() -> None:
         rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
         drift = last_half_mean(rows, "ratio/mean_abs_log", steps)
         kl = last_half_mean(rows, "ratio/kl_k3", steps)
-        table[method.split("=", 1)[-1]][int(seed_text)] = (drift, kl, float(record["summary"]["eval_last_half"]))
+        table[method.split("=", 1)[-1]][int(seed_text)] = (drift, kl,
+                                                           float(record["summary"]["eval_last_half"]))
         traces[f"{method.split('=', 1)[-1]} seed {seed_text}"] = (rows, record)
     print(f"{'method':<10} {'seed':>4} {'|log old/mu|':>13} {'k3 KL':>8} {'eval_last_half':>15}")
     drifts, accs = [], []
@@ -95,7 +99,8 @@ def plot_traces(traces: dict[str, tuple[list[dict[str, float]], dict[str, Any]]]
                         label=name)[0]
         evals = record["evals"]
         assert isinstance(evals, list)
-        bottom.plot([e["step"] for e in evals], [e["greedy_accuracy"] for e in evals], marker="o", markersize=3,
+        bottom.plot([e["step"] for e in evals], [e["greedy_accuracy"] for e in evals], marker="o",
+                    markersize=3,
                     color=line.get_color(), label=name)
         collapse = collapse_step(record)
         if collapse is not None:

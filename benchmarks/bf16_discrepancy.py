@@ -36,14 +36,16 @@ from copc.types import Trajectory
 
 
 def discrepancy(model: torch.nn.Module, trajectories: list[Trajectory], temperature: float) -> torch.Tensor:
-    """``log pi_train - log mu`` on every sampled token ``[N] float32``, one unpadded forward per trajectory."""
+    """``log pi_train - log mu`` on every sampled token ``[N] float32``, one unpadded forward per
+    trajectory."""
     out = []
     with torch.no_grad():
         for traj in trajectories:
             if traj.num_action_tokens == 0:
                 continue
             ids = traj.token_ids.unsqueeze(0)
-            logp = token_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool), temperature=temperature).logp[0]
+            logp = token_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool),
+                                  temperature=temperature).logp[0]
             out.append((logp - traj.logp_behav)[traj.action_mask])
     return torch.cat(out)
 
@@ -53,7 +55,8 @@ def report(name: str, d: torch.Tensor) -> None:
     q = torch.quantile(a, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
     ratio = d.double().exp()
     outside = float(((ratio < 0.8) | (ratio > 1.2)).double().mean())
-    print(f"{name:9s} tokens {d.numel():6d}  mean {float(d.double().mean()):+.2e}  std {float(d.double().std()):.2e}  "
+    print(f"{name:9s} tokens {d.numel():6d}  mean {float(d.double().mean()):+.2e}  std "
+          f"{float(d.double().std()):.2e}  "
           f"|d| p50 {q[0]:.2e} p90 {q[1]:.2e} p99 {q[2]:.2e} max {float(a.max()):.2e}  "
           f"outside [0.8, 1.2] {outside:.4f}")
 
@@ -65,7 +68,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the sampler runs (the trainer's forward: cpu)")
-    parser.add_argument("--policy", type=Path, help="HF folder of the policy (default: the task's warm start)")
+    parser.add_argument("--policy", type=Path,
+                        help="HF folder of the policy (default: the task's warm start)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     options = {**task_defaults(args.task), **({"hard": True} if args.hard else {})}
@@ -77,11 +81,13 @@ def main() -> None:
             path = policy_path(cfg, Path(scratch))
     trainer_model, tokenizer = load_policy(path)
     task = get_task(args.task, **options)  # type: ignore[arg-type]
-    print(f"{args.task} (hard={args.hard}), warm start {path.name}, {args.batches} batches of {cfg.rollout.batch_size}, "
-          f"temperature {cfg.rollout.temperature}, sampler on {args.device}, trainer float32 on cpu")
+    print(f"{args.task} (hard={args.hard}), warm start {path.name}, {args.batches} batches of "
+          f"{cfg.rollout.batch_size}, temperature {cfg.rollout.temperature}, "
+          f"sampler on {args.device}, trainer float32 on cpu")
     for dtype in ("float32", "bfloat16"):
         sampler_model, _ = load_policy(path, device=args.device)
-        generator = RolloutGenerator(sampler_model, tokenizer, task, replace(cfg.rollout, dtype=dtype), seed=args.seed)
+        generator = RolloutGenerator(sampler_model, tokenizer, task, replace(cfg.rollout, dtype=dtype),
+                                     seed=args.seed)
         trajectories = [t for j in range(args.batches) for t in generator.generate(j).trajectories]
         report(dtype, discrepancy(trainer_model, trajectories, cfg.rollout.temperature))
 

@@ -14,8 +14,8 @@ seed, ``seed=i`` for run ``i``, plus any ``overrides``), in its own process with
   the case where a default run once learned almost nothing (issue 10, "the default run must hold up").
 
 Prints one line per run (eval avg@1 before -> after, the gain, wall seconds, the infrastructure tool
-failures per episode of the last training batches) and how many met the target gain (+0.25 by default). Resumable: a run whose
-``summary.json`` exists in ``--out`` is read instead of run again.
+failures per episode of the last training batches) and how many met the target gain (+0.25 by default).
+Resumable: a run whose ``summary.json`` exists in ``--out`` is read instead of run again.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if proc.poll() is not None:
                     del running[i]
                     if proc.returncode:
-                        print(f"run {i}: exit {proc.returncode}, see {args.out / f'run_{i:02d}.log'}", flush=True)
+                        print(f"run {i}: exit {proc.returncode}, see {args.out / f'run_{i:02d}.log'}",
+                              flush=True)
             time.sleep(1.0)
     finally:
         for proc in running.values():

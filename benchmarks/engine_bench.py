@@ -60,7 +60,8 @@ def main() -> None:
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         torch.manual_seed(0)
-        ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id}
+        ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+               "bos_token_id": tok.bos_token_id}
         with torch.device(args.device):
             model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B, **ids, tie_word_embeddings=True))
         model = model.to(torch.bfloat16 if cuda else torch.float32).eval()
@@ -68,7 +69,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     vocab = torch.arange(4, len(tok))
     prompts = [
-        [tok.bos_token_id, *vocab[torch.randint(len(vocab), (args.prompt - 1 - i % 8,), generator=gen)].tolist()]
+        [tok.bos_token_id, *vocab[torch.randint(len(vocab), (args.prompt - 1 - i % 8,),
+                                                generator=gen)].tolist()]
         for i in range(args.batch)
     ]
     batch = tok.pad({"input_ids": prompts}, return_tensors="pt", padding_side="left").to(args.device)
@@ -97,7 +99,8 @@ def main() -> None:
             return int(new.numel())
         # Tokens up to and including the first EOS of each row (HF pads after it).
         is_eos = new == tok.eos_token_id
-        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], new.shape[1], dtype=torch.long))
+        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1,
+                            torch.full_like(is_eos[:, 0], new.shape[1], dtype=torch.long))
         return int(first.sum())
 
     run_engine(), run_hf()  # warm-up
@@ -116,10 +119,12 @@ def main() -> None:
         assert tokens["engine"] == tokens["hf"] == args.batch * args.new, tokens
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    print(f"{args.model} model ({sum(p.numel() for p in model.parameters())} params, {next(model.parameters()).dtype}, "
+    print(f"{args.model} model ({sum(p.numel() for p in model.parameters())} params, "
+          f"{next(model.parameters()).dtype}, "
           f"{args.device}), batch {args.batch}, "
           f"prompt <= {args.prompt}, {'<= ' if args.eos else ''}{args.new} new tokens/row "
-          f"({'stop at EOS' if args.eos else 'EOS ignored'}), {args.threads} thread(s), {args.repeats} repeats")
+          f"({'stop at EOS' if args.eos else 'EOS ignored'}), "
+          f"{args.threads} thread(s), {args.repeats} repeats")
     for name in ("engine", "hf"):
         print(
             f"  {name:6s}: median wall {med[name] * 1e3:8.1f} ms  {tokens[name] / med[name]:7.0f} tokens/s | "

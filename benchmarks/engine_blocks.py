@@ -52,7 +52,8 @@ def dynamic_caches() -> Iterator[None]:
     """The engine with transformers' DynamicCache everywhere it would make a growing cache."""
     saved = engine_module.growing_cache, engine_module.rows_of, engine_module.stacked
     engine_module.growing_cache = _dynamic  # type: ignore[assignment]
-    engine_module.rows_of = lambda cache, rows: _dynamic([(k[rows], v[rows]) for k, v in plain_kv(cache)])  # type: ignore[assignment]
+    engine_module.rows_of = lambda cache, rows: _dynamic([(k[rows], v[rows]) for k,
+                                                          v in plain_kv(cache)])  # type: ignore[assignment]
     engine_module.stacked = lambda parts: _dynamic([  # type: ignore[assignment]
         (torch.cat([k for k, _ in group]), torch.cat([v for _, v in group]))
         for group in zip(*(plain_kv(p) for p in parts), strict=True)
@@ -92,8 +93,8 @@ def main() -> None:
     base = statistics.median(times["one batch (0, 0)"])
     print(f"{args.rows} rows, prompts {args.prompt // 2}-{args.prompt} tokens, {args.new} new tokens each; "
           f"median of {args.repeats} interleaved rounds, one thread")
-    print(f"{'setting (max_rows, prefill_tokens)':36s} {'wall s':>8s} {'ms/row/step':>12s} {'vs one batch':>13s} "
-          f"{'same tokens':>12s}")
+    print(f"{'setting (max_rows, prefill_tokens)':36s} {'wall s':>8s} {'ms/row/step':>12s} "
+          f"{'vs one batch':>13s} {'same tokens':>12s}")
     for name in SETTINGS:
         wall = statistics.median(times[name])
         same = sum(a[0] == b[0] for a, b in zip(outputs[name], outputs["one batch (0, 0)"], strict=True))
@@ -101,7 +102,8 @@ def main() -> None:
               f"{same:>6d}/{args.rows}")
     growing = statistics.median(times["blocks of 128 (128, 8192)"])
     identical = outputs[DYNAMIC] == outputs["blocks of 128 (128, 8192)"]
-    print(f"DynamicCache / growing cache (blocks of 128): {statistics.median(times[DYNAMIC]) / growing:.2f}x; "
+    print(
+        f"DynamicCache / growing cache (blocks of 128): {statistics.median(times[DYNAMIC]) / growing:.2f}x; "
           f"tokens and log-probs identical: {identical}")
 
 

@@ -25,7 +25,8 @@ import torch
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="arith_tool", choices=("arith_tool", "kv_search"))
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
@@ -45,21 +46,25 @@ def main() -> None:
     model, tokenizer = load_policy(policy_path(cfg, tmp))
     task = get_task(cfg.task, **cfg.task_options)
     settings: dict[str, Callable[..., Engine]] = {
-        f"blocks of {MAX_ROWS} (default)": Engine, "one block (max_rows=0)": functools.partial(Engine, max_rows=0)}
+        f"blocks of {MAX_ROWS} (default)": Engine, "one block (max_rows=0)": functools.partial(Engine,
+                                                                                               max_rows=0)}
     times: dict[str, list[float]] = {name: [] for name in settings}
     figures: dict[str, dict[str, float]] = {}
     for rep in range(args.repeats):
         for name in list(settings)[:: 1 if rep % 2 == 0 else -1]:
             evaluate_module.Engine = settings[name]  # type: ignore[assignment,misc]
             start = time.perf_counter()
-            figures[name] = evaluate_module.evaluate(model, tokenizer, task, cfg.rollout, cfg.eval, seed=cfg.seed)
+            figures[name] = evaluate_module.evaluate(model, tokenizer, task, cfg.rollout, cfg.eval,
+                                                     seed=cfg.seed)
             times[name].append(time.perf_counter() - start)
     evaluate_module.Engine = Engine  # type: ignore[misc]
-    print(f"{args.task}: {cfg.eval.prompts} held-out prompts, avg@{cfg.eval.samples} + greedy; median of {args.repeats}")
+    print(f"{args.task}: {cfg.eval.prompts} held-out prompts, avg@{cfg.eval.samples} + greedy; median of "
+          f"{args.repeats}")
     for name in settings:
         print(f"{name:26s} {statistics.median(times[name]):7.2f} s")
     blocked, whole = (statistics.median(times[name]) for name in settings)
-    print(f"one block / blocks: {whole / blocked:.2f}x; the same figures: {len({str(f) for f in figures.values()}) == 1}")
+    print(f"one block / blocks: {whole / blocked:.2f}x; the same figures: "
+          f"{len({str(f) for f in figures.values()}) == 1}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""Trainer step time on identical batches: async PPO 3a / 3b and COPC, with and without ``trainer.old_forward_reuse``
-and ``trainer.micro_batch_by_length``.
+"""Trainer step time on identical batches: async PPO 3a / 3b and COPC, with and without
+``trainer.old_forward_reuse`` and ``trainer.micro_batch_by_length``.
 
-    nice -n 10 .venv/bin/python benchmarks/old_forward_reuse.py [--repeats 12] [--policy warmstart] [--testbed arith_tool]
+    nice -n 10 .venv/bin/python benchmarks/old_forward_reuse.py [--repeats 12] [--policy warmstart] [--testbed
+    arith_tool]
 
 The trainer-only measurement of ``benchmarks/step_time.py`` (``trainer_overhead``: three recorded batches
 of the default run config, the trainers alternated in a rotating order so a drifting load hits them
 alike, medians of wall time and of the process's CPU time: on a shared machine the CPU time of a
-one-thread step is the steadier figure), with two more trainers: 3b and COPC with the first actor minibatch's ``old`` taken from
-its own first forward (issue 12 item 2). Prints each median, COPC's overhead over 3a and 3b before and
-after, and the fraction of rows whose old forward was skipped. One run, so the ratios are paired.
+one-thread step is the steadier figure), with two more trainers: 3b and COPC with the first actor minibatch's
+``old`` taken from its own first forward (issue 12 item 2). Prints each median, COPC's overhead over 3a and 3b
+before and after, and the fraction of rows whose old forward was skipped. One run, so the ratios are paired.
 ``--testbed TASK`` takes the batches and trainer settings of ``copc testbed --task TASK`` (its hard
 setting) instead of the default run's.
 """
@@ -46,8 +47,10 @@ CONFIGS = {  # label: (method, old_forward_reuse, micro_batch_by_length)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=12, help="steps per trainer (after one warm-up step each)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=12,
+                        help="steps per trainer (after one warm-up step each)")
     parser.add_argument("--policy", default="warmstart", help="warmstart | tiny | an HF folder")
     parser.add_argument("--testbed", default=None, help="a copc testbed task: its hard setting's batches")
     args = parser.parse_args()
@@ -59,14 +62,16 @@ def main() -> None:
         gen_model, tokenizer = load_policy(model_dir)
         task = get_task(base.task, **base.task_options)
         generator = RolloutGenerator(gen_model, tokenizer, task, base.rollout, seed=base.seed)
-        batches = [collate(generator.generate(j).trajectories, pad_id=int(tokenizer.pad_token_id)) for j in range(3)]
+        batches = [collate(generator.generate(j).trajectories,
+                           pad_id=int(tokenizer.pad_token_id)) for j in range(3)]
         trainers = {}
         for label, (method, reuse, by_length) in CONFIGS.items():
             policy, _ = load_policy(model_dir)
             torch.manual_seed(0)
             cfg = replace(base.trainer, critic_warmup_steps=0, old_forward_reuse=reuse,
                           micro_batch_by_length=by_length)
-            trainers[label] = ActorCriticTrainer(policy, ValueModel.from_policy(policy), get_method(method), cfg)
+            trainers[label] = ActorCriticTrainer(policy, ValueModel.from_policy(policy), get_method(method),
+                                                 cfg)
     times: dict[str, list[float]] = {label: [] for label in trainers}
     cpu: dict[str, list[float]] = {label: [] for label in trainers}
     reused: dict[str, list[float]] = {label: [] for label in trainers}

@@ -93,7 +93,8 @@ def realistic_batch(seed: int = 0) -> dict[str, torch.Tensor]:
 # style: carry the next value and the running sum across non-action positions).
 
 
-def loop_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+def loop_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+             lam: float) -> torch.Tensor:
     next_value = torch.zeros(B)
     running = torch.zeros(B)
     cols = []
@@ -108,7 +109,8 @@ def loop_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ga
 
 
 def loop_clipped_td(
-    rewards: torch.Tensor, values: torch.Tensor, rho: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor, values: torch.Tensor, rho: torch.Tensor, mask: torch.Tensor, gamma: float,
+    lam: float
 ) -> torch.Tensor:
     """Advantages A_t = delta_t + gamma lam E_{t+1}, E_t = rho~_t delta_t + gamma lam E_{t+1} (trace none)."""
     next_value = torch.zeros(B)
@@ -160,19 +162,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21, help="timed repeats per vectorised measurement")
     parser.add_argument("--runs", type=int, default=3, help="times every measurement is repeated (spread)")
     parser.add_argument("--loop-repeats", type=int, default=3, help="timed repeats per loop baseline")
-    parser.add_argument("--warm-allocator", action="store_true", help="free a 16 MiB tensor first (see docstring)")
+    parser.add_argument("--warm-allocator", action="store_true",
+                        help="free a 16 MiB tensor first (see docstring)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.warm_allocator:
-        torch.empty(16 << 20, dtype=torch.uint8).fill_(1)  # freed at once: raises glibc's mmap/trim thresholds
+        # freed at once: raises glibc's mmap/trim thresholds
+        torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
     d = realistic_batch()
     mask, rew, val = d["mask"], d["rewards"], d["values"]
     log_w = log_ratio(d["logp_old"], d["logp_behav"], mask)
     rho = torch.exp(log_w).clamp(0.8, 1.2)
     n_act = int(mask.sum())
     print(f"B={B} T={T} float32, 1 thread; action tokens {n_act} ({n_act / (B * T):.0%}); median of "
-          f"{args.repeats} calls, {args.runs} runs [range of run medians]; loops: median of {args.loop_repeats}; "
-          f"allocator {'warm' if args.warm_allocator else 'cold'}")
+          f"{args.repeats} calls, {args.runs} runs [range of run medians]; loops: median of "
+          f"{args.loop_repeats}; allocator {'warm' if args.warm_allocator else 'cold'}")
 
     # Loop baselines must agree with the vectorised estimators before their times mean anything.
     ref_gae = gae(rew, val, mask, gamma=1.0, lam=1.0).advantages
@@ -190,10 +194,14 @@ def main() -> None:
         ("torch.cumsum [64,4096]", lambda: torch.cumsum(x, dim=1), None),
         ("gae (gamma=lam=1)", lambda: gae(rew, val, mask, gamma=1.0, lam=1.0), t_loop_gae),
         ("gae (gamma=1, lam=0.95)", lambda: gae(rew, val, mask, gamma=1.0, lam=0.95), t_loop_gae95),
-        ("clipped_td default", lambda: clipped_td(rew, val, log_w, mask, **ctd_kw), t_loop_ctd),  # type: ignore[arg-type]
-        ("clipped_td k_A=100", lambda: clipped_td(rew, val, log_w, mask, advantage_window=100, **ctd_kw), None),  # type: ignore[arg-type]
-        ("vtrace", lambda: vtrace(rew, val, log_w, mask, gamma=1.0, lam=1.0, rho_bar=1.0, c_bar=1.0, pg_rho_bar=1.0), None),
-        ("brace k=100", lambda: brace(rew, val, log_w, mask, gamma=1.0, lam=1.0, rho_bar=1.2, c_bar=1.1, k=100), None),
+        ("clipped_td default", lambda: clipped_td(rew, val, log_w, mask, **ctd_kw), t_loop_ctd),
+        # type: ignore[arg-type]
+        ("clipped_td k_A=100", lambda: clipped_td(rew, val, log_w, mask, advantage_window=100, **ctd_kw),
+         None),  # type: ignore[arg-type]
+        ("vtrace", lambda: vtrace(rew, val, log_w, mask, gamma=1.0, lam=1.0, rho_bar=1.0, c_bar=1.0,
+                                  pg_rho_bar=1.0), None),
+        ("brace k=100", lambda: brace(rew, val, log_w, mask, gamma=1.0, lam=1.0, rho_bar=1.2, c_bar=1.1,
+                                      k=100), None),
         ("group (grpo + broadcast)",
          lambda: broadcast_to_tokens(group_advantages(d["scores"], d["groups"], mode="grpo"), mask), None),
     ]
@@ -204,7 +212,8 @@ def main() -> None:
             slow = "brace" in name or "vtrace" in name
             spreads[name].measure(fn, 5 if slow else args.repeats * (5 if "cumsum" in name else 1))
             ratios[name].append(spreads[name].medians[-1] / spreads[rows[0][0]].medians[-1])
-    print(f"\n{'estimator':<26}{'median ms [lo-hi]':>24}{'pf':>7}{'loop ms':>9}{'speed-up':>9}{'x cumsum [lo-hi]':>22}")
+    print(
+        f"\n{'estimator':<26}{'median ms [lo-hi]':>24}{'pf':>7}{'loop ms':>9}{'speed-up':>9}{'x cumsum [lo-hi]':>22}")
     for name, _, loop_t in rows:
         sp, r = spreads[name], ratios[name]
         loop_s = f"{loop_t * 1e3:>9.1f}{loop_t / sp.mid:>8.1f}x" if loop_t else f"{'-':>9}{'-':>9}"
@@ -227,7 +236,8 @@ def full_step(d: dict[str, torch.Tensor], repeats: int, runs: int) -> None:
     def copc(diagnostics: bool) -> Callable[[], None]:
         def step() -> None:
             log_w = log_ratio(d["logp_old"], d["logp_behav"], mask)
-            ctd = clipped_td(rew, val, log_w, mask, gamma=1.0, lam_critic=1.0, lam_actor=1.0, low=0.8, high=1.2)
+            ctd = clipped_td(rew, val, log_w, mask, gamma=1.0, lam_critic=1.0, lam_actor=1.0, low=0.8,
+                             high=1.2)
             adv = masked_whiten(ctd.advantages, mask)
             out = copc_policy_loss(CorrectedInputs(logp, d["logp_old"], d["logp_behav"], adv, mask))
             out.loss.backward()

@@ -56,9 +56,11 @@ def main() -> None:
                   f"{common:.0f} s) {at_wall[arm]:.3f}  train wall {train_s[arm]:.0f} s  "
                   f"(from eval 0 {steps[-1]['time'] - start[arm]:.0f} s)  reject rate "
                   f"{mean(steps, 'staleness/pace_reject_rate'):.3f}  versions/traj "
-                  f"{mean(steps, 'rollout/versions_per_traj'):.2f} (max {max(r['rollout/versions_per_traj_max'] for r in steps):.0f})"
+                  f"{mean(steps, 'rollout/versions_per_traj'):.2f} (max "
+                  f"{max(r['rollout/versions_per_traj_max'] for r in steps):.0f})"
                   f"  token staleness {mean(steps, 'staleness/mean'):.2f}"
-                  f"  s_gen {mean(steps, 'staleness/generation_mean'):.2f}  s_wait {mean(steps, 'staleness/waiting_mean'):.2f}"
+                  f"  s_gen {mean(steps, 'staleness/generation_mean'):.2f}  s_wait "
+                  f"{mean(steps, 'staleness/waiting_mean'):.2f}"
                   f"  trained traj/step {mean(steps, 'batch/sequences'):.1f}"
                   f"  median step {statistics.median(r['time/step'] for r in steps):.1f} s")
         gaps_eval.append(statistics.fmean(evals["pace"][1:]) - statistics.fmean(evals["none"][1:]))

@@ -37,7 +37,8 @@ def main() -> None:
     weights = [build_tiny_model(tok, seed=s).state_dict() for s in (1, 2)]
     gen = torch.Generator().manual_seed(0)
     vocab = torch.arange(4, len(tok))
-    prompts = [[tok.bos_token_id, *vocab[torch.randint(len(vocab), (args.prompt - 1 - i % 8,), generator=gen)].tolist()]
+    prompts = [[tok.bos_token_id, *vocab[torch.randint(len(vocab), (args.prompt - 1 - i % 8,),
+                                                       generator=gen)].tolist()]
                for i in range(args.batch)]
     config = SamplingConfig(max_new_tokens=args.new, ignore_eos=True)
     state = {"calls": 0}
@@ -68,7 +69,8 @@ def main() -> None:
         wall = statistics.median(w for w, _ in times[k])
         cpu = statistics.median(c for _, c in times[k])
         swaps = 0 if k is None else (args.new - 1) // k
-        print(f"swap every {k!s:>4} tokens ({swaps:2d} swaps): wall {wall:.3f} s ({wall / base_wall - 1:+.1%}), "
+        print(f"swap every {k!s:>4} tokens ({swaps:2d} swaps): wall {wall:.3f} s "
+              f"({wall / base_wall - 1:+.1%}), "
               f"cpu {cpu:.3f} s ({cpu / base_cpu - 1:+.1%})")
 
 

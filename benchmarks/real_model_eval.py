@@ -7,11 +7,11 @@
 
 ``--checkpoint`` is an HF folder (the recipe of :data:`RECIPE` applies: ``math_tool`` on the shipped word
 problems, :data:`~copc.tasks.word_problems.TEMPLATE`, the real-model budgets) or a run directory (its own
-config and latest checkpoint, as ``copc eval``). The evaluation is ``copc eval``'s (:func:`copc.eval.evaluate`,
-sampled at the rollout temperature, the same seeds for every checkpoint), without the greedy pass.
-Written to ``--out``: avg@k, its 95% t-interval over prompts (each prompt's share of its k samples
-correct is one value), and every prompt's share; with ``--pair`` (an earlier ``--out`` of the same prompts),
-the gain ``after - before`` and its paired 95% t-interval over the same prompts.
+config and latest checkpoint, as ``copc eval``). The evaluation is ``copc eval``'s
+(:func:`copc.eval.evaluate`, sampled at the rollout temperature, the same seeds for every checkpoint), without
+the greedy pass. Written to ``--out``: avg@k, its 95% t-interval over prompts (each prompt's share of its k
+samples correct is one value), and every prompt's share; with ``--pair`` (an earlier ``--out`` of the same
+prompts), the gain ``after - before`` and its paired 95% t-interval over the same prompts.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def paired_gain(before: list[float], after: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--samples", type=int, default=2)
@@ -123,8 +124,10 @@ class Slice:
 def _write(args: argparse.Namespace, path: Path, step: int | None, shares: list[float], ids: list[str],
            metrics: list[dict[str, float]], seconds: float) -> None:
     """The figures so far (after each chunk, so a stopped evaluation keeps what it measured)."""
-    out: dict[str, object] = {"checkpoint": str(path), "step": step, "prompts": len(shares), "samples": args.samples,
-                              "seed": args.seed, "chunk": args.chunk, "eval_seconds": seconds, **summarise(shares),
+    out: dict[str, object] = {"checkpoint": str(path), "step": step, "prompts": len(shares),
+                              "samples": args.samples,
+                              "seed": args.seed, "chunk": args.chunk, "eval_seconds": seconds,
+                              **summarise(shares),
                               "metrics": metrics, "per_prompt": shares, "prompt_ids": ids,
                               "complete": len(shares) == args.prompts}
     if args.pair:

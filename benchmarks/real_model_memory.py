@@ -36,7 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WALKTHROUGH = [
-    "task=math_tool", f"task_options.data={ROOT / 'tests/fixtures/math_tool.jsonl'}", "task_options.eval_size=2",
+    "task=math_tool", f"task_options.data={ROOT / 'tests/fixtures/math_tool.jsonl'}",
+    "task_options.eval_size=2",
     "rollout.max_new_tokens_per_turn=256", "rollout.max_total_tokens=512", "rollout.context_limit=2048",
     "rollout.prompts_per_batch=2", "rollout.group_size=4", "trainer.actor_lr=5e-6",
     "trainer.critic_warmup_steps=0", "eval.prompts=2", "eval.every=0", "method=copc",
@@ -96,11 +97,13 @@ def _size(path: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF folder of the policy (docs/own-model.md step 2)")
     parser.add_argument("--driver", choices=("sync", "async"), default="sync")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--src", default=None, help="run copc train from this source tree (PYTHONPATH), e.g. an "
+    parser.add_argument("--src", default=None,
+                        help="run copc train from this source tree (PYTHONPATH), e.g. an "
                         "older commit's checkout, to measure before and after in one sitting")
     parser.add_argument("overrides", nargs="*", help="extra copc train key=value overrides")
     args = parser.parse_args()
@@ -121,13 +124,15 @@ def main() -> None:
         records = read_metrics(run_dir / "metrics.jsonl")
         steps = [float(r["time/step"]) for r in records if "time/step" in r]
         phases = _phase_peaks(records)
-        own_gib = max([own_gib, *phases.values()])  # the exit's ru_maxrss covers only the time after the last step
+        # the exit's ru_maxrss covers only the time after the last step
+        own_gib = max([own_gib, *phases.values()])
         root = run_dir / "checkpoints"
         latest = root / (root / "latest").read_text().strip()
-        print(f"{args.driver} {' '.join(args.overrides) or '(defaults)'}: peak PSS of the tree {tree_gib:.2f} GiB, "
-              f"trainer peak RSS {own_gib:.2f} GiB, checkpoint {_size(latest) / 2**30:.2f} GiB "
-              f"(checkpoints/ {_size(root) / 2**30:.2f} GiB), median step {statistics.median(steps):.1f} s, "
-              f"wall {wall:.0f} s")
+        print(f"{args.driver} {' '.join(args.overrides) or '(defaults)'}: peak PSS of the tree "
+              f"{tree_gib:.2f} GiB, trainer peak RSS {own_gib:.2f} GiB, checkpoint "
+              f"{_size(latest) / 2**30:.2f} GiB "
+              f"(checkpoints/ {_size(root) / 2**30:.2f} GiB), median "
+              f"step {statistics.median(steps):.1f} s, wall {wall:.0f} s")
         if phases:
             print("trainer peak RSS by phase of a step (max over steps; copc.trainer.memory): "
                   + ", ".join(f"{name} {gib:.2f}" for name, gib in phases.items())
@@ -157,9 +162,10 @@ def _floor(model: Path, *, critic_backbone: bool, peak_gib: float) -> str:
                 params += _numel(handle.get_slice(key).get_shape())
     one = params * 4 / 2**30
     floor = 4 * one * (2 if critic_backbone else 1)
-    return (f"floor by component: policy weights {one:.2f} + gradients {one:.2f} + AdamW moments {2 * one:.2f} GiB; "
-            f"critic the same: {floor:.2f} GiB in all ({params / 1e6:.0f}M parameters in float32); "
-            f"above the floor: {peak_gib - floor:.2f} GiB (the sampler's copy, activations, logits, the allocator)")
+    return (f"floor by component: policy weights {one:.2f} + gradients {one:.2f} + AdamW moments "
+            f"{2 * one:.2f} GiB; critic the same: {floor:.2f} GiB in all ({params / 1e6:.0f}M parameters in "
+            f"float32); above the floor: {peak_gib - floor:.2f} GiB "
+            "(the sampler's copy, activations, logits, the allocator)")
 
 
 def _numel(shape: list[int]) -> int:

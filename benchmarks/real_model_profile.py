@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from real_model_recipe import TRAIN_RECIPE  # noqa: E402
 
 WALKTHROUGH = ["task=math_tool", f"task_options.data={ROOT / 'tests/fixtures/math_tool.jsonl'}",
-               "task_options.eval_size=2", "rollout.max_new_tokens_per_turn=256", "rollout.max_total_tokens=512",
+               "task_options.eval_size=2", "rollout.max_new_tokens_per_turn=256",
+               "rollout.max_total_tokens=512",
                "rollout.context_limit=2048", "rollout.prompts_per_batch=2", "rollout.group_size=4",
                "trainer.actor_lr=5e-6", "trainer.critic_warmup_steps=0", "eval.prompts=0", "method=copc"]
 
@@ -69,7 +70,8 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 2
     return statistics.median(rates)
 
 
-def forward_gflop(params: int, layers: int, hidden: int, vocab: int, lengths: list[int], *, head: bool) -> float:
+def forward_gflop(params: int, layers: int, hidden: int, vocab: int, lengths: list[int], *,
+                  head: bool) -> float:
     """Matmul GFLOP of one forward over rows of ``lengths`` real tokens: ``2 P t`` for the non-embedding
     weights, ``4 L t^2 d`` for attention scores and values (causal: half of it is masked but still computed
     by SDPA's dense kernel), ``2 d V t`` for the LM head."""
@@ -101,7 +103,8 @@ def timed_phases(times: dict[str, list[float]]) -> Iterator[None]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--walkthrough", action="store_true")
@@ -127,7 +130,8 @@ def main() -> None:
     hidden, layers, vocab = int(conf.hidden_size), int(conf.num_hidden_layers), int(conf.vocab_size)
     embed = vocab * hidden
     params = sum(p.numel() for p in model.parameters()) - embed  # tied head: the embedding counted once
-    generator = RolloutGenerator(model, tokenizer, get_task(cfg.task, **cfg.task_options), cfg.rollout, seed=cfg.seed)
+    generator = RolloutGenerator(model, tokenizer, get_task(cfg.task, **cfg.task_options), cfg.rollout,
+                                 seed=cfg.seed)
     start = time.perf_counter()
     batch_trajs = generator.generate(0).trajectories
     generate_s = time.perf_counter() - start
@@ -165,7 +169,8 @@ def main() -> None:
     flops = {"generate": gen, "prepare": old_fwd + fwd_critic, "critic": (3 + recompute) * fwd_critic,
              "actor": (3 + recompute) * fwd_actor, "publish": 0.0}
     tokens = max(8, sum(lengths) // max(1, len(lengths)))
-    rate = {str(dt).removeprefix("torch."): max(matmul_gflops(tokens, hidden, int(conf.intermediate_size), dt),
+    rate = {str(dt).removeprefix("torch."): max(matmul_gflops(tokens, hidden, int(conf.intermediate_size),
+                                                              dt),
                                                matmul_gflops(tokens, hidden, hidden, dt))
             for dt in (torch.float32, torch.bfloat16)}
     phase_s["generate"] = generate_s
@@ -189,21 +194,24 @@ def main() -> None:
             clock.append(time.perf_counter() - start)
         candidate[f"{name}_fwd_bwd_s"] = min(clock)
         candidate[f"{name}_logp"] = logp.detach().float()  # type: ignore[assignment]
-    drift = (candidate.pop("bf16_autocast_logp") - candidate.pop("float32_logp"))[action].abs()  # type: ignore[operator]
+    drift = (candidate.pop("bf16_autocast_logp") - candidate.pop("float32_logp"))[action].abs(
+        )  # type: ignore[operator]
     candidate["drift_max"], candidate["drift_mean"] = float(drift.max()), float(drift.mean())
     candidate["speedup"] = candidate["float32_fwd_bwd_s"] / candidate["bf16_autocast_fwd_bwd_s"]
 
     load = os.getloadavg()[0]
-    print(f"batch: {len(lengths)} rows, {sum(lengths)} real tokens ({new_tokens} generated), longest {max(lengths)}; "
-          f"method {cfg.method}; load average {load:.1f}; matmul GFLOP/s on one thread: "
+    print(f"batch: {len(lengths)} rows, {sum(lengths)} real tokens ({new_tokens} generated), longest "
+          f"{max(lengths)}; method {cfg.method}; load average {load:.1f}; matmul GFLOP/s on one thread: "
           + ", ".join(f"{k} {v:.1f}" for k, v in rate.items()))
     print(f"{'phase':<10}{'s':>9}{'GFLOP':>10}{'fp32 bound s':>14}{'bf16 bound s':>14}{'s / fp32 bound':>16}")
     for name in ("generate", "prepare", "critic", "actor", "publish"):
         s, g = phase_s.get(name, 0.0), flops[name]
         b32, b16 = g / rate["float32"], g / rate["bfloat16"]
-        print(f"{name:<10}{s:>9.1f}{g:>10.1f}{b32:>14.1f}{b16:>14.1f}{(s / b32 if b32 else float('nan')):>16.1f}")
+        print(
+            f"{name:<10}{s:>9.1f}{g:>10.1f}{b32:>14.1f}{b16:>14.1f}{(s / b32 if b32 else float('nan')):>16.1f}")
     train_s = step_s
-    print(f"trainer step (median of {len(steps)}): {train_s:.1f} s; with generation: {train_s + generate_s:.1f} s")
+    print(f"trainer step (median of {len(steps)}): {train_s:.1f} s; with generation: "
+          f"{train_s + generate_s:.1f} s")
     print("bf16 autocast, one actor micro-batch (2 longest rows) forward+backward: "
           + ", ".join(f"{k} {v:.4g}" for k, v in candidate.items()))
     if args.out:

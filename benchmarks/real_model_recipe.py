@@ -4,8 +4,9 @@ SmolLM2-135M-Instruct on the shipped word problems (:mod:`copc.tasks.word_proble
 the worked-example template sent as raw text (``rollout.chat_template=none``: the model continues the
 example's pattern; inside its chat template it seldom runs code or boxes an answer), temperature 0.5 (at
 1.0 the 135M model's replies are mostly incoherent), budgets sized to the short answers (128 new tokens a
-turn, 384 in all, 2 code runs), async PPO (3a) on the async driver, checkpoints every 2 steps (so an interrupted run resumes with ``copc train run_dir=R
-resume=true``). ``python benchmarks/real_model_recipe.py`` prints the overrides one a line.
+turn, 384 in all, 2 code runs), async PPO (3a) on the async driver, checkpoints every 2 steps (so an
+interrupted run resumes with ``copc train run_dir=R resume=true``). ``python benchmarks/real_model_recipe.py``
+prints the overrides one a line.
 """
 
 from __future__ import annotations

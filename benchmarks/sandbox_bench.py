@@ -45,7 +45,8 @@ from copc.tools.sandbox.jail import bwrap_command, find_bwrap, find_interpreter
 
 PROGRAMS = {
     "trivial": "print(1)\n",
-    "imports": "import math, fractions, itertools\nprint(math.gcd(12, 18), fractions.Fraction(1, 3), list(itertools.islice(itertools.count(), 3)))\n",
+    "imports": "import math, fractions, itertools\nprint(math.gcd(12, 18), fractions.Fraction(1, 3), "
+               "list(itertools.islice(itertools.count(), 3)))\n",
 }
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +61,8 @@ def _cpu_self() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(call: Callable[[], object], calls: int, extra_cpu: Callable[[], float] = lambda: 0.0) -> tuple[float, float]:
+def measure(call: Callable[[], object], calls: int,
+            extra_cpu: Callable[[], float] = lambda: 0.0) -> tuple[float, float]:
     """(median wall ms per call, CPU ms per call) over ``calls`` sequential calls, after 3 warm-up calls."""
     for _ in range(3):
         call()
@@ -117,7 +119,8 @@ def nsjail_call(code: str) -> Callable[[], object] | None:
     return lambda: subprocess.run(argv, capture_output=True, timeout=30)
 
 
-def arith_batch_cpu(make_tool: Callable[[], Tool], extra_cpu: Callable[[], float], episodes: int = 64) -> tuple[float, int]:
+def arith_batch_cpu(make_tool: Callable[[], Tool], extra_cpu: Callable[[], float],
+                    episodes: int = 64) -> tuple[float, int]:
     """CPU seconds of the tool calls of ``episodes`` arith_tool episodes (their SFT demo calls), with a
     new tool per episode, as ``ArithToolTask.make_env`` makes them."""
     from copc.tasks.arith_tool import ArithToolConfig, ArithToolTask
@@ -138,21 +141,25 @@ def arith_batch_cpu(make_tool: Callable[[], Tool], extra_cpu: Callable[[], float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200, help="calls per program for the fork server")
-    parser.add_argument("--fresh-calls", type=int, default=40, help="calls per program for fresh interpreters")
+    parser.add_argument("--fresh-calls", type=int, default=40,
+                        help="calls per program for fresh interpreters")
     parser.add_argument("--legacy-rev", default="f4f0f83", help="git revision of the pre-v2 sandbox")
     args = parser.parse_args()
     config = SandboxConfig(timeout_s=10.0)
     legacy_module = load_legacy(args.legacy_rev)
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; median wall ms / CPU ms per call")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; median wall ms / CPU ms "
+          "per call")
     print(f"{'candidate':<12} {'program':<8} {'wall ms':>8} {'CPU ms':>8}")
     sandbox = PythonSandbox(config)
     for program, code in PROGRAMS.items():
         rows: list[tuple[str, tuple[float, float] | None]] = []
         if legacy_module is not None:
             legacy = legacy_module.PythonSandbox(legacy_module.SandboxConfig(timeout_s=10.0))
-            rows.append(("legacy", measure(lambda legacy=legacy, code=code: legacy.run(code), args.fresh_calls)))
+            rows.append(("legacy", measure(lambda legacy=legacy, code=code: legacy.run(code),
+                                           args.fresh_calls)))
         fresh = bwrap_fresh_call(code)
         rows.append(("bwrap-fresh", measure(fresh, args.fresh_calls) if fresh else None))
         jail = nsjail_call(code)
@@ -164,11 +171,13 @@ def main() -> None:
     print("\narith_tool, tool calls of a 64-episode batch (the SFT demonstrations' <python> calls):")
     from copc.tasks.tooling import SandboxTool
 
-    shared = shared_sandbox(SandboxConfig(timeout_s=5.0, allow_missing=allow_missing_from_env()))  # SandboxTool's
+    # SandboxTool's
+    shared = shared_sandbox(SandboxConfig(timeout_s=5.0, allow_missing=allow_missing_from_env()))
     cpu, n = arith_batch_cpu(lambda: SandboxTool(timeout_s=5.0, max_output_chars=300), shared.server_cpu_s)
     if legacy_module is not None:
         legacy_cpu, _ = arith_batch_cpu(
-            lambda: _Tool(legacy_module.PythonSandbox(legacy_module.SandboxConfig(timeout_s=5.0))), lambda: 0.0
+            lambda: _Tool(legacy_module.PythonSandbox(legacy_module.SandboxConfig(timeout_s=5.0))),
+            lambda: 0.0
         )
         print(f"  legacy: {legacy_cpu:.2f} s CPU for {n} calls")
     print(f"  copc:   {cpu:.2f} s CPU for {n} calls")

@@ -1,7 +1,9 @@
 """Step time of sync PPO, async PPO and async COPC at the same batch on the tiny model (issue 4, part 5).
 
-    .venv/bin/python benchmarks/step_time.py [--steps 10] [--rounds 2] [--policy warmstart|tiny] [--no-forward-reuse]
-        [--copc copc|copc_proximal|copc_behaviour] [key=value ...]   # copc train overrides, e.g. task=kv_search
+    .venv/bin/python benchmarks/step_time.py [--steps 10] [--rounds 2] [--policy warmstart|tiny]
+    [--no-forward-reuse]
+        [--copc copc|copc_proximal|copc_behaviour] [key=value ...]   # copc train overrides, e.g.
+        task=kv_search
                                                                      # 'task_options={hard: true}' (E5)
     .venv/bin/python benchmarks/step_time.py --copc copc_behaviour trainer.actor_minibatches=1   # C5 for R1
 
@@ -32,9 +34,9 @@ shared machine hits them alike; medians over the steps after the first ``--warmu
 
 Every configuration uses the async driver's defaults (one rollout worker, bounded staleness 8) but for
 the method and ``driver.kind``; ``driver.*`` overrides reach every configuration (async-only ones, such as
-``driver.partial_rollouts``, are refused by the sync configuration), with no critic warm-up (every timed step trains the actor) and
-``trainer.old_forward_reuse`` (3b, COPC) and ``trainer.critic_forward_reuse`` on (``--no-forward-reuse``
-turns both off);
+``driver.partial_rollouts``, are refused by the sync configuration), with no critic warm-up (every timed step
+trains the actor) and ``trainer.old_forward_reuse`` (3b, COPC) and ``trainer.critic_forward_reuse`` on
+(``--no-forward-reuse`` turns both off);
 the sync run generates and trains in one process.
 """
 
@@ -123,7 +125,8 @@ def trainer_overhead(base: RunConfig, repeats: int, tmp: Path, copc: str = "copc
         policy, _ = load_policy(model_dir)
         torch.manual_seed(0)
         trainers[name] = ActorCriticTrainer(
-            policy, ValueModel.from_policy(policy), get_method(name), replace(base.trainer, critic_warmup_steps=0)
+            policy, ValueModel.from_policy(policy), get_method(name), replace(base.trainer,
+                                                                              critic_warmup_steps=0)
         )
     times: dict[str, list[float]] = {name: [] for name in trainers}
     names = list(trainers)
@@ -148,16 +151,19 @@ def _tool_cpu(task: object) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every configuration")
     parser.add_argument("--trainer-repeats", type=int, default=12)
     parser.add_argument("--policy", default="warmstart", help="warmstart | tiny | an HF folder")
-    parser.add_argument("--copc", default="copc", help="the COPC preset timed: copc (the name), copc_proximal (R0) "
+    parser.add_argument("--copc", default="copc",
+                        help="the COPC preset timed: copc (the name), copc_proximal (R0) "
                         "or copc_behaviour (R1)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="copc train overrides applied first (e.g. task=kv_search 'task_options={hard: true}')")
+                        help="copc train overrides applied first (e.g. task=kv_search 'task_options={hard: "
+                             "true}')")
     parser.add_argument("--forward-reuse", action=argparse.BooleanOptionalAction, default=True,
                         help="trainer.old_forward_reuse (3b, COPC) and trainer.critic_forward_reuse (every "
                              "method with a critic) for every configuration")
@@ -173,12 +179,14 @@ def main() -> None:
         staleness=StalenessConfig(mode="bounded", staleness=8),
     )
     # Every timed step trains the actor: no critic warm-up (its steps skip the actor's forwards).
-    base = replace(base, trainer=replace(base.trainer, critic_warmup_steps=0, old_forward_reuse=args.forward_reuse,
+    base = replace(base, trainer=replace(base.trainer, critic_warmup_steps=0,
+                                         old_forward_reuse=args.forward_reuse,
                                          critic_forward_reuse=args.forward_reuse))
     configs = {
         "sync PPO": replace(base, method="ppo", driver=replace(base.driver, kind="sync")),
         "async PPO (3a)": replace(base, method="async_ppo", driver=replace(base.driver, kind="async")),
-        "async PPO (3b, recompute)": replace(base, method="async_ppo_recompute", driver=replace(base.driver, kind="async")),
+        "async PPO (3b, recompute)": replace(base, method="async_ppo_recompute",
+                                             driver=replace(base.driver, kind="async")),
         "async COPC": replace(base, method=args.copc, driver=replace(base.driver, kind="async")),
     }
     capacity, t1, t2 = parallel_capacity()
@@ -220,14 +228,18 @@ def report(
     results: dict[str, dict[str, float]], overhead: dict[str, float], capacity: float, t1: float, t2: float,
     base: RunConfig, args: argparse.Namespace,
 ) -> None:
-    print(f"\nCOPC preset timed: {args.copc}; actor minibatches: {base.trainer.actor_minibatches or 'as each preset sets them'}")
-    print(f"parallel capacity for two busy processes: c = {capacity:.2f} (one alone {t1:.2f}s, two at once {t2:.2f}s)")
-    print(f"task: {base.task} {base.task_options or ''}; batch: {base.rollout.batch_size} trajectories/step; {args.rounds} interleaved rounds of {args.steps} "
+    print(f"\nCOPC preset timed: {args.copc}; actor minibatches: "
+          f"{base.trainer.actor_minibatches or 'as each preset sets them'}")
+    print(f"parallel capacity for two busy processes: c = {capacity:.2f} (one alone {t1:.2f}s, two at once "
+          f"{t2:.2f}s)")
+    print(f"task: {base.task} {base.task_options or ''}; batch: {base.rollout.batch_size} trajectories/step; "
+          f"{args.rounds} interleaved rounds of {args.steps} "
           f"steps per configuration, medians over steps after the first {args.warmup} of each run\n")
-    print(f"{'configuration':28s} {'step s':>8s} {'gen s':>8s} {'train s':>8s} {'on CPU':>7s} {'wait s':>8s} {'publish s':>9s} "
-          f"{'tok/s':>8s} {'stale':>6s} {'n':>4s}")
+    print(f"{'configuration':28s} {'step s':>8s} {'gen s':>8s} {'train s':>8s} {'on CPU':>7s} {'wait s':>8s} "
+          f"{'publish s':>9s} {'tok/s':>8s} {'stale':>6s} {'n':>4s}")
     for name, r in results.items():
-        print(f"{name:28s} {r['step']:8.3f} {r['generate']:8.3f} {r['train']:8.3f} {r['train_cpu'] / r['train']:7.0%} {r['wait']:8.3f} "
+        print(f"{name:28s} {r['step']:8.3f} {r['generate']:8.3f} {r['train']:8.3f} "
+              f"{r['train_cpu'] / r['train']:7.0%} {r['wait']:8.3f} "
               f"{r['publish']:9.3f} {r['tokens_per_s']:8.1f} {r['staleness']:6.2f} {int(r['n']):4d}")
     sync = results["sync PPO"]
     gen, trn = sync["generate"], sync["train"]
@@ -241,21 +253,24 @@ def report(
     nominal = min(capacity, (gen + trn) / max(gen, trn, (gen_cpu + trn) / cores))
     e2e_3a = results["async COPC"]["step"] / results["async PPO (3a)"]["step"] - 1
     e2e_3b = results["async COPC"]["step"] / results["async PPO (3b, recompute)"]["step"] - 1
-    print(f"\nideal overlap bound (gen + train) / max(gen, train) = {bound:.2f}x; scaled by capacity: {scaled:.2f}x")
-    print(f"async PPO (3a) speed-up over sync PPO: {speedup:.2f}x = {speedup / scaled:.0%} of the scaled bound, "
-          f"{speedup / cpu_bound:.0%} of the CPU-time bound ({cpu_bound:.2f}x, below)")
-    print(f"async COPC speed-up over sync PPO:     {speedup_copc:.2f}x = {speedup_copc / scaled:.0%} of the scaled bound, "
-          f"{speedup_copc / cpu_bound:.0%} of the CPU-time bound (target >= 90%)")
+    print(f"\nideal overlap bound (gen + train) / max(gen, train) = {bound:.2f}x; scaled by capacity: "
+          f"{scaled:.2f}x")
+    print(f"async PPO (3a) speed-up over sync PPO: {speedup:.2f}x = {speedup / scaled:.0%} of the scaled "
+          f"bound, {speedup / cpu_bound:.0%} of the CPU-time bound ({cpu_bound:.2f}x, below)")
+    print(f"async COPC speed-up over sync PPO:     {speedup_copc:.2f}x = {speedup_copc / scaled:.0%} of the "
+          f"scaled bound, {speedup_copc / cpu_bound:.0%} of the CPU-time bound (target >= 90%)")
     print(f"COPC end-to-end step-time overhead: {e2e_3a:+.1%} vs async PPO 3a, {e2e_3b:+.1%} vs 3b")
     t3a, t3b, tc = overhead["async_ppo"], overhead["async_ppo_recompute"], overhead["copc"]
-    print(f"generation of one batch in-process: {overhead['gen_wall']:.2f}s wall, {overhead['gen_cpu_self']:.2f}s CPU "
+    print(f"generation of one batch in-process: {overhead['gen_wall']:.2f}s wall, "
+          f"{overhead['gen_cpu_self']:.2f}s CPU "
           f"in the generator + {overhead['gen_cpu_tools']:.2f}s CPU in sandbox subprocesses (tool calls) -> "
-          f"generation alone uses {gen_cpu / overhead['gen_wall']:.1f} cores; CPU-time bound with the measured "
-          f"capacity: (gen + train) / max(gen, train, (gen CPU + train) / c) = {cpu_bound:.2f}x (with the nominal "
-          f"{cores} cores instead of c, capped by c: {nominal:.2f}x; async COPC at {speedup_copc / nominal:.0%} of that)")
+          f"generation alone uses {gen_cpu / overhead['gen_wall']:.1f} cores; CPU-time bound with the "
+          f"measured capacity: (gen + train) / max(gen, train, (gen CPU + train) / c) = {cpu_bound:.2f}x "
+          f"(with the nominal {cores} cores instead of c, capped by c: {nominal:.2f}x; async COPC at "
+          f"{speedup_copc / nominal:.0%} of that)")
     print(f"trainer step alone (paired, same batches): 3a {t3a:.3f}s, 3b {t3b:.3f}s, COPC {tc:.3f}s -> COPC "
-          f"{tc / t3a - 1:+.1%} vs 3a (its old forward, unless taken from the first minibatch, and its scans), "
-          f"{tc / t3b - 1:+.1%} vs 3b (the same forwards)")
+          f"{tc / t3a - 1:+.1%} vs 3a (its old forward, unless taken from the first minibatch, and its "
+          f"scans), {tc / t3b - 1:+.1%} vs 3b (the same forwards)")
 
 
 if __name__ == "__main__":

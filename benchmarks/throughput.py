@@ -1,6 +1,7 @@
 """Experiment throughput: steps per hour of one hard-testbed run, and of two side by side (issue 12, part 3).
 
-    .venv/bin/python benchmarks/throughput.py [--steps 50] [--method copc] [--lag 16] [--eval-every 25] [key=value ...]
+    .venv/bin/python benchmarks/throughput.py [--steps 50] [--method copc] [--lag 16] [--eval-every 25]
+    [key=value ...]
 
 A run is a ``copc train`` with the ``copc testbed`` settings (``copc.experiments.testbed.base_overrides``:
 arith_tool hard, 8 prompts x 4 samples, 200 held-out prompts, avg@1 + greedy, evaluation every 25
@@ -71,7 +72,8 @@ def run_one(steps: int, method: str, lag: int, eval_every: int, seed: int, run_d
         "generate_s": sum(float(r["time/generate"]) for r in rows),
         "tool_cpu_s": tool_cpu,
         "train_s": sum(float(r["time/train"]) for r in rows),
-        "eval_s": float(summary["eval_seconds_this_process"]),  # type: ignore[arg-type]  (a fresh run: one process)
+        "eval_s": float(summary["eval_seconds_this_process"]),
+        # type: ignore[arg-type]  (a fresh run: one process)
         "checkpoint_s": float(summary["checkpoint_seconds_this_process"]),  # type: ignore[arg-type]
         "eval_before": float(summary["eval_accuracy_before"]),  # type: ignore[arg-type]
         "eval_after": float(summary["eval_accuracy_after"]),  # type: ignore[arg-type]
@@ -102,7 +104,8 @@ def row(name: str, r: dict[str, float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--method", default="copc")
     parser.add_argument("--lag", type=int, default=16)
@@ -111,10 +114,12 @@ def main() -> None:
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="more copc train overrides for every run (e.g. trainer.critic_forward_reuse=true)")
+                        help="more copc train overrides for every run (e.g. "
+                             "trainer.critic_forward_reuse=true)")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.steps, args.method, args.lag, args.eval_every, args.seed, Path(args.run_dir),
+        print(json.dumps(run_one(args.steps, args.method, args.lag, args.eval_every, args.seed,
+                                 Path(args.run_dir),
                                  args.overrides)))
         return
     with tempfile.TemporaryDirectory(prefix="copc-throughput-") as tmp:

@@ -1,6 +1,8 @@
-"""How far the trainer step is from this CPU's floor: FLOPs of a step against one core's matmul peak (issue 12).
+"""How far the trainer step is from this CPU's floor: FLOPs of a step against one core's matmul peak (issue
+12).
 
-    .venv/bin/python benchmarks/train_roofline.py [--methods async_ppo,copc] [--batches 3] [--repeats 4] [key=value ...]
+    .venv/bin/python benchmarks/train_roofline.py [--methods async_ppo,copc] [--batches 3] [--repeats 4]
+    [key=value ...]
 
 The hard testbed's batches (``copc testbed`` settings: arith_tool hard, 8 prompts x 4 samples) are
 generated once by the warm start; each method's trainer then steps on them (critic warm-up off, so every
@@ -50,7 +52,8 @@ def sgemm_peak(m: int, k: int, n: int, seconds: float = 1.0) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default="async_ppo,copc")
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=4, help="timed steps per method after one warm-up")
@@ -76,15 +79,18 @@ def main() -> None:
     model_dir = policy_path(cfg, tmp)
     model, tokenizer = load_policy(model_dir)
     hidden, inter = int(model.config.hidden_size), int(model.config.intermediate_size)
-    generator = RolloutGenerator(model, tokenizer, get_task(cfg.task, **cfg.task_options), cfg.rollout, seed=cfg.seed)
+    generator = RolloutGenerator(model, tokenizer, get_task(cfg.task, **cfg.task_options), cfg.rollout,
+                                 seed=cfg.seed)
     batches = [collate(generator.generate(j).trajectories, pad_id=int(tokenizer.pad_token_id))
                for j in range(args.batches)]
     real = [float(b.attention_mask.sum()) for b in batches]
     rect = [float(b.attention_mask.numel()) for b in batches]
     rows = batches[0].attention_mask.shape[0]
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.3f} M parameters (hidden {hidden}, "
-          f"intermediate {inter}, {model.config.num_hidden_layers} layers); {args.batches} batches of {rows} rows")
-    print(f"tokens per row: {statistics.mean(real) / rows:.1f} real, {statistics.mean(rect) / rows:.1f} in the "
+          f"intermediate {inter}, {model.config.num_hidden_layers} "
+          f"layers); {args.batches} batches of {rows} rows")
+    print(
+        f"tokens per row: {statistics.mean(real) / rows:.1f} real, {statistics.mean(rect) / rows:.1f} in the "
           f"batch's rectangle ({1 - sum(real) / sum(rect):.0%} padding at most); action tokens per row "
           f"{statistics.mean(float(b.action_mask.sum()) for b in batches) / rows:.1f}")
 
@@ -117,11 +123,13 @@ def main() -> None:
         profiled_s = sum(e.self_cpu_time_total for e in events) / 1e6
         step = statistics.median(times)
         floor = flops / model_peak
-        other = step * (1 - matmul_s / profiled_s)  # the step's non-matmul share, scaled to the unprofiled step
+        # the step's non-matmul share, scaled to the unprofiled step
+        other = step * (1 - matmul_s / profiled_s)
         print(f"{name:<12}{step:>8.3f}{flops:>14.2f}{matmul_s:>10.3f}{flops / matmul_s:>9.1f}{other:>9.3f}"
               f"{floor:>9.3f}{step / floor:>12.2f}")
-    print("\nfloor = matmul GFLOP / the best model-shape peak: the step if every other op were free and every matmul "
-          "ran at peak; step/floor bounds what any rewrite could gain on this CPU without computing fewer FLOPs")
+    print("\nfloor = matmul GFLOP / the best model-shape peak: the step if every other op were free and "
+          "every matmul ran at peak; step/floor bounds what any rewrite "
+          "could gain on this CPU without computing fewer FLOPs")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""GPU check of the correction maths: numerics on the device, and what each preset's maths costs beside a model's step.
+"""GPU check of the correction maths: numerics on the device, and what each preset's maths costs beside a
+model's step.
 
     python benchmarks/gpu/channels_gpu.py [--device cuda] [--repeats 20] [--model 0.6b|tiny] [--micro 2]
         [--out FILE.json]
@@ -75,7 +76,8 @@ def on(d: Batch, device: str) -> Batch:
 def channel_step(method: MethodConfig, d: Batch) -> dict[str, torch.Tensor]:
     """One step's maths of ``method`` on the whole batch: what the trainer computes, as one minibatch."""
     mask = d["mask"]
-    log_w = log_ratio(d["logp_old"], d["logp_behav"], mask)  # as the trainer forms it (clamped, 0 off actions)
+    # as the trainer forms it (clamped, 0 off actions)
+    log_w = log_ratio(d["logp_old"], d["logp_behav"], mask)
     adv = compute_advantages(
         method.advantage, rewards=d["rewards"], values=d["values"] if method.needs_critic else None,
         log_w=log_w, action_mask=mask, scores=d["scores"], group_ids=d["groups"],
@@ -100,7 +102,8 @@ def with_discount(method: MethodConfig, gamma: float, lam: float) -> MethodConfi
     return replace(method, advantage=adv)
 
 
-def numerics(device: str, d_cpu: Batch, d_dev: Batch, names: tuple[str, ...], gamma: float, lam: float) -> dict:
+def numerics(device: str, d_cpu: Batch, d_dev: Batch, names: tuple[str, ...], gamma: float,
+             lam: float) -> dict:
     """Largest |device - CPU| of every output of every preset."""
     print(f"\n1. numerics, {device} vs cpu (float32 both), gamma={gamma}, lambda={lam}: max |diff|")
     worst: dict[str, float] = {}
@@ -140,7 +143,8 @@ def median_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
 def maths_times(device: str, d_dev: Batch, names: tuple[str, ...], repeats: int) -> dict[str, float]:
     print(f"\n2. channel maths per step on {device} (advantages + actor loss fwd/bwd + critic loss fwd/bwd), "
           f"median of {repeats}")
-    out = {name: median_ms(lambda n=name: channel_step(get_method(n), d_dev), device, repeats) for name in names}
+    out = {name: median_ms(lambda n=name: channel_step(get_method(n), d_dev), device,
+                           repeats) for name in names}
     base = out["async_ppo"]
     for name, ms in out.items():
         print(f"  {name:<22}{ms:>9.2f} ms  {ms / base:>6.2f}x async_ppo")
@@ -205,8 +209,9 @@ def model_times(device: str, size: str, micro: int, batch: Batch, repeats: int) 
 
 
 def step_estimates(maths: dict[str, float], pieces: dict[str, float]) -> dict[str, dict[str, float]]:
-    print("\n   step estimate = actor fwd/bwd + critic fwd/bwd x the preset's critic updates + critic fwd (if a "
-          "critic) + old forward (if needed) + maths; one actor epoch (trainer.ppo_epochs=1), no recomputation")
+    print("\n   step estimate = actor fwd/bwd + critic fwd/bwd x the preset's critic updates + critic fwd "
+          "(if a critic) + old forward (if needed) + maths; one "
+          "actor epoch (trainer.ppo_epochs=1), no recomputation")
     out = {}
     for name, ms in maths.items():
         method = get_method(name)
@@ -227,8 +232,8 @@ def step_estimates(maths: dict[str, float], pieces: dict[str, float]) -> dict[st
         maths_only = (row["maths_ms"] - maths["async_ppo"]) / base
         row["maths_overhead_vs_3a"] = maths_only
         print(f"  {name:<22}{row['step_ms']:>10.1f} ms  {row['overhead_vs_3a']:>+7.1%} vs 3a"
-              f"  (old_forward_reuse {row['overhead_vs_3a_old_forward_reuse']:+.1%}; maths alone {maths_only:+.2%};"
-              f" old forward: {'yes' if row['old_forward'] else 'no'})")
+              f"  (old_forward_reuse {row['overhead_vs_3a_old_forward_reuse']:+.1%}; maths alone "
+              f"{maths_only:+.2%}; old forward: {'yes' if row['old_forward'] else 'no'})")
     return out
 
 
@@ -246,10 +251,12 @@ def main() -> None:
         saved = json.loads(args.estimates_from.read_text())
         estimates = step_estimates(saved["maths_ms"], saved["model_ms"])
         if args.out:
-            args.out.write_text(json.dumps({"from": str(args.estimates_from), "step_estimates": estimates}, indent=1))
+            args.out.write_text(json.dumps({"from": str(args.estimates_from), "step_estimates": estimates},
+                                           indent=1))
         return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        sys.exit("channels_gpu.py: no CUDA device visible (torch.cuda.is_available() is False); use --device cpu")
+        sys.exit(
+            "channels_gpu.py: no CUDA device visible (torch.cuda.is_available() is False); use --device cpu")
     torch.manual_seed(0)
     d_cpu = realistic_batch(0)
     d_cpu["values_new"] = d_cpu["values"] + 0.1 * torch.randn_like(d_cpu["values"])
