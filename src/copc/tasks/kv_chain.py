@@ -44,11 +44,11 @@ from copc.config import check_fraction, check_positive
 from copc.tasks.base import Demo, Segment, Split, check_split, register_task, take
 from copc.tasks.envs import SEARCH_TAGS
 from copc.tasks.kv_search import entity_name
-from copc.tasks.tooling import RetrieverTool, search_env
+from copc.tasks.tooling import CorpusLoader, RetrieverTool, search_env
 from copc.types import Env, Prompt
 
 if TYPE_CHECKING:
-    from copc.tools.retriever import BM25Retriever
+    pass
 
 #: The rollout budgets a kv_chain run needs (``copc train task=kv_chain`` sets them; later overrides win):
 #: 8 hops + the code search + the answer are 10 turns of at most ~35 tokens; the longest episode holds
@@ -238,21 +238,12 @@ class KVChainTask:
         return [demo.text for demo in self.sft_demos(n, seed)]
 
 
-class _WorldLoader:
-    """Picklable retriever builder for one world (rebuilds the BM25 index in a worker process)."""
-
-    def __init__(self, config: KVChainConfig, stream: str) -> None:
-        self.config = config
-        self.stream = stream
-
-    def __call__(self) -> BM25Retriever:
-        from copc.tools.retriever import BM25Retriever
-
-        return BM25Retriever.from_rows(build_world(self.config, self.stream).documents())
+def _world_documents(config: KVChainConfig, stream: str) -> list[dict[str, str]]:
+    return build_world(config, stream).documents()
 
 
 def _search_tool(config: KVChainConfig, stream: str) -> RetrieverTool:
-    return RetrieverTool(_WorldLoader(config, stream), top_k=1, max_chars=config.max_obs_chars)
+    return RetrieverTool(CorpusLoader(_world_documents, config, stream), top_k=1, max_chars=config.max_obs_chars)
 
 
 def _hop_turn(tool: RetrieverTool, note: str, query: str) -> tuple[Segment, Segment, str]:

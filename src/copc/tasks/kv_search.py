@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 from copc.config import check_fraction, check_positive
 from copc.tasks.base import Demo, Segment, Split, check_split, register_task, take
 from copc.tasks.envs import SEARCH_TAGS
-from copc.tasks.tooling import RetrieverTool, search_env
+from copc.tasks.tooling import CorpusLoader, RetrieverTool, search_env
 from copc.types import Env, Prompt
 
 if TYPE_CHECKING:
-    from copc.tools.retriever import BM25Retriever
+    pass
 
 LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 #: Attributes in the order levels add them; every value is a number of a fixed width per attribute.
@@ -282,21 +282,12 @@ class KVSearchTask:
         return [demo.text for demo in self.sft_demos(n, seed)]
 
 
-class _KBLoader:
-    """Picklable retriever builder for one world (rebuilds the BM25 index in a worker process)."""
-
-    def __init__(self, level: int, stream: str) -> None:
-        self.level = level
-        self.stream = stream
-
-    def __call__(self) -> BM25Retriever:
-        from copc.tools.retriever import BM25Retriever
-
-        return BM25Retriever.from_rows(build_knowledge_base(self.level, self.stream).documents())
+def _kb_documents(level: int, stream: str) -> list[dict[str, str]]:
+    return build_knowledge_base(level, stream).documents()
 
 
 def _search_tool(config: KVSearchConfig, stream: str) -> RetrieverTool:
-    return RetrieverTool(_KBLoader(config.level, stream), top_k=config.effective_top_k,
+    return RetrieverTool(CorpusLoader(_kb_documents, config.level, stream), top_k=config.effective_top_k,
                          max_chars=config.max_obs_chars)
 
 

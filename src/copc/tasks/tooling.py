@@ -111,6 +111,20 @@ def format_passages(contents: list[str], max_chars: int) -> str:
     return text if len(text) <= max_chars else text[:max_chars]
 
 
+class CorpusLoader:
+    """Picklable retriever builder: BM25 over the rows ``rows(*args)`` gives (``id``, ``contents``), built
+    again in each process that searches (``rows`` must be a module-level function, so it pickles)."""
+
+    def __init__(self, rows: Callable[..., list[dict[str, str]]], *args: object) -> None:
+        self.rows = rows
+        self.args = args
+
+    def __call__(self) -> BM25Retriever:
+        from copc.tools.retriever import BM25Retriever
+
+        return BM25Retriever.from_rows(self.rows(*self.args))
+
+
 class RetrieverTool:
     """Searches a real :class:`~copc.tools.retriever.BM25Retriever` and formats the top-k passages.
 
