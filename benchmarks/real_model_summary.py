@@ -51,7 +51,7 @@ def main() -> None:
     out: dict[str, object] = {
         "model": args.model, "task": "math_tool on copc's word problems (src/copc/tasks/data/word_problems), "
         "the worked-example template, async PPO (3a), async driver",
-        "eval_prompts": base["prompts"], "eval_samples": base["samples"],
+        "eval_prompts": base["prompts"], "eval_samples": base["samples"], "base_complete": base.get("complete", True),
         "base_accuracy": base["accuracy"], "base_ci_low": base["ci_low"], "base_ci_high": base["ci_high"],
         "seeds": len(runs), "steps_reached": {name: len(recs) for name, recs in steps.items()},
         "wall_hours": max(wall) / 3600 if wall else None,
