@@ -57,7 +57,8 @@ class OracleConfig:
     trajectories: int = 8
     """Trajectories of the batch the comparison scores (drawn at random, seeded by the step)."""
     lag0: bool = True
-    """Also score fresh episodes of the same prompts sampled by the current weights (error without staleness)."""
+    """Also score fresh episodes of the same prompts sampled by the current weights (error without
+    staleness)."""
 
     def __post_init__(self) -> None:
         check_at_least("oracle", 1, samples=self.samples, trajectories=self.trajectories)
@@ -77,8 +78,10 @@ class OracleScorer:
     ever does anything under this run's settings."""
 
     def __init__(self, cfg: OracleConfig, *, trainer: ActorCriticTrainer, task: Task, rollout: RolloutConfig,
-                 tokenizer: object, chat: ChatFormat | None, seed: int, estimator: AdvantageChannelConfig) -> None:
-        self.cfg, self.trainer, self.task, self.rollout, self.chat, self.seed = cfg, trainer, task, rollout, chat, seed
+                 tokenizer: object, chat: ChatFormat | None, seed: int,
+                 estimator: AdvantageChannelConfig) -> None:
+        self.cfg, self.trainer, self.task, self.rollout = cfg, trainer, task, rollout
+        self.chat, self.seed = chat, seed
         self.tokenizer = tokenizer
         self.for_estimator = estimator.needs_oracle
         self.compared = {name: _raw(get_method(preset).advantage) for name, preset in COMPARED.items()}
@@ -106,12 +109,14 @@ class OracleScorer:
             seed=self.seed * 1_000_003 + salt, chat=self.chat,
         )
 
-    def __call__(self, step: int, batch: GeneratedBatch, train: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+    def __call__(self, step: int, batch: GeneratedBatch,
+                 train: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
         if not self.needed:
             return train, {}
         start, out = time.perf_counter(), {}
         with eval_mode(self.trainer.policy), torch.no_grad():
-            engine = Engine(self.trainer.policy, self.tokenizer, version=self.trainer.version)  # type: ignore[arg-type]
+            tokenizer = self.tokenizer
+            engine = Engine(self.trainer.policy, tokenizer, version=self.trainer.version)  # type: ignore[arg-type]
             if self.for_estimator:
                 estimates = self._oracle(engine, batch.trajectories, salt=2 * step)
                 adv = torch.zeros(train.input_ids.shape, dtype=torch.float32)
@@ -134,25 +139,29 @@ class OracleScorer:
             values = None if trainer.critic is None else fwd.full(partial(fwd.values, trainer.critic), train)
         return cur, values
 
-    def _diagnose(self, engine: Engine, step: int, batch: GeneratedBatch, train: TrainBatch) -> dict[str, float]:
+    def _diagnose(self, engine: Engine, step: int, batch: GeneratedBatch,
+                  train: TrainBatch) -> dict[str, float]:
         gen = torch.Generator().manual_seed(self.seed * 7_919 + step)
         rows = torch.randperm(train.batch_size, generator=gen)[: self.cfg.trajectories].sort().values
         cur, values = self._forwards(train)
         out = offpolicy_stats(log_ratio(cur, train.logp_behav, train.action_mask), train.action_mask)
         picked = [batch.trajectories[int(i)] for i in rows]
-        out |= self._compare(engine, picked, train.rows(rows), cur[rows], None if values is None else values[rows],
+        out |= self._compare(engine, picked, train.rows(rows), cur[rows],
+                             None if values is None else values[rows],
                              prefix="", salt=2 * step + 1)
         if self.cfg.lag0:
             fresh = run_episodes(
                 engine, [self.task.make_env(self._prompt(t.prompt_id)) for t in picked],
-                max_turns=self.rollout.max_turns, max_new_tokens_per_turn=self.rollout.max_new_tokens_per_turn,
+                max_turns=self.rollout.max_turns,
+                max_new_tokens_per_turn=self.rollout.max_new_tokens_per_turn,
                 max_total_tokens=self.rollout.max_total_tokens, context_limit=self.rollout.context_limit,
                 prompt_ids=[t.prompt_id for t in picked], sampling=self._sampling(),
                 seed=self.seed * 1_000_033 + step, chat=self.chat,
             )
             fresh_train = collate(fresh, pad_id=_pad_id(self.tokenizer))
             f_cur, f_values = self._forwards(fresh_train)
-            out |= self._compare(engine, fresh, fresh_train, f_cur, f_values, prefix="lag0_", salt=2 * step + 3)
+            out |= self._compare(engine, fresh, fresh_train, f_cur, f_values, prefix="lag0_",
+                                 salt=2 * step + 3)
         return out
 
     def _compare(self, engine: Engine, trajs: list[Trajectory], train: TrainBatch, cur: torch.Tensor,
@@ -180,18 +189,22 @@ class OracleScorer:
         live[[i for i in range(len(trajs)) if i not in kept]] = False
         out[m.ORACLE_CHUNKS if not prefix else f"oracle/{prefix}chunks"] = float(live.sum())
         out[m.ORACLE_NOISE_VAR if not prefix else f"oracle/{prefix}noise_var"] = float(noise[live].mean())
-        out[m.ORACLE_VALUE_PROMPT if not prefix else f"oracle/{prefix}value_prompt"] = float(oracle_v[kept, 0].mean())
+        out[m.ORACLE_VALUE_PROMPT if not prefix else f"oracle/{prefix}value_prompt"] = float(
+            oracle_v[kept, 0].mean())
         log_w = log_ratio(cur, train.logp_behav, mask)
         for name, cfg in self.compared.items():
-            adv = compute_advantages(cfg, rewards=train.token_rewards, values=values, log_w=log_w, action_mask=mask,
+            adv = compute_advantages(cfg, rewards=train.token_rewards, values=values, log_w=log_w,
+                                     action_mask=mask,
                                      scores=train.scores, group_ids=train.group_ids).advantages
             est_chunks, _ = chunk_means(adv, ids, mask, k_max)
             err = chunk_errors(est_chunks[live], oracle_adv[live])
-            out |= {f"oracle/{prefix}{name}_bias": float(err.bias), f"oracle/{prefix}{name}_mse": float(err.mse),
+            out |= {f"oracle/{prefix}{name}_bias": float(err.bias),
+                    f"oracle/{prefix}{name}_mse": float(err.mse),
                     f"oracle/{prefix}{name}_corr": float(err.corr)}
         first = _first_action_values(values, ids, mask, k_max)
         err = chunk_errors(first[live], oracle_v[live])
-        out |= {f"oracle/{prefix}critic_value_mse": float(err.mse), f"oracle/{prefix}critic_value_corr": float(err.corr)}
+        out |= {f"oracle/{prefix}critic_value_mse": float(err.mse),
+                f"oracle/{prefix}critic_value_corr": float(err.corr)}
         return out
 
 
@@ -209,7 +222,8 @@ def _stack_adv(estimates: Sequence[OracleEstimate | None], train: TrainBatch) ->
     return adv
 
 
-def _first_action_values(values: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, k_max: int) -> torch.Tensor:
+def _first_action_values(values: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                         k_max: int) -> torch.Tensor:
     """``[B, K]``: the critic's V at the first action token of each chunk (the state at its boundary)."""
     out = torch.zeros(values.shape[0], k_max)
     for row in range(values.shape[0]):
@@ -222,7 +236,8 @@ def _first_action_values(values: torch.Tensor, ids: torch.Tensor, mask: torch.Te
     return out
 
 
-def offpolicy_stats(log_w: torch.Tensor, mask: torch.Tensor, *, low: float = 0.8, high: float = 1.2) -> dict[str, float]:
+def offpolicy_stats(log_w: torch.Tensor, mask: torch.Tensor, *, low: float = 0.8,
+                    high: float = 1.2) -> dict[str, float]:
     """Per-trajectory off-policy statistics of a batch (``offpolicy/*``): sum |log w|, the product of
     clip(w, low, high) (COPC's clipped weights) and of min(1, w) (V-trace's traces), where the clip bites."""
     rows = mask.any(dim=1)
@@ -231,7 +246,8 @@ def offpolicy_stats(log_w: torch.Tensor, mask: torch.Tensor, *, low: float = 0.8
     lw = torch.where(mask, log_w, 0.0)[rows]
     mk = mask[rows]
     total = lw.abs().sum(dim=1)
-    clip_prod = torch.where(mk, lw.clamp(torch.log(torch.tensor(low)), torch.log(torch.tensor(high))), 0.0).sum(1).exp()
+    clip_prod = torch.where(mk, lw.clamp(torch.log(torch.tensor(low)), torch.log(torch.tensor(high))),
+                            0.0).sum(1).exp()
     vtrace_prod = torch.where(mk, lw.clamp(max=0.0), 0.0).sum(dim=1).exp()
     outside = ((lw < torch.log(torch.tensor(low))) | (lw > torch.log(torch.tensor(high)))) & mk
     return {

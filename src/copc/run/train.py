@@ -378,7 +378,8 @@ def _run_with_progress(run: _Run, tracker: Tracker, signals: StopSignals, start_
         return run_loop(run.trainer, run.source, start_step=start_step, steps=cfg.steps,
                         pad_id=int(run.tokenizer.pad_token_id),  # type: ignore[arg-type]
                         on_step=on_step, signals=signals, watchdog=run.watchdog,
-                        wait_bounded=batch_wait_bounded(run.source), before_step=oracle if oracle.needed else None)
+                        wait_bounded=batch_wait_bounded(run.source),
+                        before_step=oracle if oracle.needed else None)
 
 
 def batch_wait_bounded(source: BatchSource) -> bool:

@@ -243,7 +243,8 @@ def _world_documents(config: KVChainConfig, stream: str) -> list[dict[str, str]]
 
 
 def _search_tool(config: KVChainConfig, stream: str) -> RetrieverTool:
-    return RetrieverTool(CorpusLoader(_world_documents, config, stream), top_k=1, max_chars=config.max_obs_chars)
+    return RetrieverTool(CorpusLoader(_world_documents, config, stream), top_k=1,
+                         max_chars=config.max_obs_chars)
 
 
 def _hop_turn(tool: RetrieverTool, note: str, query: str) -> tuple[Segment, Segment, str]:
