@@ -18,6 +18,7 @@ from copc.experiments.tables import report_text
 from copc.run.config import load_run_config, resolve_method
 from copc.run.provenance import code_commit, lag_text, library_versions, run_provenance, stated_lag
 from copc.run.train import train_cli
+from copc.runtime.staleness import StalenessConfig
 
 REPO = Path(__file__).resolve().parents[2]
 OLD_RECORDS = REPO / "results" / "confirm_maths_s16"
@@ -80,16 +81,16 @@ def test_outside_a_checkout_commit_is_none_and_the_version_remains(tmp_path: Pat
 
 def test_stated_lag_golden() -> None:
     # the sync driver samples with the current weights under ``bounded``: lag 0 whatever the bound
-    assert stated_lag(driver="sync", mode="bounded", staleness=8) == {
+    assert stated_lag(driver="sync", staleness=StalenessConfig(mode="bounded", staleness=8)) == {
         "rule": "sync driver: current weights", "nominal": 0, "at_most": 0}
-    assert stated_lag(driver="sync", mode="fixed_lag", staleness=16) == {
+    assert stated_lag(driver="sync", staleness=StalenessConfig(mode="fixed_lag", staleness=16)) == {
         "rule": "fixed_lag", "nominal": 16, "at_most": 16}
-    assert stated_lag(driver="async", mode="fixed_lag", staleness=4)["nominal"] == 4
-    assert stated_lag(driver="async", mode="bounded", staleness=8) == {
+    assert stated_lag(driver="async", staleness=StalenessConfig(mode="fixed_lag", staleness=4))["nominal"] == 4
+    assert stated_lag(driver="async", staleness=StalenessConfig(mode="bounded", staleness=8)) == {
         "rule": "bounded, async driver", "nominal": None, "at_most": 8}
-    assert lag_text(stated_lag(driver="sync", mode="bounded",
-                               staleness=8)) == "lag 0 (sync driver: current weights)"
-    assert lag_text(stated_lag(driver="ray", mode="bounded", staleness=8)) == "lag <= 8 (bounded, ray driver)"
+    bounded = StalenessConfig(mode="bounded", staleness=8)
+    assert lag_text(stated_lag(driver="sync", staleness=bounded)) == "lag 0 (sync driver: current weights)"
+    assert lag_text(stated_lag(driver="ray", staleness=bounded)) == "lag <= 8 (bounded, ray driver)"
 
 
 @pytest.mark.parametrize("overrides", [

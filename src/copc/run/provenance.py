@@ -30,6 +30,7 @@ from pathlib import Path
 import copc
 from copc.config import ConfigValue, to_dict
 from copc.run.config import RunConfig, resolve_method
+from copc.runtime.staleness import StalenessConfig
 
 __all__ = [
     "DIRTY_PATHS_KEPT",
@@ -97,7 +98,7 @@ def library_versions() -> dict[str, ConfigValue]:
     return versions
 
 
-def stated_lag(*, driver: str, mode: str, staleness: int) -> dict[str, ConfigValue]:
+def stated_lag(*, driver: str, staleness: StalenessConfig) -> dict[str, ConfigValue]:
     """The lag, in policy versions, the configuration gives the rollouts of each step (what a record states
     beside the lag it measured):
 
@@ -108,11 +109,12 @@ def stated_lag(*, driver: str, mode: str, staleness: int) -> dict[str, ConfigVal
     - ``bounded`` on the ``async`` and ``ray`` drivers: at most ``s``; the lag each batch gets depends on
       timing (``nominal = None``, ``at_most = s``).
     """
-    if mode == "fixed_lag":
-        return {"rule": "fixed_lag", "nominal": staleness, "at_most": staleness}
+    s = staleness.staleness
+    if staleness.fixed_lag:
+        return {"rule": "fixed_lag", "nominal": s, "at_most": s}
     if driver == "sync":
         return {"rule": "sync driver: current weights", "nominal": 0, "at_most": 0}
-    return {"rule": f"bounded, {driver} driver", "nominal": None, "at_most": staleness}
+    return {"rule": f"bounded, {driver} driver", "nominal": None, "at_most": s}
 
 
 def lag_text(lag: dict[str, ConfigValue]) -> str:
@@ -129,5 +131,5 @@ def run_provenance(cfg: RunConfig) -> dict[str, ConfigValue]:
         **code_commit(),
         "versions": library_versions(),
         "method_resolved": to_dict(resolve_method(cfg)),
-        "lag": stated_lag(driver=cfg.driver.kind, mode=cfg.staleness.mode, staleness=cfg.staleness.staleness),
+        "lag": stated_lag(driver=cfg.driver.kind, staleness=cfg.staleness),
     }
