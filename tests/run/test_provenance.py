@@ -85,7 +85,8 @@ def test_stated_lag_golden() -> None:
         "rule": "sync driver: current weights", "nominal": 0, "at_most": 0}
     assert stated_lag(driver="sync", staleness=StalenessConfig(mode="fixed_lag", staleness=16)) == {
         "rule": "fixed_lag", "nominal": 16, "at_most": 16}
-    assert stated_lag(driver="async", staleness=StalenessConfig(mode="fixed_lag", staleness=4))["nominal"] == 4
+    fixed = StalenessConfig(mode="fixed_lag", staleness=4)
+    assert stated_lag(driver="async", staleness=fixed)["nominal"] == 4
     assert stated_lag(driver="async", staleness=StalenessConfig(mode="bounded", staleness=8)) == {
         "rule": "bounded, async driver", "nominal": None, "at_most": 8}
     bounded = StalenessConfig(mode="bounded", staleness=8)
