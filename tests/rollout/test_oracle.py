@@ -149,7 +149,7 @@ def test_kv_chain_replays_its_real_search_observations(engine, tok) -> None:
     task = get_task("kv_chain")
     demos = [d for d in task.sft_demos(40, seed=0) if d.kind == "tool"][:3]
     assert demos
-    from copc.tasks.kv_chain import _search_tool, build_world  # the demonstrations' own world
+    from copc.tasks.kv_chain import _search_tool  # the demonstrations' own world (sft_demos' stream)
 
     stream = f"sft/{task.config.seed}/0"
     tool = _search_tool(task.config, stream)
@@ -165,4 +165,3 @@ def test_kv_chain_replays_its_real_search_observations(engine, tok) -> None:
                                      context_limit=900)
         prefix = boundary_lengths(engine, traj, ("</search>", "</answer>"))[turns]
         assert torch.equal(again.token_ids[:prefix], traj.token_ids[:prefix])
-    assert build_world  # the world the tool searched is the demonstrations' own

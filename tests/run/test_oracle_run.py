@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from copc.channels import compute_advantages, get_method
+from copc.channels import AdvantageChannelConfig, compute_advantages, get_method
 from copc.run.oracle import offpolicy_stats
 from copc.run.train import train_cli
 
@@ -51,9 +51,8 @@ def test_mc_oracle_estimator_passes_the_oracle_through_and_needs_it() -> None:
     mask = torch.tensor([[False, True, True, False]])
     oracle = torch.tensor([[5.0, 0.5, -0.25, 9.0]])
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
-    raw = compute_advantages(get_method("async_ppo_oracle").advantage.__class__(estimator="mc_oracle",
-                                                                                whiten=False),
-                             rewards=rewards, values=None, log_w=None, action_mask=mask, oracle=oracle)
+    raw = compute_advantages(AdvantageChannelConfig(estimator="mc_oracle", whiten=False), rewards=rewards,
+                             values=None, log_w=None, action_mask=mask, oracle=oracle)
     assert torch.equal(raw.advantages, torch.tensor([[0.0, 0.5, -0.25, 0.0]]))
     assert torch.equal(raw.returns, torch.tensor([[0.0, 1.0, 1.0, 0.0]]))  # the Monte-Carlo reward-to-go
     with pytest.raises(ValueError, match="needs the oracle's advantages"):

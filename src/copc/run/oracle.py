@@ -20,6 +20,7 @@ compared on raw (not whitened) advantages, each chunk's estimate being the mean 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -96,9 +97,9 @@ class OracleScorer:
             self._prompts = {p.id: p for split in ("train", "eval") for p in self.task.prompts(split)}
         return self._prompts[prompt_id]
 
-    def _sampling(self, greedy: bool = False) -> SamplingConfig:
+    def _sampling(self) -> SamplingConfig:
         r = self.rollout
-        return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=1 if greedy else r.top_k)
+        return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
     def _oracle(self, engine: Engine, trajs: Sequence[Trajectory], salt: int) -> list[OracleEstimate | None]:
         r = self.rollout
@@ -114,20 +115,16 @@ class OracleScorer:
         if not self.needed:
             return train, {}
         start, out = time.perf_counter(), {}
+        # the engine puts the policy in eval mode; eval_mode restores the trainer's mode afterwards
         with eval_mode(self.trainer.policy), torch.no_grad():
-            tokenizer = self.tokenizer
-            engine = Engine(self.trainer.policy, tokenizer, version=self.trainer.version)  # type: ignore[arg-type]
+            policy, version = self.trainer.policy, self.trainer.version
+            engine = Engine(policy, self.tokenizer, version=version)  # type: ignore[arg-type]
             if self.for_estimator:
                 estimates = self._oracle(engine, batch.trajectories, salt=2 * step)
-                adv = torch.zeros(train.input_ids.shape, dtype=torch.float32)
-                for row, est in enumerate(estimates):
-                    if est is not None:
-                        adv[row, : len(est.advantages)] = est.advantages
-                train = replace(train, oracle_advantages=adv)
+                train = replace(train, oracle_advantages=_stack_adv(estimates, train))
                 out[m.ORACLE_FAILED_FRAC] = sum(e is None for e in estimates) / len(estimates)
             if self.cfg.every and step % self.cfg.every == 0:
                 out |= self._diagnose(engine, step, batch, train)
-        self.trainer.policy.train()
         out[m.ORACLE_SECONDS] = time.perf_counter() - start
         return train, out
 
@@ -166,10 +163,12 @@ class OracleScorer:
 
     def _compare(self, engine: Engine, trajs: list[Trajectory], train: TrainBatch, cur: torch.Tensor,
                  values: torch.Tensor | None, *, prefix: str, salt: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if values is None:  # no critic (the oracle arm): nothing to compare, so no continuations either
+            return out
         estimates = self._oracle(engine, trajs, salt=salt)
         kept = [i for i, e in enumerate(estimates) if e is not None]
-        out: dict[str, float] = {}
-        if not kept or values is None:
+        if not kept:
             return out
         k_max = max(int(estimates[i].chunk_ids.max()) + 1 for i in kept)  # type: ignore[union-attr]
         ids = torch.full(train.input_ids.shape, -1, dtype=torch.long)
@@ -246,10 +245,10 @@ def offpolicy_stats(log_w: torch.Tensor, mask: torch.Tensor, *, low: float = 0.8
     lw = torch.where(mask, log_w, 0.0)[rows]
     mk = mask[rows]
     total = lw.abs().sum(dim=1)
-    clip_prod = torch.where(mk, lw.clamp(torch.log(torch.tensor(low)), torch.log(torch.tensor(high))),
-                            0.0).sum(1).exp()
+    log_low, log_high = math.log(low), math.log(high)
+    clip_prod = torch.where(mk, lw.clamp(log_low, log_high), 0.0).sum(dim=1).exp()
     vtrace_prod = torch.where(mk, lw.clamp(max=0.0), 0.0).sum(dim=1).exp()
-    outside = ((lw < torch.log(torch.tensor(low))) | (lw > torch.log(torch.tensor(high)))) & mk
+    outside = ((lw < log_low) | (lw > log_high)) & mk
     return {
         m.OFFPOLICY_SUM_ABS_LOG_W: float(total.median()),
         m.OFFPOLICY_SUM_ABS_LOG_W_P90: float(torch.quantile(total, 0.9)),
