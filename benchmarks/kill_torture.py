@@ -2,18 +2,26 @@
 
     python benchmarks/kill_torture.py --kills 100 --driver sync  [--out results/kill_torture/sync]
     python benchmarks/kill_torture.py --kills 100 --driver async [--out results/kill_torture/async]
+        [--schedule uniform|post-import|writes] [--work DIR --resume]
 
 A reference run of a deliberately small config (the random tiny model, 10 steps, an evaluation every
 3 steps, a checkpoint every 2 (sync) or every step (async), plots, every training episode written to
 ``samples.jsonl``) is run to the end in a process of its own; its wall time ``T`` sets the window.
 Then runs of the same config are started in fresh run directories; each process is SIGKILLed at a
-moment drawn uniformly from ``[0, T]`` and resumed with ``copc train run_dir=R resume=true``, one to
-three kills per run, until the run finishes (the last process is never killed).
+moment given by ``--schedule`` and resumed with ``copc train run_dir=R resume=true``, one to three kills
+per run, until the run finishes (the last process is never killed). ``uniform``: a moment drawn from
+``[0, T]`` (most land in the imports of a short process); ``post-import``: drawn from the part of the
+process after its imports; ``writes``: a few ms after the process starts a checkpoint write or journal
+append, as its run directory shows (see :func:`schedule`).
+
+Resumable: ``--out`` gets one line per finished run (``runs.jsonl``) as it finishes; ``--resume`` with the
+same ``--out`` and ``--work`` counts those runs, reuses the reference and goes on to ``--kills`` in all
+(a run cut short by the interruption starts again). Run ``i``'s kill schedule is seeded by ``(seed, i)``.
 
 Where a kill landed: just before the SIGKILL the trainer is stopped (SIGSTOP) and its Python stacks
-read with ``py-spy dump`` (when installed); the innermost copc frame names the phase (start-up, rollout,
-train step, evaluation, metrics write, checkpoint write, journal append, plots, summary). Without
-py-spy the phase is ``unknown``.
+read with ``py-spy dump`` (when installed); a frame of a checkpoint write, journal append, plot,
+evaluation or summary anywhere in the stack names the phase, else the innermost copc frame does
+(start-up, rollout, train step, metrics write, waiting for a batch). Without py-spy it is ``unknown``.
 
 Checks after each run ends:
 
@@ -32,7 +40,8 @@ Checks after each run ends:
   lost / duplicated, is a divergence.
 
 The last line is ``kills=N divergences=D lost=L duplicated=U``; ``--out`` also gets ``kills.jsonl`` (one
-line per kill: run, attempt, target, seconds, phase) and ``summary.json`` (the histogram by phase).
+line per kill: run, attempt, target, seconds, phase), ``settings.json`` and ``summary.json`` (the
+histogram by phase).
 """
 
 from __future__ import annotations
@@ -48,26 +57,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from copc.trainer.checkpoint import CheckpointError, list_checkpoints, load_latest, verify_checkpoint
+from kill_checks import check_async, check_sync, journal_snapshot, phase_of, spy
 
 COPC = [sys.executable, "-m", "copc.cli"]
-VOLATILE = ("time/", "perf/", "memory/")
-TIMING = ("wall_seconds", "step_seconds_median", "wall_seconds_this_process", "eval_seconds_this_process",
-          "checkpoint_seconds_this_process", "run_dir")
-#: Where the code came from (the git commit, files edited since): the same computation in another checkout.
-PROVENANCE = ("commit", "dirty_paths")
 MAX_ATTEMPTS = 12
+CHECKPOINT_EVERY = {"sync": 2, "async": 1}
 #: PYTHONPATH of the copy of src/copc every process runs (a checkout edited during the torture would
 #: otherwise change the code between the reference and the runs).
 SNAPSHOT: dict[str, str] = {}
 
 
 def config_yaml(driver: str, steps: int) -> str:
-    every = 1 if driver == "async" else 2
+    every = CHECKPOINT_EVERY[driver]
     mode = "bounded" if driver == "async" else "fixed_lag"
     return f"""task: arith_tool
 task_options: {{train_size: 200, eval_size: 8}}
@@ -77,8 +81,8 @@ seed: 5
 checkpoint_every: {every}
 plots: true
 model: {{policy: tiny}}
-rollout: {{prompts_per_batch: 2, group_size: 2, max_turns: 2, max_new_tokens_per_turn: 8, max_total_tokens: 12,
-  context_limit: 96}}
+rollout: {{prompts_per_batch: 2, group_size: 2, max_turns: 2, max_new_tokens_per_turn: 8,
+  max_total_tokens: 12, context_limit: 96}}
 trainer: {{actor_lr: 0.001, critic_lr: 0.001, micro_batch_size: 4, critic_warmup_steps: 2}}
 staleness: {{mode: {mode}, staleness: 1}}
 driver: {{kind: {driver}, num_workers: 1}}
@@ -140,54 +144,6 @@ def _parent(pid: int) -> int:
         return -1
 
 
-#: (substring of a py-spy frame line, phase), tried on each frame from the innermost outwards.
-PHASES = (
-    ("copc/trainer/checkpoint.py", "checkpoint write"),
-    ("copc/runtime/journal.py", "journal append"),
-    ("copc/run/plots.py", "plots"),
-    ("_evaluate (copc/run/train.py", "evaluation"),
-    ("copc/run/tracker.py", "metrics write"),
-    ("copc/trainer/", "train step"),
-    ("next_batch (copc/runtime/async_local.py", "waiting for a batch"),
-    ("copc/runtime/sync.py", "rollout"),
-    ("copc/rollout/", "rollout"),
-    ("_summary (copc/run/train.py", "summary"),
-    ("run_loop (copc/runtime/loop.py", "loop"),
-    ("copc/run/train.py", "start-up (build, load)"),
-)
-
-
-def phase_of(dump: str) -> str:
-    """The phase a py-spy dump of the trainer shows (module docstring)."""
-    if not dump:
-        return "unknown"
-    threads = dump.split("\nThread ")
-    for thread in threads[1:]:  # a journal write in the receiver thread is the rarest, most telling moment
-        if "copc/runtime/journal.py" in thread and "write (" in thread:
-            return "journal append"
-    main = next((t for t in threads[1:] if '"MainThread"' in t.splitlines()[0]), "")
-    if main and "train (copc/run/train.py" not in main:  # copc train's own code has not started yet
-        return "start-up (imports)"
-    for line in main.splitlines()[1:]:
-        for key, phase in PHASES:
-            if key in line:
-                return phase
-    if main:
-        return "start-up (imports)"
-    return "exit (no main thread)" if len(threads) > 1 else "unknown"
-
-
-def spy(pid: int) -> str:
-    tool = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(tool).exists():
-        return ""
-    try:
-        return subprocess.run([tool, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
-                              timeout=20).stdout
-    except (subprocess.TimeoutExpired, OSError):
-        return ""
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -197,21 +153,23 @@ def _alive(pid: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------ one process
-def run_process(args: list[str], log: Path, kill_at: float | None, target: str) -> tuple[int, dict | None, str]:
-    """Start ``copc train args``; at ``kill_at`` seconds SIGKILL ``target``; wait for the end.
+def run_process(args: list[str], log: Path, when: Callable[[float], bool] | None, target: str,
+                rng: random.Random) -> tuple[int, dict | None, str]:
+    """Start ``copc train args``; SIGKILL ``target`` once ``when(seconds since the start)`` is true
+    (polled every 5 ms; never with ``when=None``); wait for the end.
     Returns (exit code, the kill's record or None, stderr)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **SNAPSHOT}
     start = time.monotonic()
     with log.open("w") as err:
-        proc = subprocess.Popen([*COPC, "train", "--no-progress", *args], stdout=subprocess.DEVNULL, stderr=err,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen([*COPC, "train", "--no-progress", *args], stdout=subprocess.DEVNULL,
+                                stderr=err, env=env, start_new_session=True)
     kill = None
     try:
-        if kill_at is not None:
-            while proc.poll() is None and time.monotonic() - start < kill_at:
+        if when is not None:
+            while proc.poll() is None and not when(time.monotonic() - start):
                 time.sleep(0.005)
             if proc.poll() is None:
-                kill = _deliver(proc.pid, target, time.monotonic() - start)
+                kill = _deliver(proc.pid, target, time.monotonic() - start, rng)
         code = proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
@@ -240,11 +198,11 @@ def _group(pgid: int) -> list[int]:
     return out
 
 
-def _deliver(trainer: int, target: str, seconds: float) -> dict | None:
+def _deliver(trainer: int, target: str, seconds: float, rng: random.Random) -> dict | None:
     pids = victims(trainer, target)
     if not pids:
         return {"absent": target}
-    victim = random.choice(pids)
+    victim = rng.choice(pids)
     if target == "trainer":
         os.kill(trainer, signal.SIGSTOP)  # the moment is now: read where it is, then kill it there
         dump = spy(trainer)
@@ -258,119 +216,81 @@ def _deliver(trainer: int, target: str, seconds: float) -> dict | None:
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:  # it ended between the listing and the kill (a worker restarting)
             return {"absent": target}
-    # the stacks, so that the phase can be read again: frames of copc and the innermost three of each thread
+    # the stacks, so that the phase can be read again: copc's frames and the innermost three
     frames = [line.strip() for line in dump.splitlines() if "copc/" in line or line.startswith("Thread")]
     return {"target": target, "seconds": round(seconds, 3), "phase": phase, "stack": frames[:60],
             "innermost": [line.strip() for line in dump.splitlines()[3:6]]}
 
 
-# ------------------------------------------------------------------------------------ checks
-def training_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "loss/value" in r]
+# ------------------------------------------------------------------------------------ schedules
+class WriteWatch:
+    """Fires a moment after the ``skip + 1``-th checkpoint write or journal append this process starts, as
+    the run directory shows it: a new ``checkpoints/.tmp-step_*`` directory or ``rollouts/.batch_*`` temp
+    file (polled every 5 ms, so the shortest writes are seen only sometimes)."""
+
+    def __init__(self, run_dir: Path, skip: int, delay: float) -> None:
+        self.places = (run_dir / "checkpoints", run_dir / "rollouts")
+        self.seen = self._now()  # what an earlier process left is not this process's write
+        self.skip, self.delay, self.fire_at = skip, delay, None  # type: ignore[var-annotated]
+
+    def _now(self) -> set[str]:
+        names = set()
+        for place in self.places:
+            try:
+                names |= {n for n in os.listdir(place) if n.startswith((".tmp-step_", ".batch_"))}
+            except OSError:
+                continue
+        return names
+
+    def __call__(self, seconds: float) -> bool:
+        if self.fire_at is None:
+            new = self._now() - self.seen
+            self.seen |= new
+            if new and self.skip < len(new):
+                self.fire_at = seconds + self.delay
+            elif new:
+                self.skip -= len(new)
+        return self.fire_at is not None and seconds >= self.fire_at
 
 
-def stable(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(VOLATILE)} for r in rows]
+def schedule(kind: str, rng: random.Random, timing: dict, run_dir: Path, steps: int, driver: str
+             ) -> Callable[[float], bool]:
+    """When to kill this process: ``uniform`` over the reference's wall time ``T``; ``post-import`` over
+    the part of this process's expected span after its imports (the reference's ``ready`` seconds, then
+    ``T - ready`` scaled by the share of steps left after the newest checkpoint); ``writes`` a few ms into
+    a checkpoint write or journal append (WriteWatch)."""
+    window, ready = timing["window"], timing["ready"]
+    done = max((int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")), default=0)
+    if kind == "writes":  # one of the checkpoint writes left (in async, journal appends come between)
+        writes_left = (steps - done) // CHECKPOINT_EVERY[driver]
+        return WriteWatch(run_dir, rng.randint(0, max(writes_left - 1, 0)), rng.uniform(0.0, 0.03))
+    if kind == "post-import":
+        at = rng.uniform(ready, ready + (window - ready) * max(steps - done, 1) / steps)
+    else:
+        at = rng.uniform(0.0, window)
+    return lambda seconds: seconds >= at
 
 
-def summary_of(run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {k: v for k, v in summary.items() if k not in TIMING + PROVENANCE}
+def reference_run(cfg: Path, reference: Path, work: Path, rng: random.Random) -> dict | None:
+    """Run the reference to the end; ``window``: its wall time, ``ready``: seconds until its run directory
+    appeared (the imports and the config's checks done)."""
+    shutil.rmtree(reference, ignore_errors=True)
+    marks: dict[str, float] = {}
 
+    def watch(seconds: float) -> bool:
+        if "ready" not in marks and reference.exists():
+            marks["ready"] = seconds
+        return False
 
-def same(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
-
-
-def chain_problems(run_dir: Path, steps: int) -> list[str]:
-    problems = []
-    for step in list_checkpoints(run_dir):
-        try:
-            verify_checkpoint(run_dir / "checkpoints" / f"step_{step:08d}")
-        except CheckpointError as err:
-            problems.append(str(err))
-    latest = load_latest(run_dir)
-    if latest is None or latest[0] != steps:
-        problems.append(f"the latest checkpoint is {latest and latest[0]}, not step {steps}")
-    elif int(latest[1]["trainer"]["version"]) != steps:  # type: ignore[index,call-overload]
-        problems.append(f"the trainer's version is {latest[1]['trainer']['version']}, not {steps}")  # type: ignore[index]
-    return problems
-
-
-def train_samples(run_dir: Path) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = collections.defaultdict(list)
-    for line in (run_dir / "samples.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row.get("source") == "train":
-            out[int(row["step"])].append(json.dumps({k: row[k] for k in ("prompt_id", "turns", "reward")}))
-    return out
-
-
-def journal_snapshot(run_dir: Path, tokenizer: object) -> dict[int, list[str]]:
-    """Batches the journal holds past the last checkpoint's ``next_put``, rendered like training samples."""
-    from copc.rollout.samples import render_episode
-    from copc.runtime.journal import Journal, JournalDamage
-
-    latest = load_latest(run_dir)
-    next_put = int(latest[1]["source"]["next_put"]) if latest else 0  # type: ignore[index,call-overload]
-    if not (run_dir / "rollouts").is_dir():
-        return {}
-    journal, out = Journal(run_dir / "rollouts"), {}
-    for index in journal.indices():
-        if index < next_put:
-            continue
-        try:
-            batch = journal.read(index)
-        except JournalDamage:
-            continue
-        rendered = [render_episode(t, tokenizer) for t in batch.trajectories[:4]]  # type: ignore[arg-type]
-        out[index] = [json.dumps({k: e[k] for k in ("prompt_id", "turns", "reward")}) for e in rendered]
-    return out
-
-
-def check_async(run_dir: Path, steps: int, snapshots: list[dict[int, list[str]]]) -> tuple[int, int, list[str]]:
-    rows = training_rows(run_dir)
-    counts = collections.Counter(int(r["step"]) for r in rows)
-    lost = sum(1 for s in range(steps) if counts[s] == 0)
-    duplicated = sum(c - 1 for c in counts.values() if c > 1)
-    problems = [f"row of step {r['step']} has train/version {r['train/version']}" for r in rows
-                if int(r["train/version"]) != int(r["step"]) + 1]
-    samples = train_samples(run_dir)
-    for snapshot in snapshots:
-        for index, episodes in snapshot.items():
-            if index < steps and samples.get(index) != episodes:
-                lost += 1
-                problems.append(f"batch {index} was journaled but step {index} trained other episodes")
-    seen: dict[str, int] = {}
-    for step, episodes in samples.items():
-        key = "\n".join(episodes)
-        if key in seen:
-            duplicated += 1
-            problems.append(f"steps {seen[key]} and {step} trained the same episodes")
-        seen[key] = step
-    return lost, duplicated, problems + chain_problems(run_dir, steps)
-
-
-def check_sync(reference: Path, run_dir: Path, steps: int) -> list[str]:
-    problems = []
-    if stable(run_dir) != stable(reference):
-        problems.append("metrics.jsonl differs")
-    if (run_dir / "samples.jsonl").read_text() != (reference / "samples.jsonl").read_text():
-        problems.append("samples.jsonl differs")
-    if summary_of(run_dir) != summary_of(reference):
-        problems.append("summary.json differs")
-    ref, got = load_latest(reference), load_latest(run_dir)
-    if got is None or ref is None or not same(ref[1]["trainer"], got[1]["trainer"]):
-        problems.append("final weights or optimizer state differ")
-    return problems + chain_problems(run_dir, steps)
+    began = time.monotonic()
+    code, _, err = run_process(["--config", str(cfg), f"run_dir={reference}"], work / "reference.log", watch,
+                               "", rng)
+    if code != 0:
+        print(err, file=sys.stderr)
+        print(f"the reference run failed (exit {code})", file=sys.stderr)
+        return None
+    window = time.monotonic() - began
+    return {"window": window, "ready": marks.get("ready", 0.0)}
 
 
 # ------------------------------------------------------------------------------------ main
@@ -384,111 +304,167 @@ def command(cfg: Path, run_dir: Path, attempt: int) -> list[str]:
     return [*first, "resume=true"] if run_dir.exists() else first
 
 
+def one_run(index: int, args: argparse.Namespace, cfg: Path, work: Path, timing: dict, kills_left: int,
+            out: Path | None, tokenizer: object) -> dict:
+    """Start run ``index``, kill it up to three times (never more than ``kills_left``), resume it until it
+    finishes, check it; its record (one line of ``runs.jsonl``)."""
+    rng = random.Random(f"{args.seed}:{index}")  # a run's schedule does not depend on the runs before it
+    run_dir = work / f"run_{index:04d}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    planned, snapshots, problems = rng.randint(1, 3), [], []
+    record: dict = {"run": index, "kills": 0, "resumes": 0, "unclean": 0, "lost": 0, "duplicated": 0,
+                    "phases": {}, "targets": {}, "absent": {}, "finished": False}
+    for attempt in range(MAX_ATTEMPTS):
+        start = command(cfg, run_dir, attempt)
+        when, target = None, "trainer"
+        if planned > 0 and record["kills"] < kills_left:
+            when = schedule(args.schedule, rng, timing, run_dir, args.steps, args.driver)
+            if args.driver == "async" and args.schedule != "writes":
+                target = rng.choices(("trainer", "worker", "forkserver", "sandbox"), (6, 2, 1, 1))[0]
+        code, kill, err = run_process(start, work / f"{run_dir.name}.{attempt}.log", when, target, rng)
+        record["resumes"] += attempt > 0
+        if kill is not None and "target" in kill:
+            record["kills"] += 1
+            planned -= 1
+            for key, value in (("phases", kill["phase"]), ("targets", kill["target"])):
+                record[key][value] = record[key].get(value, 0) + 1
+            kill.update(run=index, attempt=attempt, exit=code, schedule=args.schedule)
+            if out is not None:
+                with (out / "kills.jsonl").open("a") as handle:
+                    handle.write(json.dumps(kill) + "\n")
+        if kill is not None and "absent" in kill:
+            record["absent"][kill["absent"]] = record["absent"].get(kill["absent"], 0) + 1
+        if kill is not None and kill.get("left_behind"):
+            problems.append(f"attempt {attempt}: {kill['left_behind']} processes left behind")
+        if code not in (0, -signal.SIGKILL) and (code != 1 or "Traceback" in err.split("error:", 1)[0]
+                                                  or not err.strip()):
+            record["unclean"] += 1
+            problems.append(f"attempt {attempt}: exit {code}: {err.strip()[-400:]}")
+        if code != 0 and tokenizer is not None and (run_dir / "rollouts").is_dir():
+            snapshots.append(journal_snapshot(run_dir, tokenizer))
+        if code == 0:
+            record["finished"] = True
+            break
+    if not record["finished"]:
+        problems.append(f"did not finish in {MAX_ATTEMPTS} processes")
+    elif args.driver == "sync":
+        problems += check_sync(work / "reference", run_dir, args.steps)
+    else:
+        record["lost"], record["duplicated"], more = check_async(run_dir, args.steps, snapshots)
+        problems += more
+    record["problems"] = problems
+    if not problems and not args.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return record
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def resume_state(out: Path, settings: dict) -> tuple[list[dict], dict | None]:
+    """The finished runs of an earlier invocation with the same settings, and its reference timing;
+    the kills of a run it left unfinished are dropped (that run starts again)."""
+    saved = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else None
+    if saved is None:
+        return [], None
+    if {k: saved.get(k) for k in settings} != settings:
+        raise SystemExit(f"error: {out} holds a torture with other settings ({saved}); give another --out "
+                         f"or the same --driver/--steps/--seed/--schedule")
+    runs = _jsonl(out / "runs.jsonl")
+    done = {r["run"] for r in runs}
+    kills = [k for k in _jsonl(out / "kills.jsonl") if k["run"] in done]
+    (out / "kills.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kills))
+    return runs, saved.get("timing")
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=100)
     parser.add_argument("--driver", choices=("sync", "async"), default="sync")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
-    parser.add_argument("--out", default=None, help="folder for kills.jsonl and summary.json")
+    parser.add_argument("--schedule", choices=("uniform", "post-import", "writes"), default="uniform",
+                        help="when kills land (see schedule())")
+    parser.add_argument("--out", default=None, help="folder for kills.jsonl, runs.jsonl and summary.json")
     parser.add_argument("--work", default=None, help="folder for the run directories (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the torture recorded in --out (its finished runs count)")
     args = parser.parse_args()
-    rng = random.Random(args.seed)
-    random.seed(args.seed)
+    if args.resume and (args.out is None or args.work is None):
+        print("error: --resume needs the --out and --work of the torture to continue", file=sys.stderr)
+        return 2
     work = Path(args.work or tempfile.mkdtemp(prefix="kill_torture-"))
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else None
+    settings = {"driver": args.driver, "steps": args.steps, "seed": args.seed, "schedule": args.schedule}
+    runs, timing = resume_state(out, settings) if args.resume and out is not None else ([], None)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "kills.jsonl").write_text("")
-    source = Path(__file__).resolve().parents[1] / "src" / "copc"
-    shutil.rmtree(work / "src", ignore_errors=True)
-    shutil.copytree(source, work / "src" / "copc", ignore=shutil.ignore_patterns("__pycache__"))
-    SNAPSHOT["PYTHONPATH"] = str(work / "src")
+        if not args.resume:
+            for name in ("kills.jsonl", "runs.jsonl"):
+                (out / name).write_text("")
     cfg = work / "config.yaml"
     cfg.write_text(config_yaml(args.driver, args.steps))
-    reference = work / "reference"
-    shutil.rmtree(reference, ignore_errors=True)
+    if timing is None or not (work / "reference" / "summary.json").is_file():
+        source = Path(__file__).resolve().parents[1] / "src" / "copc"
+        shutil.rmtree(work / "src", ignore_errors=True)
+        shutil.copytree(source, work / "src" / "copc", ignore=shutil.ignore_patterns("__pycache__"))
+    SNAPSHOT["PYTHONPATH"] = str(work / "src")
     began = time.monotonic()
-    code, _, err = run_process(["--config", str(cfg), f"run_dir={reference}"], work / "reference.log", None, "")
-    window = time.monotonic() - began
-    if code != 0:
-        print(err, file=sys.stderr)
-        print(f"the reference run failed (exit {code})", file=sys.stderr)
-        return 1
-    print(f"reference: {window:.1f} s; kills drawn uniformly in [0, {window:.1f}] s", flush=True)
+    if timing is None or not (work / "reference" / "summary.json").is_file():
+        timing = reference_run(cfg, work / "reference", work, random.Random(args.seed))
+        if timing is None:
+            return 1
+    if out is not None:
+        (out / "settings.json").write_text(json.dumps({**settings, "timing": timing}, indent=1) + "\n")
+    print(f"reference: {timing['window']:.1f} s, imports {timing['ready']:.1f} s; schedule {args.schedule}; "
+          f"{len(runs)} runs recorded before", flush=True)
     tokenizer = None
     if args.driver == "async":
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(reference / "tiny_init"))
-    kills = divergences = lost = duplicated = resumes = runs = unclean = 0
-    phases: collections.Counter[str] = collections.Counter()
-    targets: collections.Counter[str] = collections.Counter()
-    absent: collections.Counter[str] = collections.Counter()  # a target with no process at its moment
-    while kills < args.kills:
-        run_dir = work / f"run_{runs:04d}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        planned, snapshots, finished, problems = rng.randint(1, 3), [], False, []
-        for attempt in range(MAX_ATTEMPTS):
-            start = command(cfg, run_dir, attempt)
-            kill_at, target = None, "trainer"
-            if planned > 0 and kills < args.kills:
-                kill_at = rng.uniform(0.0, window)
-                if args.driver == "async":
-                    target = rng.choices(("trainer", "worker", "forkserver", "sandbox"), (6, 2, 1, 1))[0]
-            code, kill, err = run_process(start, work / f"{run_dir.name}.{attempt}.log", kill_at, target)
-            if attempt > 0:
-                resumes += 1
-            if kill is not None and "target" in kill:
-                kills += 1
-                planned -= 1
-                phases[kill["phase"]] += 1
-                targets[kill["target"]] += 1
-                kill.update(run=runs, attempt=attempt, exit=code)
-                if out is not None:
-                    with (out / "kills.jsonl").open("a") as handle:
-                        handle.write(json.dumps(kill) + "\n")
-            if kill is not None and "absent" in kill:
-                absent[kill["absent"]] += 1
-            if kill is not None and kill.get("left_behind"):
-                problems.append(f"attempt {attempt}: {kill['left_behind']} processes left behind")
-            if code not in (0, -signal.SIGKILL) and (code != 1 or "Traceback" in err.split("error:", 1)[0]
-                                                      or not err.strip()):
-                unclean += 1
-                problems.append(f"attempt {attempt}: exit {code}: {err.strip()[-400:]}")
-            if code != 0 and tokenizer is not None and (run_dir / "rollouts").is_dir():
-                snapshots.append(journal_snapshot(run_dir, tokenizer))
-            if code == 0:
-                finished = True
-                break
-        if not finished:
-            problems.append(f"did not finish in {MAX_ATTEMPTS} processes")
-        elif args.driver == "sync":
-            problems += check_sync(reference, run_dir, args.steps)
-        else:
-            run_lost, run_dup, more = check_async(run_dir, args.steps, snapshots)
-            lost, duplicated = lost + run_lost, duplicated + run_dup
-            problems += more
-        if problems:
-            divergences += 1
-            print(f"run {runs}: " + "; ".join(problems), flush=True)
-        elif not args.keep:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        runs += 1
-        print(f"run {runs}: kills so far {kills}", flush=True)
-    summary = {"driver": args.driver, "kills": kills, "runs": runs, "resumes": resumes, "divergences": divergences,
-               "lost": lost, "duplicated": duplicated, "unclean_exits": unclean, "reference_seconds": window,
-               "phases": dict(phases.most_common()), "targets": dict(targets), "absent_targets": dict(absent), "seed": args.seed,
-               "steps": args.steps, "wall_seconds": time.monotonic() - began}
+        tokenizer = AutoTokenizer.from_pretrained(str(work / "reference" / "tiny_init"))
+    while sum(r["kills"] for r in runs) < args.kills:
+        kills_left = args.kills - sum(r["kills"] for r in runs)
+        record = one_run(len(runs), args, cfg, work, timing, kills_left, out, tokenizer)
+        runs.append(record)
+        if out is not None:
+            with (out / "runs.jsonl").open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+        if record["problems"]:
+            print(f"run {record['run']}: " + "; ".join(record["problems"]), flush=True)
+        print(f"run {len(runs)}: kills so far {sum(r['kills'] for r in runs)}", flush=True)
+    summary = summarize(runs, settings, timing, time.monotonic() - began)
     print(json.dumps(summary), flush=True)
     if out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if not args.keep and args.work is None:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"kills={kills} divergences={divergences} lost={lost} duplicated={duplicated}")
-    return 0 if divergences == lost == duplicated == 0 else 1
+    print(f"kills={summary['kills']} divergences={summary['divergences']} lost={summary['lost']} "
+          f"duplicated={summary['duplicated']}")
+    return 0 if summary["divergences"] == summary["lost"] == summary["duplicated"] == 0 else 1
+
+
+def summarize(runs: list[dict], settings: dict, timing: dict, seconds: float) -> dict:
+    """The totals over every recorded run (this invocation's and those it resumed from)."""
+    def count(key: str) -> dict[str, int]:
+        total: collections.Counter[str] = collections.Counter()
+        for r in runs:
+            total.update(r[key])
+        return dict(total.most_common())
+
+    return {**settings, "kills": sum(r["kills"] for r in runs), "runs": len(runs),
+            "resumes": sum(r["resumes"] for r in runs),
+            "divergences": sum(1 for r in runs if r["problems"]),
+            "lost": sum(r["lost"] for r in runs), "duplicated": sum(r["duplicated"] for r in runs),
+            "unclean_exits": sum(r["unclean"] for r in runs), "reference_seconds": timing["window"],
+            "import_seconds": timing["ready"], "phases": count("phases"), "targets": count("targets"),
+            "absent_targets": count("absent"), "wall_seconds_this_invocation": seconds}
 
 
 if __name__ == "__main__":
