@@ -22,11 +22,15 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from real_model_recipe import RECIPE  # noqa: E402
+
+if TYPE_CHECKING:
+    from copc.types import Trajectory
 
 __all__ = ["paired_gain", "per_prompt_accuracy", "summarise"]
 
@@ -69,6 +73,8 @@ def main() -> None:
     parser.add_argument("--pair", default=None, help="an earlier --out of the same prompts")
     parser.add_argument("--chunk", type=int, default=50, help="prompts played at once (memory: the KV caches "
                         "of every episode in flight; 200 at once took 10 GB with SmolLM2)")
+    parser.add_argument("--replies", default=None, help="also write every episode's reply text, reward and "
+                        "stop reason to this .jsonl (to read what the model does)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     import torch
@@ -77,7 +83,6 @@ def main() -> None:
     from copc.run.build import capped_context_limit, quiet_transformers
     from copc.run.eval import _load_model, eval_config, is_run_dir
     from copc.tasks import get_task
-    from copc.types import Trajectory
 
     torch.set_num_threads(1)
     quiet_transformers()
@@ -100,6 +105,8 @@ def main() -> None:
         correct = [t.info.get("correct", float(t.reward > 0)) > 0 for t in episodes]
         shares += per_prompt_accuracy(correct, len(episodes) // args.samples, args.samples)
         ids += [episodes[i * args.samples].prompt_id for i in range(len(episodes) // args.samples)]
+        if args.replies:
+            _append_replies(Path(args.replies), episodes, tokenizer, first == 0)
         _write(args, path, step, shares, ids, metrics, time.perf_counter() - start)
     print(json.dumps({k: v for k, v in json.loads(Path(args.out).read_text()).items()
                       if k not in ("per_prompt", "prompt_ids", "metrics")}))
@@ -119,6 +126,15 @@ class Slice:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.task, name)
+
+
+def _append_replies(path: Path, episodes: list[Trajectory], tokenizer: object, fresh: bool) -> None:
+    """One line per episode: its prompt id, reward, stop reason and the text after the prompt."""
+    with path.open("w" if fresh else "a") as handle:
+        for t in episodes:
+            text = tokenizer.decode(t.token_ids[t.prompt_len:])  # type: ignore[attr-defined]
+            handle.write(json.dumps({"prompt_id": t.prompt_id, "reward": t.reward,
+                                     "stop": t.stop_reason.value, "reply": text}) + "\n")
 
 
 def _write(args: argparse.Namespace, path: Path, step: int | None, shares: list[float], ids: list[str],

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from copc.tasks.word_problems import TEMPLATE, shipped_paths
+from copc.tasks.word_problems import ANSWER_STOP, TEMPLATE, shipped_paths
 
 TRAIN, EVAL = shipped_paths()
 
@@ -21,6 +21,7 @@ TRAIN, EVAL = shipped_paths()
 RECIPE = [
     "task=math_tool", f"task_options.data={TRAIN}", f"task_options.eval_data={EVAL}",
     f"task_options.template={json.dumps(TEMPLATE)}", "task_options.max_tool_calls=2",
+    f"task_options.answer_stop={json.dumps(ANSWER_STOP)}",
     "rollout.temperature=0.5", "rollout.max_new_tokens_per_turn=128", "rollout.max_total_tokens=384",
     "rollout.context_limit=2048", "rollout.chat_template=none",
 ]

@@ -11,6 +11,7 @@ import pytest
 
 from copc.tasks import get_task
 from copc.tasks.word_problems import (
+    ANSWER_STOP,
     EXAMPLE,
     KINDS,
     TEMPLATE,
@@ -114,5 +115,35 @@ def test_recipe_overrides_parse_to_the_template(tmp_path):
 
     cfg = apply_run_overrides(default_config(), [*TRAIN_RECIPE, f"run_dir={tmp_path}/r"])
     assert cfg.task_options["template"] == TEMPLATE
+    assert cfg.task_options["answer_stop"] == ANSWER_STOP == "Question:"
     assert cfg.method == "async_ppo" and cfg.driver.kind == "async"
     assert set(RECIPE) <= set(TRAIN_RECIPE)
+
+
+def word_problem_task(**options):
+    train_path, eval_path = shipped_paths()
+    return get_task("math_tool", data=str(train_path), eval_data=str(eval_path), template=TEMPLATE,
+                    grade_timeout_s=10.0, **options)
+
+
+def test_the_answer_stop_ends_the_reply_that_starts_the_next_question():
+    # The base model's usual reply: the right sum, boxed, then a question of its own with another box. The
+    # grader reads the last box, so the reply is right only when the turn ends at the next "Question:".
+    task = word_problem_task(answer_stop=ANSWER_STOP)
+    prompt = task.prompts("eval", 1)[0]  # 16 marbles among 4 friends: 4
+    env = task.make_env(prompt)
+    assert env.stop_strings == ("```\n", "Question:")
+    env.initial_text()
+    assert not env.step("```python\nprint(16 // 4)\n```\n").done  # the code block is a tool call
+    step = env.step("The answer is \\boxed{4}.\n\nQuestion:")  # the engine stops the turn here
+    assert step.done and step.reward == 1.0
+    wrong = task.make_env(prompt)
+    wrong.initial_text()
+    assert wrong.step("The answer is \\boxed{16}.\n\nQuestion:").reward == 0.0
+    # Without the option the fences' stop is the only one (math_tool's default is unchanged).
+    assert word_problem_task().make_env(prompt).stop_strings == ("```\n",)
+
+
+def test_a_blank_answer_stop_is_refused():
+    with pytest.raises(ValueError, match="answer_stop is blank"):
+        word_problem_task(answer_stop="  ")

@@ -90,11 +90,14 @@ class CallSyntax:
     call_stop: str = ""
     #: Without answer tags: the text a final turn must contain to state an answer (else it is a void turn).
     answer_marker: str = ""
+    #: More strings that end a turn as a final answer: a few-shot prompt's example separator (the next
+    #: ``Question:``), so the turn that states an answer ends there instead of inventing the next example.
+    answer_stops: tuple[str, ...] = ()
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
         call_stop = self.call_stop or self.call_close
-        return (call_stop, self.answer_close) if self.answer_open else (call_stop,)
+        return ((call_stop, self.answer_close) if self.answer_open else (call_stop,)) + self.answer_stops
 
     def trailing_call(self, text: str) -> str | None:
         """Body of a tool call that ends ``text`` (trailing whitespace ignored), else None."""

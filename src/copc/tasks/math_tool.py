@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -147,11 +147,16 @@ class MathToolConfig(DatasetSplits):
     """Wall-clock limit of one sandbox run, seconds."""
     grade_timeout_s: float = 10.0
     """Limit of one math-verify check, seconds."""
+    answer_stop: str = ""
+    """A string that ends a turn as its final answer (a few-shot template's next ``Question:``); "": none."""
 
     def __post_init__(self) -> None:
         self.check("MathToolConfig")
         if "{problem}" not in self.template:
             raise ValueError("MathToolConfig.template must contain {problem}")
+        if self.answer_stop and not self.answer_stop.strip():
+            raise ValueError("MathToolConfig.answer_stop is blank; give text such as 'Question:' or leave it "
+                             "empty")
         check_positive("MathToolConfig", max_tool_calls=self.max_tool_calls, timeout_s=self.timeout_s)
         check_positive("MathToolConfig", grade_timeout_s=self.grade_timeout_s)
         if self.max_output_chars < 64:
@@ -187,4 +192,6 @@ class MathToolTask:
 
     def make_env(self, prompt: Prompt) -> Env:
         grader = MathVerifyGrader(prompt.answers[0], timeout_s=self.config.grade_timeout_s)
-        return python_tool_env(prompt, self.config, syntax=PYTHON_FENCES, grader=grader)
+        stops = (self.config.answer_stop,) if self.config.answer_stop else ()
+        syntax = replace(PYTHON_FENCES, answer_stops=stops)
+        return python_tool_env(prompt, self.config, syntax=syntax, grader=grader)

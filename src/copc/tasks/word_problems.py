@@ -32,7 +32,8 @@ import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["KINDS", "TEMPLATE", "check_splits", "make_splits", "problem", "shipped_paths", "write_splits"]
+__all__ = ["ANSWER_STOP", "KINDS", "TEMPLATE", "check_splits", "make_splits", "problem", "shipped_paths",
+           "write_splits"]
 
 NAMES = ("Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Lena", "Ravi", "Sara", "Tom", "Nina", "Ben")
 PRONOUNS = {"Mia": "She", "Ava": "She", "Zoe": "She", "Lena": "She", "Sara": "She", "Nina": "She"}
@@ -54,6 +55,10 @@ TEMPLATE = (
     "```python\nprint(5 + 3)\n```\n```output\n8\n```\nThe answer is \\boxed{{8}}.\n\n"
     "Question: {problem}\nReply:\n"
 )
+#: ``math_tool``'s ``answer_stop`` for :data:`TEMPLATE`: a reply ends where the model starts the next
+#: ``Question:`` of the pattern. Without it the 135M model boxes the right value, then invents another
+#: question, runs its code and boxes that one, and the grader (the last ``\boxed{}``) marks it wrong.
+ANSWER_STOP = "Question:"
 
 
 def _who(rng: random.Random) -> tuple[str, str, str]:
