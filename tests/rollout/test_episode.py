@@ -11,7 +11,8 @@ import torch
 from copc.models.hf import token_logprobs
 from copc.models.tiny import build_tiny_model, build_tiny_tokenizer
 from copc.rollout.engine import Engine
-from copc.rollout.episode import run_episodes, truncation_stats
+from copc.rollout.episode import run_episodes
+from copc.rollout.episode_state import truncation_stats
 from copc.rollout.sampling import SamplingConfig
 from copc.types import EnvStep, StopReason, Trajectory
 

@@ -16,7 +16,8 @@ from copc.config import check_at_least
 from copc.eval.metrics import avg_at_k, greedy_accuracy, mean_pass_at_k
 from copc.rollout.chat import chat_format
 from copc.rollout.engine import Engine
-from copc.rollout.episode import run_episodes, truncation_stats
+from copc.rollout.episode import run_episodes
+from copc.rollout.episode_state import truncation_stats
 from copc.rollout.generator import RolloutConfig
 from copc.tasks import Task
 from copc.types import Prompt, Trajectory

@@ -35,8 +35,9 @@ on the last token of the trajectory (the trainer folds rewards onto policy token
 ``reward`` is their sum. ``info`` holds the env's counters (an env reports running totals, so the
 latest value of each key wins) plus the loop's own: ``policy_turns``, ``gen_tokens``, ``obs_tokens``,
 ``env_errors``, ``cut_turns`` (turns cut by any token limit: 0 or 1, a cut ends the episode) and
-``turn_cut`` (1 when that cut was the per-turn limit). :func:`truncation_stats` turns them into the
-per-turn and per-episode truncation rates.
+``turn_cut`` (1 when that cut was the per-turn limit).
+:func:`~copc.rollout.episode_state.truncation_stats` turns them into the per-turn and per-episode
+truncation rates.
 
 :func:`continue_episodes` replays a recorded episode's first turns through a fresh env (checking every
 observation) and samples the rest: Monte-Carlo continuations from a turn boundary (copc.rollout.oracle).
@@ -48,77 +49,27 @@ one round run concurrently in a thread pool (``env_workers``); envs must be inde
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from copc.rollout.chat import ChatFormat
-from copc.rollout.engine import Engine, FinishReason, Generation, PrefixKV
+from copc.rollout.engine import Engine, FinishReason, Generation
+from copc.rollout.episode_state import (
+    RunningEpisode,
+    TurnCut,
+    call_env,
+    cut_by_limit,
+    end_by_loop,
+    end_cut_turn,
+    to_trajectory,
+)
 from copc.rollout.sampling import SamplingConfig
 from copc.rollout.turns import ReplayError, recorded_turn, turn_end
 from copc.types import Env, EnvStep, StopReason, Trajectory
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Episode:
-    """Mutable state of one running episode (lists grow token by token)."""
-
-    index: int
-    env: Env
-    ids: list[int]
-    prompt_len: int
-    mask: list[bool] = field(default_factory=list)
-    logp: list[float] = field(default_factory=list)
-    version: list[int] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    reward: float = 0.0
-    info: dict[str, float] = field(default_factory=dict)
-    turns: int = 0
-    generated: int = 0
-    stop: StopReason | None = None
-    #: Keys/values of the tokens fed so far (from the last turn), so the next turn feeds only new tokens.
-    kv: PrefixKV | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.ids)
-        self.mask, self.logp, self.version, self.rewards = [False] * n, [0.0] * n, [-1] * n, [0.0] * n
-        self.info = {
-            "policy_turns": 0.0, "gen_tokens": 0.0, "obs_tokens": 0.0, "env_errors": 0.0, "cut_turns": 0.0,
-            "turn_cut": 0.0,
-        }
-
-    def add_turn(self, gen: Generation) -> None:
-        tokens = gen.token_ids.tolist()
-        self.ids += tokens
-        self.mask += [True] * len(tokens)
-        self.logp += gen.logp.tolist()
-        self.version += gen.versions.tolist()
-        self.rewards += [0.0] * len(tokens)
-        self.turns += 1
-        self.generated += len(tokens)
-        self.info["policy_turns"] += 1
-        self.info["gen_tokens"] += len(tokens)
-
-    def add_observation(self, tokens: list[int]) -> None:
-        self.ids += tokens
-        self.mask += [False] * len(tokens)
-        self.logp += [0.0] * len(tokens)
-        self.version += [-1] * len(tokens)
-        self.rewards += [0.0] * len(tokens)
-        self.info["obs_tokens"] += len(tokens)
-
-    def add_reward(self, result: EnvStep) -> None:
-        """Put the env's reward on the latest token and take its counters (running totals)."""
-        self.rewards[-1] += float(result.reward)
-        self.reward += float(result.reward)
-        self.info.update({k: float(v) for k, v in result.info.items()})
 
 
 def _turn_seed(seed: int, episode: int, turn: int) -> int:
@@ -126,7 +77,9 @@ def _turn_seed(seed: int, episode: int, turn: int) -> int:
     return int(np.random.SeedSequence([seed, episode, turn]).generate_state(1, dtype=np.uint64)[0]) >> 1
 
 
-def _check_limits(max_turns: int, max_new_tokens_per_turn: int, max_total_tokens: int, context_limit: int) -> None:
+def _check_limits(
+    max_turns: int, max_new_tokens_per_turn: int, max_total_tokens: int, context_limit: int
+) -> None:
     for name, value in (
         ("max_turns", max_turns),
         ("max_new_tokens_per_turn", max_new_tokens_per_turn),
@@ -195,9 +148,9 @@ def run_episodes(
             raise ValueError(f"{name} has {len(values)} entries for {n} envs; give one per env")
     episodes = [_start(engine, i, env, context_limit, chat) for i, env in enumerate(envs)]
     _play(engine, episodes, _Budgets(max_turns, max_new_tokens_per_turn, max_total_tokens, context_limit),
-          sampling=sampling or SamplingConfig(), seed=seed, reuse_kv=reuse_kv, env_workers=env_workers, chat=chat,
-          refresh=refresh, chunk_tokens=chunk_tokens, on_round=on_round)
-    return [_to_trajectory(ep, group_ids, prompt_ids) for ep in episodes]
+          sampling=sampling or SamplingConfig(), seed=seed, reuse_kv=reuse_kv, env_workers=env_workers,
+          chat=chat, refresh=refresh, chunk_tokens=chunk_tokens, on_round=on_round)
+    return [to_trajectory(ep, group_ids, prompt_ids) for ep in episodes]
 
 
 class _Budgets(NamedTuple):
@@ -208,15 +161,17 @@ class _Budgets(NamedTuple):
 
 
 def _play(
-    engine: Engine, episodes: list[_Episode], limits: _Budgets, *, sampling: SamplingConfig, seed: int | None,
-    reuse_kv: bool, env_workers: int, chat: ChatFormat | None, refresh: Callable[[], bool] | None = None,
-    chunk_tokens: int = 0, on_round: Callable[[int], None] | None = None,
+    engine: Engine, episodes: list[RunningEpisode], limits: _Budgets, *, sampling: SamplingConfig,
+    seed: int | None, reuse_kv: bool, env_workers: int, chat: ChatFormat | None,
+    refresh: Callable[[], bool] | None = None, chunk_tokens: int = 0,
+    on_round: Callable[[int], None] | None = None,
 ) -> None:
     """Advance every unfinished episode, one batched engine call per round, until all have ended."""
     max_turns, max_new_tokens_per_turn, max_total_tokens, context_limit = limits
     while active := [ep for ep in episodes if ep.stop is None]:
         budgets = [
-            min(max_new_tokens_per_turn, max_total_tokens - ep.generated, context_limit - len(ep.ids)) for ep in active
+            min(max_new_tokens_per_turn, max_total_tokens - ep.generated, context_limit - len(ep.ids))
+            for ep in active
         ]
         gens = engine.generate(
             [ep.ids for ep in active],
@@ -233,17 +188,17 @@ def _play(
             ep.add_turn(gen)
             ep.kv = gen.kv
         cuts = [
-            _cut_by_limit(ep, gen, max_new_tokens_per_turn=max_new_tokens_per_turn, max_total_tokens=max_total_tokens,
-                          context_limit=context_limit)
+            cut_by_limit(ep, gen, max_new_tokens_per_turn=max_new_tokens_per_turn,
+                         max_total_tokens=max_total_tokens, context_limit=context_limit)
             for ep, gen in zip(active, gens, strict=True)
         ]
         results = _step_envs(active, gens, cuts, workers=env_workers)
         for ep, gen, cut, result in zip(active, gens, cuts, results, strict=True):
             if cut is not None:
-                _end_cut_turn(ep, cut)
-            elif result is not None:  # None: the env raised and _call_env already ended the episode
-                _after_turn(engine, chat, ep, gen, result, max_turns=max_turns, max_total_tokens=max_total_tokens,
-                            context_limit=context_limit)
+                end_cut_turn(ep, cut)
+            elif result is not None:  # None: the env raised and call_env already ended the episode
+                _after_turn(engine, chat, ep, gen, result, max_turns=max_turns,
+                            max_total_tokens=max_total_tokens, context_limit=context_limit)
         if on_round is not None:
             on_round(sum(ep.stop is not None for ep in episodes))
 
@@ -291,13 +246,14 @@ def continue_episodes(
         episodes.append(ep)
     _play(engine, episodes, limits, sampling=sampling or SamplingConfig(), seed=seed, reuse_kv=reuse_kv,
           env_workers=env_workers, chat=chat)
-    return [replace(_to_trajectory(ep, None, None), prompt_id=prefix.prompt_id, group=prefix.group)
+    return [replace(to_trajectory(ep, None, None), prompt_id=prefix.prompt_id, group=prefix.group)
             for ep, prefix in zip(episodes, prefixes, strict=True)]
 
 
-def _replay(engine: Engine, chat: ChatFormat | None, ep: _Episode, prefix: Trajectory, turns: int,
+def _replay(engine: Engine, chat: ChatFormat | None, ep: RunningEpisode, prefix: Trajectory, turns: int,
             limits: _Budgets) -> None:
-    """Feed ``prefix``'s first ``turns`` policy turns to ``ep``'s env; raise :class:`ReplayError` on a mismatch."""
+    """Feed ``prefix``'s first ``turns`` policy turns to ``ep``'s env; raise :class:`ReplayError` on a
+    mismatch."""
     recorded = prefix.token_ids.tolist()
     if ep.ids != recorded[: len(ep.ids)] or len(ep.ids) != prefix.prompt_len:
         raise ReplayError(f"prompt of {prefix.prompt_id!r} tokenises differently from the recorded one")
@@ -306,14 +262,15 @@ def _replay(engine: Engine, chat: ChatFormat | None, ep: _Episode, prefix: Traje
     for turn in range(turns):
         start = len(ep.ids)
         if start >= len(recorded) or not mask[start] or ep.stop is not None:
-            raise ReplayError(f"{prefix.prompt_id!r} has no policy turn {turn + 1} to replay after {start} tokens")
+            raise ReplayError(
+                f"{prefix.prompt_id!r} has no policy turn {turn + 1} to replay after {start} tokens")
         end = turn_end(engine, recorded, mask, start, stops)
         gen = recorded_turn(engine, recorded[start:end], prefix, start, stops)
         ep.add_turn(gen)
-        result = _call_env(ep, lambda gen=gen: ep.env.step(gen.text_to_stop))  # type: ignore[misc]
+        result = call_env(ep, lambda gen=gen: ep.env.step(gen.text_to_stop))  # type: ignore[misc]
         if result is None or result.done:
-            raise ReplayError(f"{prefix.prompt_id!r}: turn {turn + 1} ended the episode; replay at most the turns "
-                              f"that were followed by another")
+            raise ReplayError(f"{prefix.prompt_id!r}: turn {turn + 1} ended the episode; replay at most the "
+                              f"turns that were followed by another")
         _after_turn(engine, chat, ep, gen, result, max_turns=limits.max_turns,
                     max_total_tokens=limits.max_total_tokens, context_limit=limits.context_limit)
         if ep.ids != recorded[: len(ep.ids)]:
@@ -321,50 +278,25 @@ def _replay(engine: Engine, chat: ChatFormat | None, ep: _Episode, prefix: Traje
                               f"recorded one; the environment must answer the same call the same way")
 
 
-
-
-def _start(engine: Engine, index: int, env: Env, context_limit: int, chat: ChatFormat | None) -> _Episode:
+def _start(
+    engine: Engine, index: int, env: Env, context_limit: int, chat: ChatFormat | None
+) -> RunningEpisode:
     text = env.initial_text()
-    ids = chat.prompt_ids(text) if chat is not None else list(engine.tokenizer(text, add_special_tokens=True)["input_ids"])
+    if chat is not None:
+        ids = chat.prompt_ids(text)
+    else:
+        ids = list(engine.tokenizer(text, add_special_tokens=True)["input_ids"])
     if not ids:
-        raise ValueError(f"env {index} has an empty prompt and the tokenizer adds no BOS: give it prompt text")
-    ep = _Episode(index=index, env=env, ids=ids, prompt_len=len(ids))
+        raise ValueError(
+            f"env {index} has an empty prompt and the tokenizer adds no BOS: give it prompt text")
+    ep = RunningEpisode(index=index, env=env, ids=ids, prompt_len=len(ids))
     if len(ids) >= context_limit:  # no room to generate a single token
-        _end_by_loop(ep, StopReason.CONTEXT_LIMIT)
+        end_by_loop(ep, StopReason.CONTEXT_LIMIT)
     return ep
 
 
-class _TurnCut(NamedTuple):
-    """A turn that hit a token limit before it stopped on its own (such a turn is not stepped)."""
-
-    reason: StopReason
-    #: True when the turn reached the per-turn limit (``max_new_tokens_per_turn``), also when the
-    #: episode's token budget or the context window ran out at the same token.
-    per_turn: bool
-
-
-def _cut_by_limit(
-    ep: _Episode, gen: Generation, *, max_new_tokens_per_turn: int, max_total_tokens: int, context_limit: int
-) -> _TurnCut | None:
-    """How this turn was cut (call after ``add_turn``), None when it stopped on its own (stop string, EOS)."""
-    if gen.finish is not FinishReason.LENGTH:
-        return None
-    per_turn = len(gen.token_ids) >= max_new_tokens_per_turn
-    if ep.generated >= max_total_tokens:
-        return _TurnCut(StopReason.MAX_TOKENS, per_turn=per_turn)
-    if len(ep.ids) >= context_limit:
-        return _TurnCut(StopReason.CONTEXT_LIMIT, per_turn=per_turn)
-    return _TurnCut(StopReason.MAX_TOKENS, per_turn=True)
-
-
-def _end_cut_turn(ep: _Episode, cut: _TurnCut) -> None:
-    ep.info["cut_turns"] += 1
-    ep.info["turn_cut"] = float(cut.per_turn)
-    _end_by_loop(ep, cut.reason)
-
-
 def _step_envs(
-    active: list[_Episode], gens: list[Generation], cuts: list[_TurnCut | None], *, workers: int
+    active: list[RunningEpisode], gens: list[Generation], cuts: list[TurnCut | None], *, workers: int
 ) -> list[EnvStep | None]:
     """``env.step`` for every turn that was not cut, concurrently: tools (a sandboxed interpreter, a
     retriever) wait on other processes or I/O, so a round costs about one tool call, not one per episode.
@@ -374,7 +306,7 @@ def _step_envs(
 
     def step(i: int) -> EnvStep | None:
         ep, gen = active[i], gens[i]
-        return _call_env(ep, lambda: ep.env.step(gen.text_to_stop))
+        return call_env(ep, lambda: ep.env.step(gen.text_to_stop))
 
     if workers <= 1 or len(todo) <= 1:
         stepped = [step(i) for i in todo]
@@ -389,7 +321,7 @@ def _step_envs(
 def _after_turn(
     engine: Engine,
     chat: ChatFormat | None,
-    ep: _Episode,
+    ep: RunningEpisode,
     gen: Generation,
     result: EnvStep,
     *,
@@ -403,16 +335,16 @@ def _after_turn(
         ep.stop, ep.kv = StopReason.ANSWER, None
         return None
     if gen.finish is FinishReason.EOS and (chat is None or not result.observation):
-        return _end_by_loop(ep, StopReason.EOS)
+        return end_by_loop(ep, StopReason.EOS)
     if result.observation:
         obs = _observation_ids(engine, chat, gen, result.observation)
         ep.add_observation(obs[: max(context_limit - len(ep.ids), 0)])
     if ep.turns >= max_turns:
-        return _end_by_loop(ep, StopReason.MAX_TURNS)
+        return end_by_loop(ep, StopReason.MAX_TURNS)
     if ep.generated >= max_total_tokens:
-        return _end_by_loop(ep, StopReason.MAX_TOKENS)
+        return end_by_loop(ep, StopReason.MAX_TOKENS)
     if len(ep.ids) >= context_limit:
-        return _end_by_loop(ep, StopReason.CONTEXT_LIMIT)
+        return end_by_loop(ep, StopReason.CONTEXT_LIMIT)
     return None
 
 
@@ -425,68 +357,3 @@ def _observation_ids(engine: Engine, chat: ChatFormat | None, gen: Generation, o
     return chat.observation_ids(observation, eos_text=eos_text)
 
 
-def _end_by_loop(ep: _Episode, reason: StopReason) -> None:
-    """The loop stops the episode: ``env.finish(reason)`` grades it."""
-    ep.kv = None
-    result = _call_env(ep, lambda: ep.env.finish(reason))
-    if result is not None:
-        ep.add_reward(result)
-        ep.stop = reason
-
-
-def _call_env(ep: _Episode, call: Callable[[], EnvStep]) -> EnvStep | None:
-    """Run an env method; on an exception end the episode (reward 0, ``env_errors`` = 1) and return None."""
-    try:
-        result = call()
-        if not isinstance(result, EnvStep):
-            raise TypeError(f"env returned {type(result).__name__}, expected EnvStep")
-        return result
-    except Exception:
-        logger.exception("env of episode %d raised; the episode ends with reward 0", ep.index)
-        ep.rewards = [0.0] * len(ep.ids)
-        ep.reward = 0.0
-        ep.info["env_errors"] += 1
-        ep.stop, ep.kv = StopReason.ENV_ERROR, None
-        return None
-
-
-def _to_trajectory(ep: _Episode, group_ids: Sequence[int] | None, prompt_ids: Sequence[str] | None) -> Trajectory:
-    return Trajectory(
-        prompt_id=prompt_ids[ep.index] if prompt_ids is not None else str(ep.index),
-        token_ids=torch.tensor(ep.ids, dtype=torch.long),
-        prompt_len=ep.prompt_len,
-        action_mask=torch.tensor(ep.mask, dtype=torch.bool),
-        logp_behav=torch.tensor(ep.logp, dtype=torch.float32),
-        policy_version=torch.tensor(ep.version, dtype=torch.long),
-        reward=ep.reward,
-        token_rewards=torch.tensor(ep.rewards, dtype=torch.float32),
-        stop_reason=ep.stop if ep.stop is not None else StopReason.EOS,
-        info=dict(ep.info),
-        group=group_ids[ep.index] if group_ids is not None else 0,
-    )
-
-
-class TruncationStats(NamedTuple):
-    """How often budgets cut episodes (fractions in [0, 1]; 0 for an empty list)."""
-
-    #: Episodes cut by any budget (turns, tokens, context): ``StopReason.truncated``.
-    episode_frac: float
-    #: Policy turns cut by a token limit before they stopped on their own.
-    turn_frac: float
-    #: Episodes whose last turn reached the per-turn limit ``max_new_tokens_per_turn`` (also when another
-    #: budget ran out at the same token).
-    turn_limit_frac: float
-
-
-def truncation_stats(trajectories: Sequence[Trajectory]) -> TruncationStats:
-    """Per-episode and per-turn truncation rates from the loop's ``info`` counters (module docstring)."""
-    if not trajectories:
-        return TruncationStats(0.0, 0.0, 0.0)
-    n = len(trajectories)
-    turns = sum(t.info.get("policy_turns", 0.0) for t in trajectories)
-    cut = sum(t.info.get("cut_turns", 0.0) for t in trajectories)
-    return TruncationStats(
-        episode_frac=sum(t.truncated for t in trajectories) / n,
-        turn_frac=cut / turns if turns else 0.0,
-        turn_limit_frac=sum(t.info.get("turn_cut", 0.0) for t in trajectories) / n,
-    )

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from copc import tracking as m
-from copc.rollout.episode import truncation_stats
+from copc.rollout.episode_state import truncation_stats
 from copc.rollout.generator import GeneratedBatch
 from copc.runtime.staleness import realized_staleness
 from copc.runtime.stall import StallWatchdog
