@@ -212,8 +212,8 @@ def main() -> None:
             slow = "brace" in name or "vtrace" in name
             spreads[name].measure(fn, 5 if slow else args.repeats * (5 if "cumsum" in name else 1))
             ratios[name].append(spreads[name].medians[-1] / spreads[rows[0][0]].medians[-1])
-    print(
-        f"\n{'estimator':<26}{'median ms [lo-hi]':>24}{'pf':>7}{'loop ms':>9}{'speed-up':>9}{'x cumsum [lo-hi]':>22}")
+    print(f"\n{'estimator':<26}{'median ms [lo-hi]':>24}{'pf':>7}{'loop ms':>9}{'speed-up':>9}"
+          f"{'x cumsum [lo-hi]':>22}")
     for name, _, loop_t in rows:
         sp, r = spreads[name], ratios[name]
         loop_s = f"{loop_t * 1e3:>9.1f}{loop_t / sp.mid:>8.1f}x" if loop_t else f"{'-':>9}{'-':>9}"

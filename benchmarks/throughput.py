@@ -100,7 +100,8 @@ def row(name: str, r: dict[str, float]) -> str:
     rest = r["wall_s"] - r["generate_s"] - r["train_s"] - r["eval_s"] - r["checkpoint_s"]
     return (f"{name:<22} {r['steps_per_hour']:>7.0f} {r['wall_s']:>7.1f} {r['generate_s']:>7.1f} "
             f"{r['tool_cpu_s']:>7.1f} {r['train_s']:>7.1f} {r['eval_s']:>7.1f} {r['checkpoint_s']:>6.1f} "
-            f"{rest:>6.1f}   {r['eval_before']:.3f} -> {r['eval_after']:.3f}  reward {r['reward_last10']:.3f}")
+            f"{rest:>6.1f}   {r['eval_before']:.3f} -> {r['eval_after']:.3f}  "
+            f"reward {r['reward_last10']:.3f}")
 
 
 def main() -> None:

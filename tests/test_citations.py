@@ -24,8 +24,10 @@ CITATION = re.compile(
 )
 #: A markdown link inside a docs page, relative to the page: ``[text](page.md#anchor)``.
 LINK = re.compile(r"\]\(([\w./-]+\.md)(#[\w-]+)?\)")
-#: Files outside the repository that older text cited.
-OUTSIDE = re.compile(r"STYLE\.md|spec/algorithms\.md|\bspec (?:sections? |§)?\d+(?:\.\d+)?[ab]?\b", re.IGNORECASE)
+#: Files outside the repository that a citation might name (a spec or style guide kept elsewhere).
+OUTSIDE = re.compile(
+    r"STYLE\.md|spec/algorithms\.md|\bspec (?:sections? |§)?\d+(?:\.\d+)?[ab]?\b", re.IGNORECASE
+)
 
 
 def slug(heading: str) -> str:
@@ -58,7 +60,8 @@ def headings(path: Path) -> tuple[list[str], set[str]]:
 
 
 def sources() -> list[Path]:
-    out = [p for d in ("src", "tests", "benchmarks") for p in sorted((ROOT / d).rglob("*.py")) if p != Path(__file__)]
+    out = [p for d in ("src", "tests", "benchmarks") for p in sorted((ROOT / d).rglob("*.py"))
+           if p != Path(__file__)]
     out += sorted((ROOT / "docs").rglob("*.md"))
     return out + [ROOT / name for name in ("README.md", "CONTRIBUTING.md") if (ROOT / name).exists()]
 
@@ -77,7 +80,8 @@ def problems_in(path: Path, text: str) -> list[str]:
             target, anchor = match.groups()
             if "://" in target:
                 continue
-            out += check(where, (path.parent / target).resolve(), target, [anchor[1:]] if anchor else [], None)
+            anchors = [anchor[1:]] if anchor else []
+            out += check(where, (path.parent / target).resolve(), target, anchors, None)
     return out
 
 
@@ -123,5 +127,6 @@ def test_the_check_catches_each_kind_of_dangling_citation(text: str, problem: st
 
 
 def test_anchors_follow_github() -> None:
-    assert slug("COPC: two readings, and which one copc names") == "copc-two-readings-and-which-one-copc-names"
+    assert (slug("COPC: two readings, and which one copc names")
+            == "copc-two-readings-and-which-one-copc-names")
     assert slug("Confirmation: search, s = 64 (C3's panel)") == "confirmation-search-s--64-c3s-panel"

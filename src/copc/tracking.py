@@ -196,7 +196,8 @@ METRICS: dict[str, str] = {
     STALENESS_GENERATION_MAX: "max over the batch's trajectories of s_gen = max_t v_t - min_t v_t [versions]",
     STALENESS_WAITING_MEAN: "mean over trajectories of waiting staleness s_wait = n - max_t v_t [versions]",
     STALENESS_WAITING_MAX: "max over the batch's trajectories of s_wait = n - max_t v_t [versions]",
-    STALENESS_PACE_REJECTED: "trajectories the PACE filter rejected (cumulative; also in buffer/dropped_pace)",
+    STALENESS_PACE_REJECTED: "trajectories the PACE filter rejected (cumulative; also in "
+                             "buffer/dropped_pace)",
     STALENESS_PACE_REJECT_RATE: "fraction of this step's batch the PACE filter rejected",
     STALENESS_PACE_BUDGET: "PACE rejection budget of this step [trajectories] (from pool occupancy)",
     STALENESS_PACE_POOL: "completed trajectories in the pool when this step's batch was taken (PACE "
@@ -239,7 +240,8 @@ METRICS: dict[str, str] = {
     EVAL_PASS_AT_K: "unbiased pass@k on held-out prompts",
     EVAL_TOOL_USE_RATE: "fraction of eval episodes that called a tool",
     EVAL_TRUNCATED_FRAC: "fraction of sampled eval episodes cut by a budget (max tokens/turns/context)",
-    EVAL_TRUNCATED_TURN_FRAC: "fraction of sampled eval policy turns cut by a token limit before they stopped",
+    EVAL_TRUNCATED_TURN_FRAC: "fraction of sampled eval policy turns cut by a token limit before they "
+                              "stopped",
     EVAL_TURN_LIMIT_FRAC: "fraction of sampled eval episodes ended by the per-turn limit "
                           "max_new_tokens_per_turn",
     EVAL_TOOL_INFRA_FRAC: "fraction of eval episodes (sampled and greedy) with a tool call that failed for "

@@ -106,5 +106,5 @@ def test_grader_failures_are_reported_not_hidden_in_the_accuracy(capsys: pytest.
                    EvalConfig(prompts=3, samples=2, greedy=False), seed=0)  # type: ignore[arg-type]
     assert out[m.EVAL_ACCURACY] == pytest.approx(1 / 3) and out[m.EVAL_GRADE_FAILURE_FRAC] == pytest.approx(
         2 / 6)
-    assert (
-        "2 of 6 evaluation episodes were not graded because the grader timed out or raised" in capsys.readouterr().err)
+    assert ("2 of 6 evaluation episodes were not graded because the grader timed out or raised"
+            in capsys.readouterr().err)

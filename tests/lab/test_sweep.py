@@ -173,8 +173,8 @@ def test_explain_prints_the_decomposition(capsys):
         assert needle in text
     assert lab_cli(["explain", "--kl", "0.1", "--horizon", "3", "--vocab", "2", "--policy",
                     "bypass_ppo"]) == 0
-    assert (
-        "correction: bypass_ppo(clip_low=0.2, clip_high=0.2, mask_low=0.5, mask_high=2) x clipped_td(" in capsys.readouterr().out)
+    assert ("correction: bypass_ppo(clip_low=0.2, clip_high=0.2, mask_low=0.5, mask_high=2) x clipped_td("
+            in capsys.readouterr().out)
 
 
 def test_bad_grid_says_what_to_do(capsys):

@@ -113,7 +113,9 @@ def plot_summary(records: Sequence[Mapping[str, object]], metrics: Sequence[str]
         for x, (_, seeds) in enumerate(groups):
             values = list(seeds.values())
             interval = t_interval(values)
-            error = None if interval.high is None else [[interval.mean - interval.low], [interval.high - interval.mean]]  # type: ignore[operator]
+            error = None
+            if interval.high is not None and interval.low is not None:
+                error = [[interval.mean - interval.low], [interval.high - interval.mean]]
             ax.errorbar([x], [interval.mean], yerr=error, fmt="s", capsize=4, color="black")
             ax.scatter([x] * len(values), values, s=12, alpha=0.6)
         ax.set_xticks(range(len(groups)), [group_text(k).split("=", 1)[-1] for k, _ in groups], rotation=30,
@@ -144,7 +146,9 @@ def plot_diagnostics(records: Sequence[Mapping[str, object]], names: Sequence[st
     return _save(plt, fig, out, title)
 
 
-def _grid(ax, values: np.ndarray, rows: Sequence[str], cols: Sequence[str], cmap: str, title: str) -> None:  # type: ignore[no-untyped-def]
+def _grid(  # type: ignore[no-untyped-def]
+    ax, values: np.ndarray, rows: Sequence[str], cols: Sequence[str], cmap: str, title: str
+) -> None:
     image = ax.imshow(values, cmap=cmap, aspect="auto")
     for (i, j), v in np.ndenumerate(values):
         red, green, blue, _ = image.cmap(image.norm(v))

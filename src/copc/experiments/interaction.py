@@ -335,8 +335,8 @@ def heatmap_panels(records: Sequence[Mapping[str, object]], spec: SweepSpec, met
         try:
             result, missing = two_way(cells, rows, cols, row_axis=heat.rows, col_axis=heat.cols), ""
         except ValueError as err:
-            result, missing = None, f"{sum(1 for k in cells if k[0] in rows and k[1] in cols)} of {len(rows) * len(cols)} " \
-                                    f"cells recorded ({err})"
+            recorded = sum(1 for k in cells if k[0] in rows and k[1] in cols)
+            result, missing = None, f"{recorded} of {len(rows) * len(cols)} cells recorded ({err})"
         lab = rho = None
         if lab_sweep is not None and heat.lab_json and heat.lab_rows and heat.lab_cols:
             lab = lab_prediction(Path(heat.lab_json), {lv: heat.lab_rows[lv] for lv in rows},
@@ -356,7 +356,8 @@ def heatmap_text(records: Sequence[Mapping[str, object]], spec: SweepSpec) -> st
     for rank, metric in enumerate(spec.report):
         panels = heatmap_panels(records, spec, metric)
         tested = [p for p in panels if p.result is not None and p.result.p is not None]
-        adjusted = dict(zip((p.level for p in tested), holm([p.result.p for p in tested]), strict=True))  # type: ignore[union-attr,misc]
+        adjusted = dict(zip((p.level for p in tested),
+                            holm([p.result.p for p in tested]), strict=True))  # type: ignore[union-attr,misc]
         for panel in panels:
             title = f"{heat.panels}={panel.level}: " if heat.panels else ""
             if panel.result is None:

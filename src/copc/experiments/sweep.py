@@ -140,7 +140,8 @@ def cell_state(config: Mapping[str, object], run_dir: Path, record_path: Path,
         if accepted is not None and record.get("config_hash") == accepted[0]:
             return "recorded", f"accepted: made by config {accepted[0]} ({accepted[1]})"
         shorter = recorded is not None and _same_except_steps(recorded, config)
-        if not (shorter and int(record["steps"]) < steps and saved is not None and checkpoints):  # type: ignore[call-overload]
+        if not (shorter and int(record["steps"]) < steps  # type: ignore[call-overload]
+                and saved is not None and checkpoints):
             return "conflict", (
                 f"{record_path} was made by config {record.get('config_hash')}, the file now gives "
                                 f"{want}; move the record away to re-run the cell")
@@ -482,9 +483,10 @@ def plan_text(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, jobs: int) -
     for key, note in sorted(used.items()):
         entry = table.get(key)
         if note == "measured" and entry:
-            share = f", at {float(entry['core_share']):.0%} of a core" if entry.get("core_share") else ""  # type: ignore[arg-type]
-            lines.append(f"  {key}: {float(entry['step_seconds']):.2f} s/step, {float(entry['eval_seconds']):.0f} s/eval "  # type: ignore[arg-type]
-                         f"({entry.get('source')}{share})")
+            step_s, eval_s = float(entry["step_seconds"]), float(entry["eval_seconds"])  # type: ignore[arg-type]
+            core = entry.get("core_share")
+            share = f", at {float(core):.0%} of a core" if core else ""  # type: ignore[arg-type]
+            lines.append(f"  {key}: {step_s:.2f} s/step, {eval_s:.0f} s/eval ({entry.get('source')}{share})")
         else:
             lines.append(f"  {key}: {note}")
     lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
