@@ -138,6 +138,14 @@ ORACLE_SECONDS = "oracle/seconds"
 ORACLE_CHUNKS = "oracle/chunks"
 ORACLE_NOISE_VAR = "oracle/noise_var"
 ORACLE_VALUE_PROMPT = "oracle/value_prompt"
+ORACLE_GAE_MSE = "oracle/gae_mse"
+ORACLE_CLIPPED_TD_MSE = "oracle/clipped_td_mse"
+ORACLE_VTRACE_MSE = "oracle/vtrace_mse"
+ORACLE_LAG0_GAE_MSE = "oracle/lag0_gae_mse"
+ORACLE_GAE_EXCESS = "oracle/gae_excess_mse"
+ORACLE_CLIPPED_TD_GAIN = "oracle/clipped_td_minus_gae_mse"
+ORACLE_VTRACE_GAIN = "oracle/vtrace_minus_gae_mse"
+ORACLE_CRITIC_VALUE_CORR = "oracle/critic_value_corr"
 OFFPOLICY_SUM_ABS_LOG_W = "offpolicy/sum_abs_log_w"
 OFFPOLICY_SUM_ABS_LOG_W_P90 = "offpolicy/sum_abs_log_w_p90"
 OFFPOLICY_TRACE_CLIP_MEDIAN = "offpolicy/trace_clip_median"
@@ -316,6 +324,11 @@ METRICS: dict[str, str] = {
                       "(part of every estimator's oracle/*_mse)",
     ORACLE_VALUE_PROMPT: "mean oracle value of the prompt (the current policy's success rate on the scored "
                          "prompts)",
+    ORACLE_GAE_EXCESS: "GAE's chunk-advantage MSE against the oracle on the (stale) batch minus the same "
+                       "estimator's MSE on fresh episodes of the same prompts (lag 0): advantage staleness",
+    ORACLE_CLIPPED_TD_GAIN: "COPC's clipped-TD chunk-advantage MSE against the oracle minus GAE's, on the same "
+                            "trajectories (< 0: the advantage channel brings the estimate nearer the oracle)",
+    ORACLE_VTRACE_GAIN: "V-trace's chunk-advantage MSE against the oracle minus GAE's, on the same trajectories",
     OFFPOLICY_SUM_ABS_LOG_W: "median over trajectories of sum_t |log(cur/mu)| over the policy tokens (whole "
                              "batch, at diagnostic steps)",
     OFFPOLICY_SUM_ABS_LOG_W_P90: "90th percentile over trajectories of sum_t |log(cur/mu)|",

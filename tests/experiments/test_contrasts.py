@@ -340,3 +340,27 @@ def test_a_metric_no_record_holds_is_said_not_skipped():
                                                                                                        0.1]]}}
     text = report_text([record], ("eval_final", "mean:entropy"), None)
     assert "mean:entropy: no record holds it" in text and "0.500" in text
+
+
+def test_an_entry_may_name_its_own_metric(tmp_path):
+    """A contrast may be decided on another figure than the file's (a within-arm diagnostic such as the
+    oracle's error excess): its own ``metric:`` wins for that entry only, and the report names it."""
+    records = records_of(GRID)
+    for record in records:  # base's values 0.10, 0.11, 0.12: mean 0.11 +- 4.303 * 0.01 / sqrt(3), above 0
+        record["curve_means"] = {"oracle_gae_excess": 0.1 + 0.01 * record["seed"]
+                                 if record["levels"]["arm"] == "base" else 0.0}
+    spec = tmp_path / "c.yaml"
+    spec.write_text(yaml.safe_dump({"metric": "eval_final", "seeds": 3, "contrasts": [
+        {"name": "on the primary", "claim": "both - base > 0"},
+        {"name": "L1", "metric": "mean:oracle_gae_excess", "claim": "base > 0"}]}))
+    loaded = load_contrasts(spec)
+    assert [c.metric for c in loaded.entries] == ["eval_final", "mean:oracle_gae_excess"]
+    text = contrasts_text(loaded, records)
+    assert "L1 (on mean:oracle_gae_excess): held" in text
+    assert "  base > 0:  0.110 [0.085, 0.135] (n=3)  seeds 0-2" in text
+    assert "    by seed: 0 +0.100, 1 +0.110, 2 +0.120 (3 above 0, 0 below)" in text
+    assert "on the primary: held" in text
+    spec.write_text(yaml.safe_dump({"metric": "eval_final", "contrasts": [
+        {"name": "x", "metric": "mean:nope", "claim": "base > 0"}]}))
+    with pytest.raises(SpecError, match=r"contrasts\[0\] \(x\): metric 'mean:nope' unknown"):
+        load_contrasts(spec)

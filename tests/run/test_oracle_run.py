@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from copc.channels import AdvantageChannelConfig, compute_advantages, get_method
-from copc.run.oracle import offpolicy_stats
+from copc.experiments.results import build_record
+from copc.run.oracle import contrasts_of, offpolicy_stats
 from copc.run.train import train_cli
 
 TINY = [
@@ -43,6 +45,22 @@ def test_the_diagnostic_compares_each_estimator_with_the_oracle(tmp_path: Path) 
         for name in ("gae", "clipped_td", "vtrace", "lag0_gae"):
             assert f"oracle/{name}_mse" in r and r[f"oracle/{name}_mse"] >= 0
         assert r["offpolicy/trace_clip_median"] > 0
+        # the hypotheses' differences, at the same step and on the same trajectories
+        assert r["oracle/gae_excess_mse"] == r["oracle/gae_mse"] - r["oracle/lag0_gae_mse"]
+        assert r["oracle/clipped_td_minus_gae_mse"] == r["oracle/clipped_td_mse"] - r["oracle/gae_mse"]
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    record = build_record(run_dir, experiment="x", cell_id="c", levels={}, config=config)
+    means = record["curve_means"]
+    assert means["oracle_gae_excess"] == pytest.approx(sum(r["oracle/gae_excess_mse"] for r in rows) / 2)
+    assert set(record["curves"]) >= {"oracle_gae_mse", "oracle_lag0_gae_mse", "offpolicy_sum_abs_log_w"}
+
+
+def test_contrasts_of_a_diagnostic_step() -> None:
+    out = {"oracle/gae_mse": 0.25, "oracle/lag0_gae_mse": 0.125, "oracle/clipped_td_mse": 0.5,
+           "oracle/vtrace_mse": 0.0625}
+    assert contrasts_of(out) == {"oracle/gae_excess_mse": 0.125, "oracle/clipped_td_minus_gae_mse": 0.25,
+                                 "oracle/vtrace_minus_gae_mse": -0.1875}
+    assert contrasts_of({"oracle/gae_mse": 0.25}) == {}  # no lag-0 side measured: no difference
 
 
 def test_mc_oracle_estimator_passes_the_oracle_through_and_needs_it() -> None:

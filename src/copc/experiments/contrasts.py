@@ -33,6 +33,9 @@ The file::
     contrasts:
       - name: C2 the channels interact
         claim: (copc_behaviour - async_ppo_mask) - (async_ppo_advantage - async_ppo) != 0
+      - name: L1 a within-arm diagnostic  # an entry's own metric wins for that entry
+        metric: mean:oracle_gae_excess
+        claim: async_ppo > 0
       - name: C1 R1 beats every baseline
         all: [copc_behaviour - async_ppo > 0, copc_behaviour - areal > 0]
 """
@@ -51,8 +54,8 @@ from copc.experiments.stats import Interval, t_interval
 from copc.experiments.sweep_spec import SpecError, read_yaml_file
 from copc.experiments.tables import by_group, group_text, same_start, start_keys
 
-__all__ = ["Claim", "ContrastSet", "Verdict", "check_terms", "contrasts_text", "evaluate", "load_contrasts",
-           "parse_claim"]
+__all__ = ["Claim", "Contrast", "ContrastSet", "Verdict", "check_terms", "contrasts_text", "evaluate",
+           "load_contrasts", "parse_claim"]
 
 HELD, NOT_HELD, NOT_RESOLVED, NO_VERDICT = "held", "not held", "not resolved at this scale", "no verdict yet"
 _OPS = {ast.Gt: ">", ast.Lt: "<", ast.NotEq: "!="}
@@ -80,10 +83,20 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class Contrast:
+    """One named entry: its claims, whether they form an ``all:`` group, and the figure they are about."""
+
+    name: str
+    claims: tuple[Claim, ...]
+    is_all: bool
+    metric: str
+
+
+@dataclass(frozen=True)
 class ContrastSet:
     metric: str
     seeds: int
-    entries: tuple[tuple[str, tuple[Claim, ...], bool], ...]  # (name, claims, is an `all:` group)
+    entries: tuple[Contrast, ...]
 
 
 def _check_tree(node: ast.AST, text: str) -> None:
@@ -159,7 +172,7 @@ def check_terms(contrasts: ContrastSet, axes: Mapping[str, Mapping[str, object]]
     or that does not select exactly one of the sweep's ``groups`` (every grid point's levels): a term is
     resolved against the whole grid, so its meaning cannot change as cells are recorded."""
     groups = list(dict.fromkeys(groups))  # one per grid point (the cells repeat them per seed)
-    for name, claims, _ in contrasts.entries:
+    for name, claims in ((c.name, c.claims) for c in contrasts.entries):
         for claim in claims:
             for term in _terms(claim.expression):
                 pairs = [tuple(p.split("=", 1)) for p in term.split(",")] if "=" in term else None
@@ -259,21 +272,26 @@ def load_contrasts(path: str | Path) -> ContrastSet:
     seeds = data.get("seeds", 0)
     if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 0:
         raise SpecError(f"{where}: 'seeds' must be a whole number >= 0 (the pre-registered seed count)")
-    entries: list[tuple[str, tuple[Claim, ...], bool]] = []
+    entries: list[Contrast] = []
     for i, entry in enumerate(data["contrasts"]):
         ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and (
             isinstance(entry.get("claim"), str) != isinstance(entry.get("all"), list))
-        if not ok or set(entry) - {"name", "claim", "all"}:
+        if not ok or set(entry) - {"name", "claim", "all", "metric"}:
             raise SpecError(
-                f"{where}: contrasts[{i}]: expected 'name:' with either 'claim: TEXT' or 'all: [TEXT, ...]'")
+                f"{where}: contrasts[{i}]: expected 'name:' with either 'claim: TEXT' or 'all: [TEXT, ...]' "
+                "(and optionally 'metric: NAME')")
+        metric = entry.get("metric", data["metric"])
+        if not isinstance(metric, str) or not known_metric(metric):
+            raise SpecError(f"{where}: contrasts[{i}] ({entry['name']}): metric {metric!r} unknown; valid: "
+                            f"{metric_names()}")
         texts = [entry["claim"]] if "claim" in entry else entry["all"]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise SpecError(
                 f"{where}: contrasts[{i}] ({entry['name']}): 'all' needs one or more claims as text")
-        if any(name == entry["name"] for name, _, _ in entries):
+        if any(c.name == entry["name"] for c in entries):
             raise SpecError(f"{where}: contrasts[{i}]: the name {entry['name']!r} is given twice; name each "
                             "contrast once")
-        entries.append((entry["name"], tuple(parse_claim(t) for t in texts), "all" in entry))
+        entries.append(Contrast(entry["name"], tuple(parse_claim(t) for t in texts), "all" in entry, metric))
     if not entries:
         raise SpecError(f"{where}: 'contrasts:' is empty; list at least one pre-registered contrast")
     return ContrastSet(data["metric"], seeds, tuple(entries))
@@ -305,8 +323,10 @@ def contrasts_text(contrasts: ContrastSet, records: Sequence[Mapping[str, object
         lines += ["", f"| contrast: verdict | claim | paired mean [{pct} t interval] | n | seeds | claim's "
                       "verdict |",
                   "| --- | --- | --- | --- | --- | --- |"]
-    for name, claims, is_all in contrasts.entries:
-        results = [evaluate(c, records, contrasts.metric, seeds_needed=contrasts.seeds, confidence=confidence)
+    for entry in contrasts.entries:
+        claims, is_all = entry.claims, entry.is_all
+        name = entry.name if entry.metric == contrasts.metric else f"{entry.name} (on {entry.metric})"
+        results = [evaluate(c, records, entry.metric, seeds_needed=contrasts.seeds, confidence=confidence)
                    for c in claims]
         overall = _combine([r.verdict for r in results]) if is_all else results[0].verdict
         if markdown:

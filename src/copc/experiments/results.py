@@ -91,6 +91,20 @@ DIAGNOSTIC_CURVES: dict[str, str] = {
     "approx_kl": m.POLICY_APPROX_KL,
     "grad_actor_norm": m.GRAD_ACTOR_NORM,
     "response_tokens": m.ROLLOUT_RESPONSE_TOKENS,
+    # the Monte-Carlo oracle's diagnostic, at its steps only (oracle.every)
+    "oracle_gae_mse": m.ORACLE_GAE_MSE,
+    "oracle_lag0_gae_mse": m.ORACLE_LAG0_GAE_MSE,
+    "oracle_clipped_td_mse": m.ORACLE_CLIPPED_TD_MSE,
+    "oracle_vtrace_mse": m.ORACLE_VTRACE_MSE,
+    "oracle_gae_excess": m.ORACLE_GAE_EXCESS,
+    "oracle_clipped_td_minus_gae": m.ORACLE_CLIPPED_TD_GAIN,
+    "oracle_vtrace_minus_gae": m.ORACLE_VTRACE_GAIN,
+    "oracle_critic_value_corr": m.ORACLE_CRITIC_VALUE_CORR,
+    "oracle_noise_var": m.ORACLE_NOISE_VAR,
+    "offpolicy_sum_abs_log_w": m.OFFPOLICY_SUM_ABS_LOG_W,
+    "offpolicy_trace_clip_median": m.OFFPOLICY_TRACE_CLIP_MEDIAN,
+    "offpolicy_trace_vtrace_median": m.OFFPOLICY_TRACE_VTRACE_MEDIAN,
+    "offpolicy_adv_clip_frac": m.OFFPOLICY_ADV_CLIP_FRAC,
 }
 #: The per-run figures a report can tabulate (record["summary"] keys).
 SUMMARY_METRICS = (

@@ -159,7 +159,7 @@ class OracleScorer:
             f_cur, f_values = self._forwards(fresh_train)
             out |= self._compare(engine, fresh, fresh_train, f_cur, f_values, prefix="lag0_",
                                  salt=2 * step + 3)
-        return out
+        return out | contrasts_of(out)
 
     def _compare(self, engine: Engine, trajs: list[Trajectory], train: TrainBatch, cur: torch.Tensor,
                  values: torch.Tensor | None, *, prefix: str, salt: int) -> dict[str, float]:
@@ -205,6 +205,16 @@ class OracleScorer:
         out |= {f"oracle/{prefix}critic_value_mse": float(err.mse),
                 f"oracle/{prefix}critic_value_corr": float(err.corr)}
         return out
+
+
+def contrasts_of(out: dict[str, float]) -> dict[str, float]:
+    """The differences the long-horizon hypotheses are about, at one diagnostic step (where both sides were
+    measured): GAE's error on the stale batch beyond its error on fresh episodes, and the clipped-TD and
+    V-trace errors against GAE's on the same trajectories."""
+    pairs = {m.ORACLE_GAE_EXCESS: (m.ORACLE_GAE_MSE, m.ORACLE_LAG0_GAE_MSE),
+             m.ORACLE_CLIPPED_TD_GAIN: (m.ORACLE_CLIPPED_TD_MSE, m.ORACLE_GAE_MSE),
+             m.ORACLE_VTRACE_GAIN: (m.ORACLE_VTRACE_MSE, m.ORACLE_GAE_MSE)}
+    return {key: out[a] - out[b] for key, (a, b) in pairs.items() if a in out and b in out}
 
 
 def _pad_id(tokenizer: object) -> int:
