@@ -110,7 +110,23 @@ def plot_cli(argv: Sequence[str]) -> int:
         return 2
     for path in written:
         print(path)
+    _say_what_was_plotted(args.runs)
     return 0
+
+
+def _say_what_was_plotted(runs: Sequence[str]) -> None:
+    """To stderr, per run: each line of its metrics.jsonl that is not a whole record (being written, or
+    cut by a kill; not plotted), then which records were plotted and whether the run is training."""
+    from copc.run.readers import record_notes, run_state
+    from copc.tracking import read_metrics
+
+    for run in runs:
+        path = Path(run) / "metrics.jsonl"
+        for note in record_notes(path):
+            print(note, file=sys.stderr)
+        steps = [int(r["step"]) for r in read_metrics(path)]
+        span = f", steps {min(steps)}-{max(steps)}" if steps else ""
+        print(f"{run}: {len(steps)} records{span}; the run is {run_state(Path(run))}", file=sys.stderr)
 
 
 def find_benchmark(name: str) -> Path | None:

@@ -22,6 +22,7 @@ from copc.experiments.contrasts import ContrastSet, check_terms, contrasts_text
 from copc.experiments.sweep import Paths, report_records
 from copc.experiments.sweep_spec import Cell, SweepSpec, expand
 from copc.experiments.tables import collapse_text, record_evals, report_text
+from copc.run.readers import run_progress
 
 __all__ = ["DIAGNOSTIC_PANELS", "code_text", "print_report"]
 
@@ -62,6 +63,9 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
         print(code_text(records))
     for line in left_out:
         print(line)
+    for cell in cells:  # a cell being trained, or stopped before its end, has a run but no record yet
+        if not paths.record(spec.experiment, cell).is_file() and paths.run_dir(cell).is_dir():
+            print(f"not recorded yet: {cell.cell_id}: {run_progress(paths.run_dir(cell))}")
     print(report_text(records, spec.report, baseline or None, markdown=markdown))
     if not records:
         return

@@ -29,6 +29,7 @@ from copc.models.hf import load_policy
 from copc.rollout.samples import append_samples
 from copc.run.build import capped_context_limit, policy_path, quiet_transformers
 from copc.run.config import RunConfig, apply_run_overrides, default_config, validate_names
+from copc.run.readers import checkpoint_phrase, partial_checkpoint_notes, run_state
 from copc.tasks import get_task
 from copc.trainer.checkpoint import list_checkpoints, load_latest
 from copc.types import Trajectory
@@ -149,8 +150,9 @@ def eval_config(path: Path, task: str | None, overrides: Sequence[str]) -> RunCo
 
 def _load_model(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, int | None]:
     """The policy of an HF folder (step None), or a run's newest checkpoint that verifies on the run's
-    own base model, with its step. Which step is evaluated goes to stdout, each checkpoint passed over
-    (damaged: its sizes or sha256 do not match) to stderr with the reason, one line each."""
+    own base model, with its step. Which step is evaluated and why (copc.run.readers) goes to stdout, each
+    checkpoint passed over (damaged: its sizes or sha256 do not match; partial: being written or cut short
+    by a kill) to stderr with the reason, one line each."""
     if not is_run_dir(path):
         model, tokenizer = load_policy(path)
         return model, tokenizer, None
@@ -163,12 +165,13 @@ def _load_model(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, i
     latest = load_latest(path, on_skip=skipped.append)
     for reason in skipped:
         print(f"warning: skipped {reason}", file=sys.stderr, flush=True)
+    for note in partial_checkpoint_notes(path):
+        print(note, file=sys.stderr, flush=True)
     if latest is None:
         raise ValueError(f"every checkpoint under {path / 'checkpoints'} is damaged; nothing to evaluate")
     step, payload = latest
-    newest = max(list_checkpoints(path))
-    older = f" (an older checkpoint: step {newest} is damaged, above)" if step < newest else ""
-    print(f"evaluating {path}: the checkpoint of step {step}{older}", flush=True)
+    which = f"{checkpoint_phrase(path, step, skipped)}; the run is {run_state(path)}"
+    print(f"evaluating {path}: the checkpoint of step {step} ({which})", flush=True)
     model, tokenizer = load_policy(policy_path(load_yaml(RunConfig, path / "config.yaml"), path))
     model.load_state_dict(payload["trainer"]["policy"])  # type: ignore[index]
     return model, tokenizer, step

@@ -28,6 +28,7 @@ from copc.config import CommandParser, ConfigError, load_yaml
 from copc.models.hf import convert_gguf, load_policy, save_first_layers
 from copc.run.build import policy_path, quiet_transformers
 from copc.run.config import RunConfig
+from copc.run.readers import checkpoint_phrase, partial_checkpoint_notes, run_state
 from copc.trainer.checkpoint import (
     CheckpointError,
     checkpoint_root,
@@ -124,15 +125,23 @@ def export_cli(argv: Sequence[str]) -> int:
                         help="the checkpoint's step (default: the newest that verifies)")
     args = parser.parse_args(list(argv))
     quiet_transformers()
+    run_dir, skipped = Path(args.run_dir), []
+
+    def on_skip(reason: str) -> None:
+        skipped.append(reason)
+        print(f"warning: skipped {reason}", file=sys.stderr, flush=True)
+
     try:
-        out, step = export_run(Path(args.run_dir), Path(args.out), step=args.step,
-                               on_skip=lambda reason: print(f"warning: skipped {reason}", file=sys.stderr,
-                                                            flush=True))
+        out, step = export_run(run_dir, Path(args.out), step=args.step, on_skip=on_skip)
     # --step N damaged: no fallback asked for
     except (ConfigError, ValueError, OSError, CheckpointError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    print(f"exported the policy of {args.run_dir} at step {step} to {out} "
+    for note in partial_checkpoint_notes(run_dir):
+        print(note, file=sys.stderr, flush=True)
+    which = "" if args.step is not None else f" ({checkpoint_phrase(run_dir, step, skipped)}; the run is " \
+        f"{run_state(run_dir)})"
+    print(f"exported the policy of {args.run_dir} at step {step}{which} to {out} "
           f"(load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 
