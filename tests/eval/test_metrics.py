@@ -1,4 +1,4 @@
-"""Eval maths: unbiased pass@k against subset enumeration, avg@k, greedy accuracy, tables."""
+"""Eval maths: unbiased pass@k against subset enumeration, avg@k, greedy accuracy."""
 
 from __future__ import annotations
 
@@ -8,15 +8,7 @@ import random
 
 import pytest
 
-from copc.eval.metrics import (
-    avg_at_k,
-    format_table,
-    greedy_accuracy,
-    mean_pass_at_k,
-    pass_at_k,
-    summarize,
-    to_record,
-)
+from copc.eval.metrics import avg_at_k, greedy_accuracy, mean_pass_at_k, pass_at_k
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
@@ -73,25 +65,3 @@ def test_bad_inputs():
         avg_at_k([[True], []])
     with pytest.raises(ValueError):
         greedy_accuracy([])
-
-
-def test_summary_and_table():
-    a = summarize("arith", sampled=[[True, False], [False, False]], greedy=[True, False], ks=(1, 2, 4))
-    assert a.avg_at_k == 0.25 and a.greedy_accuracy == 0.5
-    assert set(a.pass_at_k) == {1, 2}  # k = 4 > 2 samples: not reported
-    assert a.pass_at_k[2] == 0.5
-    b = summarize("kv", greedy=[True, True, True, False])
-    record = to_record(a)
-    assert record["avg@2"] == 0.25 and record["pass@2"] == 0.5 and record["greedy"] == 0.5
-    table = format_table([a, b])
-    lines = table.splitlines()
-    assert lines[0].split() == ["benchmark", "problems", "avg@k", "pass@1", "pass@2", "greedy"]
-    assert lines[2].split() == ["arith", "2", "0.250", "0.250", "0.500", "0.500"]
-    assert lines[3].split() == ["kv", "4", "-", "-", "-", "0.750"]
-    assert lines[4].split() == ["mean", "6", "-", "-", "-", "0.625"]
-
-
-def test_summarize_refuses_unequal_sample_counts():
-    """avg@k is labelled with one k: problems with 3 and 1 samples would have been reported as avg@1."""
-    with pytest.raises(ValueError, match="problems have 1 to 3 samples"):
-        summarize("x", sampled=[[True, False, True], [False]])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -13,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from copc.rewards.math import (
-    SLEEP_HOOK_PREFIX,
     WALL_FACTOR,
     MathVerifier,
     RewardResult,
@@ -25,6 +26,14 @@ TIMEOUT_S = 2.0
 # Killing the worker and launching its replacement (not waiting for it) happen after the timeout; one
 # second covers scheduling noise on a loaded 2-vCPU machine.
 SLACK_S = 1.0
+
+
+def stall(verifier: MathVerifier) -> None:
+    """Stop ``verifier``'s worker (SIGSTOP) once it is ready: its next check waits and uses no CPU, as a
+    starved worker does, whatever sympy's speed. The timeout kills it and a fresh worker takes over."""
+    verifier.start()
+    assert verifier._proc is not None
+    os.kill(verifier._proc.pid, signal.SIGSTOP)
 
 
 @pytest.mark.parametrize(
@@ -162,7 +171,7 @@ def test_a_huge_exponent_is_graded_at_once() -> None:
 @pytest.fixture(scope="module")
 def verifier() -> Iterator[MathVerifier]:
     """Short timeout: for the timeout tests."""
-    with MathVerifier(timeout_s=TIMEOUT_S, allow_test_hooks=True) as v:
+    with MathVerifier(timeout_s=TIMEOUT_S) as v:
         v.start()  # the timed calls below measure checking, not the worker's start-up
         yield v
 
@@ -234,20 +243,15 @@ def test_script_without_main_guard_can_use_the_verifier(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout == "correct\n", done.stderr[-2000:]
 
 
-def test_sleep_hook_times_out_deterministically(verifier: MathVerifier) -> None:
+def test_a_stalled_worker_times_out_deterministically(verifier: MathVerifier) -> None:
     before = verifier.num_timeouts
+    stall(verifier)
     start = time.monotonic()
-    result = verifier.score(r"\boxed{1}", f"{SLEEP_HOOK_PREFIX}30")
+    result = verifier.score(r"\boxed{1}", "1")
     # a check that uses no CPU (a stalled worker) is the grader's timeout, after WALL_FACTOR * timeout_s
     assert result.reason == "timeout" and time.monotonic() - start < WALL_FACTOR * TIMEOUT_S + SLACK_S
     assert verifier.num_timeouts == before + 1
     assert verifier.score(r"\boxed{3}", "3").reward == 1.0
-
-
-def test_sleep_hook_is_ignored_unless_allowed() -> None:
-    """Without allow_test_hooks the prefix is just a (wrong) gold answer: no sleep."""
-    with MathVerifier(timeout_s=TIMEOUT_S) as plain:
-        assert plain.score(r"\boxed{1}", f"{SLEEP_HOOK_PREFIX}30").reason == "wrong"
 
 
 def test_concurrent_callers_get_their_own_answers(patient_verifier: MathVerifier) -> None:
@@ -278,7 +282,7 @@ def test_bad_timeout_says_how_to_fix() -> None:
 
 
 def test_a_grader_timeout_is_a_failed_grade_the_episode_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """math-verify that times out for want of CPU (here: a worker that sleeps) gives reward 0 like a wrong
+    """math-verify that times out for want of CPU (here: a stopped worker) gives reward 0 like a wrong
     answer; the grader says it failed and the episode's info counts it (``grade_failures``), so training
     and evaluation can report it. An answer that uses the whole CPU budget is the answer's cost: graded 0,
     not a failure."""
@@ -290,13 +294,15 @@ def test_a_grader_timeout_is_a_failed_grade_the_episode_counts(monkeypatch: pyte
         def call(self, code: str) -> tuple[str, bool]:
             raise AssertionError("no tool call in this episode")
 
-    stalled = MathVerifier(timeout_s=TIMEOUT_S, allow_test_hooks=True)
+    stalled = MathVerifier(timeout_s=TIMEOUT_S)
     monkeypatch.setitem(graders._VERIFIERS, TIMEOUT_S, stalled)
     try:
-        grader = MathVerifyGrader(f"{SLEEP_HOOK_PREFIX}30", timeout_s=TIMEOUT_S)
+        grader = MathVerifyGrader("10", timeout_s=TIMEOUT_S)
+        stall(stalled)
         assert grader.grade(r"\boxed{10}") == Grade(0.0, failed=True)
         env = ToolEnv("q", syntax=PYTHON_FENCES, tool=NoTool(), grader=grader,  # type: ignore[arg-type]
                       max_tool_calls=1)
+        stall(stalled)
         step = env.step(r"so \boxed{10}")
         assert step.done and step.reward == 0.0
         assert step.info["grade_failures"] == 1.0 and step.info["correct"] == 0.0

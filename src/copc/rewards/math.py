@@ -2,7 +2,7 @@
 
 Reward = 1.0 when the last final answer in the response is mathematically equal to the gold answer
 (``math_verify.verify``, which compares with sympy: ``\\frac{1}{2} == 0.5``, ``(x+1)^2 == x^2+2x+1``),
-else 0.0. No format bonus (spec ``tasks.md``: binary correctness).
+else 0.0. No format bonus: the reward is binary correctness.
 
 sympy can hang on degenerate answers (``9^{9^{9^{9}}}`` never finishes). math-verify's own timeout uses
 ``signal.alarm``, which breaks under threads, asyncio and Ray (CONTRIBUTING.md#waiting), so it is switched
@@ -41,9 +41,6 @@ RewardReason = Literal["correct", "wrong", "no_answer", "too_costly", "timeout",
 WALL_FACTOR = 3.0
 
 _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
-# Test hook: a gold answer equal to this makes the worker sleep (only when the verifier allows it),
-# so the timeout path can be tested without relying on sympy's speed.
-SLEEP_HOOK_PREFIX = "__copc_test_sleep__:"
 
 
 @dataclass(frozen=True)
@@ -193,7 +190,7 @@ def _as_boxed(answer: str) -> str:
     return answer if "\\boxed" in answer or "$" in answer.replace("\\$", "") else f"\\boxed{{{answer}}}"
 
 
-def _worker_main(fd: int, allow_test_hooks: bool) -> None:
+def _worker_main(fd: int) -> None:
     """Worker loop on socket ``fd``: receive (pred, gold), reply ("ok", bool) or ("error", message).
 
     Runs until the caller closes its end (EOF), so a worker never outlives its :class:`MathVerifier`.
@@ -211,10 +208,6 @@ def _worker_main(fd: int, allow_test_hooks: bool) -> None:
         except EOFError:
             return
         try:
-            if allow_test_hooks and gold.startswith(SLEEP_HOOK_PREFIX):
-                time.sleep(float(gold[len(SLEEP_HOOK_PREFIX) :]))
-                conn.send(("ok", False))
-                continue
             gold_parsed = parse(_as_boxed(gold), parsing_timeout=None)  # type: ignore[arg-type]
             pred_parsed = parse(_as_boxed(pred), parsing_timeout=None)  # type: ignore[arg-type]
             conn.send(("ok", bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))))
@@ -232,15 +225,13 @@ class MathVerifier:
     Picklable (only the settings travel; each copy starts its own worker).
     """
 
-    def __init__(self, timeout_s: float = 5.0, *, start_timeout_s: float = 120.0,
-                 allow_test_hooks: bool = False):
+    def __init__(self, timeout_s: float = 5.0, *, start_timeout_s: float = 120.0):
         if not 0 < timeout_s <= 600:
             raise ValueError(f"MathVerifier: timeout_s={timeout_s} must be in (0, 600] seconds")
         if start_timeout_s <= 0:
             raise ValueError(f"MathVerifier: start_timeout_s={start_timeout_s} must be > 0 seconds")
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        self.allow_test_hooks = allow_test_hooks
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -248,16 +239,12 @@ class MathVerifier:
         #: How many workers were killed after a timeout (for metrics).
         self.num_timeouts = 0
 
-    def __getstate__(self) -> dict[str, float | bool]:
-        return {"timeout_s": self.timeout_s, "start_timeout_s": self.start_timeout_s,
-                "allow_test_hooks": self.allow_test_hooks}
+    def __getstate__(self) -> dict[str, float]:
+        return {"timeout_s": self.timeout_s, "start_timeout_s": self.start_timeout_s}
 
-    def __setstate__(self, state: dict[str, float | bool]) -> None:
+    def __setstate__(self, state: dict[str, float]) -> None:
         self.__init__(  # type: ignore[misc]
-            float(state["timeout_s"]),
-            start_timeout_s=float(state["start_timeout_s"]),
-            allow_test_hooks=bool(state["allow_test_hooks"]),
-        )
+            float(state["timeout_s"]), start_timeout_s=float(state["start_timeout_s"]))
 
     def score(self, response_text: str, gold: str) -> RewardResult:
         """Reward 1.0 when the final answer of ``response_text`` equals ``gold``, else 0.0 (with why)."""
@@ -332,10 +319,8 @@ class MathVerifier:
         command = [
             sys.executable,
             "-c",
-            "import sys; from copc.rewards.math import _worker_main; "
-            "_worker_main(int(sys.argv[1]), sys.argv[2] == '1')",
+            "import sys; from copc.rewards.math import _worker_main; _worker_main(int(sys.argv[1]))",
             str(child_sock.fileno()),
-            "1" if self.allow_test_hooks else "0",
         ]
         try:
             self._proc = subprocess.Popen(

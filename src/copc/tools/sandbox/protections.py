@@ -171,12 +171,6 @@ def _measured(config: SandboxConfig) -> tuple[dict[str, bool], dict[str, str]]:
         return _CACHE[config]
 
 
-def forget_measurements() -> None:
-    """Drop the cached probe results (the next check probes again)."""
-    with _LOCK:
-        _CACHE.clear()
-
-
 def require_protections(config: SandboxConfig) -> dict[str, bool]:
     """The active protections; raises :class:`SandboxUnavailable` (one line) when a required one is
     missing."""
