@@ -2,8 +2,8 @@
 
 Each function walks the row's action tokens explicitly (indices ``idx``), bridges tool-output spans by
 taking "the next state" to be the next *action* token, and reads the formulas of docs/formulas.md#ppo,
-#v-trace, #r0, #variants and 10.2 literally (V-trace and BRACE as direct double sums, not recursions). Outputs
-are lists of length T with 0.0 at non-action positions.
+#v-trace, #r0, #variants and #brace literally (V-trace and BRACE as direct double sums, not recursions).
+Outputs are lists of length T with 0.0 at non-action positions.
 """
 
 from __future__ import annotations

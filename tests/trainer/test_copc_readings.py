@@ -1,9 +1,10 @@
-"""COPC's two readings (docs/formulas.md#r0 R0, 9.7 R1) and the one-channel arms of the 2 x 2 (issue 32).
+"""COPC's two readings (R0: docs/formulas.md#r0, R1: docs/formulas.md#r1) and the one-channel arms of the
+2 x 2 (issue 32).
 
 - golden values of R1's policy loss and of the advantage channel, worked by hand;
-- the degenerate checks of 9.7 through the whole trainer step: an infinite band and a zero advantage clip
-  give async PPO 3a bit for bit (parameters, losses); each one-channel arm equals 3a in the channel it
-  does not touch;
+- the degenerate checks of docs/formulas.md#r1 through the whole trainer step: an infinite band and a
+  zero advantage clip give async PPO 3a bit for bit (parameters, losses); each one-channel arm equals 3a
+  in the channel it does not touch;
 - R1 with one actor minibatch and ``old_forward_reuse`` runs no actor forward beyond 3a's.
 """
 

@@ -1,6 +1,6 @@
 """Named method presets: each is a policy channel + an advantage channel + an optional critic.
 
-Presets are plain frozen configs (docs/formulas.md, table 9.6; docs/algorithms.md has
+Presets are plain frozen configs (docs/formulas.md#hyper-parameters; docs/algorithms.md has
 the formulas as implemented). Get one by name and override any field with ``dataclasses.replace``::
 
     from dataclasses import replace
@@ -89,8 +89,9 @@ def method_names() -> tuple[str, ...]:
     return METHODS.names()
 
 
-# Shared pieces. PPO clip 0.2 / 0.28 (DAPO, BRACE, 9.6) unless the source says otherwise; gamma =
-# lambda = 1 (verl, AReaL, BRACE); value clip 0.5 (verl, BRACE); critic warm-up 5 steps (BRACE).
+# Shared pieces. PPO clip 0.2 / 0.28 (DAPO, BRACE, docs/formulas.md#hyper-parameters) unless the source
+# says otherwise; gamma = lambda = 1 (verl, AReaL, BRACE); value clip 0.5 (verl, BRACE); critic warm-up
+# 5 steps (BRACE).
 _GAE = AdvantageChannelConfig(estimator="gae", gamma=1.0, lam_critic=1.0, lam_actor=1.0)
 _GROUP = AdvantageChannelConfig(estimator="group", group_mode="grpo", whiten=False)
 _CRITIC = CriticConfig(loss="mse", clip_eps=0.5, updates_per_step=1, warmup_steps=5)
@@ -239,13 +240,15 @@ def _brace() -> MethodConfig:
     )
 
 
-# COPC, two readings of "token-level ratio masking" (docs/formulas.md#r0 vs 9.7). Both keep the same advantage
-# channel (two-sided clipped-ratio weighted TD residuals, clip(old/mu, 0.8, 1.2), k_A = inf) and critic.
+# COPC, two readings of "token-level ratio masking" (docs/formulas.md#r0 vs docs/formulas.md#r1). Both keep
+# the same advantage channel (two-sided clipped-ratio weighted TD residuals, clip(old/mu, 0.8, 1.2),
+# k_A = inf) and critic.
 _COPC_ADVANTAGE = AdvantageChannelConfig(
     estimator="clipped_td", ratio_low=0.8, ratio_high=1.2, trace="none", advantage_window=None, whiten=True
 )
-#: R1's band on r = cur/mu (1 - eps_P^-, 1 + eps_P^+): the 9.6 starting point, fixed before any run of R1.
-#: The development runs of issue 32 (docs/results.md, "Pre-registration") decide whether it changes.
+#: R1's band on r = cur/mu (1 - eps_P^-, 1 + eps_P^+): the starting point of
+#: docs/formulas.md#hyper-parameters, fixed before any run of R1. Development runs decide whether it changes
+#: (docs/results.md#issue-32-which-copc-pre-registration).
 _R1_BAND = (0.5, 2.0)
 #: R1's policy channel: async PPO 3a's actor with the band on r = cur/mu (copc_behaviour, async_ppo_mask).
 _R1_POLICY = replace(_ppo_policy("bypass_ppo"), mask_low=_R1_BAND[0], mask_high=_R1_BAND[1])

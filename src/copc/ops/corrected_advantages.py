@@ -74,7 +74,7 @@ def clipped_td(
     weight_own_residual: bool = False,
     bootstrap_value: torch.Tensor | None = None,
 ) -> ClippedTDOutput:
-    """COPC's two-sided clipped-ratio weighted TD sums (docs/formulas.md#r0, variants 9.4). [RECONSTRUCTED]
+    """COPC's two-sided clipped-ratio weighted TD sums (docs/formulas.md#r0, #variants). [RECONSTRUCTED]
 
     ::
 

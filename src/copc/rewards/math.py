@@ -186,7 +186,7 @@ def numeric_equal(pred: str | None, gold: str) -> bool:
 def _as_boxed(answer: str) -> str:
     """``answer`` as math-verify parses it: inside ``\\boxed{}`` unless it is boxed or a ``$...$`` span
     already. An escaped ``\\$`` (MATH's money answers, ``\\$18.90``) is text, not math mode: such an
-    answer is boxed too (left bare, math-verify parsed nothing and every answer was wrong)."""
+    answer is boxed too (left bare, math-verify would parse nothing and mark every answer wrong)."""
     return answer if "\\boxed" in answer or "$" in answer.replace("\\$", "") else f"\\boxed{{{answer}}}"
 
 
