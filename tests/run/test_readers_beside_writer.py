@@ -128,8 +128,13 @@ def test_an_older_checkpoint_named_by_latest_is_not_called_damaged(
     complete newer checkpoint that ``latest`` does not name: the reader reads what a resume would (the
     one ``latest`` names) and does not call the newer one damaged."""
     run = tmp_path / "run"
-    assert cli.main(["train", "--no-progress", f"run_dir={run}", *TINY[:3], "steps=2",
-                     *TINY[4:]]) == 0
+    assert cli.main(["train", "--no-progress", f"run_dir={run}", *TINY[:3], "steps=1", *TINY[4:]]) == 0
+    first = (run / "summary.json").stat().st_ino
+    # extended by a step: summary.json is replaced whole (a new file renamed over it), never rewritten in
+    # place, where a reader would find it empty or cut short
+    assert cli.main(["train", "--no-progress", f"run_dir={run}", "resume=true", "steps=2"]) == 0
+    assert (run / "summary.json").stat().st_ino != first
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
     assert list_checkpoints(run) == [1, 2]
     (run / "checkpoints" / "latest").write_text("step_00000001\n")
     capsys.readouterr()

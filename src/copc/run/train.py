@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import signal
 import sys
 import time
@@ -310,7 +311,10 @@ def _finish(run: _Run, start: _Start, loop: LoopResult, before: dict[str, float]
     summary["eval_seconds_this_process"] = saved.eval_s
     summary["checkpoint_seconds_this_process"] = saved.checkpoint_s
     summary.update(run.source.counters())  # restored_batches, worker_restarts, journal_damaged
-    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    # replaced whole: a reader beside the run (copc sweep, a script) never finds it empty or cut short
+    tmp = run.run_dir / f".summary.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, run.run_dir / "summary.json")
     try:
         if run.cfg.plots:
             plot_run(run.run_dir)
