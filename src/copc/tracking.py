@@ -326,9 +326,11 @@ METRICS: dict[str, str] = {
                          "prompts)",
     ORACLE_GAE_EXCESS: "GAE's chunk-advantage MSE against the oracle on the (stale) batch minus the same "
                        "estimator's MSE on fresh episodes of the same prompts (lag 0): advantage staleness",
-    ORACLE_CLIPPED_TD_GAIN: "COPC's clipped-TD chunk-advantage MSE against the oracle minus GAE's, on the same "
-                            "trajectories (< 0: the advantage channel brings the estimate nearer the oracle)",
-    ORACLE_VTRACE_GAIN: "V-trace's chunk-advantage MSE against the oracle minus GAE's, on the same trajectories",
+    ORACLE_CLIPPED_TD_GAIN: "COPC's clipped-TD chunk-advantage MSE against the oracle minus GAE's, on the "
+                            "same trajectories (< 0: the advantage channel brings the estimate nearer the "
+                            "oracle)",
+    ORACLE_VTRACE_GAIN: "V-trace's chunk-advantage MSE against the oracle minus GAE's, on the same "
+                        "trajectories",
     OFFPOLICY_SUM_ABS_LOG_W: "median over trajectories of sum_t |log(cur/mu)| over the policy tokens (whole "
                              "batch, at diagnostic steps)",
     OFFPOLICY_SUM_ABS_LOG_W_P90: "90th percentile over trajectories of sum_t |log(cur/mu)|",
