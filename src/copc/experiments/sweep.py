@@ -483,7 +483,8 @@ def plan_text(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, jobs: int) -
     for key, note in sorted(used.items()):
         entry = table.get(key)
         if note == "measured" and entry:
-            step_s, eval_s = float(entry["step_seconds"]), float(entry["eval_seconds"])  # type: ignore[arg-type]
+            step_s = float(entry["step_seconds"])  # type: ignore[arg-type]
+            eval_s = float(entry["eval_seconds"])  # type: ignore[arg-type]
             core = entry.get("core_share")
             share = f", at {float(core):.0%} of a core" if core else ""  # type: ignore[arg-type]
             lines.append(f"  {key}: {step_s:.2f} s/step, {eval_s:.0f} s/eval ({entry.get('source')}{share})")

@@ -63,7 +63,8 @@ def collapse_text(records: Sequence[Mapping[str, object]], metric: str = "greedy
     groups: dict[tuple[tuple[str, str], ...], list[tuple[int, int | None]]] = {}
     for record in records:
         step = collapse_step(record, metric, margin=margin, patience=patience)
-        groups.setdefault(group_key(record), []).append((int(record["seed"]), step))  # type: ignore[call-overload]
+        seed = int(record["seed"])  # type: ignore[call-overload]
+        groups.setdefault(group_key(record), []).append((seed, step))
     lines = [f"collapses ({patience} consecutive evaluations more than {margin:g} below the run's best "
              f"{metric}):"]
     width = max((len(group_text(k)) for k in groups), default=0)
@@ -100,7 +101,8 @@ def by_group(records: Sequence[Mapping[str, object]],
     for record in records:
         value = _metric(record, metric)
         if value is not None:
-            groups.setdefault(group_key(record), {})[int(record["seed"])] = value  # type: ignore[call-overload]
+            seed = int(record["seed"])  # type: ignore[call-overload]
+            groups.setdefault(group_key(record), {})[seed] = value
     return groups
 
 

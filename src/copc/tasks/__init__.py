@@ -10,7 +10,8 @@ Dataset-backed (JSONL / Parquet / HF datasets): ``math_tool`` (fenced Python blo
     env = task.make_env(prompts[0])
 """
 
-from copc.tasks import arith_tool, kv_chain, kv_search, math_tool, search_qa  # noqa: F401  (registers the tasks)
+# Importing the task modules registers the tasks.
+from copc.tasks import arith_tool, kv_chain, kv_search, math_tool, search_qa  # noqa: F401
 from copc.tasks.base import Demo, Segment, SupportsSFT, Task, get_task, task_config_class, task_names
 
 __all__ = ["Demo", "Segment", "SupportsSFT", "Task", "get_task", "task_config_class", "task_names"]

@@ -90,7 +90,8 @@ class Forwards:
     def values(self, critic: nn.Module, batch: TrainBatch, index: torch.Tensor) -> torch.Tensor:
         """``[b, t] float32`` values ``V(s_t)`` of the rows ``index``."""
         length = trim_length(index, batch.attention_mask)
-        return critic(batch.input_ids[index, :length], batch.attention_mask[index, :length])  # type: ignore[no-any-return]
+        values = critic(batch.input_ids[index, :length], batch.attention_mask[index, :length])
+        return values  # type: ignore[no-any-return]
 
     def logp_of(self, model: nn.Module) -> RowsFn:
         """:meth:`logp` of ``model`` as a :data:`RowsFn`."""
