@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Interval", "f_survival", "student_t_quantile", "t_interval"]
+__all__ = ["Interval", "f_survival", "ratio_interval", "student_t_quantile", "t_interval"]
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -115,3 +115,18 @@ def t_interval(values: Iterable[float], confidence: float = 0.95) -> Interval:
     half = student_t_quantile(0.5 + confidence / 2.0,
                               data.size - 1) * float(data.std(ddof=1)) / math.sqrt(data.size)
     return Interval(mean, mean - half, mean + half, int(data.size))
+
+
+def ratio_interval(numerators: Iterable[float], denominators: Iterable[float],
+                   confidence: float = 0.95) -> Interval:
+    """Geometric mean of the paired ratios ``num_i / den_i`` with the t interval of their logs, mapped back
+    (a ratio of timings is multiplicative: a round twice as slow for both sides leaves it unchanged)."""
+    num, den = np.asarray(list(numerators), dtype=float), np.asarray(list(denominators), dtype=float)
+    if num.shape != den.shape or num.size == 0:
+        raise ValueError(f"ratio_interval needs paired values, got {num.size} and {den.size}")
+    if (num <= 0).any() or (den <= 0).any():
+        raise ValueError("ratio_interval needs positive values (timings)")
+    logs = t_interval(np.log(num / den), confidence)
+    low = None if logs.low is None else math.exp(logs.low)
+    high = None if logs.high is None else math.exp(logs.high)
+    return Interval(math.exp(logs.mean), low, high, logs.n)
