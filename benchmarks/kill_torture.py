@@ -23,6 +23,9 @@ read with ``py-spy dump`` (when installed); a frame of a checkpoint write, journ
 evaluation or summary anywhere in the stack names the phase, else the innermost copc frame does
 (start-up, rollout, train step, metrics write, waiting for a batch). Without py-spy it is ``unknown``.
 
+``--policy warmstart`` trains arith_tool's warm-started tiny policy, which calls its Python tool, so that
+the sandbox's fork server runs and ``--targets sandbox`` finds it (the random tiny model never calls it).
+
 Checks after each run ends:
 
 - ``sync`` (one deterministic process): final weights and optimizer state (the last checkpoint's
@@ -65,24 +68,35 @@ from kill_checks import check_async, check_sync, journal_snapshot, phase_of, spy
 COPC = [sys.executable, "-m", "copc.cli"]
 MAX_ATTEMPTS = 12
 CHECKPOINT_EVERY = {"sync": 2, "async": 1}
+#: How often each kind of process is the one an async kill goes to, among those --targets names.
+TARGET_WEIGHTS = {"trainer": 6, "worker": 2, "forkserver": 1, "sandbox": 1}
 #: PYTHONPATH of the copy of src/copc every process runs (a checkout edited during the torture would
 #: otherwise change the code between the reference and the runs).
 SNAPSHOT: dict[str, str] = {}
 
 
-def config_yaml(driver: str, steps: int) -> str:
+def config_yaml(driver: str, steps: int, policy: str = "tiny") -> str:
+    """The torture's config. ``policy: warmstart``: arith_tool's cached warm-started tiny policy (default
+    task options, so the cache built once serves), long enough turns to write and run Python: the tool
+    sandbox's fork server starts and can be killed (the random tiny model never calls its tool)."""
     every = CHECKPOINT_EVERY[driver]
     mode = "bounded" if driver == "async" else "fixed_lag"
+    if policy == "warmstart":
+        model = """model: {policy: warmstart}
+rollout: {prompts_per_batch: 2, group_size: 2, max_turns: 2, max_new_tokens_per_turn: 40,
+  max_total_tokens: 120}"""
+    else:
+        model = """task_options: {train_size: 200, eval_size: 8}
+model: {policy: tiny}
+rollout: {prompts_per_batch: 2, group_size: 2, max_turns: 2, max_new_tokens_per_turn: 8,
+  max_total_tokens: 12, context_limit: 96}"""
     return f"""task: arith_tool
-task_options: {{train_size: 200, eval_size: 8}}
 method: copc
 steps: {steps}
 seed: 5
 checkpoint_every: {every}
 plots: true
-model: {{policy: tiny}}
-rollout: {{prompts_per_batch: 2, group_size: 2, max_turns: 2, max_new_tokens_per_turn: 8,
-  max_total_tokens: 12, context_limit: 96}}
+{model}
 trainer: {{actor_lr: 0.001, critic_lr: 0.001, micro_batch_size: 4, critic_warmup_steps: 2}}
 staleness: {{mode: {mode}, staleness: 1}}
 driver: {{kind: {driver}, num_workers: 1}}
@@ -320,7 +334,7 @@ def one_run(index: int, args: argparse.Namespace, cfg: Path, work: Path, timing:
         if planned > 0 and record["kills"] < kills_left:
             when = schedule(args.schedule, rng, timing, run_dir, args.steps, args.driver)
             if args.driver == "async" and args.schedule != "writes":
-                target = rng.choices(("trainer", "worker", "forkserver", "sandbox"), (6, 2, 1, 1))[0]
+                target = rng.choices(args.targets, [TARGET_WEIGHTS[t] for t in args.targets])[0]
         code, kill, err = run_process(start, work / f"{run_dir.name}.{attempt}.log", when, target, rng)
         record["resumes"] += attempt > 0
         if kill is not None and "target" in kill:
@@ -394,7 +408,16 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     parser.add_argument("--resume", action="store_true",
                         help="continue the torture recorded in --out (its finished runs count)")
+    parser.add_argument("--policy", choices=("tiny", "warmstart"), default="tiny",
+                        help="warmstart: a policy that calls its tool, so the sandbox runs (config_yaml)")
+    parser.add_argument("--targets", default=",".join(TARGET_WEIGHTS),
+                        help="async: the kinds of process a kill goes to (trainer,worker,forkserver,sandbox)")
     args = parser.parse_args()
+    args.targets = [t for t in args.targets.split(",") if t]
+    if not args.targets or set(args.targets) - set(TARGET_WEIGHTS):
+        print(f"error: --targets {','.join(args.targets)}: name some of {','.join(TARGET_WEIGHTS)}",
+              file=sys.stderr)
+        return 2
     if args.resume and (args.out is None or args.work is None):
         print("error: --resume needs the --out and --work of the torture to continue", file=sys.stderr)
         return 2
@@ -402,6 +425,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else None
     settings = {"driver": args.driver, "steps": args.steps, "seed": args.seed, "schedule": args.schedule}
+    if args.policy != "tiny" or args.targets != list(TARGET_WEIGHTS):
+        settings.update(policy=args.policy, kill_targets=",".join(args.targets))
     runs, timing = resume_state(out, settings) if args.resume and out is not None else ([], None)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -409,7 +434,7 @@ def main() -> int:
             for name in ("kills.jsonl", "runs.jsonl"):
                 (out / name).write_text("")
     cfg = work / "config.yaml"
-    cfg.write_text(config_yaml(args.driver, args.steps))
+    cfg.write_text(config_yaml(args.driver, args.steps, args.policy))
     if timing is None or not (work / "reference" / "summary.json").is_file():
         source = Path(__file__).resolve().parents[1] / "src" / "copc"
         shutil.rmtree(work / "src", ignore_errors=True)
@@ -426,9 +451,9 @@ def main() -> int:
           f"{len(runs)} runs recorded before", flush=True)
     tokenizer = None
     if args.driver == "async":
-        from transformers import AutoTokenizer
+        from copc.models import build_tiny_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(work / "reference" / "tiny_init"))
+        tokenizer = build_tiny_tokenizer()  # the tokenizer of the tiny model and of its warm start
     while sum(r["kills"] for r in runs) < args.kills:
         kills_left = args.kills - sum(r["kills"] for r in runs)
         record = one_run(len(runs), args, cfg, work, timing, kills_left, out, tokenizer)
