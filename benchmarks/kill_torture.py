@@ -146,8 +146,10 @@ def victims(trainer: int, target: str) -> list[int]:
         return servers
     if target == "worker":
         return [w for s in servers for w in _children(s)]
-    # the tool sandbox's warm fork server runs under bwrap: the python process below a bwrap
-    return [p for p in _tree(trainer) if "python" in _cmdline(p) and "bwrap" in _cmdline(_parent(p))]
+    # the tool sandbox's warm fork server runs under bwrap: the python process whose parent is a bwrap (its
+    # own command line holds the word too, so its children, the code runs, are told apart by the program)
+    return [p for p in _tree(trainer) if "python" in _cmdline(p)
+            and _cmdline(_parent(p)).split(" ", 1)[0].endswith("/bwrap")]
 
 
 def _parent(pid: int) -> int:
@@ -182,6 +184,10 @@ def run_process(args: list[str], log: Path, when: Callable[[float], bool] | None
         if when is not None:
             while proc.poll() is None and not when(time.monotonic() - start):
                 time.sleep(0.005)
+            # a worker, fork server or sandbox not running at that moment (a worker restarting, the sandbox
+            # before the first tool call): the kill goes to the next one that starts
+            while proc.poll() is None and target != "trainer" and not victims(proc.pid, target):
+                time.sleep(0.05)
             if proc.poll() is None:
                 kill = _deliver(proc.pid, target, time.monotonic() - start, rng)
         code = proc.wait(timeout=600)
