@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import yaml
 
 from copc.channels import AdvantageChannelConfig, compute_advantages, get_method
 from copc.experiments.results import build_record
-from copc.run.oracle import contrasts_of, offpolicy_stats
+from copc.run.oracle import compared_estimators, contrasts_of, offpolicy_stats
 from copc.run.train import train_cli
 
 TINY = [
@@ -87,3 +88,15 @@ def test_offpolicy_stats_golden() -> None:
     assert out["offpolicy/trace_clip_median"] == pytest.approx(0.96, abs=1e-5)
     assert out["offpolicy/trace_vtrace_median"] == pytest.approx(0.5, abs=1e-6)
     assert out["offpolicy/adv_clip_frac"] == pytest.approx(2 / 3)
+
+
+def test_the_diagnostic_scores_each_estimator_at_the_runs_lambda() -> None:
+    """A run at lambda 0.95 is scored on GAE at 0.95 (not the preset's 1.0); each estimator keeps its own
+    preset's other settings (R1's ratio band, V-trace's traces)."""
+    run = replace(get_method("async_ppo").advantage, lam_actor=0.95, lam_critic=0.9, gamma=0.99)
+    got = compared_estimators(run)
+    assert set(got) == {"gae", "clipped_td", "vtrace"}
+    for name, preset in (("gae", "async_ppo"), ("clipped_td", "copc_behaviour"), ("vtrace", "vtrace")):
+        want = replace(get_method(preset).advantage, whiten=False, lam_actor=0.95, lam_critic=0.9, gamma=0.99)
+        assert got[name] == want
+    assert got["clipped_td"].estimator == get_method("copc_behaviour").advantage.estimator != "gae"

@@ -70,8 +70,13 @@ class OracleConfig:
 COMPARED: dict[str, str] = {"gae": "async_ppo", "clipped_td": "copc_behaviour", "vtrace": "vtrace"}
 
 
-def _raw(cfg: AdvantageChannelConfig) -> AdvantageChannelConfig:
-    return replace(cfg, whiten=False)
+def compared_estimators(run: AdvantageChannelConfig) -> dict[str, AdvantageChannelConfig]:
+    """Each compared estimator as its preset computes it, raw (not whitened), at the run's discount and
+    lambdas: the diagnostic then scores the estimator the run trains with (GAE at lambda 0.95 in a run at
+    0.95), not the preset's default horizon."""
+    return {name: replace(get_method(preset).advantage, whiten=False, gamma=run.gamma,
+                          lam_actor=run.lam_actor, lam_critic=run.lam_critic)
+            for name, preset in COMPARED.items()}
 
 
 class OracleScorer:
@@ -85,7 +90,7 @@ class OracleScorer:
         self.chat, self.seed = chat, seed
         self.tokenizer = tokenizer
         self.for_estimator = estimator.needs_oracle
-        self.compared = {name: _raw(get_method(preset).advantage) for name, preset in COMPARED.items()}
+        self.compared = compared_estimators(estimator)
         self._prompts: dict[str, Prompt] | None = None
 
     @property
