@@ -356,8 +356,10 @@ def one_run(index: int, args: argparse.Namespace, cfg: Path, work: Path, timing:
             record["absent"][kill["absent"]] = record["absent"].get(kill["absent"], 0) + 1
         if kill is not None and kill.get("left_behind"):
             problems.append(f"attempt {attempt}: {kill['left_behind']} processes left behind")
-        if code not in (0, -signal.SIGKILL) and (code != 1 or "Traceback" in err.split("error:", 1)[0]
-                                                  or not err.strip()):
+        # a run may end in one line after a kill of its helpers: exit 1 (the run failed), or 2 when the
+        # sandbox's start-up probe lost its fork server (the probe's refusal, reported as an infra fault)
+        if code not in (0, -signal.SIGKILL) and (code not in (1, 2) or "Traceback" in err
+                                                  or "error:" not in err):
             record["unclean"] += 1
             problems.append(f"attempt {attempt}: exit {code}: {err.strip()[-400:]}")
         if code != 0 and tokenizer is not None and (run_dir / "rollouts").is_dir():
