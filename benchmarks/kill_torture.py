@@ -418,10 +418,13 @@ def main() -> int:
                         help="continue the torture recorded in --out (its finished runs count)")
     parser.add_argument("--policy", choices=("tiny", "warmstart"), default="tiny",
                         help="warmstart: a policy that calls its tool, so the sandbox runs (config_yaml)")
-    parser.add_argument("--targets", default=",".join(TARGET_WEIGHTS),
-                        help="async: the kinds of process a kill goes to (trainer,worker,forkserver,sandbox)")
+    parser.add_argument("--targets", default=None,
+                        help="async: the kinds of process a kill goes to (trainer,worker,forkserver,sandbox; "
+                             "default: all, the sandbox only with --policy warmstart: the tiny model never "
+                             "starts it)")
     args = parser.parse_args()
-    args.targets = [t for t in args.targets.split(",") if t]
+    default = [t for t in TARGET_WEIGHTS if t != "sandbox" or args.policy == "warmstart"]
+    args.targets = [t for t in args.targets.split(",") if t] if args.targets else default
     if not args.targets or set(args.targets) - set(TARGET_WEIGHTS):
         print(f"error: --targets {','.join(args.targets)}: name some of {','.join(TARGET_WEIGHTS)}",
               file=sys.stderr)
@@ -433,7 +436,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else None
     settings = {"driver": args.driver, "steps": args.steps, "seed": args.seed, "schedule": args.schedule}
-    if args.policy != "tiny" or args.targets != list(TARGET_WEIGHTS):
+    if args.policy != "tiny" or args.targets != default:
         settings.update(policy=args.policy, kill_targets=",".join(args.targets))
     runs, timing = resume_state(out, settings) if args.resume and out is not None else ([], None)
     if out is not None:
