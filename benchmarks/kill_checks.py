@@ -1,11 +1,13 @@
 """The checks of the kill torture (``benchmarks/kill_torture.py``) on a run that finished after kills:
 bit-for-bit equality with the reference (sync), no batch lost or trained twice (async), a valid chain
-of checkpoints (both); and where a kill landed, read from a ``py-spy dump`` of the trainer."""
+of checkpoints (both); where a kill landed, read from a ``py-spy dump`` of the trainer; and which
+processes of the trainer's tree a kill of each kind goes to."""
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,60 @@ TIMING = ("wall_seconds", "step_seconds_median", "wall_seconds_this_process", "e
           "checkpoint_seconds_this_process", "run_dir")
 #: Where the code came from (the git commit, files edited since): the same computation in another checkout.
 PROVENANCE = ("commit", "dirty_paths")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                out.append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def victims(trainer: int, target: str) -> list[int]:
+    """Processes of ``target`` kind in the trainer's tree (trainer, worker, forkserver, sandbox)."""
+    if target == "trainer":
+        return [trainer]
+    servers = [p for p in _children(trainer) if "multiprocessing.forkserver" in _cmdline(p)]
+    if target == "forkserver":
+        return servers
+    if target == "worker":
+        return [w for s in servers for w in _children(s)]
+    # the tool sandbox's warm fork server runs under bwrap: the python process whose parent is a bwrap (its
+    # own command line holds the word too, so its children, the code runs, are told apart by the program)
+    return [p for p in _tree(trainer) if "python" in _cmdline(p)
+            and _cmdline(_parent(p)).split(" ", 1)[0].endswith("/bwrap")]
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 #: (substring of a py-spy frame line, phase): a frame anywhere in the main thread's stack names the phase,

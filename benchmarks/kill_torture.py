@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kill_checks import check_async, check_sync, journal_snapshot, phase_of, spy
+from kill_checks import check_async, check_sync, journal_snapshot, phase_of, spy, victims
 
 COPC = [sys.executable, "-m", "copc.cli"]
 MAX_ATTEMPTS = 12
@@ -106,60 +106,6 @@ samples: {{per_log: 4, every: 1}}
 
 
 # ------------------------------------------------------------------------------------ processes
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    fields = handle.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                out.append(int(entry))
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for child in _children(todo.pop()):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def victims(trainer: int, target: str) -> list[int]:
-    """Processes of ``target`` kind in the trainer's tree (trainer, worker, forkserver, sandbox)."""
-    if target == "trainer":
-        return [trainer]
-    servers = [p for p in _children(trainer) if "multiprocessing.forkserver" in _cmdline(p)]
-    if target == "forkserver":
-        return servers
-    if target == "worker":
-        return [w for s in servers for w in _children(s)]
-    # the tool sandbox's warm fork server runs under bwrap: the python process whose parent is a bwrap (its
-    # own command line holds the word too, so its children, the code runs, are told apart by the program)
-    return [p for p in _tree(trainer) if "python" in _cmdline(p)
-            and _cmdline(_parent(p)).split(" ", 1)[0].endswith("/bwrap")]
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return -1
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -277,8 +223,9 @@ def schedule(kind: str, rng: random.Random, timing: dict, run_dir: Path, steps: 
              ) -> Callable[[float], bool]:
     """When to kill this process: ``uniform`` over the reference's wall time ``T``; ``post-import`` over
     the part of this process's expected span after its imports (the reference's ``ready`` seconds, then
-    ``T - ready`` scaled by the share of steps left after the newest checkpoint); ``writes`` a few ms into
-    a checkpoint write or journal append (WriteWatch)."""
+    ``T - ready`` scaled by the share of steps left after the newest checkpoint; ``T`` follows the load:
+    each whole first process of a run that was not killed moves it halfway to its own wall time);
+    ``writes`` a few ms into a checkpoint write or journal append (WriteWatch)."""
     window, ready = timing["window"], timing["ready"]
     done = max((int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")), default=0)
     if kind == "writes":  # one of the checkpoint writes left (in async, journal appends come between)
@@ -341,7 +288,10 @@ def one_run(index: int, args: argparse.Namespace, cfg: Path, work: Path, timing:
             when = schedule(args.schedule, rng, timing, run_dir, args.steps, args.driver)
             if args.driver == "async" and args.schedule != "writes":
                 target = rng.choices(args.targets, [TARGET_WEIGHTS[t] for t in args.targets])[0]
+        began = time.monotonic()
         code, kill, err = run_process(start, work / f"{run_dir.name}.{attempt}.log", when, target, rng)
+        if attempt == 0 and code == 0 and kill is None:  # a whole process: the window follows the load
+            timing["window"] = (timing["window"] + time.monotonic() - began) / 2
         record["resumes"] += attempt > 0
         if kill is not None and "target" in kill:
             record["kills"] += 1
@@ -468,6 +418,8 @@ def main() -> int:
     while sum(r["kills"] for r in runs) < args.kills:
         kills_left = args.kills - sum(r["kills"] for r in runs)
         record = one_run(len(runs), args, cfg, work, timing, kills_left, out, tokenizer)
+        if out is not None:
+            (out / "settings.json").write_text(json.dumps({**settings, "timing": timing}, indent=1) + "\n")
         runs.append(record)
         if out is not None:
             with (out / "runs.jsonl").open("a") as handle:
