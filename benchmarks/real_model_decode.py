@@ -1,19 +1,20 @@
 """Where a real model's generation time goes: one decode step of copc's engine by batch size, against its
-FLOP bound and its weight-streaming bound, with the share spent inside torch's operators.
+FLOP bound and its weight-streaming bound, and the share of a call spent outside the model's forwards.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_model_decode.py --model smollm2-hf \
         [--rows 1 4 16 64] [--new 32] [--out decode.json]
 
-The prompt is a real one (the first held-out word problem in the recipe's template), repeated ``rows``
-times. For each row count, two ``Engine.generate`` calls (EOS ignored): 1 new token (the prefill and one
-step) and ``1 + new`` tokens; their difference over ``new`` is the seconds of one decode step of ``rows``
-rows (median of 3 rounds). Its bounds on this thread: the matmul FLOPs of one step (``2 P`` per row for
-the non-embedding weights, ``2 d V`` for the head, ``4 L t d`` for attention over ``t`` cached tokens)
-at the measured ``torch.matmul`` rate for the step's own shapes (``[rows, d] @ [d, 4d]``: few rows, so
-far below the big-matrix rate), and the bytes of the float32 weights read once per step at the measured
-copy bandwidth of a large tensor. With ``torch.profiler`` on the 16-row step: the share of wall time in
-operators (``self`` CPU time of every aten op) and in matmuls (``mm``/``addmm``/``linear``/``bmm`` and
-SDPA); the rest is Python, the engine's bookkeeping and the sampler.
+Every time is this thread's CPU seconds (``time.thread_time``), not wall time: on a machine shared with
+other jobs a wall clock counts the waits for a core, the CPU clock only the work. The prompt is a real
+one (the first held-out word problem in the recipe's template), repeated ``rows`` times. For each row
+count, two ``Engine.generate`` calls (EOS ignored): 1 new token (the prefill and one step) and ``1 + new``
+tokens; their difference over ``new`` is the CPU seconds of one decode step of ``rows`` rows (median of
+3 rounds). Its bounds on this thread: the matmul FLOPs of one step (``2 P`` per row for the
+non-embedding weights, ``2 d V`` for the head, ``4 L t d`` for attention over ``t`` cached tokens) at the
+measured ``torch.matmul`` rate for the step's own shapes (``[rows, d] @ [d, 4d]``: few rows, so far below
+the big-matrix rate), and the bytes of the float32 weights read once per step at the measured copy
+bandwidth of a large tensor. On the 16-row call: the CPU seconds inside the model's forwards and outside
+them (the engine: sampling, stop strings, the KV cache's bookkeeping, Python).
 """
 
 from __future__ import annotations
@@ -31,7 +32,25 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from real_model_profile import matmul_gflops  # noqa: E402
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """GFLOP/s of ``[m, k] @ [k, n]`` in ``dtype`` per CPU second of this thread (median of 5 blocks)."""
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    for _ in range(2):
+        a @ b
+    start = time.thread_time()
+    for _ in range(10):
+        a @ b
+    one = max((time.thread_time() - start) / 10, 1e-7)
+    reps = max(1, int(seconds / 5 / one))
+    rates = []
+    for _ in range(5):
+        start = time.thread_time()
+        for _ in range(reps):
+            a @ b
+        rates.append(2 * m * k * n * reps / max(time.thread_time() - start, 1e-7) / 1e9)
+    return statistics.median(rates)
 
 
 def copy_gbps(mib: int = 512) -> float:
@@ -41,9 +60,9 @@ def copy_gbps(mib: int = 512) -> float:
     b.copy_(a)
     rates = []
     for _ in range(5):
-        start = time.perf_counter()
+        start = time.thread_time()
         b.copy_(a)
-        rates.append(2 * a.numel() * 4 / (time.perf_counter() - start) / 1e9)
+        rates.append(2 * a.numel() * 4 / (time.thread_time() - start) / 1e9)
     return statistics.median(rates)
 
 
@@ -79,9 +98,9 @@ def main() -> None:
 
     def call(rows: int, new: int) -> float:
         config = SamplingConfig(temperature=0.5, max_new_tokens=new, ignore_eos=True)
-        start = time.perf_counter()
+        start = time.thread_time()
         engine.generate([prompt] * rows, config, generator=torch.Generator().manual_seed(0))
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
     results = []
     for rows in args.rows:
@@ -99,26 +118,25 @@ def main() -> None:
               f"{r['flop_bound_s'] * 1e3:6.1f} ms at {rate:.1f} GFLOP/s, weight bound "
               f"{r['weight_bound_s'] * 1e3:5.1f} ms", flush=True)
 
-    # Inside the 16-row step: operators vs the rest.
-    from torch.profiler import ProfilerActivity, profile
-
+    # Inside the 16-row call: the model's forwards vs the engine around them (sampling, stop strings, caches).
     rows = 16 if 16 in args.rows else args.rows[0]
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        call(rows, 1 + args.new)
-    wall = time.perf_counter() - start
-    events = prof.key_averages()
-    op_s = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1e6
-    matmul_keys = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
-                   "aten::_scaled_dot_product_flash_attention_for_cpu",
-                   "aten::_scaled_dot_product_attention_math")
-    mm_s = sum(e.self_cpu_time_total for e in events if e.key in matmul_keys) / 1e6
-    top = sorted(((e.key, e.self_cpu_time_total / 1e6) for e in events), key=lambda kv: -kv[1])[:8]
-    split = {"rows": rows, "new": 1 + args.new, "wall_s": wall, "aten_self_s": op_s, "matmul_self_s": mm_s,
-             "outside_ops_s": wall - op_s, "top_ops": top}
-    print(f"profiled {rows} rows x {1 + args.new} tokens (prefill included): wall {wall:.2f} s, aten ops "
-          f"{op_s:.2f} s (matmuls and attention {mm_s:.2f} s), outside operators {wall - op_s:.2f} s")
-    print("top ops (self s): " + ", ".join(f"{k} {v:.2f}" for k, v in top))
+    forward_s = [0.0]
+    inner = model.forward
+
+    def timed_forward(*a: object, **k: object) -> object:
+        begin = time.thread_time()
+        try:
+            return inner(*a, **k)
+        finally:
+            forward_s[0] += time.thread_time() - begin
+
+    model.forward = timed_forward  # type: ignore[method-assign]
+    total = call(rows, 1 + args.new)
+    model.forward = inner  # type: ignore[method-assign]
+    split = {"rows": rows, "new": 1 + args.new, "cpu_s": total, "forward_cpu_s": forward_s[0],
+             "outside_forward_cpu_s": total - forward_s[0]}
+    print(f"{rows} rows x {1 + args.new} tokens (prefill included): CPU {total:.2f} s, of which the model's "
+          f"forwards {forward_s[0]:.2f} s and the engine around them {total - forward_s[0]:.2f} s")
     out = {"model": args.model, "prompt_tokens": len(prompt), "params": params, "copy_gbps": bandwidth,
            "load": os.getloadavg()[0], "steps": results, "profile": split}
     if args.out:

@@ -9,7 +9,8 @@ The batch is generated once with the recipe (``benchmarks/real_model_recipe.py``
 the policy and the critic's backbone in rank-``--rank`` adapters on every linear layer (``peft``,
 ``lora_alpha = 2 rank``, no dropout; the base weights frozen, the value head trained in full); ``full``
 trains every weight. The trainer (the recipe's method, critic warm-up off) steps ``--steps`` times on the
-batch, each step timed (wall) and its phases (``PEAKS.phase``). Printed and written: each step's seconds
+batch, each step timed (wall and this thread's CPU seconds: on a shared machine the CPU seconds are the
+steadier figure) and its phases (``PEAKS.phase``). Printed and written: each step's seconds
 and their median, the process's peak RSS (``ru_maxrss``, so one mode per process), the trainable
 parameters, and the learning check: the mean log-prob change, after the steps, of the action tokens of
 the batch's rewarded episodes and of the others (a policy that learns from the batch raises the first
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--batch", required=True, help="the saved batch (generated and written if missing)")
     parser.add_argument("--mode", choices=("full", "lora"), required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=0, help="step on the batch's first ROWS rows (0: all)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lr", type=float, default=None, help="actor lr (default: the recipe's)")
     parser.add_argument("--walkthrough", action="store_true", help="docs/own-model.md section 7's settings")
@@ -93,6 +95,7 @@ def main() -> None:
                                      seed=cfg.seed)
         torch.save(generator.generate(0).trajectories, path)
     trajectories = torch.load(path, weights_only=False)
+    trajectories = trajectories[: args.rows] if args.rows else trajectories
     batch = collate(trajectories, pad_id=int(tokenizer.pad_token_id))
     rewarded = torch.tensor([t.reward > 0 for t in trajectories])
 
@@ -110,11 +113,13 @@ def main() -> None:
     before = action_logp(policy, batch, temperature)
     times: dict[str, list[float]] = defaultdict(list)
     steps: list[float] = []
+    cpu: list[float] = []
     with timed_phases(times):
         for _ in range(args.steps):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             trainer.step(batch)
             steps.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - cpu_start)
     after = action_logp(policy, batch, temperature)
     delta = (after - before)[:, :]
     action = batch.action_mask
@@ -131,6 +136,7 @@ def main() -> None:
         "rows": len(trajectories), "real_tokens": int(batch.attention_mask.sum()),
         "rewarded_rows": int(rewarded.sum()), "trainable": trainable,
         "steps_s": steps, "step_median_s": statistics.median(steps),
+        "steps_cpu_s": cpu, "step_median_cpu_s": statistics.median(cpu),
         "phase_median_s": {k: statistics.median(v) for k, v in times.items()},
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "load": os.getloadavg()[0], **moved,
