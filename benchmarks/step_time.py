@@ -1,4 +1,4 @@
-"""Step time of sync PPO, async PPO and async COPC at the same batch on the tiny model (issue 4, part 5).
+"""Step time of sync PPO, async PPO and async COPC at the same batch on the tiny model (claim C5).
 
     .venv/bin/python benchmarks/step_time.py [--steps 10] [--rounds 2] [--policy warmstart|tiny]
     [--no-forward-reuse]
@@ -25,6 +25,8 @@ shared machine hits them alike; medians over the steps after the first ``--warmu
   ``(gen + train) / c``, so the reachable speed-up is ``min(bound, c)``;
 - speed-up as a fraction of that scaled bound (target >= 90%) and the COPC overhead (target <= 2%);
 - COPC's overhead measured on the trainer step alone, methods alternated on identical batches;
+- the end-to-end ratios (COPC / 3a, COPC / 3b, sync / COPC, sync / 3a) round by round, with the 95% t
+  interval of their logs over rounds (``--rounds 5`` or more: a 1-2% claim needs the interval);
 - the CPU cost of generation (generator process + the sandbox's fork server and its runs, for the tool
   calls) and the overlap bound it implies, the CPU-time bound: a step needs ``gen CPU + train`` seconds
   of CPU, and the machine delivers ``c`` cores of it to busy processes, so an async step takes at least
@@ -56,6 +58,7 @@ import torch
 import torch.multiprocessing as mp
 
 from copc.eval.evaluate import EvalConfig
+from copc.experiments.stats import ratio_interval
 from copc.run.config import ModelConfig, RunConfig, load_run_config
 from copc.run.train import train
 from copc.runtime.staleness import StalenessConfig
@@ -191,14 +194,33 @@ def main() -> None:
     }
     capacity, t1, t2 = parallel_capacity()
     per_step: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    per_round: dict[str, list[float]] = {name: [] for name in configs}  # each run's median step time
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             for name, cfg in configs.items():
                 run_dir = Path(tmp) / f"{name.replace(' ', '_')}-{rnd}"
-                per_step[name] += run_steps(replace(cfg, run_dir=str(run_dir)), args.warmup)
+                rows = run_steps(replace(cfg, run_dir=str(run_dir)), args.warmup)
+                per_step[name] += rows
+                per_round[name].append(statistics.median(r["time/step"] for r in rows))
         overhead = trainer_overhead(base, args.trainer_repeats, Path(tmp), args.copc)
     results = {name: medians(rows) for name, rows in per_step.items()}
     report(results, overhead, capacity, t1, t2, base, args)
+    report_rounds(per_round)
+
+
+def report_rounds(per_round: dict[str, list[float]]) -> None:
+    """The end-to-end ratios round by round (each round runs every configuration once, back to back, so a
+    round's ratio is paired against the load of its minutes) and their 95% interval over rounds."""
+    print("\nend-to-end step-time ratios, round by round (median step of each run), with the 95% t interval "
+          "of the log ratio over rounds:")
+    pairs = [("async COPC", "async PPO (3a)"), ("async COPC", "async PPO (3b, recompute)"),
+             ("sync PPO", "async COPC"), ("sync PPO", "async PPO (3a)")]
+    for num, den in pairs:
+        ratios = [a / b for a, b in zip(per_round[num], per_round[den], strict=True)]
+        got = ratio_interval(per_round[num], per_round[den])
+        interval = "" if got.low is None else f" [{got.low:.3f}, {got.high:.3f}]"
+        print(f"  {num} / {den}: {got.mean:.3f}{interval} (n={got.n} rounds; "
+              + ", ".join(f"{r:.3f}" for r in ratios) + ")")
 
 
 def run_steps(cfg: RunConfig, warmup: int) -> list[dict[str, float]]:
