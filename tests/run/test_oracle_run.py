@@ -12,7 +12,7 @@ import yaml
 
 from copc.channels import AdvantageChannelConfig, compute_advantages, get_method
 from copc.experiments.results import build_record
-from copc.run.oracle import compared_estimators, contrasts_of, offpolicy_stats
+from copc.run.oracle import OracleConfig, compared_estimators, contrasts_of, offpolicy_stats
 from copc.run.train import train_cli
 
 TINY = [
@@ -100,3 +100,11 @@ def test_the_diagnostic_scores_each_estimator_at_the_runs_lambda() -> None:
         want = replace(get_method(preset).advantage, whiten=False, lam_actor=0.95, lam_critic=0.9, gamma=0.99)
         assert got[name] == want
     assert got["clipped_td"].estimator == get_method("copc_behaviour").advantage.estimator != "gae"
+
+
+def test_the_diagnostic_runs_from_its_first_step_on() -> None:
+    assert [s for s in range(120) if OracleConfig(every=50).diagnoses(s)] == [0, 50, 100]
+    assert [s for s in range(120) if OracleConfig(every=50, first=50).diagnoses(s)] == [50, 100]
+    assert [s for s in range(120) if OracleConfig(every=0, first=50).diagnoses(s)] == []
+    with pytest.raises(ValueError, match="first"):
+        OracleConfig(every=50, first=-1)

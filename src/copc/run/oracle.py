@@ -55,6 +55,8 @@ class OracleConfig:
     """Continuations sampled by the current policy from each turn boundary (M)."""
     every: int = 0
     """Compare the advantage estimates with the oracle every this many steps (0 = never)."""
+    first: int = 0
+    """No comparison before this step (at step 0 no batch is stale yet, so a staleness study starts later)."""
     trajectories: int = 8
     """Trajectories of the batch the comparison scores (drawn at random, seeded by the step)."""
     lag0: bool = True
@@ -63,7 +65,11 @@ class OracleConfig:
 
     def __post_init__(self) -> None:
         check_at_least("oracle", 1, samples=self.samples, trajectories=self.trajectories)
-        check_at_least("oracle", 0, every=self.every)
+        check_at_least("oracle", 0, every=self.every, first=self.first)
+
+    def diagnoses(self, step: int) -> bool:
+        """Whether the comparison runs before ``step``."""
+        return self.every > 0 and step >= self.first and step % self.every == 0
 
 
 #: The estimators the diagnostic compares, each as its preset computes it, raw (not whitened).
@@ -128,7 +134,7 @@ class OracleScorer:
                 estimates = self._oracle(engine, batch.trajectories, salt=2 * step)
                 train = replace(train, oracle_advantages=_stack_adv(estimates, train))
                 out[m.ORACLE_FAILED_FRAC] = sum(e is None for e in estimates) / len(estimates)
-            if self.cfg.every and step % self.cfg.every == 0:
+            if self.cfg.diagnoses(step):
                 out |= self._diagnose(engine, step, batch, train)
         out[m.ORACLE_SECONDS] = time.perf_counter() - start
         return train, out
