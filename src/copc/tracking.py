@@ -324,6 +324,11 @@ METRICS: dict[str, str] = {
                       "(part of every estimator's oracle/*_mse)",
     ORACLE_VALUE_PROMPT: "mean oracle value of the prompt (the current policy's success rate on the scored "
                          "prompts)",
+    ORACLE_GAE_MSE: "GAE's chunk-advantage MSE against the oracle on the batch (also _bias, _corr)",
+    ORACLE_CLIPPED_TD_MSE: "COPC's clipped-TD chunk-advantage MSE against the oracle on the batch",
+    ORACLE_VTRACE_MSE: "V-trace's chunk-advantage MSE against the oracle on the batch",
+    ORACLE_LAG0_GAE_MSE: "GAE's chunk-advantage MSE against the oracle on fresh episodes (lag 0)",
+    ORACLE_CRITIC_VALUE_CORR: "correlation of the critic's chunk-start values with the oracle's",
     ORACLE_GAE_EXCESS: "GAE's chunk-advantage MSE against the oracle on the (stale) batch minus the same "
                        "estimator's MSE on fresh episodes of the same prompts (lag 0): advantage staleness",
     ORACLE_CLIPPED_TD_GAIN: "COPC's clipped-TD chunk-advantage MSE against the oracle minus GAE's, on the "
