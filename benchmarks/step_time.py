@@ -59,7 +59,7 @@ import torch.multiprocessing as mp
 
 from copc.eval.evaluate import EvalConfig
 from copc.experiments.stats import ratio_interval
-from copc.run.config import ModelConfig, RunConfig, load_run_config
+from copc.run.config import RunConfig, load_run_config
 from copc.run.train import train
 from copc.runtime.staleness import StalenessConfig
 from copc.tasks.tooling import sandbox_cpu_s
@@ -167,17 +167,21 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="copc train overrides applied first (e.g. task=kv_search 'task_options={hard: "
                              "true}')")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write each configuration's medians and per-round step times as JSON "
+                             "(read by benchmarks/accuracy_wallclock.py)")
     parser.add_argument("--forward-reuse", action=argparse.BooleanOptionalAction, default=True,
                         help="trainer.old_forward_reuse (3b, COPC) and trainer.critic_forward_reuse (every "
                              "method with a critic) for every configuration")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    given = load_run_config(None, args.overrides)
     base = replace(
-        load_run_config(None, args.overrides),
+        given,
         steps=args.steps,
         checkpoint_every=0,
         plots=False,
-        model=ModelConfig(policy=args.policy),
+        model=replace(given.model, policy=args.policy),  # model.* overrides (a warm start's recipe) kept
         eval=EvalConfig(prompts=0),
         staleness=StalenessConfig(mode="bounded", staleness=8),
     )
@@ -206,6 +210,13 @@ def main() -> None:
     results = {name: medians(rows) for name, rows in per_step.items()}
     report(results, overhead, capacity, t1, t2, base, args)
     report_rounds(per_round)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"task": base.task, "task_options": base.task_options, "copc": args.copc,
+                   "batch": base.rollout.batch_size, "steps": args.steps, "rounds": args.rounds,
+                   "configurations": results, "per_round_step_s": per_round}
+        args.json.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        print(f"\nwrote {args.json}")
 
 
 def report_rounds(per_round: dict[str, list[float]]) -> None:
