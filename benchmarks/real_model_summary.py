@@ -82,7 +82,10 @@ def main() -> None:
     out["not_measured"] = [k for k, v in out.items() if v is None]
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
+    target = folder / "summary.json"
+    # Figures written by the other benchmarks (step candidates, decode) stay; this script's keys are renewed.
+    kept = json.loads(target.read_text()) if target.exists() else {}
+    target.write_text(json.dumps({**kept, **out}, indent=1) + "\n")
     if any(steps.values()):
         _plot(steps, folder / "train_reward.png")
     print(json.dumps({k: v for k, v in out.items() if k != "profile"}, indent=1))
