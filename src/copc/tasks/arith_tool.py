@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from copc.config import check_fraction, check_positive
-from copc.tasks.base import Demo, Segment, Split, check_split, register_task, take
+from copc.tasks.base import Demo, Segment, Split, check_split, draw_distinct, prompt_text, register_task, take
 from copc.tasks.envs import PYTHON_TAGS
 from copc.tasks.graders import NumericGrader
 from copc.tasks.tooling import python_tool_env, sandbox_config
@@ -132,19 +132,9 @@ def generate_problems(
 ) -> list[ArithProblem]:
     """``n`` problems with distinct expressions, none in ``exclude``; deterministic in (seed, stream)."""
     rng = random.Random(f"arith_tool/{config.seed}/{stream}")
-    seen: set[str] = set(exclude)
-    problems: list[ArithProblem] = []
-    attempts = 0
-    while len(problems) < n:
-        attempts += 1
-        if attempts > 50 * n + 1000:
-            raise ValueError(f"could not draw {n} distinct problems at level {config.level}; lower the size")
-        problem = sample_problem(rng, config)
-        if problem.expression in seen:
-            continue
-        seen.add(problem.expression)
-        problems.append(problem)
-    return problems
+    failure = f"could not draw {n} distinct problems at level {config.level}; lower the size"
+    return draw_distinct(lambda: sample_problem(rng, config), lambda p: p.expression, n, set(exclude),
+                         failure=failure)
 
 
 def _perturb_digit(rng: random.Random, number: int) -> int:
@@ -165,10 +155,6 @@ def _guess(rng: random.Random, number: int) -> int:
     guess = int(text[:keep] + tail)
     guess = -guess if number < 0 else guess
     return guess if guess != number else guess + 1
-
-
-def prompt_text(question: str) -> str:
-    return f"{question}\n"
 
 
 @register_task("arith_tool", ArithToolConfig)

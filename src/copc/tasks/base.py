@@ -15,7 +15,7 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from copc.config import ConfigValue, from_dict
 from copc.registry import Registry
@@ -153,3 +153,51 @@ def take(items: list[_T], n: int | None, what: str) -> list[_T]:
         raise ValueError(
             f"asked for {n} {what} but only {len(items)} exist; raise the size in the task config")
     return items[:n]
+
+
+def split_pool(pool: list[_T], split: Split, eval_size: int) -> list[_T]:
+    """The ``split`` part of a pool shuffled once per seed: eval is its first ``eval_size`` items and train
+    the rest, so the two splits share no item."""
+    return pool[:eval_size] if split == "eval" else pool[eval_size:]
+
+
+def draw_distinct(draw: Callable[[], _T], key: Callable[[_T], str], n: int, taken: set[str], *,
+                  failure: str) -> list[_T]:
+    """``n`` items from ``draw()`` whose ``key`` is new: not in ``taken`` and not drawn before (``taken``
+    gains every key drawn). Raises ValueError(``failure``) after ``50 n + 1000`` draws, so a generator with
+    too few distinct items fails instead of looping."""
+    items: list[_T] = []
+    draws = 0
+    while len(items) < n:
+        draws += 1
+        if draws > 50 * n + 1000:
+            raise ValueError(failure)
+        item = draw()
+        if key(item) in taken:
+            continue
+        taken.add(key(item))
+        items.append(item)
+    return items
+
+
+class PerProcess(Generic[_T]):
+    """A task's cache: ``build()`` runs on the first call in each process and its value is kept; pickling
+    drops the value (``build`` must pickle: a module-level function or a partial of one), so a task sent
+    to a worker process carries its config and rebuilds the cache there."""
+
+    def __init__(self, build: Callable[[], _T]) -> None:
+        self.build = build
+        self._value: _T | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"build": self.build, "_value": None}
+
+    def __call__(self) -> _T:
+        if self._value is None:
+            self._value = self.build()
+        return self._value
+
+
+def prompt_text(question: str) -> str:
+    """A generated task's prompt: the question on its own line."""
+    return f"{question}\n"

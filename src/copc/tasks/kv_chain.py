@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from copc.config import check_fraction, check_positive
-from copc.tasks.base import Demo, Segment, Split, check_split, register_task, take
+from copc.tasks.base import Demo, PerProcess, Segment, Split, check_split, register_task, split_pool, take
 from copc.tasks.envs import SEARCH_TAGS
-from copc.tasks.kv_search import entity_name
+from copc.tasks.kv_search import entity_names, lookalike
 from copc.tasks.tooling import CorpusLoader, RetrieverTool, search_env
 from copc.types import Env, Prompt
 
@@ -142,25 +143,10 @@ def key_text(entity: str, relation: str, value: str) -> str:
     return f"{key(entity, relation)}: {value}"
 
 
-def _digit_slip(rng: random.Random, name: str) -> str:
-    """``name`` with one digit changed (the first digit is never 0)."""
-    i = rng.choice([i for i, c in enumerate(name) if c.isdigit()])
-    low = 1 if i == 2 else 0
-    return name[:i] + rng.choice([str(d) for d in range(low, 10) if str(d) != name[i]]) + name[i + 1 :]
-
-
 def build_world(config: KVChainConfig, stream: str) -> ChainWorld:
     """A seeded world (``stream`` names it): names (some look-alikes), links and codes."""
     rng = random.Random(f"kv_chain/{stream}/world")
-    names: list[str] = []
-    seen: set[str] = set()
-    while len(names) < config.entities:
-        name = entity_name(rng)
-        if names and rng.random() < config.lookalike_frac:
-            name = _digit_slip(rng, rng.choice(names))
-        if name not in seen:
-            seen.add(name)
-            names.append(name)
+    names = entity_names(rng, config.entities, config.lookalike_frac)
     links = {entity: rng.choice([other for other in names if other != entity]) for entity in names}
     codes = {entity: str(rng.randint(1000, 9999)) for entity in names}
     return ChainWorld(entities=tuple(names), links=links, codes=codes)
@@ -193,29 +179,16 @@ class KVChainTask:
 
     def __init__(self, config: KVChainConfig) -> None:
         self.config = config
-        self._world: ChainWorld | None = None
-        self._tool: RetrieverTool | None = None
-
-    def __getstate__(self) -> dict[str, object]:
-        return {"config": self.config, "_world": None, "_tool": None}
-
-    def world(self) -> ChainWorld:
-        if self._world is None:
-            self._world = build_world(self.config, f"world/{self.config.seed}")
-        return self._world
-
-    def tool(self) -> RetrieverTool:
-        """The shared search tool over this task's corpus (built once per process)."""
-        if self._tool is None:
-            self._tool = _search_tool(self.config, f"world/{self.config.seed}")
-        return self._tool
+        stream = f"world/{config.seed}"
+        #: The world, and the search tool over its corpus that every episode shares (one per process).
+        self.world = PerProcess(partial(build_world, config, stream))
+        self.tool = PerProcess(partial(_search_tool, config, stream))
 
     def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
         check_split(split)
         world = self.world()
         pool = question_pool(self.config, world, f"world/{self.config.seed}")
-        questions = pool[: self.config.eval_size] if split == "eval" else pool[self.config.eval_size :]
-        questions = take(questions, n, f"{split} questions")
+        questions = take(split_pool(pool, split, self.config.eval_size), n, f"{split} questions")
         return [
             Prompt(id=f"kv_chain/{split}/{i}", text=q.text(), answers=(q.answer(world),),
                    meta={"hops": q.hops})
@@ -281,7 +254,7 @@ def _demo(rng: random.Random, config: KVChainConfig, world: ChainWorld, tool: Re
     typo_at = rng.randrange(hops) if kind == "key_typo" else -1
     entity = q.start
     for hop in range(hops):
-        queried = _digit_slip(rng, entity) if hop == typo_at else entity
+        queried = lookalike(rng, entity) if hop == typo_at else entity
         note = f"hop {hop + 1} of {q.hops}: at {queried}, {q.hops - hop - 1} left"
         call, obs, text = _hop_turn(tool, note, key(queried, "next"))
         segments += [call, obs]

@@ -29,10 +29,21 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from copc.config import check_fraction, check_positive
-from copc.tasks.base import Demo, Segment, Split, check_split, register_task, take
+from copc.tasks.base import (
+    Demo,
+    PerProcess,
+    Segment,
+    Split,
+    check_split,
+    prompt_text,
+    register_task,
+    split_pool,
+    take,
+)
 from copc.tasks.envs import SEARCH_TAGS
 from copc.tasks.tooling import CorpusLoader, RetrieverTool, search_env
 from copc.types import Env, Prompt
@@ -128,11 +139,27 @@ def entity_name(rng: random.Random) -> str:
     return f"{rng.choice(LETTERS)}{rng.choice(LETTERS)}{rng.randint(10, 99)}"
 
 
-def _lookalike(rng: random.Random, name: str) -> str:
+def lookalike(rng: random.Random, name: str) -> str:
     """``name`` with one digit changed: a different entity to BM25 (a typo finds the wrong one)."""
     i = rng.choice([i for i, c in enumerate(name) if c.isdigit()])
     low = 1 if i == 2 else 0  # the first digit is never 0
     return name[:i] + rng.choice([str(d) for d in range(low, 10) if str(d) != name[i]]) + name[i + 1 :]
+
+
+def entity_names(rng: random.Random, n: int, lookalike_frac: float | None) -> list[str]:
+    """``n`` distinct names, each after the first a look-alike of an earlier one with probability
+    ``lookalike_frac``. ``None``: no look-alikes and no coin drawn for them (a fraction of 0 still draws
+    one per name, so from the same seed the two give different worlds)."""
+    names: list[str] = []
+    seen: set[str] = set()
+    while len(names) < n:
+        name = entity_name(rng)
+        if lookalike_frac is not None and names and rng.random() < lookalike_frac:
+            name = lookalike(rng, rng.choice(names))
+        if name not in seen:
+            seen.add(name)
+            names.append(name)
+    return names
 
 
 def _value(rng: random.Random, attribute: str) -> str:
@@ -161,15 +188,7 @@ def build_knowledge_base(level: int, stream: str) -> KnowledgeBase:
     """
     n_attributes, _, n_entities, lookalikes = LEVELS[level]
     rng = random.Random(f"kv_search/{stream}/{level}/kb")
-    names: list[str] = []
-    seen: set[str] = set()
-    while len(names) < n_entities:
-        name = entity_name(rng)
-        if lookalikes and names and rng.random() < 0.5:
-            name = _lookalike(rng, rng.choice(names))
-        if name not in seen:
-            seen.add(name)
-            names.append(name)
+    names = entity_names(rng, n_entities, 0.5 if lookalikes else None)
     attributes = ATTRIBUTES[:n_attributes]
     facts: dict[tuple[str, str], str] = {}
     for entity in names:
@@ -217,10 +236,6 @@ def question_pool(kb: KnowledgeBase, level: int, stream: str) -> list[KVQuestion
     return pool
 
 
-def prompt_text(question: str) -> str:
-    return f"{question}\n"
-
-
 @register_task("kv_search", KVSearchConfig)
 class KVSearchTask:
     """Search a generated knowledge base with BM25 (see the module docstring)."""
@@ -229,29 +244,16 @@ class KVSearchTask:
 
     def __init__(self, config: KVSearchConfig) -> None:
         self.config = config
-        self._kb: KnowledgeBase | None = None
-        self._tool: RetrieverTool | None = None
-
-    def __getstate__(self) -> dict[str, object]:
-        return {"config": self.config, "_kb": None, "_tool": None}
-
-    def knowledge_base(self) -> KnowledgeBase:
-        if self._kb is None:
-            self._kb = build_knowledge_base(self.config.level, f"world/{self.config.seed}")
-        return self._kb
-
-    def tool(self) -> RetrieverTool:
-        """The shared search tool over this task's corpus (built once per process)."""
-        if self._tool is None:
-            self._tool = _search_tool(self.config, f"world/{self.config.seed}")
-        return self._tool
+        stream = f"world/{config.seed}"
+        #: The knowledge base, and the search tool over its corpus every episode shares (one per process).
+        self.knowledge_base = PerProcess(partial(build_knowledge_base, config.level, stream))
+        self.tool = PerProcess(partial(_search_tool, config, stream))
 
     def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
         check_split(split)
         kb = self.knowledge_base()
         pool = question_pool(kb, self.config.level, f"world/{self.config.seed}")
-        questions = pool[: self.config.eval_size] if split == "eval" else pool[self.config.eval_size :]
-        questions = take(questions, n, f"{split} questions")
+        questions = take(split_pool(pool, split, self.config.eval_size), n, f"{split} questions")
         return [
             Prompt(
                 id=f"kv_search/{split}/{i}",
@@ -324,7 +326,7 @@ def _demo(
         if kind == "early_stop":
             segments.append(Segment(f"<answer>{entity}</answer>", True))
             return Demo(tuple(segments), kind=kind)
-    queried = _lookalike(rng, entity) if kind == "query_typo" else entity
+    queried = lookalike(rng, entity) if kind == "query_typo" else entity
     segments.extend(_search(tool, f"{q.attribute} of {queried}"))
     if kind == "query_typo":  # answers from the first passage it got back, right or wrong
         answer = _first_value(segments[-1].text, q.attribute, fallback=answer)

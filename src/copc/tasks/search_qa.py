@@ -16,12 +16,13 @@ and loaded next time).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from copc.config import check_positive
 from copc.rewards.qa import normalize_answer
-from copc.tasks.base import Split, register_task
+from copc.tasks.base import PerProcess, Split, register_task
 from copc.tasks.datasets import DataError, SourceRow, answers_column, text_column
 from copc.tasks.math_tool import DatasetSplits, check_readable_file, warn_split_overlap
 from copc.tasks.tooling import RetrieverTool, search_env
@@ -108,17 +109,8 @@ class SearchQATask:
 
     def __init__(self, config: SearchQAConfig) -> None:
         self.config = config
-        self._tool: RetrieverTool | None = None
-
-    def __getstate__(self) -> dict[str, object]:
-        return {"config": self.config, "_tool": None}
-
-    def tool(self) -> RetrieverTool:
-        """The search tool, shared by this process's environments (the index is built once)."""
-        if self._tool is None:
-            loader = CorpusLoader(self.config.corpus, self.config.index_dir)
-            self._tool = RetrieverTool(loader, top_k=self.config.top_k, max_chars=self.config.max_obs_chars)
-        return self._tool
+        #: The search tool, shared by this process's environments (the index is built once).
+        self.tool = PerProcess(partial(_search_tool, config))
 
     def prompts(self, split: Split, n: int | None = None) -> list[Prompt]:
         return self.config.row_prompts("search_qa", split, n, self._read)
@@ -146,3 +138,8 @@ class SearchQATask:
 
     def make_env(self, prompt: Prompt) -> Env:
         return search_env(prompt, self.tool(), max_tool_calls=self.config.max_tool_calls)
+
+
+def _search_tool(config: SearchQAConfig) -> RetrieverTool:
+    loader = CorpusLoader(config.corpus, config.index_dir)
+    return RetrieverTool(loader, top_k=config.top_k, max_chars=config.max_obs_chars)

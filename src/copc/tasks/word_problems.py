@@ -32,6 +32,8 @@ import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from copc.tasks.base import draw_distinct
+
 __all__ = ["ANSWER_STOP", "KINDS", "TEMPLATE", "check_splits", "make_splits", "problem", "shipped_paths",
            "write_splits"]
 
@@ -124,18 +126,8 @@ def _draw(rng: random.Random, n: int, taken: set[str]) -> list[Row]:
     """``n`` rows of distinct texts not in ``taken`` (each of a kind drawn at random, so each kind is about
     1/6 of them until its texts run out); the texts drawn are added to ``taken``."""
     kinds = list(KINDS)
-    rows: list[Row] = []
-    tries = 0
-    while len(rows) < n:
-        tries += 1
-        if tries > 50 * n + 1000:
-            raise ValueError(f"could not draw {n} distinct word problems; ask for fewer rows")
-        row = problem(rng.choice(kinds), rng)
-        if row["problem"] in taken:
-            continue
-        taken.add(row["problem"])
-        rows.append(row)
-    return rows
+    return draw_distinct(lambda: problem(rng.choice(kinds), rng), lambda row: row["problem"], n, taken,
+                         failure=f"could not draw {n} distinct word problems; ask for fewer rows")
 
 
 def make_splits(*, train: int = 2000, eval: int = 300, seed: int = 0) -> tuple[list[Row], list[Row]]:
