@@ -29,6 +29,20 @@ from copc.experiments.sweep import (
 from copc.experiments.sweep_spec import SpecError, SweepSpec, expand, load_spec
 from copc.experiments.tables import report_text
 
+#: The options only ``--report`` reads, as (flag, metavar, what it does); their help says so.
+_REPORT_OPTIONS: tuple[tuple[str, str, str], ...] = (
+    ("--collapse", "METRIC[,MARGIN[,PATIENCE]]",
+     "count each group's collapses (E4: greedy_accuracy,0.1,3 = three evaluations in a row more than 0.1 "
+     "below the run's best so far)"),
+    ("--plot", "DIR", "also draw <experiment>_curves.png and <experiment>_summary.png into DIR"),
+    ("--metrics", "NAME[,NAME]",
+     "tabulate these instead of the file's report list (a summary figure, or mean:<curve> for a "
+     "diagnostic curve's run mean, e.g. mean:drift)"),
+    ("--contrasts", "FILE",
+     "the pre-registered contrasts in FILE, each with its paired interval and verdict "
+     "(copc.experiments.contrasts says the format)"),
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="copc sweep", description=sweep.__doc__,
@@ -39,18 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
                         help="with --dry-run: probe each unmeasured task/method/driver for STEPS steps first")
     parser.add_argument("--report", action="store_true", help="print the table of the finished records")
-    parser.add_argument("--collapse", default=None, metavar="METRIC[,MARGIN[,PATIENCE]]",
-                        help="with --report: count each group's collapses (E4: greedy_accuracy,0.1,3 = three "
-                             "evaluations in a row more than 0.1 below the run's best so far)")
-    parser.add_argument("--plot", default=None, metavar="DIR",
-                        help="with --report: also draw <experiment>_curves.png and <experiment>_summary.png "
-                             "into DIR")
-    parser.add_argument("--metrics", default=None, metavar="NAME[,NAME]",
-                        help="with --report: tabulate these instead of the file's report list (a summary "
-                             "figure, or mean:<curve> for a diagnostic curve's run mean, e.g. mean:drift)")
-    parser.add_argument("--contrasts", default=None, metavar="FILE",
-                        help="with --report: the pre-registered contrasts in FILE, each with its paired "
-                             "interval and verdict (copc.experiments.contrasts says the format)")
+    for flag, metavar, text in _REPORT_OPTIONS:
+        parser.add_argument(flag, default=None, metavar=metavar, help=f"with --report: {text}")
     parser.add_argument("--markdown", action="store_true",
                         help="with --report: the tables and contrasts as Markdown tables (what "
                              "docs/results.md quotes)")
