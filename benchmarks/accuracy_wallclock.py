@@ -34,14 +34,23 @@ def configuration(method: str, copc: str) -> str | None:
     return {"ppo": SYNC, "async_ppo": ASYNC_3A, copc: ASYNC_COPC}.get(method)
 
 
-def curves(records: list[dict], seeds: set[int] | None) -> dict[tuple[str, int], dict[int, list[float]]]:
-    """(method, lag) -> step -> held-out accuracies of the seeds recorded there."""
+def curves(records: list[dict], seeds: set[int] | None,
+           timed: set[str]) -> dict[tuple[str, int], dict[int, list[float]]]:
+    """(method, lag) -> step -> held-out accuracies of the seeds recorded there, for the ``timed`` methods.
+    Records of one method and lag must share their ``method_overrides`` (else two variants would be
+    averaged into one curve)."""
     out: dict[tuple[str, int], dict[int, list[float]]] = {}
+    variants: dict[tuple[str, int], str] = {}
     for record in records:
-        if seeds is not None and record["seed"] not in seeds:
-            continue
         method = record["config"]["method"]
+        if (seeds is not None and record["seed"] not in seeds) or method not in timed:
+            continue
         lag = 0 if method == "ppo" else int(record["config"]["staleness"]["staleness"])
+        overrides = json.dumps(record["config"].get("method_overrides"), sort_keys=True)
+        if variants.setdefault((method, lag), overrides) != overrides:
+            raise SystemExit(f"error: {record['cell']} runs {method} at lag {lag} with other "
+                             "method_overrides than an earlier record; give --records folders of one variant "
+                             "per method")
         for point in record.get("evals", []):
             out.setdefault((method, lag), {}).setdefault(int(point["step"]), []).append(point["accuracy"])
     return out
@@ -70,10 +79,10 @@ def main() -> None:
         raise SystemExit("error: no records in " + ", ".join(map(str, args.records)))
     seeds = set(args.seeds) if args.seeds else None
     lines: dict[tuple[str, int], list[tuple[float, float, int]]] = {}
-    for (method, lag), by_step in sorted(curves(records, seeds).items()):
+    timed = {"ppo", "async_ppo", timing["copc"]}
+    for (method, lag), by_step in sorted(curves(records, seeds, timed).items()):
         name = configuration(method, timing["copc"])
-        if name is None:
-            continue
+        assert name is not None  # curves() keeps only the timed methods
         lines[(method, lag)] = [(step * step_s[name] / 3600, statistics.fmean(accs), len(accs))
                                 for step, accs in sorted(by_step.items())]
     print(f"task {timing['task']}: median step (s) " + ", ".join(f"{k} {v:.2f}" for k, v in step_s.items())
