@@ -52,6 +52,7 @@ from copc.runtime.staleness import StalenessConfig
 from copc.runtime.workers import WorkerSpec
 from copc.trainer.checkpoint import CheckpointError, list_checkpoints, load_latest, save_checkpoint
 from copc.trainer.config import TrainerConfig
+from copc.trainer.weight_files import Weights
 
 pytestmark = pytest.mark.timeout(400)  # generous: a 2-core machine shared with other jobs
 
@@ -454,6 +455,24 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(small_tmpfs: 
     with pytest.raises(JournalError, match=r"^no space left on device at .*batch_00000000\.pt$"):
         journal.write(0, bytes(3 << 20))
     assert journal.indices() == []
+
+
+def test_a_full_disk_in_a_weights_file_is_one_line_and_keeps_the_previous_checkpoint(
+    small_tmpfs: Path,
+) -> None:
+    """The safetensors writer reports its own error type; the checkpoint still says which file and why."""
+    run_dir = small_tmpfs / "run"
+    save_checkpoint(run_dir, 1, {"policy": Weights({"w": torch.zeros(1000)})})
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(run_dir, 2, {"policy": Weights({"w": torch.zeros(1 << 20)})})  # 4 MiB on 2 MiB
+    message = str(err.value)
+    assert len(message.splitlines()) == 1
+    assert re.search(r"no space left on device at \S+policy\.safetensors; the previous checkpoint "
+                     r"step_00000001 is intact$", message), message
+    assert list_checkpoints(run_dir) == [1]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    latest = load_latest(run_dir)
+    assert latest is not None and torch.equal(latest[1]["policy"]["w"], torch.zeros(1000))  # type: ignore[index]
 
 
 # ------------------------------------------------------------------------ run dirs and resume

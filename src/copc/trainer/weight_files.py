@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as save_safetensors
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 __all__ = ["WEIGHTS_SUFFIX", "WeightFiles", "Weights", "join_weights", "read_weights", "split_weights",
            "write_weights"]
@@ -68,8 +69,10 @@ def split_weights(value: object, path: tuple[str, ...], out: WeightFiles) -> obj
 def write_weights(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     """One safetensors file: each storage written once, names that alias it recorded in the metadata.
 
-    Serialised in memory first (one transient copy of the set), so a failed write is an ``OSError``
-    with its errno and path, as the rest of the checkpoint reports it."""
+    The library writes straight from the tensors' memory (serialising to bytes first held two transient
+    copies of the set: about 1 GiB above the step's peak for a 135M-parameter policy), then the file is
+    fsynced. A failed write is an ``OSError`` with its errno and path, as the rest of the checkpoint
+    reports it (the library's own error carries the OS error's number in its message)."""
     stored: dict[str, torch.Tensor] = {}
     seen: dict[tuple[object, ...], str] = {}
     storages: set[int] = set()
@@ -87,12 +90,15 @@ def write_weights(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
             stored[name] = tensor.contiguous()
         else:  # empty, or a different view of a storage already written: its own copy
             stored[name] = tensor.clone().contiguous()
-    data = save_safetensors(stored, metadata={_ALIASES: json.dumps(aliases)})
     try:
-        with path.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
+        save_file(stored, str(path), metadata={_ALIASES: json.dumps(aliases)})
+        with path.open("rb") as handle:
             os.fsync(handle.fileno())
+    except SafetensorError as err:
+        code = re.search(r"os error (\d+)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
     except OSError as err:
         raise OSError(err.errno, err.strerror, str(path)) from None
 
