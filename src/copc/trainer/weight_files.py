@@ -69,7 +69,7 @@ def split_weights(value: object, path: tuple[str, ...], out: WeightFiles) -> obj
 def write_weights(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     """One safetensors file: each storage written once, names that alias it recorded in the metadata.
 
-    The library writes straight from the tensors' memory (serialising to bytes first held two transient
+    The library writes straight from the tensors' memory (serialising to bytes would hold two transient
     copies of the set: about 1 GiB above the step's peak for a 135M-parameter policy), then the file is
     fsynced. A failed write is an ``OSError`` with its errno and path, as the rest of the checkpoint
     reports it (the library's own error carries the OS error's number in its message)."""
