@@ -626,6 +626,7 @@ def test_interrupted_cell_resumes_then_is_recorded_and_skipped(tmp_path, capsys)
     assert "1 of 1 cells recorded" in capsys.readouterr().out
     assert all((tmp_path / "fig" / f"tiny_{name}.png").stat().st_size > 0 for name in ("curves", "summary",
                                                                                        "diagnostics"))
+    assert not (tmp_path / "fig" / "tiny_oracle.png").exists()  # no oracle diagnostic in this run: no figure
     assert sweep_cli([*args, "--dry-run"]) == 0
     assert "recorded" in capsys.readouterr().out
 
@@ -701,6 +702,20 @@ def test_diagnostic_curves_are_seed_means_per_bin_and_drawn(tmp_path):
     assert out is not None and out.stat().st_size > 0
     # no data: no figure
     assert plot_diagnostics(records, ["ess_seq"], tmp_path / "none.png", title="t") is None
+
+
+def test_the_oracle_figure_draws_curves_that_records_carry(tmp_path):
+    """Every oracle panel names a curve the records keep, and a record with oracle curves draws them."""
+    from copc.experiments.figures import plot_diagnostics
+    from copc.experiments.report import ORACLE_PANELS
+    from copc.experiments.results import DIAGNOSTIC_CURVES
+
+    assert set(ORACLE_PANELS) <= set(DIAGNOSTIC_CURVES)
+    records = [{"levels": {"arm": "async_ppo"}, "seed": 0,
+                "curves": {"oracle_gae_excess": [[25, 0.2], [50, 0.1]],
+                           "oracle_clipped_td_minus_gae": [[25, -0.01]]}}]
+    out = plot_diagnostics(records, ORACLE_PANELS, tmp_path / "o.png", title="t")
+    assert out is not None and out.stat().st_size > 0
 
 
 def test_a_record_made_before_a_config_field_existed_still_counts(tmp_path):

@@ -24,11 +24,16 @@ from copc.experiments.sweep_spec import Cell, SweepSpec, expand
 from copc.experiments.tables import collapse_text, record_evals, report_text
 from copc.run.readers import run_progress
 
-__all__ = ["DIAGNOSTIC_PANELS", "code_text", "print_report"]
+__all__ = ["DIAGNOSTIC_PANELS", "ORACLE_PANELS", "code_text", "print_report"]
 
 #: The diagnostic curves drawn by ``--plot`` (record["curves"] names, copc.experiments.results).
 DIAGNOSTIC_PANELS = ("drift", "mask_rate", "ppo_clip_low", "adv_clip_low", "adv_clip_high", "ess_seq",
                      "critic_explained_var", "entropy_mc", "tool_use_rate")
+#: The Monte-Carlo oracle's curves (``oracle.every`` runs only), drawn as ``<experiment>_oracle.png``:
+#: each advantage estimate's error against the oracle, the staleness it comes from and the critic's fit.
+ORACLE_PANELS = ("oracle_gae_excess", "oracle_clipped_td_minus_gae", "oracle_vtrace_minus_gae",
+                 "oracle_gae_mse", "oracle_lag0_gae_mse", "oracle_noise_var", "oracle_critic_value_corr",
+                 "offpolicy_sum_abs_log_w", "offpolicy_trace_clip_median")
 
 
 def code_text(records: Sequence[Mapping[str, object]]) -> str:
@@ -87,11 +92,12 @@ def print_report(spec: SweepSpec, cells: Sequence[Cell], paths: Paths, *, baseli
                          title=title),
              plot_summary(records, list(spec.report), plot_dir / f"{spec.experiment}_summary.png",
                           title=f"{spec.experiment}: seed mean, 95% t interval over seeds")]
-    diagnostics = plot_diagnostics(records, DIAGNOSTIC_PANELS,
-                                   plot_dir / f"{spec.experiment}_diagnostics.png",
-                                   title=f"{spec.experiment}: diagnostic curves, seed mean per bin")
-    if diagnostics is not None:
-        drawn.append(diagnostics)
+    for curves, name, what in ((DIAGNOSTIC_PANELS, "diagnostics", "diagnostic curves"),
+                               (ORACLE_PANELS, "oracle", "advantage error against the Monte-Carlo oracle")):
+        figure = plot_diagnostics(records, curves, plot_dir / f"{spec.experiment}_{name}.png",
+                                  title=f"{spec.experiment}: {what}, seed mean per bin")
+        if figure is not None:
+            drawn.append(figure)
     if spec.heatmap is not None:
         from copc.experiments.interaction import heatmap_panels
 

@@ -34,7 +34,8 @@ _REPORT_OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--collapse", "METRIC[,MARGIN[,PATIENCE]]",
      "count each group's collapses (E4: greedy_accuracy,0.1,3 = three evaluations in a row more than 0.1 "
      "below the run's best so far)"),
-    ("--plot", "DIR", "also draw <experiment>_curves.png and <experiment>_summary.png into DIR"),
+    ("--plot", "DIR", "also draw <experiment>_curves.png and _summary.png into DIR, and _diagnostics.png and "
+                      "_oracle.png where the records have those curves"),
     ("--metrics", "NAME[,NAME]",
      "tabulate these instead of the file's report list (a summary figure, or mean:<curve> for a "
      "diagnostic curve's run mean, e.g. mean:drift)"),
