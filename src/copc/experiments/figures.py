@@ -137,8 +137,8 @@ def plot_diagnostics(records: Sequence[Mapping[str, object]], names: Sequence[st
     for ax, (name, curves) in zip(axes, present, strict=True):
         for group, curve in sorted(curves.items()):
             steps = sorted(curve)
-            ax.plot(steps, [sum(curve[s]) / len(curve[s]) for s in steps], linewidth=1.2,
-                    label=f"{group} (n={max(map(len, curve.values()))})")
+            ax.plot(steps, [sum(curve[s]) / len(curve[s]) for s in steps], linewidth=1.2, marker="o",
+                    markersize=2.5, label=f"{group} (n={max(map(len, curve.values()))})")
         ax.set_xlabel("training step")
         ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
