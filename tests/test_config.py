@@ -229,6 +229,17 @@ def test_non_finite_floats_are_refused_unless_the_field_allows_inf(tmp_path):
         from_dict(RootCfg, {"optim": {"lr": float("inf")}})
 
 
+def test_an_integer_too_large_for_a_float_is_one_line():
+    """YAML reads 1 followed by 400 zeros as an int; a float field cannot hold it."""
+    huge = "1" + "0" * 400
+    for given in (lambda: apply_overrides(RootCfg(), [f"optim.lr={huge}"]),
+                  lambda: from_dict(RootCfg, {"optim": {"lr": int(huge)}})):
+        with pytest.raises(ConfigError) as err:
+            given()
+        line = _one_line(err)
+        assert "optim.lr" in line and "too large" in line, line
+
+
 def test_an_empty_yaml_file_is_an_error_not_the_defaults(tmp_path):
     for text in ("", "# only a comment\n"):
         path = tmp_path / "empty.yaml"

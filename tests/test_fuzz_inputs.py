@@ -235,6 +235,7 @@ sections = st.fixed_dictionaries(
                 "\ufeffsteps: 3\n",
                 "trainer: 7\n",
                 "&a [*a]\n",
+                "stall_timeout_s: 1" + "0" * 400 + "\n",  # an int no float holds
             ]
         ),
     ),

@@ -183,7 +183,11 @@ def _coerce_scalar(value: object, tp: object, where: str) -> object:
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{where}: {str(value)[:12]}... ({len(str(value))} digits) is too large "
+                                  f"for a number here; give a value below 1e308") from None
         if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "infinity",
                                                                 "-infinity"):
             return float(value.strip().lower().replace("infinity", "inf"))
