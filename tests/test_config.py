@@ -240,6 +240,16 @@ def test_an_integer_too_large_for_a_float_is_one_line():
         assert "optim.lr" in line and "too large" in line, line
 
 
+def test_a_seed_torch_cannot_take_is_one_line_before_the_run_starts():
+    from copc.run.config import load_run_config
+
+    for seed in (2**63, -(2**63) - 1, 10**30):
+        with pytest.raises(ConfigError) as err:
+            load_run_config(None, [f"seed={seed}"])
+        assert "seed must fit in 64 bits" in _one_line(err)
+    assert load_run_config(None, [f"seed={2**63 - 1}"]).seed == 2**63 - 1
+
+
 def test_an_empty_yaml_file_is_an_error_not_the_defaults(tmp_path):
     for text in ("", "# only a comment\n"):
         path = tmp_path / "empty.yaml"
