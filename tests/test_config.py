@@ -240,13 +240,16 @@ def test_an_integer_too_large_for_a_float_is_one_line():
         assert "optim.lr" in line and "too large" in line, line
 
 
-def test_a_seed_torch_cannot_take_is_one_line_before_the_run_starts():
+def test_an_integer_beyond_64_bits_is_one_line_before_the_run_starts():
+    """Every integer setting ends in torch or numpy (a seed in manual_seed, a count in a tensor shape)."""
     from copc.run.config import load_run_config
 
-    for seed in (2**63, -(2**63) - 1, 10**30):
+    for override in (f"seed={2**63}", f"seed={-(2**63) - 1}", f"rollout.group_size={10**30}",
+                     f"model.tiny_seed={10**30}"):
         with pytest.raises(ConfigError) as err:
-            load_run_config(None, [f"seed={seed}"])
-        assert "seed must fit in 64 bits" in _one_line(err)
+            load_run_config(None, [override])
+        line = _one_line(err)
+        assert override.split("=")[0] in line and "must fit in 64 bits" in line, line
     assert load_run_config(None, [f"seed={2**63 - 1}"]).seed == 2**63 - 1
 
 

@@ -179,6 +179,9 @@ def _coerce_scalar(value: object, tp: object, where: str) -> object:
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:  # torch, numpy and the seeds take signed 64-bit integers
+                raise ConfigError(f"{where}: must fit in 64 bits (between -2**63 and 2**63 - 1), got a "
+                                  f"{len(str(abs(value)))}-digit number")
             return value
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:

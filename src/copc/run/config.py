@@ -238,10 +238,6 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_at_least("", 0, steps=self.steps, checkpoint_every=self.checkpoint_every)
         check_at_least("", 1, keep_checkpoints=self.keep_checkpoints)
-        if not -(2**63) <= self.seed < 2**63:  # torch's generators take a signed 64-bit seed
-            digits = len(str(abs(self.seed)))
-            raise ValueError(f"seed must fit in 64 bits (between -2**63 and 2**63 - 1), got a {digits}-digit "
-                             f"number")
         if self.no_signal_steps < 0:
             raise ValueError(f"no_signal_steps must be >= 0 (0 = never warn), got {self.no_signal_steps}")
         if not 0 <= self.stall_timeout_s < float("inf"):
