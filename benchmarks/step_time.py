@@ -173,7 +173,19 @@ def main() -> None:
     parser.add_argument("--forward-reuse", action=argparse.BooleanOptionalAction, default=True,
                         help="trainer.old_forward_reuse (3b, COPC) and trainer.critic_forward_reuse (every "
                              "method with a critic) for every configuration")
+    parser.add_argument("--report-json", type=Path, default=None, metavar="PATH",
+                        help="measure nothing: print the round-by-round ratios and their intervals from a "
+                             "JSON file an earlier --json run wrote")
     args = parser.parse_args()
+    if args.report_json is not None:
+        saved = json.loads(args.report_json.read_text())
+        print(f"{args.report_json}: {saved['task']}, {saved['copc']} as async COPC, batch {saved['batch']}, "
+              f"{saved['steps']} steps x {saved['rounds']} rounds per configuration")
+        for name, row in saved["configurations"].items():
+            print(f"  {name:28s} median step {row['step']:.3f} s (generate {row['generate']:.3f}, "
+                  f"train {row['train']:.3f}, mean lag {row['staleness']:.1f})")
+        report_rounds(saved["per_round_step_s"])
+        return
     torch.set_num_threads(1)
     given = load_run_config(None, args.overrides)
     base = replace(
