@@ -113,7 +113,11 @@ def main() -> None:
             ax.plot([h for h, _, _ in points], [a for _, a, _ in points], marker="o", label=label)
         ax.set_xlabel("wall-clock hours (steps x measured step time)")
         ax.set_ylabel("held-out accuracy (sampled avg@1, seed mean)")
-        ax.set_title(f"{timing['task']}: accuracy against wall-clock")
+        own_lag = max(row["staleness"] for k, row in timing["configurations"].items() if k != SYNC)
+        seeds_n = max(n for points in lines.values() for _, _, n in points)
+        ax.set_title(f"{timing['task']}: accuracy against wall-clock ({seeds_n} seeds)\n"
+                     f"fixed-lag curves x step times measured in one sitting "
+                     f"(the async driver's own lag: {own_lag:.1f})", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         args.out.parent.mkdir(parents=True, exist_ok=True)

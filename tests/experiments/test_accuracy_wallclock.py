@@ -70,11 +70,13 @@ def test_the_time_axis_is_steps_times_each_drivers_step(tmp_path: Path):
         "async PPO (3b, recompute)": {"step": 20.0, "staleness": 1.5},
         "async COPC": {"step": 27.0, "staleness": 1.2}}}))
     script = str(ROOT / "benchmarks/accuracy_wallclock.py")
-    out = subprocess.run([sys.executable, script, "--step-times", str(times), "--records", str(folder)],
-                         capture_output=True, text=True, check=True).stdout
+    figure = tmp_path / "wallclock.png"
+    out = subprocess.run([sys.executable, script, "--step-times", str(times), "--records", str(folder),
+                          "--out", str(figure)], capture_output=True, text=True, check=True).stdout
     # sync: 100 steps x 36 s = 1 h, 200 -> 2 h; 3a: 200 x 18 s = 1 h; R1: 200 x 27 s = 1.5 h
     assert "ppo lag 0: 0.000 h 0.200 (n=1)  1.000 h 0.600 (n=1)  2.000 h 0.800 (n=1)" in out
     assert "async_ppo lag 16: 0.000 h 0.200 (n=1)  0.500 h 0.500 (n=1)  1.000 h 0.700 (n=1)" in out
     # at 1 h sync PPO has 0.600; at 1.5 h it has 0.6 + 0.2 * 0.5 = 0.700
     assert "async_ppo lag 16: 0.700 at 1.000 h; sync PPO 0.600" in out
     assert "copc_behaviour lag 16: 0.600 at 1.500 h; sync PPO 0.700" in out
+    assert figure.stat().st_size > 0 and f"wrote {figure}" in out
