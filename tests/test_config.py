@@ -253,6 +253,22 @@ def test_an_integer_beyond_64_bits_is_one_line_before_the_run_starts():
     assert load_run_config(None, [f"seed={2**63 - 1}"]).seed == 2**63 - 1
 
 
+def test_a_batch_no_step_can_hold_is_one_line_at_load():
+    """group_size=10**18 fits 64 bits, but the rollout would build a list of 10**18 episodes and never
+    return: the batch's size is bounded where the config is read."""
+    from copc.run.config import load_run_config
+
+    too_many = (["rollout.prompts_per_batch=2048", "rollout.group_size=1024"],
+                [f"rollout.group_size={10**18}"])
+    for overrides in too_many:
+        with pytest.raises(ConfigError) as err:
+            load_run_config(None, overrides)
+        line = _one_line(err)
+        assert "rollout.prompts_per_batch x rollout.group_size" in line and "lower" in line, line
+    cfg = load_run_config(None, ["rollout.prompts_per_batch=1024", "rollout.group_size=1024"])
+    assert cfg.rollout.batch_size == 2**20
+
+
 def test_an_empty_yaml_file_is_an_error_not_the_defaults(tmp_path):
     for text in ("", "# only a comment\n"):
         path = tmp_path / "empty.yaml"

@@ -121,6 +121,12 @@ def sampler_weights(weights: Mapping[str, torch.Tensor], dtype: torch.dtype, *, 
     return out
 
 
+#: Episodes one step's batch may hold: every episode of a step is in memory at once (its tokens, log-probs
+#: and rewards), so a count no machine can hold is refused when the config is read, not found by a rollout
+#: that never returns.
+MAX_BATCH_EPISODES = 2**20
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """How a training batch is generated."""
@@ -161,6 +167,12 @@ class RolloutConfig:
         check_at_least("rollout", 1, prompts_per_batch=self.prompts_per_batch, group_size=self.group_size,
                        max_turns=self.max_turns, max_new_tokens_per_turn=self.max_new_tokens_per_turn,
                        max_total_tokens=self.max_total_tokens, context_limit=self.context_limit)
+        if self.batch_size > MAX_BATCH_EPISODES:
+            raise ValueError(
+                f"rollout.prompts_per_batch x rollout.group_size = {self.prompts_per_batch} x "
+                f"{self.group_size} episodes a step, above the {MAX_BATCH_EPISODES} one step's batch may hold"
+                f" in memory; lower one of them"
+            )
         if not self.temperature > 0:
             raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
