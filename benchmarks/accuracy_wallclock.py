@@ -14,8 +14,9 @@ holds once the lag is at least the one the async driver reaches by itself (``sta
 file, printed below).
 
 Prints each curve (hours, mean held-out accuracy over the seeds, n) and, for every lagged curve, the
-question users ask: at the wall-clock time it ends, what has sync PPO reached (linear between its
-evaluations)?
+questions users ask: at the wall-clock time it ends, what has sync PPO reached (linear between its
+evaluations)? And how long does it take to reach 90% of sync PPO's best gain over the shared start,
+against sync PPO's own time to it?
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ def at_time(points: list[tuple[float, float]], hours: float) -> float | None:
     return None
 
 
+def time_to(points: list[tuple[float, float]], level: float) -> float | None:
+    """The first time the linear interpolation of (hours, accuracy) points reaches ``level`` (None:
+    never, within the points)."""
+    if points and points[0][1] >= level:
+        return points[0][0]
+    for (h0, a0), (h1, a1) in itertools.pairwise(points):
+        if a0 < level <= a1:
+            return h0 + (h1 - h0) * (level - a0) / (a1 - a0)
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-times", type=Path, required=True,
@@ -101,6 +113,21 @@ def main() -> None:
             reached = at_time(sync, end_h)
             where = "beyond sync's last evaluation" if reached is None else f"sync PPO {reached:.3f}"
             print(f"  {method} lag {lag}: {end_a:.3f} at {end_h:.3f} h; {where}")
+    if sync:
+        start, best = sync[0][1], max(a for _, a in sync)
+        level = start + 0.9 * (best - start)
+        sync_h = time_to(sync, level)
+        assert sync_h is not None  # sync reaches its own best, so 90% of the gain on the way
+        print(f"\ntime to a level: sync PPO reaches {level:.3f} (90% of its best gain) at {sync_h:.3f} h")
+        for (method, lag), points in lines.items():
+            if method == "ppo":
+                continue
+            reached_h = time_to([(h, a) for h, a, _ in points], level)
+            if reached_h is None:
+                print(f"  {method} lag {lag}: never (best {max(a for _, a, _ in points):.3f})")
+            else:
+                share = f"{reached_h / sync_h:.2f} of sync PPO's time" if sync_h > 0 else "at once"
+                print(f"  {method} lag {lag}: {reached_h:.3f} h, {share}")
     if args.out is not None:
         import matplotlib
 

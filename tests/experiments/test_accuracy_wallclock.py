@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from accuracy_wallclock import at_time, configuration, curves  # noqa: E402
+from accuracy_wallclock import at_time, configuration, curves, time_to  # noqa: E402
 
 
 def record(method: str, seed: int, lag: int | None, accuracies: dict[int, float],
@@ -32,6 +32,15 @@ def test_interpolation_hand_worked():
     assert at_time(points, 0.0) == pytest.approx(0.2)
     assert at_time(points, 2.5) is None  # beyond the last evaluation: no extrapolation
     assert at_time([(1.0, 0.5), (1.0, 0.7)], 1.0) == 0.5  # a zero-length segment takes its first point
+
+
+def test_time_to_a_level_hand_worked():
+    points = [(0.0, 0.2), (1.0, 0.6), (2.0, 0.5), (3.0, 0.9)]
+    assert time_to(points, 0.4) == pytest.approx(0.5)  # 0.2 -> 0.6 over the first hour: 0.4 halfway
+    assert time_to(points, 0.6) == pytest.approx(1.0)  # reached exactly at a point
+    assert time_to(points, 0.7) == pytest.approx(2.5)  # the first crossing, after the dip: 0.5 + 0.4 * 0.5
+    assert time_to(points, 0.2) == 0.0
+    assert time_to(points, 0.95) is None  # never reached: no extrapolation
 
 
 def test_curves_group_by_method_and_lag_and_keep_only_timed_methods():
@@ -61,7 +70,8 @@ def test_the_time_axis_is_steps_times_each_drivers_step(tmp_path: Path):
     folder.mkdir()
     for i, rec in enumerate([record("ppo", 1, None, {0: 0.2, 100: 0.6, 200: 0.8}),
                              record("async_ppo", 1, 16, {0: 0.2, 100: 0.5, 200: 0.7}),
-                             record("copc_behaviour", 1, 16, {0: 0.2, 100: 0.4, 200: 0.6})]):
+                             record("copc_behaviour", 1, 16, {0: 0.2, 100: 0.4, 200: 0.6}),
+                             record("async_ppo", 1, 4, {0: 0.2, 100: 0.8, 200: 0.9})]):
         (folder / f"r{i}.json").write_text(json.dumps(rec))
     times = tmp_path / "times.json"
     times.write_text(json.dumps({"task": "arith_tool", "copc": "copc_behaviour", "configurations": {
@@ -79,4 +89,10 @@ def test_the_time_axis_is_steps_times_each_drivers_step(tmp_path: Path):
     # at 1 h sync PPO has 0.600; at 1.5 h it has 0.6 + 0.2 * 0.5 = 0.700
     assert "async_ppo lag 16: 0.700 at 1.000 h; sync PPO 0.600" in out
     assert "copc_behaviour lag 16: 0.600 at 1.500 h; sync PPO 0.700" in out
+    # 90% of sync PPO's best gain: 0.2 + 0.9 * 0.6 = 0.74; sync reaches it at 1 h + 0.14 / 0.2 h = 1.7 h;
+    # 3a (best 0.7) and R1 (best 0.6) never do
+    assert "sync PPO reaches 0.740 (90% of its best gain) at 1.700 h" in out
+    assert "async_ppo lag 16: never (best 0.700)" in out
+    # 3a at lag 4: 0.2 -> 0.8 over its first 0.5 h reaches 0.74 at 0.5 * 0.54 / 0.6 = 0.45 h, 0.26 of 1.7 h
+    assert "async_ppo lag 4: 0.450 h, 0.26 of sync PPO's time" in out
     assert figure.stat().st_size > 0 and f"wrote {figure}" in out
