@@ -136,13 +136,14 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for (method, lag), points in lines.items():
-            label = "sync PPO" if method == "ppo" else f"{method} (lag {lag})"
+            seeds_here = max(n for _, _, n in points)
+            label = (f"sync PPO (n={seeds_here})" if method == "ppo"
+                     else f"{method} (lag {lag}, n={seeds_here})")
             ax.plot([h for h, _, _ in points], [a for _, a, _ in points], marker="o", label=label)
         ax.set_xlabel("wall-clock hours (steps x measured step time)")
         ax.set_ylabel("held-out accuracy (sampled avg@1, seed mean)")
         own_lag = max(row["staleness"] for k, row in timing["configurations"].items() if k != SYNC)
-        seeds_n = max(n for points in lines.values() for _, _, n in points)
-        ax.set_title(f"{timing['task']}: accuracy against wall-clock ({seeds_n} seeds)\n"
+        ax.set_title(f"{timing['task']}: accuracy against wall-clock (seed means, n seeds)\n"
                      f"fixed-lag curves x step times measured in one sitting "
                      f"(the async driver's own lag: {own_lag:.1f})", fontsize=9)
         ax.legend(fontsize=8)
