@@ -143,7 +143,7 @@ def main() -> None:
         ax.set_xlabel("wall-clock hours (steps x measured step time)")
         ax.set_ylabel("held-out accuracy (sampled avg@1, seed mean)")
         own_lag = max(row["staleness"] for k, row in timing["configurations"].items() if k != SYNC)
-        ax.set_title(f"{timing['task']}: accuracy against wall-clock (seed means, n seeds)\n"
+        ax.set_title(f"{timing['task']}: accuracy against wall-clock (seed means; n = seeds per curve)\n"
                      f"fixed-lag curves x step times measured in one sitting "
                      f"(the async driver's own lag: {own_lag:.1f})", fontsize=9)
         ax.legend(fontsize=8)
